@@ -1,0 +1,166 @@
+//! The one error type of the runtime crate.
+
+use std::fmt;
+
+/// Where the upgrade guide lives; every error about missing rearm columns points here.
+pub const UPGRADE_GUIDE: &str = "docs/upgrading.md";
+
+/// Everything that can go wrong in `outbox`.
+///
+/// Validation errors ([`Error::InvalidArgument`], [`Error::InvalidName`],
+/// [`Error::InvalidConfig`], [`Error::DuplicateHandler`]) are returned **before any SQL
+/// runs**: nothing has been written when you see one.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An argument of a publish, extend, cancel or read call broke a rule of SPEC §2.1.
+    /// `field` names the argument (`queue`, `timer_id`, `headers`, `schedule`, ...).
+    #[error("invalid `{field}`: {reason}")]
+    InvalidArgument {
+        /// The argument that was rejected.
+        field: &'static str,
+        /// The rule it broke.
+        reason: String,
+    },
+
+    /// A configured schema or table name is unusable, or a derived identifier (an index,
+    /// a constraint, the NOTIFY channel) would exceed Postgres' 63-byte identifier limit.
+    #[error("invalid name: identifier `{identifier}` {reason}")]
+    InvalidName {
+        /// The identifier that does not fit (for example `my_long_table_pending_idx`).
+        identifier: String,
+        /// Why it does not fit.
+        reason: String,
+    },
+
+    /// A worker knob has a value outside its allowed range.
+    #[error("invalid worker setting `{knob}`: {reason}")]
+    InvalidConfig {
+        /// The knob, as named on the builder (for example `concurrency`).
+        knob: &'static str,
+        /// What is allowed.
+        reason: String,
+    },
+
+    /// Two handlers were registered for one queue on one worker.
+    #[error("two handlers for queue `{queue}`: `{first}` and `{second}`")]
+    DuplicateHandler {
+        /// The queue both handlers claim.
+        queue: String,
+        /// The handler registered first (its payload type name for typed handlers).
+        first: String,
+        /// The handler registered second.
+        second: String,
+    },
+
+    /// The queue table predates the rearm upgrade (SPEC §1.3): a rearm column is missing.
+    #[error("the outbox table has no rearm columns ({detail}); run the rearm upgrade first, see {UPGRADE_GUIDE}")]
+    UpgradeRequired {
+        /// What Postgres reported.
+        detail: String,
+    },
+
+    /// [`crate::validate_schema`] found the live database different from what this
+    /// version needs. Every problem is listed.
+    #[error("the outbox schema does not match this version: {}", SchemaProblems(.problems))]
+    SchemaMismatch {
+        /// Every problem found, in a stable order.
+        problems: Vec<SchemaProblem>,
+    },
+
+    /// A typed payload could not be encoded to JSON.
+    #[error("could not encode the payload as JSON: {0}")]
+    Encode(#[source] serde_json::Error),
+
+    /// Postgres or the connection failed.
+    #[error("database error: {0}")]
+    Database(#[source] sqlx::Error),
+}
+
+/// One difference between the live schema and the one this version needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaProblem {
+    /// The table, column, index or constraint concerned (for example `outbox.rearm_at`).
+    pub object: String,
+    /// What is wrong.
+    pub message: String,
+    /// True when the fix is the rearm upgrade ([`UPGRADE_GUIDE`]).
+    pub needs_upgrade: bool,
+}
+
+impl fmt::Display for SchemaProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.object, self.message)?;
+        if self.needs_upgrade {
+            write!(f, " (run the rearm upgrade, see {UPGRADE_GUIDE})")?;
+        }
+        Ok(())
+    }
+}
+
+struct SchemaProblems<'a>(&'a [SchemaProblem]);
+
+impl fmt::Display for SchemaProblems<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{p}")?;
+        }
+        Ok(())
+    }
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        // SQLSTATE 42703 undefined_column: the only columns this version reads that an
+        // older deployment lacks are the rearm columns (SPEC §1.3).
+        if let sqlx::Error::Database(db) = &e {
+            if db.code().as_deref() == Some("42703") && db.message().contains("rearm_") {
+                return Error::UpgradeRequired {
+                    detail: db.message().to_owned(),
+                };
+            }
+        }
+        Error::Database(e)
+    }
+}
+
+impl Error {
+    pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    #[allow(dead_code)] // used by the worker
+    pub(crate) fn config(knob: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidConfig {
+            knob,
+            reason: reason.into(),
+        }
+    }
+
+    /// True for failures of the connection or the server (as opposed to a statement
+    /// that Postgres rejected); the worker rebuilds its connections after these.
+    pub fn is_connection_error(&self) -> bool {
+        match self {
+            Error::Database(e) => matches!(
+                e,
+                sqlx::Error::Io(_)
+                    | sqlx::Error::PoolTimedOut
+                    | sqlx::Error::PoolClosed
+                    | sqlx::Error::WorkerCrashed
+                    | sqlx::Error::Tls(_)
+                    | sqlx::Error::Protocol(_)
+            ) || matches!(e, sqlx::Error::Database(db)
+                    if db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57P"))),
+            _ => false,
+        }
+    }
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

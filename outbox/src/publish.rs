@@ -1,0 +1,542 @@
+//! Publishing (SPEC §2), extending (SPEC §4, §5) and the argument rules they share.
+//!
+//! Everything here runs on the **caller's** connection or transaction: the library never
+//! begins, commits or rolls back it, so a message exists if and only if the caller's
+//! transaction commits (the transactional outbox).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use chrono::{DateTime, Datelike, TimeDelta, Utc};
+use sqlx::postgres::types::PgInterval;
+use sqlx::types::Json;
+use sqlx::{PgConnection, Row};
+
+use crate::error::{Error, Result};
+use crate::schema::{quote_literal, Names, Outbox};
+
+/// Message headers: a string-to-string map stored as `jsonb` (content type, correlation id,
+/// user headers). Keys and values may not contain NUL (`jsonb` cannot store `\u0000`).
+pub type Headers = BTreeMap<String, String>;
+
+/// Longest queue name and timer id, in bytes (the columns are `varchar(255)`).
+pub const MAX_NAME_BYTES: usize = 255;
+
+/// Largest payload, in bytes: Postgres' limit for one `bytea` value is 1 GiB − 1.
+pub const MAX_PAYLOAD_BYTES: usize = (1 << 30) - 1;
+
+/// Longest delay accepted by [`Schedule`]: 10 000 years. Anything longer is an overflow in
+/// practice and would push the deadline towards the end of Postgres' timestamp range.
+pub const MAX_DELAY: Duration = Duration::from_secs(10_000 * 366 * 24 * 3600);
+
+/// When a message becomes visible to workers: its deadline (`next_attempt_at`).
+///
+/// Build one from a [`std::time::Duration`] or [`chrono::TimeDelta`] (relative to the
+/// **database** clock: the deadline is computed server-side as `now() + interval`, so clock
+/// skew between application and database cannot shift it), from a
+/// `chrono::DateTime<Utc>` or [`SystemTime`] (absolute), or use [`Schedule::now`].
+///
+/// Negative or overflowing delays (more than [`MAX_DELAY`]) and absolute times outside
+/// Postgres' range are rejected with [`Error::InvalidArgument`] (`field = "schedule"`)
+/// before any SQL runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Schedule(pub(crate) ScheduleKind);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum ScheduleKind {
+    #[default]
+    Now,
+    /// Microseconds after the database's `now()`; may be negative until validated.
+    In(i128),
+    At(DateTime<Utc>),
+}
+
+impl Schedule {
+    /// Due immediately (the default).
+    pub fn now() -> Self {
+        Schedule(ScheduleKind::Now)
+    }
+
+    /// Due `delay` after the database's `now()`.
+    pub fn after(delay: Duration) -> Self {
+        Schedule(ScheduleKind::In(delay.as_micros() as i128))
+    }
+
+    /// Due at an absolute UTC instant.
+    pub fn at(at: DateTime<Utc>) -> Self {
+        Schedule(ScheduleKind::At(at))
+    }
+
+    /// Checks the rules above and returns what the SQL binds: `(interval, absolute)`.
+    pub(crate) fn resolve(self) -> Result<Resolved> {
+        match self.0 {
+            ScheduleKind::Now => Ok(Resolved::In(0)),
+            ScheduleKind::In(us) => {
+                if us < 0 {
+                    return Err(Error::invalid("schedule", "the delay is negative"));
+                }
+                if us > MAX_DELAY.as_micros() as i128 {
+                    return Err(Error::invalid(
+                        "schedule",
+                        "the delay is longer than 10 000 years (overflow)",
+                    ));
+                }
+                Ok(Resolved::In(us as i64))
+            }
+            ScheduleKind::At(at) => {
+                // Postgres' timestamptz spans 4713 BC to 294276 AD; chrono's range is wider
+                // at the bottom only.
+                if at.year() < -4712 {
+                    return Err(Error::invalid(
+                        "schedule",
+                        "the time is before postgres' earliest timestamp (4713 BC)",
+                    ));
+                }
+                Ok(Resolved::At(at))
+            }
+        }
+    }
+}
+
+/// A validated schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Resolved {
+    /// Microseconds after now, non-negative.
+    In(i64),
+    At(DateTime<Utc>),
+}
+
+impl Resolved {
+    pub(crate) fn binds(self) -> (PgInterval, Option<DateTime<Utc>>) {
+        match self {
+            Resolved::In(us) => (interval(us), None),
+            Resolved::At(at) => (interval(0), Some(at)),
+        }
+    }
+}
+
+pub(crate) fn interval(microseconds: i64) -> PgInterval {
+    PgInterval {
+        months: 0,
+        days: 0,
+        microseconds,
+    }
+}
+
+impl From<Duration> for Schedule {
+    fn from(d: Duration) -> Self {
+        Schedule::after(d)
+    }
+}
+
+impl From<TimeDelta> for Schedule {
+    fn from(d: TimeDelta) -> Self {
+        // `num_microseconds` is None only beyond ±292 000 years: an overflow either way.
+        Schedule(ScheduleKind::In(
+            d.num_microseconds().map_or(i128::MAX, i128::from),
+        ))
+    }
+}
+
+impl From<DateTime<Utc>> for Schedule {
+    fn from(at: DateTime<Utc>) -> Self {
+        Schedule::at(at)
+    }
+}
+
+impl From<SystemTime> for Schedule {
+    fn from(at: SystemTime) -> Self {
+        Schedule::at(at.into())
+    }
+}
+
+/// What a publish does when a live row already holds the `(queue, timer_id)` key (SPEC §2.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnConflict {
+    /// Leave the live row alone → [`Published::Skipped`] (default).
+    #[default]
+    Ignore,
+    /// Move the live row's deadline later (SPEC §4), or queue a rearm when its handler is
+    /// running (SPEC §5).
+    Extend,
+}
+
+/// One message to publish: a queue, a payload and options (SPEC §2.1).
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox::{Message, OnConflict};
+/// let msg = Message::new("presence.expiry", br#"{"user_id":7}"#)
+///     .timer_id("7")
+///     .schedule(Duration::from_secs(30))
+///     .on_conflict(OnConflict::Extend);
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Message<'a> {
+    pub(crate) queue: &'a str,
+    pub(crate) payload: &'a [u8],
+    pub(crate) headers: Option<&'a Headers>,
+    pub(crate) schedule: Schedule,
+    pub(crate) timer_id: Option<&'a str>,
+    pub(crate) on_conflict: OnConflict,
+}
+
+impl<'a> Message<'a> {
+    /// A message for `queue` carrying `payload`, due now, no timer key.
+    pub fn new(queue: &'a str, payload: &'a [u8]) -> Self {
+        Message {
+            queue,
+            payload,
+            headers: None,
+            schedule: Schedule::now(),
+            timer_id: None,
+            on_conflict: OnConflict::Ignore,
+        }
+    }
+
+    /// Attaches headers.
+    pub fn headers(mut self, headers: &'a Headers) -> Self {
+        self.headers = Some(headers);
+        self
+    }
+
+    /// Sets the deadline (default: now).
+    pub fn schedule(mut self, schedule: impl Into<Schedule>) -> Self {
+        self.schedule = schedule.into();
+        self
+    }
+
+    /// Makes this a keyed timer: at most one live row per `(queue, timer_id)`.
+    pub fn timer_id(mut self, timer_id: &'a str) -> Self {
+        self.timer_id = Some(timer_id);
+        self
+    }
+
+    /// What to do when the timer key is taken (needs [`Message::timer_id`]).
+    pub fn on_conflict(mut self, on_conflict: OnConflict) -> Self {
+        self.on_conflict = on_conflict;
+        self
+    }
+
+    /// Checks every rule of SPEC §2.1; nothing has touched the database yet.
+    pub(crate) fn validate(&self) -> Result<Resolved> {
+        validate_queue(self.queue)?;
+        if let Some(id) = self.timer_id {
+            validate_timer_id(id)?;
+        } else if self.on_conflict == OnConflict::Extend {
+            return Err(Error::invalid(
+                "on_conflict",
+                "`Extend` needs a `timer_id`: only keyed timers can be extended",
+            ));
+        }
+        validate_payload(self.payload)?;
+        if let Some(h) = self.headers {
+            validate_headers(h)?;
+        }
+        self.schedule.resolve()
+    }
+}
+
+fn validate_name(field: &'static str, value: &str) -> Result<()> {
+    if value.is_empty() {
+        return Err(Error::invalid(field, "must not be empty"));
+    }
+    if value.len() > MAX_NAME_BYTES {
+        return Err(Error::invalid(
+            field,
+            format!(
+                "is {} bytes long; at most {MAX_NAME_BYTES} bytes are allowed",
+                value.len()
+            ),
+        ));
+    }
+    if value.contains('\0') {
+        return Err(Error::invalid(field, "must not contain a NUL byte"));
+    }
+    Ok(())
+}
+
+/// Queue names: 1..=255 bytes, no NUL (SPEC §2.1).
+pub(crate) fn validate_queue(queue: &str) -> Result<()> {
+    validate_name("queue", queue)
+}
+
+/// Timer ids: 1..=255 bytes, no NUL (SPEC §2.1).
+pub(crate) fn validate_timer_id(timer_id: &str) -> Result<()> {
+    validate_name("timer_id", timer_id)
+}
+
+pub(crate) fn validate_payload(payload: &[u8]) -> Result<()> {
+    if payload.len() > MAX_PAYLOAD_BYTES {
+        return Err(Error::invalid(
+            "payload",
+            format!(
+                "is {} bytes; postgres stores at most {MAX_PAYLOAD_BYTES} bytes in one value",
+                payload.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn validate_headers(headers: &Headers) -> Result<()> {
+    for (k, v) in headers {
+        if k.contains('\0') || v.contains('\0') {
+            return Err(Error::invalid(
+                "headers",
+                format!("header `{}` contains a NUL byte", k.replace('\0', "\\0")),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What a publish did (SPEC §2.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Published {
+    /// A new row was inserted.
+    Inserted {
+        /// The new row's id.
+        id: i64,
+    },
+    /// [`OnConflict::Ignore`] and a live row holds the timer key; nothing changed.
+    Skipped,
+    /// [`OnConflict::Extend`] hit a pending row and moved its deadline later (SPEC §4).
+    Extended {
+        /// The extended row.
+        id: i64,
+    },
+    /// [`OnConflict::Extend`] hit a row whose handler is running (leased) and queued a
+    /// rearm, or moved the queued rearm later (SPEC §5). The timer fires again at the new
+    /// deadline once the running handler ends.
+    RearmQueued {
+        /// The running row.
+        id: i64,
+    },
+    /// [`OnConflict::Extend`] whose deadline is not later than what the live row already
+    /// holds (its deadline, or for a running row the later of its claimed deadline and its
+    /// queued rearm). Nothing changed: a late, out-of-order extend never shortens a timer.
+    Unchanged,
+}
+
+impl Published {
+    /// The affected row's id, when a row was written.
+    pub fn id(&self) -> Option<i64> {
+        match *self {
+            Published::Inserted { id }
+            | Published::Extended { id }
+            | Published::RearmQueued { id } => Some(id),
+            Published::Skipped | Published::Unchanged => None,
+        }
+    }
+}
+
+/// One item of [`Outbox::publish_batch`].
+#[derive(Debug, Clone, Copy)]
+pub struct BatchItem<'a> {
+    /// The encoded message.
+    pub payload: &'a [u8],
+    /// Optional headers.
+    pub headers: Option<&'a Headers>,
+}
+
+impl<'a> BatchItem<'a> {
+    /// An item without headers.
+    pub fn new(payload: &'a [u8]) -> Self {
+        BatchItem {
+            payload,
+            headers: None,
+        }
+    }
+}
+
+/// The publish statements for one set of names.
+#[derive(Debug)]
+pub(crate) struct Sql {
+    insert: String,
+    extend: String,
+    batch: String,
+}
+
+/// The NOTIFY payload: `<deadline as epoch milliseconds>:<queue>` (SPEC §2.4). Never
+/// payload data. `row` is the alias whose columns are read.
+fn notify_expr(n: &Names, row: &str) -> String {
+    format!(
+        "pg_notify({}, floor(extract(epoch FROM {row}.next_attempt_at) * 1000)::bigint::text || ':' || {row}.queue)::text",
+        quote_literal(&n.channel)
+    )
+}
+
+impl Sql {
+    pub(crate) fn new(n: &Names) -> Self {
+        let t = &n.qtable;
+        // $1 queue, $2 payload, $3 headers, $4 delay interval, $5 absolute deadline,
+        // $6 timer id. The deadline is computed by the database clock (SPEC §2.1).
+        let values = "VALUES ($1, $2, $3, coalesce($5::timestamptz, now() + $4::interval), $6)";
+        let columns = "(queue, payload, headers, next_attempt_at, timer_id)";
+        // Plain messages have a NULL timer_id, which the partial unique index never holds,
+        // so the same statement serves plain publishes and `Ignore`. The notification is
+        // folded into the statement: no extra round trip, and it is sent only if the
+        // caller's transaction commits.
+        let insert = format!(
+            "WITH ins AS (\
+               INSERT INTO {t} {columns} {values} \
+               ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO NOTHING \
+               RETURNING id, queue, next_attempt_at) \
+             SELECT ins.id, {notify} FROM ins",
+            notify = notify_expr(n, "ins"),
+        );
+        // One statement for the whole extend path (SPEC §4, §5). The row found decides:
+        // pending → move the deadline and reset retry history; leased → queue the rearm.
+        // Either only when the new deadline is later (for a leased row, later than both
+        // the claimed deadline and any queued rearm). ON CONFLICT DO UPDATE waits on a
+        // claim's row lock and then sees the leased row, so a claim racing an extend
+        // always ends with a queued rearm (SPEC §5.3). `xmax = 0` marks a fresh insert.
+        let pending = "t.acquired_token IS NULL";
+        let extend = format!(
+            "WITH up AS (\
+               INSERT INTO {t} AS t {columns} {values} \
+               ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO UPDATE SET \
+                 next_attempt_at  = CASE WHEN {pending} THEN excluded.next_attempt_at ELSE t.next_attempt_at END, \
+                 payload          = CASE WHEN {pending} THEN excluded.payload ELSE t.payload END, \
+                 headers          = CASE WHEN {pending} THEN excluded.headers ELSE t.headers END, \
+                 attempts_count   = CASE WHEN {pending} THEN 0 ELSE t.attempts_count END, \
+                 first_attempt_at = CASE WHEN {pending} THEN NULL ELSE t.first_attempt_at END, \
+                 last_attempt_at  = CASE WHEN {pending} THEN NULL ELSE t.last_attempt_at END, \
+                 rearm_at         = CASE WHEN {pending} THEN t.rearm_at ELSE excluded.next_attempt_at END, \
+                 rearm_payload    = CASE WHEN {pending} THEN t.rearm_payload ELSE excluded.payload END, \
+                 rearm_headers    = CASE WHEN {pending} THEN t.rearm_headers ELSE excluded.headers END \
+               WHERE excluded.next_attempt_at > CASE WHEN {pending} THEN t.next_attempt_at \
+                                                     ELSE greatest(t.next_attempt_at, t.rearm_at) END \
+               RETURNING t.id, t.queue, t.next_attempt_at, (t.xmax = 0) AS inserted, \
+                         (t.acquired_token IS NOT NULL) AS leased) \
+             SELECT up.id, up.inserted, up.leased, \
+                    CASE WHEN up.inserted THEN {notify} END \
+             FROM up",
+            notify = notify_expr(n, "up"),
+        );
+        // All or nothing, one statement, one notification for the batch (SPEC §2.3).
+        let batch = format!(
+            "WITH ins AS (\
+               INSERT INTO {t} (queue, payload, headers, next_attempt_at) \
+               SELECT $1, u.payload, u.headers, coalesce($5::timestamptz, now() + $4::interval) \
+               FROM unnest($2::bytea[], $3::jsonb[]) WITH ORDINALITY AS u(payload, headers, ord) \
+               ORDER BY u.ord \
+               RETURNING id, queue, next_attempt_at) \
+             SELECT array_agg(ins.id ORDER BY ins.id), \
+                    (SELECT {notify} FROM ins LIMIT 1) \
+             FROM ins",
+            notify = notify_expr(n, "ins"),
+        );
+        Sql {
+            insert,
+            extend,
+            batch,
+        }
+    }
+}
+
+impl Outbox {
+    /// Publishes one message on the caller's connection or transaction (SPEC §2).
+    ///
+    /// Pass a transaction as `&mut *tx`: the row and its wake-up notification exist only if
+    /// that transaction commits. With [`OnConflict::Extend`] this is the extend of SPEC §4
+    /// (pending row) and §5 (running row → rearm), in one statement.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for input that breaks SPEC §2.1 (nothing is sent to the
+    /// database); [`Error::UpgradeRequired`] if the table predates the rearm upgrade and the
+    /// call extends; [`Error::Database`] otherwise.
+    pub async fn publish(&self, conn: &mut PgConnection, message: Message<'_>) -> Result<Published> {
+        let resolved = message.validate()?;
+        let (delay, at) = resolved.binds();
+        let sql = &self.sql().publish;
+        let headers = message.headers.map(Json);
+        match message.on_conflict {
+            OnConflict::Ignore => {
+                let row = sqlx::query(&sql.insert)
+                    .bind(message.queue)
+                    .bind(message.payload)
+                    .bind(headers)
+                    .bind(delay)
+                    .bind(at)
+                    .bind(message.timer_id)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                Ok(match row {
+                    Some(r) => {
+                        metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned()).increment(1);
+                        Published::Inserted { id: r.try_get(0)? }
+                    }
+                    None => Published::Skipped,
+                })
+            }
+            OnConflict::Extend => {
+                let row = sqlx::query(&sql.extend)
+                    .bind(message.queue)
+                    .bind(message.payload)
+                    .bind(headers)
+                    .bind(delay)
+                    .bind(at)
+                    .bind(message.timer_id)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                let Some(r) = row else {
+                    return Ok(Published::Unchanged);
+                };
+                let id: i64 = r.try_get(0)?;
+                let inserted: bool = r.try_get(1)?;
+                let leased: bool = r.try_get(2)?;
+                Ok(if inserted {
+                    metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned()).increment(1);
+                    Published::Inserted { id }
+                } else if leased {
+                    Published::RearmQueued { id }
+                } else {
+                    Published::Extended { id }
+                })
+            }
+        }
+    }
+
+    /// Publishes many messages to one queue in **one statement** (SPEC §2.3): all rows are
+    /// inserted or none is. Timer ids are not allowed in a batch. Returns the new ids in the
+    /// order of `items`. An empty batch returns an empty list without touching the database.
+    ///
+    /// # Errors
+    /// As [`Outbox::publish`].
+    pub async fn publish_batch(
+        &self,
+        conn: &mut PgConnection,
+        queue: &str,
+        items: &[BatchItem<'_>],
+        schedule: impl Into<Schedule>,
+    ) -> Result<Vec<i64>> {
+        validate_queue(queue)?;
+        let resolved = schedule.into().resolve()?;
+        for item in items {
+            validate_payload(item.payload)?;
+            if let Some(h) = item.headers {
+                validate_headers(h)?;
+            }
+        }
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (delay, at) = resolved.binds();
+        let payloads: Vec<&[u8]> = items.iter().map(|i| i.payload).collect();
+        let headers: Vec<Option<Json<&Headers>>> = items.iter().map(|i| i.headers.map(Json)).collect();
+        let row = sqlx::query(&self.sql().publish.batch)
+            .bind(queue)
+            .bind(payloads)
+            .bind(headers)
+            .bind(delay)
+            .bind(at)
+            .fetch_one(&mut *conn)
+            .await?;
+        let ids: Vec<i64> = row.try_get::<Option<Vec<i64>>, _>(0)?.unwrap_or_default();
+        metrics::counter!("outbox_published_total", "queue" => queue.to_owned()).increment(ids.len() as u64);
+        Ok(ids)
+    }
+}

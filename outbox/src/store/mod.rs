@@ -1,0 +1,285 @@
+//! The storage contract (SPEC §5, §6, §8) that the worker drives, with two implementations:
+//! [`PgStore`] (Postgres, the product) and [`crate::testing::MemoryStore`] (in memory, for
+//! users' tests). The contract suite in `tests/` runs every scenario against both.
+
+use std::future::Future;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::cancel::Cancelled;
+use crate::error::Result;
+use crate::publish::{Headers, Message, Published};
+
+pub mod postgres;
+
+pub use postgres::PgStore;
+
+/// The fence of every write after a claim: the row id and the lease token of the claim
+/// (SPEC §5.1). A write whose token no longer matches changes nothing and reports
+/// [`Completion::LeaseLost`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Lease {
+    /// The row id.
+    pub id: i64,
+    /// The claim's token (one random token per claim).
+    pub token: Uuid,
+}
+
+/// A claimed row: what a handler gets, plus the lease that fences its completion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    /// Row id and lease token.
+    pub lease: Lease,
+    /// The queue.
+    pub queue: String,
+    /// The encoded message (JSON for typed timers).
+    pub payload: Vec<u8>,
+    /// Headers, if the message has any.
+    pub headers: Option<Headers>,
+    /// The timer key; `None` for plain messages.
+    pub timer_id: Option<String>,
+    /// Failed handler runs before this one (retry history).
+    pub attempts_count: i32,
+    /// Claims so far, this one included (so 1 on the first delivery).
+    pub deliveries_count: i32,
+    /// When the row was first published.
+    pub created_at: DateTime<Utc>,
+    /// The deadline this delivery was due at (`next_attempt_at` when claimed).
+    pub deadline: DateTime<Utc>,
+    /// The first failed run, if any.
+    pub first_attempt_at: Option<DateTime<Utc>>,
+    /// When the lease was taken (database clock). `claimed_at - deadline` is the firing
+    /// lateness.
+    pub claimed_at: DateTime<Utc>,
+}
+
+/// A live row as stored, read without leasing it ([`Store::pending`], SPEC §8).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredRow {
+    /// Primary key.
+    pub id: i64,
+    /// Queue name.
+    pub queue: String,
+    /// Encoded message.
+    pub payload: Vec<u8>,
+    /// Headers.
+    pub headers: Option<Headers>,
+    /// Failed handler runs so far.
+    pub attempts_count: i32,
+    /// Claims so far.
+    pub deliveries_count: i32,
+    /// Publish time.
+    pub created_at: DateTime<Utc>,
+    /// The deadline.
+    pub next_attempt_at: DateTime<Utc>,
+    /// First failed run.
+    pub first_attempt_at: Option<DateTime<Utc>>,
+    /// Latest failed run.
+    pub last_attempt_at: Option<DateTime<Utc>>,
+    /// Lease start; `None` when pending.
+    pub acquired_at: Option<DateTime<Utc>>,
+    /// Lease token; `None` when pending.
+    pub acquired_token: Option<Uuid>,
+    /// Timer key.
+    pub timer_id: Option<String>,
+    /// Queued rearm deadline (only on a leased row).
+    pub rearm_at: Option<DateTime<Utc>>,
+    /// Payload the rearm will install.
+    pub rearm_payload: Option<Vec<u8>>,
+    /// Headers the rearm will install.
+    pub rearm_headers: Option<Headers>,
+}
+
+/// How a fenced completion ended (SPEC §5.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Completion {
+    /// The row is gone (and archived, for a terminal failure with the dead-letter queue on).
+    Deleted,
+    /// A queued rearm was applied: the row is a pending timer again, due at `at`.
+    Rearmed {
+        /// The rearm deadline.
+        at: DateTime<Utc>,
+    },
+    /// The row waits for a retry at `at`.
+    RetryScheduled {
+        /// The retry deadline (database clock).
+        at: DateTime<Utc>,
+    },
+    /// The lease token no longer matches (another worker reclaimed the row after the lease
+    /// expired, or the row is gone). Nothing was written.
+    LeaseLost,
+}
+
+/// Why a delivery ended in a terminal failure (SPEC §7.2); stored in the dead-letter
+/// table's `failure_reason`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FailureReason {
+    /// `deliveries_count` passed the timer's `max_deliveries`; the handler did not run.
+    MaxDeliveries,
+    /// The retry strategy gave up (`max_attempts` or `max_total_delay`).
+    RetryExhausted,
+    /// The handler rejected the message.
+    Rejected,
+    /// The payload could not be decoded; the handler did not run.
+    DecodeError,
+}
+
+impl FailureReason {
+    /// The value stored in `failure_reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::MaxDeliveries => "max_deliveries",
+            FailureReason::RetryExhausted => "retry_exhausted",
+            FailureReason::Rejected => "rejected",
+            FailureReason::DecodeError => "decode_error",
+        }
+    }
+
+    /// Whether the handler ran (and failed): such a failure counts in `attempts_count`.
+    pub fn handler_ran(self) -> bool {
+        matches!(self, FailureReason::RetryExhausted | FailureReason::Rejected)
+    }
+}
+
+impl std::fmt::Display for FailureReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A terminal failure to record.
+#[derive(Debug, Clone, Copy)]
+pub struct Failure<'a> {
+    /// Why.
+    pub reason: FailureReason,
+    /// The last error text, stored in the dead-letter table's `last_error`.
+    pub last_error: Option<&'a str>,
+}
+
+/// The longest `last_error` kept in the dead-letter table, in bytes; longer texts are cut at
+/// a character boundary.
+pub const MAX_LAST_ERROR_BYTES: usize = 16 * 1024;
+
+/// Makes an error text storable: Postgres `text` cannot hold NUL, and a runaway error
+/// message should not bloat the dead-letter table.
+pub(crate) fn clean_error_text(s: &str) -> String {
+    let mut end = s.len().min(MAX_LAST_ERROR_BYTES);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].replace('\0', "\\0")
+}
+
+/// A row archived in the dead-letter table (SPEC §1.2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// The dead-letter row's own id.
+    pub id: i64,
+    /// The queue row's id.
+    pub original_id: i64,
+    /// Queue name.
+    pub queue: String,
+    /// The failed run's payload (the original bytes, even when they did not decode).
+    pub payload: Vec<u8>,
+    /// Headers.
+    pub headers: Option<Headers>,
+    /// Timer key.
+    pub timer_id: Option<String>,
+    /// Failed handler runs, the last one included when the handler ran.
+    pub attempts_count: i32,
+    /// Claims.
+    pub deliveries_count: i32,
+    /// The original row's publish time.
+    pub created_at: DateTime<Utc>,
+    /// When it was archived.
+    pub failed_at: DateTime<Utc>,
+    /// One of `max_deliveries`, `retry_exhausted`, `rejected`, `decode_error`.
+    pub failure_reason: String,
+    /// The last error text.
+    pub last_error: Option<String>,
+}
+
+/// When a worker should next look: the earliest pending deadline and the earliest lease
+/// expiry of its queues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NextWakeup {
+    /// The store's clock when it answered, so a worker can map deadlines onto its own clock
+    /// without trusting the two clocks to agree.
+    pub now: DateTime<Utc>,
+    /// Earliest `next_attempt_at` among unleased rows.
+    pub deadline: Option<DateTime<Utc>>,
+    /// Earliest moment a held lease expires (`acquired_at + lease_ttl`).
+    pub lease_expiry: Option<DateTime<Utc>>,
+}
+
+impl NextWakeup {
+    /// The earlier of the two.
+    pub fn earliest(&self) -> Option<DateTime<Utc>> {
+        match (self.deadline, self.lease_expiry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+/// The storage operations the worker needs. Both stores implement them with the same
+/// observable behaviour; the project's contract suite checks that.
+///
+/// Every completion is fenced by the [`Lease`] (SPEC §5.1) and treats a queued rearm as
+/// SPEC §5.1's table says.
+pub trait Store: Clone + Send + Sync + 'static {
+    /// Claims up to `limit` due rows of `queues` (SPEC §6): unleased rows whose deadline
+    /// has passed, and leased rows whose lease is older than `lease_ttl`. Each claimed row
+    /// gets one new token for this claim, `acquired_at = now`, `deliveries_count + 1`.
+    /// Ordered by deadline, then id.
+    fn claim(
+        &self,
+        queues: &[String],
+        limit: usize,
+        lease_ttl: Duration,
+    ) -> impl Future<Output = Result<Vec<Delivery>>> + Send;
+
+    /// Success: deletes the row, or applies its queued rearm (SPEC §5.1, §5.2).
+    fn ack(&self, lease: Lease) -> impl Future<Output = Result<Completion>> + Send;
+
+    /// Success for many rows at once; one [`Completion`] per lease, in order.
+    fn ack_batch(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<Completion>>> + Send;
+
+    /// A failed run with a retry `delay` (from the database clock). A queued rearm replaces
+    /// the retry and keeps `deliveries_count` (SPEC §5.1).
+    fn retry(&self, lease: Lease, delay: Duration) -> impl Future<Output = Result<Completion>> + Send;
+
+    /// A terminal failure: archives the failed run when the dead-letter queue is on, and
+    /// deletes the row or applies its queued rearm, in one step (SPEC §5.1).
+    fn fail(&self, lease: Lease, failure: Failure<'_>) -> impl Future<Output = Result<Completion>> + Send;
+
+    /// Earliest deadline and lease expiry of `queues` (SPEC §7.3), to sleep until.
+    fn next_wakeup(
+        &self,
+        queues: &[String],
+        lease_ttl: Duration,
+    ) -> impl Future<Output = Result<NextWakeup>> + Send;
+
+    /// Publishes one message in its own transaction.
+    fn publish(&self, message: Message<'_>) -> impl Future<Output = Result<Published>> + Send;
+
+    /// Cancels a timer in its own transaction (SPEC §3).
+    fn cancel(&self, queue: &str, timer_id: &str) -> impl Future<Output = Result<Cancelled>> + Send;
+
+    /// Live rows of `queue` (pending and leased), ordered by deadline then id, at most
+    /// `limit` (SPEC §8).
+    fn pending(&self, queue: &str, limit: usize) -> impl Future<Output = Result<Vec<StoredRow>>> + Send;
+
+    /// Rows of the dead-letter table for `queue`, oldest first.
+    fn dead_letters(&self, queue: &str, limit: usize) -> impl Future<Output = Result<Vec<DeadLetter>>> + Send;
+
+    /// Whether terminal failures are archived.
+    fn dead_letter_enabled(&self) -> bool;
+
+    /// The store's clock (the database clock for Postgres, the virtual clock in memory).
+    fn now(&self) -> impl Future<Output = Result<DateTime<Utc>>> + Send;
+}
