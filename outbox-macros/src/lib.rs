@@ -1,8 +1,189 @@
-//! The `#[timer]` attribute for the `outbox` crate (placeholder until the macro lands).
-use proc_macro::TokenStream;
+//! The `#[timer]` attribute of the [`outbox`](https://docs.rs/outbox) crate (SPEC §9).
+//!
+//! Use it through the runtime crate, as `#[outbox::timer(...)]`; this crate is an
+//! implementation detail and its version always matches `outbox`'s exactly.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use std::time::Duration;
+//!
+//! #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
+//! #[derive(Debug, serde::Serialize, serde::Deserialize)]
+//! pub struct PresenceExpiry {
+//!     pub user_id: i64,
+//! }
+//!
+//! async fn on_ping(pool: &sqlx::PgPool, user_id: i64) -> Result<(), outbox::Error> {
+//!     let mut tx = pool.begin().await?;
+//!     // ... the request's own writes on `tx` ...
+//!     // Every ping moves the user's expiry 60 s past the database's `now()`; a ping that
+//!     // lands while the expiry handler runs queues a rearm instead of being lost.
+//!     extend_presence_expiry(&mut *tx, &user_id.to_string(), &PresenceExpiry { user_id }, Duration::from_secs(60))
+//!         .await?;
+//!     tx.commit().await?;
+//!     Ok(())
+//! }
+//!
+//! async fn on_logout(pool: &sqlx::PgPool, user_id: i64) -> Result<(), outbox::Error> {
+//!     let mut conn = pool.acquire().await?;
+//!     cancel_presence_expiry(&mut *conn, &user_id.to_string()).await?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! # What it generates
+//!
+//! The struct stays exactly as written. Next to it, the attribute adds the code below;
+//! writing it by hand is equivalent (the macro is sugar over public API):
+//!
+//! ```no_run
+//! # #[derive(Debug, serde::Serialize, serde::Deserialize)]
+//! # pub struct PresenceExpiry { pub user_id: i64 }
+//! impl outbox::Timer for PresenceExpiry {
+//!     const QUEUE: &'static str = "presence.expiry";
+//!     const MAX_DELIVERIES: u32 = 5;
+//! }
+//!
+//! /// Schedules the timer; if a live timer holds the key, nothing changes (`Skipped`).
+//! pub async fn publish_presence_expiry<P: ?Sized + outbox::Publisher>(
+//!     conn: &mut P,
+//!     timer_id: &str,
+//!     payload: &PresenceExpiry,
+//!     schedule: impl Into<outbox::Schedule>,
+//! ) -> Result<outbox::Published, outbox::Error> {
+//!     outbox::publish_timer::<PresenceExpiry, P>(conn, timer_id, payload, schedule).await
+//! }
+//!
+//! /// Schedules the timer or moves it later: `Inserted`, `Extended`, `RearmQueued` (its
+//! /// handler is running) or `Unchanged`.
+//! pub async fn extend_presence_expiry<P: ?Sized + outbox::Publisher>(
+//!     conn: &mut P,
+//!     timer_id: &str,
+//!     payload: &PresenceExpiry,
+//!     schedule: impl Into<outbox::Schedule>,
+//! ) -> Result<outbox::Published, outbox::Error> {
+//!     outbox::extend_timer::<PresenceExpiry, P>(conn, timer_id, payload, schedule).await
+//! }
+//!
+//! /// Cancels the timer: `Deleted`, `RearmDropped`, `Running` or `NotFound`.
+//! pub async fn cancel_presence_expiry<P: ?Sized + outbox::Publisher>(
+//!     conn: &mut P,
+//!     timer_id: &str,
+//! ) -> Result<outbox::Cancelled, outbox::Error> {
+//!     outbox::cancel_timer::<PresenceExpiry, P>(conn, timer_id).await
+//! }
+//! ```
+//!
+//! The real expansion differs only in hygiene: it names everything by absolute paths
+//! (`::outbox::…`, and `::outbox::__private::Result` for `Result`, `Into`, `str`, …), so a
+//! `Result` alias or any other name in your module cannot change its meaning, and the
+//! code compiles under `#![deny(unused_qualifications)]`; its parameters are called
+//! `__conn`, `__timer_id`, `__payload` and `__schedule`, and the generic `__P`, so they
+//! cannot collide with your names; the impl sits inside `const _: () = { … };` and its
+//! header is spanned at the struct's name, so a payload that is not `Serialize`,
+//! `DeserializeOwned`, `Send` or `Sync` is reported once, at the struct. Each function
+//! carries a doc comment (with an
+//! `# Errors` section), so it passes `#![deny(missing_docs)]`.
+//!
+//! - `publish_<snake>`, `extend_<snake>` and `cancel_<snake>` are named after the struct
+//!   in snake case (`PresenceExpiry` → `presence_expiry`) and have the struct's
+//!   visibility (`pub`, `pub(crate)`, private, …). Their outcomes are SPEC §2.2's
+//!   [`Published`](https://docs.rs/outbox/latest/outbox/enum.Published.html) and §3's
+//!   [`Cancelled`](https://docs.rs/outbox/latest/outbox/enum.Cancelled.html).
+//! - `conn` is anything implementing `outbox::Publisher`: `&mut *tx` for a
+//!   `sqlx::Transaction` (or `&mut tx`), a `PgConnection` or pool connection (tables of
+//!   `Outbox::global()`), or `&mut outbox.on(&mut *tx)` for an `Outbox` with its own
+//!   table names. The library never begins, commits or rolls back your transaction.
+//! - `schedule` is a `std::time::Duration` (relative to the **database** clock), a
+//!   `chrono::DateTime<Utc>` or `SystemTime` (absolute), or `outbox::Schedule::now()`.
+//! - Handlers are registered on a worker by type (`T: outbox::Timer`), which is all the
+//!   worker needs from the macro: the queue comes from `T::QUEUE`, the payload is decoded
+//!   as JSON into `T` (a payload that does not decode is the runtime's terminal
+//!   `decode_error`, never a retry loop), and a handler taking another payload type does
+//!   not compile.
+//!
+//! # Arguments
+//!
+//! | argument | required | value |
+//! |---|---|---|
+//! | `queue = "..."` | yes | the queue's name: 1..=255 bytes of ASCII letters, digits, `.`, `_`, `:` and `-` (SPEC §2.1 allows more; the macro keeps names safe for metric labels, logs and shells) |
+//! | `max_deliveries = N` | yes | an integer literal from 1 to `u32::MAX`: how many claims a row may have before it is a terminal failure with reason `max_deliveries`, checked before the handler runs (SPEC §6). Counts reclaims after lost leases too, so it also stops a handler that crashes its worker every time |
+//! | `crate = "path"` | no | where the runtime crate is, for crates that re-export `outbox` or rename the dependency: `crate = "my_lib::outbox"`. Default `::outbox` |
+//!
+//! Retry strategy and lease length are not arguments: they are chosen where a handler is
+//! registered on a worker (SPEC §7.1), so the same payload type can be served with
+//! different settings by different deployments, and the struct stays a plain data type.
+//!
+//! # Errors at compile time
+//!
+//! Every problem is reported at once, each at the token that causes it: a missing `queue`
+//! or `max_deliveries` (at the attribute); an empty, over-long (more than 255 bytes) or
+//! badly charactered queue; `max_deliveries` that is zero, negative, not an integer or
+//! larger than `u32::MAX`; an unknown argument (the message lists the allowed ones); a
+//! duplicate argument; the attribute on an enum, a union, a generic struct or anything
+//! that is not a struct; and a payload that is not `Serialize` + `DeserializeOwned`
+//! (reported at the struct's name). The struct is always emitted, and when the struct
+//! itself is fine the impl and functions are too (with placeholder values), so a mistake
+//! in the attribute shows as one error, not as a cascade of "cannot find function" and
+//! "trait not implemented" errors wherever the type is used.
+//!
+//! `Timer` also requires `Send + Sync + 'static`: a payload holding an `Rc` or a
+//! reference does not compile.
+//!
+//! Put `#[outbox::timer]` on a struct that derives (or implements) `serde::Serialize` and
+//! `serde::Deserialize`; serde's own attributes (`rename_all`, `default`, …) work as usual
+//! and change the stored JSON accordingly.
 
-/// Turns a payload struct into a typed timer.
+mod args;
+mod expand;
+mod model;
+mod validate;
+
+use proc_macro::TokenStream;
+use quote::quote;
+
+use crate::model::Errors;
+use crate::validate::Checked;
+
+/// Turns a payload struct into a typed timer: implements `outbox::Timer` and generates
+/// `publish_<snake>`, `extend_<snake>` and `cancel_<snake>`. See the [crate docs](crate).
+///
+/// ```ignore
+/// #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
+/// #[derive(serde::Serialize, serde::Deserialize)]
+/// pub struct PresenceExpiry { pub user_id: i64 }
+/// ```
 #[proc_macro_attribute]
-pub fn timer(_args: TokenStream, item: TokenStream) -> TokenStream {
-    item
+pub fn timer(args: TokenStream, item: TokenStream) -> TokenStream {
+    timer_impl(args.into(), item.into()).into()
+}
+
+fn timer_impl(
+    args: proc_macro2::TokenStream,
+    item: proc_macro2::TokenStream,
+) -> proc_macro2::TokenStream {
+    let mut errors = Errors::default();
+    let parsed = args::Args::parse(args, &mut errors);
+    let item_ast: syn::Item = match syn::parse2(item.clone()) {
+        Ok(item) => item,
+        Err(err) => {
+            // Not an item we can read: give it back untouched so rustc reports its own
+            // syntax errors, plus ours.
+            errors.push(err);
+            let errors = errors.into_compile_errors();
+            return quote!(#item #errors);
+        }
+    };
+    match validate::check(parsed, &item_ast, &mut errors) {
+        Checked::Valid(model) => {
+            let expansion = expand::expand(&model);
+            quote!(#item #expansion)
+        }
+        Checked::Invalid(stand_in) => {
+            let stand_in = stand_in.as_ref().map(expand::expand);
+            let errors = errors.into_compile_errors();
+            quote!(#item #errors #stand_in)
+        }
+    }
 }

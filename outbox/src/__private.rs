@@ -11,3 +11,9 @@ pub use ::core::result::Result;
 
 /// Compile-time check that a `#[timer]` payload is serde-capable, spanned at the struct.
 pub const fn assert_payload<T: serde::Serialize + serde::de::DeserializeOwned>() {}
+
+// Named by the functions `#[timer]` generates, so a user's own `Into`, `Sized`, `str` or
+// `u32` in scope cannot change their meaning.
+pub use ::core::convert::Into;
+pub use ::core::marker::Sized;
+pub use ::core::primitive::{str, u32};

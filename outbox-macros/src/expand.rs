@@ -1,0 +1,169 @@
+//! Tokens for a validated [`Model`].
+//!
+//! Hygiene rules for everything emitted here (SPEC §9, STYLE "serde"):
+//! - the runtime is named only as `#krate::…` (`::outbox` by default), and std items only
+//!   through `#krate::__private`, so a user's shadowed `Result`, `Option`, `Into`, `str` or
+//!   `u32` cannot change what the code means;
+//! - generated parameters and generics start with `__`, so they cannot collide with the
+//!   user's type (a payload struct named `P`) or a constant in scope;
+//! - the impl and the bound check sit in `const _: () = { … };`; the free functions cannot
+//!   (they must be callable from the module), so they are one-line wrappers over the
+//!   runtime's generic `publish_timer` / `extend_timer` / `cancel_timer`.
+
+use heck::ToSnakeCase;
+use proc_macro2::{Ident, Literal, TokenStream};
+use quote::{format_ident, quote, quote_spanned};
+use syn::ext::IdentExt;
+
+use crate::model::Model;
+
+/// The names of the three generated functions for a payload type.
+pub(crate) struct FnNames {
+    pub(crate) publish: Ident,
+    pub(crate) extend: Ident,
+    pub(crate) cancel: Ident,
+}
+
+/// `PresenceExpiry` → `publish_presence_expiry`, …; spanned at the type's name, so
+/// "defined multiple times" and go-to-definition point at the struct.
+pub(crate) fn fn_names(ident: &Ident) -> FnNames {
+    let snake = ident.unraw().to_string().to_snake_case();
+    let span = ident.span();
+    FnNames {
+        publish: format_ident!("publish_{}", snake, span = span),
+        extend: format_ident!("extend_{}", snake, span = span),
+        cancel: format_ident!("cancel_{}", snake, span = span),
+    }
+}
+
+/// The `Timer` impl, the payload bound check and the three functions.
+pub(crate) fn expand(model: &Model) -> TokenStream {
+    let Model {
+        ident, vis, krate, ..
+    } = model;
+    let private = quote!(#krate::__private);
+    // Fresh literals at the call site, not the user's tokens: lints that read the source
+    // (clippy's digit grouping, say) must not fire on an attribute argument.
+    let queue = Literal::string(&model.queue);
+    let max_deliveries = Literal::u32_unsuffixed(model.max_deliveries);
+
+    // Spanned at the struct's name: rustc reports an impl's unmet supertraits at its
+    // header, so a payload that is not `Serialize`/`DeserializeOwned`/`Send`/`Sync` is
+    // reported once, at the struct ("the trait bound `PresenceExpiry: Serialize` is not
+    // satisfied ... required by a bound in `Timer`"), not inside generated code. The
+    // impl still exists for the rest of the program, so its uses add no errors.
+    let impl_header = quote_spanned! {ident.span()=>
+        impl #krate::Timer for #ident
+    };
+
+    let names = fn_names(ident);
+    let FnNames {
+        publish,
+        extend,
+        cancel,
+    } = &names;
+    let docs = Docs::new(model);
+    let (doc_publish, doc_extend, doc_cancel) = (&docs.publish, &docs.extend, &docs.cancel);
+
+    quote! {
+        #[doc(hidden)]
+        const _: () = {
+            #[automatically_derived]
+            #impl_header {
+                const QUEUE: &'static #private::str = #queue;
+                const MAX_DELIVERIES: #private::u32 = #max_deliveries;
+            }
+        };
+
+        #[doc = #doc_publish]
+        #[allow(dead_code)] // a user may need only some of the three
+        #vis async fn #publish<__P: ?#private::Sized + #krate::Publisher>(
+            __conn: &mut __P,
+            __timer_id: &#private::str,
+            __payload: &#ident,
+            __schedule: impl #private::Into<#krate::Schedule>,
+        ) -> #private::Result<#krate::Published, #krate::Error> {
+            #krate::publish_timer::<#ident, __P>(__conn, __timer_id, __payload, __schedule).await
+        }
+
+        #[doc = #doc_extend]
+        #[allow(dead_code)] // a user may need only some of the three
+        #vis async fn #extend<__P: ?#private::Sized + #krate::Publisher>(
+            __conn: &mut __P,
+            __timer_id: &#private::str,
+            __payload: &#ident,
+            __schedule: impl #private::Into<#krate::Schedule>,
+        ) -> #private::Result<#krate::Published, #krate::Error> {
+            #krate::extend_timer::<#ident, __P>(__conn, __timer_id, __payload, __schedule).await
+        }
+
+        #[doc = #doc_cancel]
+        #[allow(dead_code)] // a user may need only some of the three
+        #vis async fn #cancel<__P: ?#private::Sized + #krate::Publisher>(
+            __conn: &mut __P,
+            __timer_id: &#private::str,
+        ) -> #private::Result<#krate::Cancelled, #krate::Error> {
+            #krate::cancel_timer::<#ident, __P>(__conn, __timer_id).await
+        }
+    }
+}
+
+/// Doc comments of the generated functions. They are public API of the user's crate, so
+/// they must satisfy `#![deny(missing_docs)]` and clippy's `missing_errors_doc`. They link
+/// to nothing: an intra-doc link could break under `crate = "..."` or a private payload.
+struct Docs {
+    publish: String,
+    extend: String,
+    cancel: String,
+}
+
+impl Docs {
+    fn new(model: &Model) -> Docs {
+        let ty = model.ident.unraw();
+        let queue = &model.queue;
+        let common = format!(
+            "\n\n`__conn` is the caller's connection or transaction (`&mut *tx`), or \
+             `&mut outbox.on(&mut *tx)` for an `Outbox` with its own table names; nothing is \
+             written unless that transaction commits. `__timer_id` is the timer's key (1..=255 \
+             bytes, no NUL).\n\n\
+             Generated by `#[outbox::timer]` on `{ty}`."
+        );
+        let errors_publish = "\n\n# Errors\n\n`Error::Encode` when the payload does not \
+             serialize; `Error::InvalidArgument` for a bad timer id or schedule, before any \
+             SQL runs; `Error::Database`.";
+        let publish = format!(
+            "Schedules the `{ty}` timer `__timer_id` in queue `{queue}` with `__payload`, \
+             due at `__schedule` (a `Duration` from the database's clock, an absolute time, \
+             or `Schedule::now()`).\n\n\
+             If a live timer already holds the key, nothing changes: `Published::Skipped`. \
+             Use the `extend_` function to move an existing timer.\
+             {common} Same as `outbox::publish_timer::<{ty}, _>`.{errors_publish}"
+        );
+        let extend = format!(
+            "Schedules or extends the `{ty}` timer `__timer_id` in queue `{queue}`, due at \
+             `__schedule`.\n\n\
+             No live timer: inserts one (`Published::Inserted`). A pending timer with an \
+             earlier deadline: moves the deadline and replaces the payload \
+             (`Published::Extended`). A timer whose handler is running: queues a rearm, so \
+             it fires again at the new deadline with `__payload` once the run ends \
+             (`Published::RearmQueued`). A deadline that is not later than the timer's \
+             changes nothing (`Published::Unchanged`): a timer never moves earlier.\
+             {common} Same as `outbox::extend_timer::<{ty}, _>`.{errors_publish}"
+        );
+        let cancel = format!(
+            "Cancels the `{ty}` timer `__timer_id` in queue `{queue}`.\n\n\
+             A pending timer is deleted (`Cancelled::Deleted`). A running timer is never \
+             deleted: a rearm queued behind it is dropped (`Cancelled::RearmDropped`), or \
+             nothing changes and the run completes normally (`Cancelled::Running`). No live \
+             timer: `Cancelled::NotFound`.\
+             {common} Same as `outbox::cancel_timer::<{ty}, _>`.\n\n\
+             # Errors\n\n`Error::InvalidArgument` for a bad timer id, before any SQL runs; \
+             `Error::Database`."
+        );
+        Docs {
+            publish,
+            extend,
+            cancel,
+        }
+    }
+}
