@@ -260,3 +260,64 @@ pub(crate) fn example(name: &str) -> &'static str {
         _ => "`crate = \"my_crate::outbox\"`",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(tokens: TokenStream) -> (Args, usize) {
+        let mut errors = Errors::default();
+        let args = Args::parse(tokens, &mut errors);
+        let n = errors
+            .into_compile_errors()
+            .to_string()
+            .matches("compile_error")
+            .count();
+        (args, n)
+    }
+
+    #[test]
+    fn error_message_lists_every_argument() {
+        assert_eq!(
+            expected(),
+            "expected one of `queue`, `max_deliveries` or `crate`"
+        );
+    }
+
+    #[test]
+    fn well_formed_arguments() {
+        let (args, errors) = parse(quote::quote!(
+            queue = "a",
+            max_deliveries = 3,
+            crate = "x::y"
+        ));
+        assert_eq!(errors, 0);
+        assert!(matches!(args.queue, Slot::Given(ref q) if q.value() == "a"));
+        assert!(matches!(args.max_deliveries, Slot::Given(ref n) if !n.negative));
+        assert!(matches!(args.krate, Slot::Given(ref p) if p.segments.len() == 2));
+    }
+
+    #[test]
+    fn every_problem_is_recorded() {
+        let (args, errors) = parse(quote::quote!(
+            queue = 1,
+            max_deliveries = "2",
+            crate = "not a path",
+            retries = 3,
+            queue = "b",
+            "lit"
+        ));
+        assert_eq!(errors, 6);
+        assert!(matches!(args.queue, Slot::Invalid));
+        assert!(matches!(args.max_deliveries, Slot::Invalid));
+        assert!(matches!(args.krate, Slot::Invalid));
+    }
+
+    #[test]
+    fn a_syntax_error_suppresses_missing_argument_errors() {
+        let (args, errors) = parse(quote::quote!(queue = = "a"));
+        assert_eq!(errors, 1);
+        assert!(matches!(args.queue, Slot::Invalid));
+        assert!(matches!(args.max_deliveries, Slot::Invalid));
+    }
+}

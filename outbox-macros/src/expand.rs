@@ -167,3 +167,34 @@ impl Docs {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(ty: &str) -> [String; 3] {
+        let ident: Ident = syn::parse_str(ty).unwrap();
+        let n = fn_names(&ident);
+        [
+            n.publish.to_string(),
+            n.extend.to_string(),
+            n.cancel.to_string(),
+        ]
+    }
+
+    #[test]
+    fn function_names_are_snake_case() {
+        assert_eq!(
+            names("PresenceExpiry"),
+            [
+                "publish_presence_expiry",
+                "extend_presence_expiry",
+                "cancel_presence_expiry"
+            ]
+        );
+        assert_eq!(names("Tick")[0], "publish_tick");
+        assert_eq!(names("HTTPTimeout")[0], "publish_http_timeout");
+        assert_eq!(names("r#Match")[1], "extend_match");
+        assert_eq!(names("Retry2Later")[2], "cancel_retry2_later");
+    }
+}

@@ -146,14 +146,41 @@ use quote::quote;
 use crate::model::Errors;
 use crate::validate::Checked;
 
-/// Turns a payload struct into a typed timer: implements `outbox::Timer` and generates
-/// `publish_<snake>`, `extend_<snake>` and `cancel_<snake>`. See the [crate docs](crate).
+/// Turns a payload struct into a typed timer (SPEC §9).
 ///
-/// ```ignore
+/// ```
+/// use outbox::Timer;
+///
 /// #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
 /// #[derive(serde::Serialize, serde::Deserialize)]
 /// pub struct PresenceExpiry { pub user_id: i64 }
+///
+/// assert_eq!(PresenceExpiry::QUEUE, "presence.expiry");
+/// assert_eq!(PresenceExpiry::MAX_DELIVERIES, 5);
+/// // `publish_presence_expiry`, `extend_presence_expiry` and `cancel_presence_expiry` exist.
+/// let _ = cancel_presence_expiry::<sqlx::PgConnection>;
 /// ```
+///
+/// Keeps the struct as written and generates, with the struct's visibility:
+/// - `impl outbox::Timer for PresenceExpiry` carrying `QUEUE` and `MAX_DELIVERIES`;
+/// - `publish_presence_expiry(conn, timer_id, &payload, schedule)`: schedules the timer,
+///   or changes nothing (`Published::Skipped`) when a live timer holds the key;
+/// - `extend_presence_expiry(conn, timer_id, &payload, schedule)`: schedules the timer or
+///   moves it later (`Inserted`, `Extended`, `Unchanged`), and queues a rearm when its
+///   handler is running (`RearmQueued`);
+/// - `cancel_presence_expiry(conn, timer_id)`: `Deleted`, `RearmDropped`, `Running` or
+///   `NotFound`.
+///
+/// `conn` is `&mut *tx` (a sqlx transaction), a connection, or `&mut outbox.on(&mut *tx)`;
+/// `schedule` a `Duration` (database clock), an absolute time or `Schedule::now()`.
+///
+/// Arguments: `queue = "..."` (required; 1..=255 bytes of `[A-Za-z0-9._:-]`),
+/// `max_deliveries = N` (required; 1..=`u32::MAX` claims before a terminal failure) and
+/// `crate = "path"` (optional; where the runtime is when `outbox` is re-exported or
+/// renamed). Mistakes are compile errors at the offending token, all reported at once.
+///
+/// The [`outbox-macros` crate docs](https://docs.rs/outbox-macros) show the equivalent
+/// hand-written code and every compile-time check.
 #[proc_macro_attribute]
 pub fn timer(args: TokenStream, item: TokenStream) -> TokenStream {
     timer_impl(args.into(), item.into()).into()
