@@ -46,6 +46,15 @@ pub(crate) struct Tick;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Reminder(i64, String);
 
+/// The derive written above the attribute works too, and serde attributes apply as usual.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[outbox::timer(queue = "billing.retry", max_deliveries = 10)]
+#[serde(rename_all = "camelCase")]
+pub struct BillingRetry {
+    /// The invoice to charge again.
+    pub invoice_id: i64,
+}
+
 /// `(QUEUE, MAX_DELIVERIES)` of the crate-private timers, for the tests.
 #[must_use]
 pub fn private_timer_consts() -> [(&'static str, u32); 2] {

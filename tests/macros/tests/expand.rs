@@ -46,6 +46,12 @@ fn payloads_are_json() {
     assert_eq!(bytes, br#"{"user_id":42}"#);
     assert_eq!(PresenceExpiry::decode(&bytes).unwrap(), payload);
     assert!(PresenceExpiry::decode(b"{}").is_err());
+
+    // serde's attributes shape the stored JSON.
+    let retry = outbox_macro_tests::BillingRetry { invoice_id: 3 };
+    assert_eq!(retry.encode().unwrap(), br#"{"invoiceId":3}"#);
+    assert_eq!(outbox_macro_tests::BillingRetry::QUEUE, "billing.retry");
+    let _ = outbox_macro_tests::cancel_billing_retry::<sqlx::PgConnection>;
 }
 
 /// A `Publisher` that records what it is asked to do.
