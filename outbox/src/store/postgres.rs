@@ -1,5 +1,6 @@
 //! The Postgres store: claim (SPEC §6), fenced completions (SPEC §5.1, §5.2), reads (SPEC §8).
 
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -288,21 +289,8 @@ impl PgStore {
 
 impl Store for PgStore {
     async fn claim(&self, queues: &[String], limit: usize, lease_ttl: Duration) -> Result<Vec<Delivery>> {
-        if queues.is_empty() || limit == 0 {
-            return Ok(Vec::new());
-        }
-        let limit = i64::try_from(limit).map_err(|_| Error::invalid("limit", "too large"))?;
-        let rows = sqlx::query(&self.sql().claim)
-            .bind(queues)
-            .bind(limit)
-            .bind(interval(micros(lease_ttl)?))
-            .bind(Uuid::new_v4())
-            .fetch_all(&self.pool)
-            .await?;
-        let mut out = rows.iter().map(delivery_from_row).collect::<Result<Vec<_>>>()?;
-        // RETURNING follows the update order, not the CTE's; restore the contract's order.
-        out.sort_by(|a, b| (a.deadline, a.lease.id).cmp(&(b.deadline, b.lease.id)));
-        Ok(out)
+        let mut conn = self.pool.acquire().await?;
+        self.outbox.claim(&mut conn, queues, limit, lease_ttl).await
     }
 
     async fn ack(&self, lease: Lease) -> Result<Completion> {
@@ -328,6 +316,7 @@ impl Store for PgStore {
             .bind(&tokens)
             .fetch_all(&self.pool)
             .await?;
+        let deleted: HashSet<i64> = deleted.into_iter().collect();
         let mut out = vec![Completion::LeaseLost; leases.len()];
         let mut rest_ids = Vec::new();
         let mut rest_tokens = Vec::new();
@@ -346,13 +335,13 @@ impl Store for PgStore {
                 .bind(&rest_tokens)
                 .fetch_all(&self.pool)
                 .await?;
+            let mut rearmed = HashMap::new();
             for r in rows {
-                let id: i64 = r.try_get(0)?;
-                let at: DateTime<Utc> = r.try_get(1)?;
-                for (i, l) in leases.iter().enumerate() {
-                    if l.id == id {
-                        out[i] = Completion::Rearmed { at };
-                    }
+                rearmed.insert(r.try_get::<i64, _>(0)?, r.try_get::<DateTime<Utc>, _>(1)?);
+            }
+            for (i, l) in leases.iter().enumerate() {
+                if let Some(&at) = rearmed.get(&l.id) {
+                    out[i] = Completion::Rearmed { at };
                 }
             }
         }
@@ -472,6 +461,48 @@ impl Store for PgStore {
 }
 
 impl Outbox {
+    /// Claims up to `limit` due rows of `queues` on the given connection (SPEC §6): one
+    /// statement, one new lease token for the whole claim. On a bare connection the claim
+    /// is its own short transaction (what [`PgStore`] does); inside your transaction the
+    /// row locks are held until you commit, which is how the race tests hold a claim open.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad queue name or a `lease_ttl` beyond 64-bit
+    /// microseconds; [`Error::Database`].
+    pub async fn claim(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        queues: &[String],
+        limit: usize,
+        lease_ttl: Duration,
+    ) -> Result<Vec<Delivery>> {
+        for q in queues {
+            crate::publish::validate_queue(q)?;
+        }
+        let ttl = interval(micros(lease_ttl)?);
+        if queues.is_empty() || limit == 0 {
+            return Ok(Vec::new());
+        }
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = sqlx::query(&self.sql().store.claim)
+            .bind(queues)
+            .bind(limit)
+            .bind(ttl)
+            .bind(Uuid::new_v4())
+            .fetch_all(&mut *conn)
+            .await?;
+        let mut out = rows.iter().map(delivery_from_row).collect::<Result<Vec<_>>>()?;
+        // RETURNING follows the update order, not the CTE's; restore the contract's order.
+        out.sort_by(|a, b| (a.deadline, a.lease.id).cmp(&(b.deadline, b.lease.id)));
+        Ok(out)
+    }
+
+    /// The claim statement's SQL text, for operators who want to `EXPLAIN` it. Parameters:
+    /// `$1 text[]` queues, `$2 bigint` limit, `$3 interval` lease TTL, `$4 uuid` token.
+    pub fn claim_sql(&self) -> &str {
+        &self.sql().store.claim
+    }
+
     /// Reads live rows of `queue` without leasing them (SPEC §8), pending and leased alike,
     /// ordered by deadline then id, at most `limit`. For operators and tests.
     ///
