@@ -135,7 +135,6 @@ impl Error {
         }
     }
 
-    #[allow(dead_code)] // used by the worker
     pub(crate) fn config(knob: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidConfig {
             knob,

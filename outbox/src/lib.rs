@@ -22,6 +22,7 @@ mod schema;
 pub mod store;
 mod timer;
 mod validate;
+mod worker;
 
 #[doc(hidden)]
 pub mod __private; // Not public API.
@@ -37,7 +38,11 @@ pub use publish::{
 pub use schema::{Outbox, OutboxBuilder, DEFAULT_TABLE};
 pub use store::{
     Completion, DeadLetter, Delivery, Failure, FailureReason, Lease, NextWakeup, PgStore, Store,
-    StoredRow,
+    StoredRow, Wakeup,
 };
 pub use timer::{cancel_timer, extend_timer, publish_timer, Bound, Publisher, Timer};
 pub use validate::validate_schema;
+pub use worker::{
+    Context, Handler, HandlerOptions, HandlerResult, IntoOutcome, Outcome, RetryStrategy,
+    RunningWorker, ShutdownReport, Worker, WorkerBuilder, DEFAULT_MAX_DELIVERIES, MAX_RETRY_DELAY,
+};

@@ -226,6 +226,25 @@ impl NextWakeup {
     }
 }
 
+/// A hint that work may be due, pushed by the store to sleeping workers (SPEC §7.3).
+/// Hints are never needed for correctness: a worker that misses one finds the row at its
+/// next scan; they only make firing on time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Wakeup {
+    /// A row was published to `queue`, due at `at` (the store's clock).
+    Published {
+        /// The queue.
+        queue: String,
+        /// Its deadline.
+        at: DateTime<Utc>,
+    },
+    /// The notification channel is down; hints may be missing until [`Wakeup::Listening`].
+    Lost,
+    /// Listening again after [`Wakeup::Lost`]: anything may have been missed, re-scan.
+    Listening,
+}
+
 /// The storage operations the worker needs. Both stores implement them with the same
 /// observable behaviour; the project's contract suite checks that.
 ///
@@ -279,6 +298,13 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Whether terminal failures are archived.
     fn dead_letter_enabled(&self) -> bool;
+
+    /// Starts pushing [`Wakeup`] hints. The stream is listening when this returns (so a
+    /// scan after it misses nothing). `None` means the store has no push channel and
+    /// workers rely on deadlines and the idle poll alone (the default).
+    fn wakeups(&self) -> impl Future<Output = Result<Option<tokio::sync::mpsc::Receiver<Wakeup>>>> + Send {
+        async { Ok(None) }
+    }
 
     /// The store's clock (the database clock for Postgres, the virtual clock in memory).
     fn now(&self) -> impl Future<Output = Result<DateTime<Utc>>> + Send;

@@ -4,13 +4,14 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::postgres::{PgPool, PgRow};
+use sqlx::postgres::{PgListener, PgPool, PgRow};
 use sqlx::types::Json;
 use sqlx::Row;
 use uuid::Uuid;
 
 use super::{
     clean_error_text, Completion, DeadLetter, Delivery, Failure, Lease, NextWakeup, Store, StoredRow,
+    Wakeup,
 };
 use crate::cancel::Cancelled;
 use crate::error::{Error, Result};
@@ -455,8 +456,95 @@ impl Store for PgStore {
         self.outbox.dead_letter_enabled()
     }
 
+    async fn wakeups(&self) -> Result<Option<tokio::sync::mpsc::Receiver<Wakeup>>> {
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        // LISTEN before returning, so the worker's first scan cannot miss a publish.
+        let first = listen(&self.pool, self.outbox.channel()).await;
+        let start = match first {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::warn!(error = %e, "outbox: LISTEN failed; polling until it is back");
+                let _ = tx.try_send(Wakeup::Lost);
+                None
+            }
+        };
+        tokio::spawn(listen_loop(self.pool.clone(), self.outbox.channel().to_owned(), start, tx));
+        Ok(Some(rx))
+    }
+
     async fn now(&self) -> Result<DateTime<Utc>> {
         Ok(sqlx::query_scalar("SELECT now()").fetch_one(&self.pool).await?)
+    }
+}
+
+async fn listen(pool: &PgPool, channel: &str) -> Result<PgListener> {
+    let mut l = PgListener::connect_with(pool).await?;
+    l.listen(channel).await?;
+    Ok(l)
+}
+
+/// Parses a notification of SPEC §2.4: `<deadline as epoch milliseconds>:<queue>`.
+pub(crate) fn parse_notification(payload: &str) -> Option<Wakeup> {
+    let (ms, queue) = payload.split_once(':')?;
+    let at = DateTime::from_timestamp_millis(ms.parse().ok()?)?;
+    Some(Wakeup::Published {
+        queue: queue.to_owned(),
+        at,
+    })
+}
+
+/// Forwards notifications until the worker drops the receiver. After a lost connection it
+/// reports [`Wakeup::Lost`], re-LISTENs with capped exponential back-off, and reports
+/// [`Wakeup::Listening`] only once LISTEN is back, so the worker re-scans after, not
+/// before, it can hear new publishes (SPEC §7.3).
+async fn listen_loop(
+    pool: PgPool,
+    channel: String,
+    mut listener: Option<PgListener>,
+    tx: tokio::sync::mpsc::Sender<Wakeup>,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let Some(l) = listener.as_mut() else {
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                () = tx.closed() => return,
+            }
+            match listen(&pool, &channel).await {
+                Ok(l) => {
+                    listener = Some(l);
+                    backoff = Duration::from_millis(100);
+                    if tx.send(Wakeup::Listening).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "outbox: re-LISTEN failed");
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+            continue;
+        };
+        let got = tokio::select! {
+            got = l.try_recv() => got,
+            () = tx.closed() => return,
+        };
+        match got {
+            Ok(Some(n)) => {
+                if let Some(w) = parse_notification(n.payload()) {
+                    if tx.send(w).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            Ok(None) | Err(_) => {
+                tracing::warn!("outbox: the LISTEN connection was lost; polling until it is back");
+                listener = None;
+                if tx.send(Wakeup::Lost).await.is_err() {
+                    return;
+                }
+            }
+        }
     }
 }
 

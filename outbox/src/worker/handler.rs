@@ -1,0 +1,356 @@
+//! Handlers (SPEC §7.2): what a handler receives, what it may return, and how a claimed
+//! delivery becomes a decision (ack, retry, terminal failure) without touching storage.
+
+use std::any::type_name;
+use std::fmt::Display;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures::future::BoxFuture;
+use futures::FutureExt;
+
+use super::retry::RetryStrategy;
+use crate::publish::Headers;
+use crate::store::{Delivery, FailureReason};
+use crate::timer::Timer;
+
+/// What a handler knows about the delivery it runs for.
+#[derive(Debug, Clone)]
+pub struct Context {
+    id: i64,
+    queue: String,
+    timer_id: Option<String>,
+    headers: Option<Headers>,
+    attempt: u32,
+    delivery: u32,
+    deadline: DateTime<Utc>,
+    claimed_at: DateTime<Utc>,
+    created_at: DateTime<Utc>,
+}
+
+impl Context {
+    pub(crate) fn new(d: &Delivery) -> Self {
+        Context {
+            id: d.lease.id,
+            queue: d.queue.clone(),
+            timer_id: d.timer_id.clone(),
+            headers: d.headers.clone(),
+            attempt: u32::try_from(d.attempts_count).unwrap_or(0).saturating_add(1),
+            delivery: u32::try_from(d.deliveries_count).unwrap_or(0),
+            deadline: d.deadline,
+            claimed_at: d.claimed_at,
+            created_at: d.created_at,
+        }
+    }
+
+    /// The row id.
+    pub fn id(&self) -> i64 {
+        self.id
+    }
+
+    /// The queue.
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    /// The timer key, for keyed timers.
+    pub fn timer_id(&self) -> Option<&str> {
+        self.timer_id.as_deref()
+    }
+
+    /// The message headers.
+    pub fn headers(&self) -> Option<&Headers> {
+        self.headers.as_ref()
+    }
+
+    /// This run's attempt number: 1 + the failed runs before it.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// This run's delivery number: claims so far, this one included (a redelivery after
+    /// a lost lease counts).
+    pub fn delivery(&self) -> u32 {
+        self.delivery
+    }
+
+    /// The deadline the row was due at.
+    pub fn deadline(&self) -> DateTime<Utc> {
+        self.deadline
+    }
+
+    /// When this run's lease was taken (database clock).
+    pub fn claimed_at(&self) -> DateTime<Utc> {
+        self.claimed_at
+    }
+
+    /// When the message was published.
+    pub fn created_at(&self) -> DateTime<Utc> {
+        self.created_at
+    }
+}
+
+/// An explicit handler outcome (SPEC §7.2). Returning `Ok(())` is the same as
+/// [`Outcome::Ack`]; returning `Err(e)` retries according to the strategy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Success: the row is deleted (or its queued rearm applied).
+    Ack,
+    /// Failed, try again after this delay (database clock), regardless of the strategy's
+    /// delay; `max_attempts` of the strategy still applies.
+    RetryAfter(Duration),
+    /// Terminal failure now, reason `rejected`, with this error text.
+    Reject(String),
+}
+
+/// What a handler's return value means. Implemented for `()`, [`Outcome`], and
+/// `Result<T, E>` where `T: IntoOutcome` and `E: Display` (an error retries per strategy;
+/// its text is kept as the last error).
+pub trait IntoOutcome: Send {
+    /// Converts into the worker's decision input.
+    fn into_outcome(self) -> HandlerResult;
+}
+
+/// A handler's result as the worker sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HandlerResult {
+    /// Success.
+    Ack,
+    /// Failure: retry per strategy.
+    Error(String),
+    /// Failure: retry after this delay.
+    RetryAfter(Duration),
+    /// Terminal failure.
+    Reject(String),
+}
+
+impl IntoOutcome for () {
+    fn into_outcome(self) -> HandlerResult {
+        HandlerResult::Ack
+    }
+}
+
+impl IntoOutcome for Outcome {
+    fn into_outcome(self) -> HandlerResult {
+        match self {
+            Outcome::Ack => HandlerResult::Ack,
+            Outcome::RetryAfter(d) => HandlerResult::RetryAfter(d),
+            Outcome::Reject(e) => HandlerResult::Reject(e),
+        }
+    }
+}
+
+impl<T: IntoOutcome, E: Display + Send> IntoOutcome for Result<T, E> {
+    fn into_outcome(self) -> HandlerResult {
+        match self {
+            Ok(t) => t.into_outcome(),
+            Err(e) => HandlerResult::Error(e.to_string()),
+        }
+    }
+}
+
+/// An async function of a payload `T` and a [`Context`]: `async fn(T, Context) -> R` where
+/// `R: IntoOutcome`, or a closure of that shape. For typed timers `T` is the `#[timer]`
+/// struct; for raw queues it is `Vec<u8>`.
+pub trait Handler<T>: Send + Sync + 'static {
+    /// Runs the handler.
+    fn call(&self, payload: T, ctx: Context) -> BoxFuture<'static, HandlerResult>;
+}
+
+impl<T, F, Fut> Handler<T> for F
+where
+    F: Fn(T, Context) -> Fut + Send + Sync + 'static,
+    Fut: Future + Send + 'static,
+    Fut::Output: IntoOutcome,
+{
+    fn call(&self, payload: T, ctx: Context) -> BoxFuture<'static, HandlerResult> {
+        let fut = self(payload, ctx);
+        Box::pin(async move { fut.await.into_outcome() })
+    }
+}
+
+/// Per-handler settings: retry strategy and, for raw queues, `max_deliveries`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HandlerOptions {
+    pub(crate) retry: RetryStrategy,
+    pub(crate) max_deliveries: Option<u32>,
+}
+
+/// `max_deliveries` of raw queues when none is set: 10.
+pub const DEFAULT_MAX_DELIVERIES: u32 = 10;
+
+impl Default for HandlerOptions {
+    fn default() -> Self {
+        HandlerOptions {
+            retry: RetryStrategy::default(),
+            max_deliveries: None,
+        }
+    }
+}
+
+impl HandlerOptions {
+    /// Defaults: [`RetryStrategy::default`], `max_deliveries` from the timer (raw queues:
+    /// [`DEFAULT_MAX_DELIVERIES`]).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The retry strategy for handler errors.
+    pub fn retry(mut self, retry: RetryStrategy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Claims allowed before the row is terminal (`max_deliveries`), overriding the
+    /// timer's `MAX_DELIVERIES`.
+    pub fn max_deliveries(mut self, max: u32) -> Self {
+        self.max_deliveries = Some(max);
+        self
+    }
+}
+
+/// Decodes and calls, type-erased.
+pub(crate) trait Erased: Send + Sync + 'static {
+    /// `Err` carries the decode error text.
+    fn dispatch(&self, payload: &[u8], ctx: Context) -> Result<BoxFuture<'static, HandlerResult>, String>;
+}
+
+struct Typed<T, H> {
+    handler: H,
+    _t: PhantomData<fn(T)>,
+}
+
+impl<T: Timer, H: Handler<T>> Erased for Typed<T, H> {
+    fn dispatch(&self, payload: &[u8], ctx: Context) -> Result<BoxFuture<'static, HandlerResult>, String> {
+        let value = T::decode(payload).map_err(|e| e.to_string())?;
+        Ok(self.handler.call(value, ctx))
+    }
+}
+
+struct Raw<H> {
+    handler: H,
+}
+
+impl<H: Handler<Vec<u8>>> Erased for Raw<H> {
+    fn dispatch(&self, payload: &[u8], ctx: Context) -> Result<BoxFuture<'static, HandlerResult>, String> {
+        Ok(self.handler.call(payload.to_vec(), ctx))
+    }
+}
+
+/// A registered handler with its settings.
+#[derive(Clone)]
+pub(crate) struct Route {
+    pub queue: String,
+    /// For error messages: the payload type or the handler's type name.
+    pub name: String,
+    pub handler: Arc<dyn Erased>,
+    pub max_deliveries: u32,
+    pub retry: RetryStrategy,
+}
+
+impl Route {
+    pub(crate) fn typed<T: Timer, H: Handler<T>>(handler: H, options: HandlerOptions) -> Self {
+        Route {
+            queue: T::QUEUE.to_owned(),
+            name: type_name::<T>().to_owned(),
+            handler: Arc::new(Typed { handler, _t: PhantomData }),
+            max_deliveries: options.max_deliveries.unwrap_or(T::MAX_DELIVERIES),
+            retry: options.retry,
+        }
+    }
+
+    pub(crate) fn raw<H: Handler<Vec<u8>>>(queue: String, handler: H, options: HandlerOptions) -> Self {
+        Route {
+            queue,
+            name: format!("raw handler {}", type_name::<H>()),
+            handler: Arc::new(Raw { handler }),
+            max_deliveries: options.max_deliveries.unwrap_or(DEFAULT_MAX_DELIVERIES),
+            retry: options.retry,
+        }
+    }
+}
+
+/// What to do with a delivery once its handler (or the checks before it) are done.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Decision {
+    Ack,
+    Retry { delay: Duration, error: String },
+    Fail { reason: FailureReason, error: Option<String> },
+}
+
+/// Runs one delivery through its route: the `max_deliveries` check, decoding, the handler
+/// (a panic is a failed run), and the retry strategy. Touches no storage, so the worker and
+/// the test harness share it.
+pub(crate) async fn decide(route: &Route, delivery: &Delivery) -> Decision {
+    if i64::from(delivery.deliveries_count) > i64::from(route.max_deliveries) {
+        return Decision::Fail {
+            reason: FailureReason::MaxDeliveries,
+            error: Some(format!(
+                "delivered {} times; max_deliveries is {}",
+                delivery.deliveries_count, route.max_deliveries
+            )),
+        };
+    }
+    let ctx = Context::new(delivery);
+    let fut = match route.handler.dispatch(&delivery.payload, ctx) {
+        Ok(fut) => fut,
+        Err(e) => {
+            return Decision::Fail {
+                reason: FailureReason::DecodeError,
+                error: Some(e),
+            }
+        }
+    };
+    let result = match AssertUnwindSafe(fut).catch_unwind().await {
+        Ok(r) => r,
+        Err(panic) => HandlerResult::Error(format!("handler panicked: {}", panic_text(&panic))),
+    };
+    let failures = u32::try_from(delivery.attempts_count).unwrap_or(0).saturating_add(1);
+    let elapsed = delivery
+        .first_attempt_at
+        .and_then(|first| (delivery.claimed_at - first).to_std().ok())
+        .unwrap_or_default();
+    match result {
+        HandlerResult::Ack => Decision::Ack,
+        HandlerResult::Reject(e) => Decision::Fail {
+            reason: FailureReason::Rejected,
+            error: Some(e),
+        },
+        HandlerResult::Error(error) => match route.retry.next_delay(failures, elapsed, rand::random::<f64>()) {
+            Some(delay) => Decision::Retry { delay, error },
+            None => Decision::Fail {
+                reason: FailureReason::RetryExhausted,
+                error: Some(error),
+            },
+        },
+        HandlerResult::RetryAfter(delay) => {
+            // An explicit delay replaces the strategy's, but its attempt limit still holds.
+            if route.retry.allows_another(failures) {
+                Decision::Retry {
+                    delay,
+                    error: format!("handler asked to retry after {delay:?}"),
+                }
+            } else {
+                Decision::Fail {
+                    reason: FailureReason::RetryExhausted,
+                    error: Some(format!("handler asked to retry after {delay:?}; attempts exhausted")),
+                }
+            }
+        }
+    }
+}
+
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}
