@@ -35,45 +35,46 @@ fn base(n: &Names) -> String {
     let t = &n.qtable;
     let d = &n.qdlq;
     format!(
-        "-- outbox: the base shape (SPEC §1.1, §1.2), without the rearm columns.\n\
-CREATE TABLE IF NOT EXISTS {t} (\n\
-    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,\n\
-    queue varchar(255) NOT NULL,\n\
-    payload bytea NOT NULL,\n\
-    headers jsonb,\n\
-    attempts_count integer NOT NULL DEFAULT 0,\n\
-    deliveries_count integer NOT NULL DEFAULT 0,\n\
-    created_at timestamptz NOT NULL DEFAULT now(),\n\
-    next_attempt_at timestamptz NOT NULL DEFAULT now(),\n\
-    first_attempt_at timestamptz,\n\
-    last_attempt_at timestamptz,\n\
-    acquired_at timestamptz,\n\
-    acquired_token uuid,\n\
-    timer_id varchar(255),\n\
-    CONSTRAINT {lease_ck} CHECK ((acquired_token IS NULL) = (acquired_at IS NULL))\n\
-);\n\
--- The claim of due rows.\n\
-CREATE INDEX IF NOT EXISTS {pending_idx} ON {t} (queue, next_attempt_at) WHERE acquired_token IS NULL;\n\
--- The reclaim of expired leases.\n\
-CREATE INDEX IF NOT EXISTS {lease_idx} ON {t} (queue, acquired_at) WHERE acquired_token IS NOT NULL;\n\
--- One live row per timer key.\n\
-CREATE UNIQUE INDEX IF NOT EXISTS {timer_uq} ON {t} (queue, timer_id) WHERE timer_id IS NOT NULL;\n\
-\n\
-CREATE TABLE IF NOT EXISTS {d} (\n\
-    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,\n\
-    original_id bigint NOT NULL,\n\
-    queue varchar(255) NOT NULL,\n\
-    payload bytea NOT NULL,\n\
-    headers jsonb,\n\
-    timer_id varchar(255),\n\
-    attempts_count integer NOT NULL,\n\
-    deliveries_count integer NOT NULL,\n\
-    created_at timestamptz NOT NULL,\n\
-    failed_at timestamptz NOT NULL DEFAULT now(),\n\
-    failure_reason varchar(64) NOT NULL,\n\
-    last_error text\n\
-);\n\
-CREATE INDEX IF NOT EXISTS {dlq_idx} ON {d} (queue, failed_at);\n",
+        r#"-- outbox: the base shape (SPEC §1.1, §1.2), without the rearm columns.
+CREATE TABLE IF NOT EXISTS {t} (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    queue varchar(255) NOT NULL,
+    payload bytea NOT NULL,
+    headers jsonb,
+    attempts_count integer NOT NULL DEFAULT 0,
+    deliveries_count integer NOT NULL DEFAULT 0,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    next_attempt_at timestamptz NOT NULL DEFAULT now(),
+    first_attempt_at timestamptz,
+    last_attempt_at timestamptz,
+    acquired_at timestamptz,
+    acquired_token uuid,
+    timer_id varchar(255),
+    CONSTRAINT {lease_ck} CHECK ((acquired_token IS NULL) = (acquired_at IS NULL))
+);
+-- The claim of due rows.
+CREATE INDEX IF NOT EXISTS {pending_idx} ON {t} (queue, next_attempt_at) WHERE acquired_token IS NULL;
+-- The reclaim of expired leases.
+CREATE INDEX IF NOT EXISTS {lease_idx} ON {t} (queue, acquired_at) WHERE acquired_token IS NOT NULL;
+-- One live row per timer key.
+CREATE UNIQUE INDEX IF NOT EXISTS {timer_uq} ON {t} (queue, timer_id) WHERE timer_id IS NOT NULL;
+
+CREATE TABLE IF NOT EXISTS {d} (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    original_id bigint NOT NULL,
+    queue varchar(255) NOT NULL,
+    payload bytea NOT NULL,
+    headers jsonb,
+    timer_id varchar(255),
+    attempts_count integer NOT NULL,
+    deliveries_count integer NOT NULL,
+    created_at timestamptz NOT NULL,
+    failed_at timestamptz NOT NULL DEFAULT now(),
+    failure_reason varchar(64) NOT NULL,
+    last_error text
+);
+CREATE INDEX IF NOT EXISTS {dlq_idx} ON {d} (queue, failed_at);
+"#,
         lease_ck = quote_ident(&n.lease_ck),
         pending_idx = quote_ident(&n.pending_idx),
         lease_idx = quote_ident(&n.lease_idx),
@@ -85,23 +86,24 @@ CREATE INDEX IF NOT EXISTS {dlq_idx} ON {d} (queue, failed_at);\n",
 fn rearm_columns(n: &Names) -> String {
     let t = &n.qtable;
     format!(
-        "-- outbox: the rearm upgrade, step 1 of 2 (SPEC §1.3).\n\
--- Nullable columns without defaults: no table rewrite. The CHECK is added NOT VALID, so\n\
--- the ACCESS EXCLUSIVE lock of ADD CONSTRAINT is held only for a catalog change; the scan\n\
--- of existing rows happens in the next step under a weaker lock.\n\
-ALTER TABLE {t}\n\
-    ADD COLUMN IF NOT EXISTS rearm_at timestamptz,\n\
-    ADD COLUMN IF NOT EXISTS rearm_payload bytea,\n\
-    ADD COLUMN IF NOT EXISTS rearm_headers jsonb;\n\
-DO $outbox$\n\
-BEGIN\n\
-    IF NOT EXISTS (SELECT 1 FROM pg_constraint\n\
-                   WHERE conrelid = {tlit}::regclass AND conname = {ck_lit}) THEN\n\
-        ALTER TABLE {t} ADD CONSTRAINT {ck}\n\
-            CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL) NOT VALID;\n\
-    END IF;\n\
-END\n\
-$outbox$;\n",
+        r#"-- outbox: the rearm upgrade, step 1 of 2 (SPEC §1.3).
+-- Nullable columns without defaults: no table rewrite. The CHECK is added NOT VALID, so
+-- the ACCESS EXCLUSIVE lock of ADD CONSTRAINT is held only for a catalog change; the scan
+-- of existing rows happens in the next step under a weaker lock.
+ALTER TABLE {t}
+    ADD COLUMN IF NOT EXISTS rearm_at timestamptz,
+    ADD COLUMN IF NOT EXISTS rearm_payload bytea,
+    ADD COLUMN IF NOT EXISTS rearm_headers jsonb;
+DO $outbox$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_constraint
+                   WHERE conrelid = {tlit}::regclass AND conname = {ck_lit}) THEN
+        ALTER TABLE {t} ADD CONSTRAINT {ck}
+            CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL) NOT VALID;
+    END IF;
+END
+$outbox$;
+"#,
         tlit = n.table_literal(),
         ck_lit = quote_literal(&n.rearm_ck),
         ck = quote_ident(&n.rearm_ck),
@@ -110,10 +112,11 @@ $outbox$;\n",
 
 fn rearm_validate(n: &Names) -> String {
     format!(
-        "-- outbox: the rearm upgrade, step 2 of 2 (SPEC §1.3).\n\
--- Its own transaction: VALIDATE scans the table under SHARE UPDATE EXCLUSIVE, which lets\n\
--- reads and writes go on.\n\
-ALTER TABLE {t} VALIDATE CONSTRAINT {ck};\n",
+        r#"-- outbox: the rearm upgrade, step 2 of 2 (SPEC §1.3).
+-- Its own transaction: VALIDATE scans the table under SHARE UPDATE EXCLUSIVE, which lets
+-- reads and writes go on.
+ALTER TABLE {t} VALIDATE CONSTRAINT {ck};
+"#,
         t = n.qtable,
         ck = quote_ident(&n.rearm_ck),
     )
