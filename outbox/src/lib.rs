@@ -20,6 +20,7 @@ mod migrate;
 mod publish;
 mod schema;
 pub mod store;
+pub mod testing;
 mod timer;
 mod validate;
 mod worker;

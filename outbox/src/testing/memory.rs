@@ -1,0 +1,822 @@
+//! [`MemoryStore`]: the storage contract of [`PgStore`](crate::PgStore) in memory, on a
+//! virtual clock.
+//!
+//! Every operation mirrors one statement of `store/postgres.rs`, `publish.rs` or
+//! `cancel.rs`; the comments name the SQL detail each branch reproduces. The project's
+//! contract suite and model-based test (`tests/integration/tests/{contract,model}.rs`) run
+//! the same scenarios against both stores and compare the rows.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::future::{ready, Future};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use chrono::{DateTime, NaiveDate, NaiveDateTime, TimeDelta, Utc};
+use uuid::Uuid;
+
+use crate::cancel::Cancelled;
+use crate::error::{Error, Result};
+use crate::publish::{
+    validate_headers, validate_payload, validate_queue, validate_timer_id, BatchItem, Message,
+    OnConflict, Published, Resolved, Schedule,
+};
+use crate::store::{
+    clean_error_text, Completion, DeadLetter, Delivery, Failure, Lease, NextWakeup, Store,
+    StoredRow,
+};
+use crate::timer::Publisher;
+
+/// An in-memory [`Store`] with the same observable behaviour as [`PgStore`](crate::PgStore)
+/// (SPEC §10), for testing handlers and timer logic without a database.
+///
+/// What "the same" means: for the same sequence of operations, both stores return the same
+/// outcomes and hold the same rows: ids count up from 1 (a single-row publish uses up an id
+/// even when it inserts nothing, as a Postgres identity column does under
+/// `INSERT … ON CONFLICT`), one random lease token per claim, the same deliveries and
+/// attempts counts, retry history, rearm columns and dead-letter rows, and timestamps at
+/// Postgres' precision (whole microseconds). The project's contract suite checks this
+/// scenario by scenario against Postgres.
+///
+/// # The virtual clock
+///
+/// The store's clock (what `now()` is in SQL) stands still until you move it with
+/// [`MemoryStore::advance`] or [`MemoryStore::set_time`]. A deadline computed from a
+/// relative [`Schedule`] is "the store's clock + delay", exactly as Postgres computes
+/// `now() + interval`; an absolute schedule is taken as given. [`MemoryStore::new`] starts
+/// the clock at the current wall-clock time (whole seconds) so that absolute schedules
+/// built from [`Utc::now`] behave as expected; [`MemoryStore::starting_at`] starts it at a
+/// fixed instant for fully reproducible tests.
+///
+/// # Sharing
+///
+/// Cheap to clone: clones share the same rows and clock (an `Arc<Mutex<…>>`), so one clone
+/// can sit in a worker while the test publishes and inspects through another. It also
+/// implements [`Publisher`], so the `publish_*`, `extend_*` and `cancel_*` functions that
+/// `#[timer]` generates run against it: `publish_presence_expiry(&mut store.clone(), …)`.
+///
+/// # Differences from Postgres
+///
+/// - There are no transactions: each call is atomic on its own and calls are serialised.
+///   What a transaction would add (a rolled-back publish leaving no row, lock waits) is
+///   covered by the Postgres-only tests.
+/// - Among rows with the **same** deadline, a claim with a `limit` that cuts through them
+///   takes the lowest ids; Postgres takes them in index order (usually, but not always, the
+///   same). The returned deliveries are ordered by deadline, then id, in both stores.
+/// - A time computed outside Postgres' timestamp range (a retry delay of 300 000 years) is
+///   an [`Error::InvalidArgument`] here and a database error there.
+/// - Lookups scan every row: it is meant for tests, not for millions of rows.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox::testing::MemoryStore;
+/// use outbox::{Completion, Message, OnConflict, Published, Store};
+///
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let store = MemoryStore::new();
+/// let queues = ["presence.expiry".to_owned()];
+/// let ping = |payload: &'static [u8]| {
+///     Message::new("presence.expiry", payload)
+///         .timer_id("user-7")
+///         .schedule(Duration::from_secs(60))
+///         .on_conflict(OnConflict::Extend)
+/// };
+/// assert_eq!(store.publish(ping(b"{}")).await?, Published::Inserted { id: 1 });
+///
+/// // Not due yet.
+/// assert!(store.claim(&queues, 10, Duration::from_secs(30)).await?.is_empty());
+/// store.advance(Duration::from_secs(60));
+/// let d = store.claim(&queues, 10, Duration::from_secs(30)).await?.remove(0);
+///
+/// // A ping while the handler runs queues a rearm; the ack applies it.
+/// store.advance(Duration::from_secs(1));
+/// assert_eq!(store.publish(ping(b"{}")).await?, Published::RearmQueued { id: 1 });
+/// let Completion::Rearmed { at } = store.ack(d.lease).await? else { panic!() };
+/// assert_eq!(at, store.time() + Duration::from_secs(60));
+/// # Ok::<(), outbox::Error>(())
+/// # }).unwrap();
+/// ```
+#[derive(Clone, Default)]
+pub struct MemoryStore {
+    state: Arc<Mutex<State>>,
+}
+
+impl fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.lock();
+        f.debug_struct("MemoryStore")
+            .field("now", &s.now)
+            .field("dead_letter", &s.dead_letter)
+            .field("rows", &s.rows.len())
+            .field("dead_letters", &s.dlq.len())
+            .finish()
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    /// The virtual clock, always at whole microseconds.
+    now: DateTime<Utc>,
+    dead_letter: bool,
+    /// The last id handed out by the queue table's identity (0 = none yet).
+    last_id: i64,
+    /// The same for the dead-letter table.
+    last_dlq_id: i64,
+    /// Live rows by id.
+    rows: BTreeMap<i64, StoredRow>,
+    /// The dead-letter table, in insertion (= id) order.
+    dlq: Vec<DeadLetter>,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        let now = Utc::now();
+        // Whole seconds: printed times stay readable, and sub-second noise from the wall
+        // clock does not leak into tests.
+        let now = DateTime::from_timestamp(now.timestamp(), 0).unwrap_or(now);
+        State::at(now)
+    }
+}
+
+impl State {
+    fn at(now: DateTime<Utc>) -> Self {
+        State {
+            now: to_postgres_precision(now),
+            dead_letter: false,
+            last_id: 0,
+            last_dlq_id: 0,
+            rows: BTreeMap::new(),
+            dlq: Vec::new(),
+        }
+    }
+}
+
+/// Postgres' epoch: `timestamptz` values travel as microseconds since it.
+fn postgres_epoch() -> NaiveDateTime {
+    NaiveDate::from_ymd_opt(2000, 1, 1)
+        .and_then(|d| d.and_hms_opt(0, 0, 0))
+        .unwrap_or_default()
+}
+
+/// The instant Postgres stores for `t`: sqlx sends whole microseconds since 2000-01-01,
+/// truncated towards that epoch (chrono's `num_microseconds`).
+fn to_postgres_precision(t: DateTime<Utc>) -> DateTime<Utc> {
+    let epoch = postgres_epoch();
+    match (t.naive_utc() - epoch).num_microseconds() {
+        Some(us) => (epoch + TimeDelta::microseconds(us)).and_utc(),
+        None => t,
+    }
+}
+
+/// `Duration` → whole microseconds, with the same rule and message as the Postgres store.
+fn micros(d: Duration) -> Result<i64> {
+    i64::try_from(d.as_micros())
+        .map_err(|_| Error::invalid("duration", "overflows 64-bit microseconds"))
+}
+
+/// `t + us` microseconds, as Postgres' `timestamptz + interval`.
+fn plus(t: DateTime<Utc>, us: i64, field: &'static str) -> Result<DateTime<Utc>> {
+    t.checked_add_signed(TimeDelta::microseconds(us))
+        .ok_or_else(|| Error::invalid(field, "the resulting time is out of range"))
+}
+
+fn row_order(r: &StoredRow) -> (DateTime<Utc>, i64) {
+    (r.next_attempt_at, r.id)
+}
+
+impl State {
+    fn next_id(&mut self) -> i64 {
+        self.last_id += 1;
+        self.last_id
+    }
+
+    fn deadline(&self, schedule: Resolved) -> Result<DateTime<Utc>> {
+        match schedule {
+            Resolved::In(us) => plus(self.now, us, "schedule"),
+            Resolved::At(at) => Ok(to_postgres_precision(at)),
+        }
+    }
+
+    fn timer_row(&self, queue: &str, timer_id: &str) -> Option<i64> {
+        self.rows
+            .values()
+            .find(|r| r.queue == queue && r.timer_id.as_deref() == Some(timer_id))
+            .map(|r| r.id)
+    }
+
+    /// The row `lease` fences, if its token still matches (`WHERE id = $1 AND
+    /// acquired_token = $2`).
+    fn leased(&mut self, lease: Lease) -> Option<&mut StoredRow> {
+        self.rows
+            .get_mut(&lease.id)
+            .filter(|r| r.acquired_token == Some(lease.token))
+    }
+
+    /// `publish.rs`: the insert statement (`Ignore`) and the extend statement (`Extend`).
+    fn publish(&mut self, message: Message<'_>) -> Result<Published> {
+        let schedule = message.validate()?;
+        let at = self.deadline(schedule)?;
+        // The identity default is evaluated before ON CONFLICT looks for the key, so every
+        // single-row publish uses up an id, whatever it ends up doing.
+        let id = self.next_id();
+        let existing = message
+            .timer_id
+            .and_then(|k| self.timer_row(message.queue, k));
+        let Some(existing) = existing else {
+            self.rows.insert(
+                id,
+                StoredRow {
+                    id,
+                    queue: message.queue.to_owned(),
+                    payload: message.payload.to_vec(),
+                    headers: message.headers.cloned(),
+                    attempts_count: 0,
+                    deliveries_count: 0,
+                    created_at: self.now,
+                    next_attempt_at: at,
+                    first_attempt_at: None,
+                    last_attempt_at: None,
+                    acquired_at: None,
+                    acquired_token: None,
+                    timer_id: message.timer_id.map(str::to_owned),
+                    rearm_at: None,
+                    rearm_payload: None,
+                    rearm_headers: None,
+                },
+            );
+            return Ok(Published::Inserted { id });
+        };
+        if message.on_conflict == OnConflict::Ignore {
+            return Ok(Published::Skipped);
+        }
+        let Some(row) = self.rows.get_mut(&existing) else {
+            return Ok(Published::Skipped);
+        };
+        if row.acquired_token.is_none() {
+            // SPEC §4: later only; new payload and headers; retry history reset.
+            if at <= row.next_attempt_at {
+                return Ok(Published::Unchanged);
+            }
+            row.next_attempt_at = at;
+            row.payload = message.payload.to_vec();
+            row.headers = message.headers.cloned();
+            row.attempts_count = 0;
+            row.first_attempt_at = None;
+            row.last_attempt_at = None;
+            Ok(Published::Extended { id: row.id })
+        } else {
+            // SPEC §5: later than greatest(claimed deadline, rearm_at); `greatest` ignores NULL.
+            let current = row
+                .rearm_at
+                .map_or(row.next_attempt_at, |r| r.max(row.next_attempt_at));
+            if at <= current {
+                return Ok(Published::Unchanged);
+            }
+            row.rearm_at = Some(at);
+            row.rearm_payload = Some(message.payload.to_vec());
+            row.rearm_headers = message.headers.cloned();
+            Ok(Published::RearmQueued { id: row.id })
+        }
+    }
+
+    /// `cancel.rs`: lock, then delete a pending row, drop a rearm, or leave a running row.
+    fn cancel(&mut self, queue: &str, timer_id: &str) -> Result<Cancelled> {
+        validate_queue(queue)?;
+        validate_timer_id(timer_id)?;
+        let Some(id) = self.timer_row(queue, timer_id) else {
+            return Ok(Cancelled::NotFound);
+        };
+        let Some(row) = self.rows.get_mut(&id) else {
+            return Ok(Cancelled::NotFound);
+        };
+        if row.acquired_token.is_none() {
+            self.rows.remove(&id);
+            Ok(Cancelled::Deleted { id })
+        } else if row.rearm_at.is_some() {
+            clear_rearm(row);
+            Ok(Cancelled::RearmDropped { id })
+        } else {
+            Ok(Cancelled::Running { id })
+        }
+    }
+
+    /// The claim statement of `store/postgres.rs` (SPEC §6).
+    fn claim(
+        &mut self,
+        queues: &[String],
+        limit: usize,
+        lease_ttl: Duration,
+    ) -> Result<Vec<Delivery>> {
+        for q in queues {
+            validate_queue(q)?;
+        }
+        let ttl = micros(lease_ttl)?;
+        if queues.is_empty() || limit == 0 {
+            return Ok(Vec::new());
+        }
+        let now = self.now;
+        let expired_before = plus(now, -ttl, "lease_ttl")?;
+        // Two branches per entry of `queues` (a queue named twice gets two of each, as
+        // `unnest` does), each with its own LIMIT; then the best `limit` candidates by
+        // (deadline, id).
+        let mut candidates: Vec<(DateTime<Utc>, i64)> = Vec::new();
+        for q in queues {
+            let mut due: Vec<&StoredRow> = self
+                .rows
+                .values()
+                .filter(|r| &r.queue == q && r.acquired_token.is_none() && r.next_attempt_at <= now)
+                .collect();
+            due.sort_by_key(|r| row_order(r));
+            candidates.extend(due.iter().take(limit).map(|r| row_order(r)));
+
+            let mut expired: Vec<&StoredRow> = self
+                .rows
+                .values()
+                .filter(|r| {
+                    &r.queue == q
+                        && r.acquired_token.is_some()
+                        && r.acquired_at.is_some_and(|a| a < expired_before)
+                        && r.next_attempt_at <= now
+                })
+                .collect();
+            expired.sort_by_key(|r| (r.acquired_at, r.id));
+            candidates.extend(expired.iter().take(limit).map(|r| row_order(r)));
+        }
+        candidates.sort();
+        candidates.truncate(limit);
+        // UPDATE … FROM updates a row once however often it is joined.
+        let mut seen = HashSet::new();
+        let token = Uuid::new_v4();
+        let mut out = Vec::new();
+        for (_, id) in candidates {
+            if !seen.insert(id) {
+                continue;
+            }
+            let Some(row) = self.rows.get_mut(&id) else {
+                continue;
+            };
+            row.acquired_token = Some(token);
+            row.acquired_at = Some(now);
+            row.deliveries_count += 1;
+            out.push(Delivery {
+                lease: Lease { id, token },
+                queue: row.queue.clone(),
+                payload: row.payload.clone(),
+                headers: row.headers.clone(),
+                timer_id: row.timer_id.clone(),
+                attempts_count: row.attempts_count,
+                deliveries_count: row.deliveries_count,
+                created_at: row.created_at,
+                deadline: row.next_attempt_at,
+                first_attempt_at: row.first_attempt_at,
+                claimed_at: now,
+            });
+        }
+        out.sort_by_key(|d| (d.deadline, d.lease.id));
+        Ok(out)
+    }
+
+    /// SPEC §5.2: `DELETE … AND rearm_at IS NULL`, else the fenced rearm UPDATE.
+    fn ack(&mut self, lease: Lease) -> Completion {
+        let Some(row) = self.leased(lease) else {
+            return Completion::LeaseLost;
+        };
+        if row.rearm_at.is_none() {
+            self.rows.remove(&lease.id);
+            Completion::Deleted
+        } else {
+            Completion::Rearmed {
+                at: apply_rearm(row),
+            }
+        }
+    }
+
+    /// The batched DELETE, then one rearm UPDATE for the leases it did not return. Like
+    /// the Postgres store, outcomes are matched to leases by row id.
+    fn ack_batch(&mut self, leases: &[Lease]) -> Vec<Completion> {
+        if leases.is_empty() {
+            return Vec::new();
+        }
+        let mut deleted = HashSet::new();
+        for l in leases {
+            if self.leased(*l).is_some_and(|r| r.rearm_at.is_none()) {
+                self.rows.remove(&l.id);
+                deleted.insert(l.id);
+            }
+        }
+        let mut rearmed = HashMap::new();
+        for l in leases.iter().filter(|l| !deleted.contains(&l.id)) {
+            if let Some(row) = self.leased(*l).filter(|r| r.rearm_at.is_some()) {
+                rearmed.insert(l.id, apply_rearm(row));
+            }
+        }
+        leases
+            .iter()
+            .map(|l| {
+                if deleted.contains(&l.id) {
+                    Completion::Deleted
+                } else if let Some(&at) = rearmed.get(&l.id) {
+                    Completion::Rearmed { at }
+                } else {
+                    Completion::LeaseLost
+                }
+            })
+            .collect()
+    }
+
+    /// The retry statement: the rearm, if queued, replaces the retry; history is updated
+    /// either way and `deliveries_count` is kept.
+    fn retry(&mut self, lease: Lease, delay: Duration) -> Result<Completion> {
+        let delay = micros(delay)?;
+        let now = self.now;
+        let Some(row) = self.leased(lease) else {
+            return Ok(Completion::LeaseLost);
+        };
+        let (at, outcome) = match row.rearm_at.take() {
+            Some(at) => {
+                row.payload = row.rearm_payload.take().unwrap_or_default();
+                row.headers = row.rearm_headers.take();
+                (at, Completion::Rearmed { at })
+            }
+            // Only this branch computes `now() + delay` (SQL's CASE is lazy).
+            None => {
+                let at = plus(now, delay, "duration")?;
+                (at, Completion::RetryScheduled { at })
+            }
+        };
+        row.next_attempt_at = at;
+        row.attempts_count += 1;
+        row.first_attempt_at = Some(row.first_attempt_at.unwrap_or(now));
+        row.last_attempt_at = Some(now);
+        clear_rearm(row);
+        row.acquired_token = None;
+        row.acquired_at = None;
+        Ok(outcome)
+    }
+
+    /// The dead-letter statement: archive the failed run (its own payload), then delete the
+    /// row or apply its rearm. Without the dead-letter queue, a success.
+    fn fail(&mut self, lease: Lease, failure: Failure<'_>) -> Completion {
+        if !self.dead_letter {
+            return self.ack(lease);
+        }
+        let now = self.now;
+        let Some(row) = self.leased(lease) else {
+            return Completion::LeaseLost;
+        };
+        let archived = DeadLetter {
+            id: 0,
+            original_id: row.id,
+            queue: row.queue.clone(),
+            payload: row.payload.clone(),
+            headers: row.headers.clone(),
+            timer_id: row.timer_id.clone(),
+            attempts_count: row.attempts_count + i32::from(failure.reason.handler_ran()),
+            deliveries_count: row.deliveries_count,
+            created_at: row.created_at,
+            failed_at: now,
+            failure_reason: failure.reason.as_str().to_owned(),
+            last_error: failure.last_error.map(clean_error_text),
+        };
+        let outcome = if row.rearm_at.is_some() {
+            Completion::Rearmed {
+                at: apply_rearm(row),
+            }
+        } else {
+            self.rows.remove(&lease.id);
+            Completion::Deleted
+        };
+        self.last_dlq_id += 1;
+        self.dlq.push(DeadLetter {
+            id: self.last_dlq_id,
+            ..archived
+        });
+        outcome
+    }
+
+    fn next_wakeup(&self, queues: &[String], lease_ttl: Duration) -> Result<NextWakeup> {
+        let ttl = micros(lease_ttl)?;
+        let served = |r: &&StoredRow| queues.contains(&r.queue);
+        let deadline = self
+            .rows
+            .values()
+            .filter(served)
+            .filter(|r| r.acquired_token.is_none())
+            .map(|r| r.next_attempt_at)
+            .min();
+        let oldest_lease = self
+            .rows
+            .values()
+            .filter(served)
+            .filter(|r| r.acquired_token.is_some())
+            .filter_map(|r| r.acquired_at)
+            .min();
+        let lease_expiry = oldest_lease.map(|a| plus(a, ttl, "duration")).transpose()?;
+        Ok(NextWakeup {
+            now: self.now,
+            deadline,
+            lease_expiry,
+        })
+    }
+
+    fn pending(&self, queue: &str, limit: usize) -> Result<Vec<StoredRow>> {
+        validate_queue(queue)?;
+        let mut rows: Vec<StoredRow> = self
+            .rows
+            .values()
+            .filter(|r| r.queue == queue)
+            .cloned()
+            .collect();
+        rows.sort_by_key(row_order);
+        rows.truncate(limit);
+        Ok(rows)
+    }
+
+    fn dead_letters(&self, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
+        validate_queue(queue)?;
+        let mut rows: Vec<DeadLetter> = self
+            .dlq
+            .iter()
+            .filter(|d| d.queue == queue)
+            .cloned()
+            .collect();
+        rows.sort_by_key(|d| (d.failed_at, d.id));
+        rows.truncate(limit);
+        Ok(rows)
+    }
+
+    /// `Outbox::publish_batch`: the same checks in the same order, ids in item order.
+    fn publish_batch(
+        &mut self,
+        queue: &str,
+        items: &[BatchItem<'_>],
+        schedule: Schedule,
+    ) -> Result<Vec<i64>> {
+        validate_queue(queue)?;
+        let resolved = schedule.resolve()?;
+        for item in items {
+            validate_payload(item.payload)?;
+            if let Some(h) = item.headers {
+                validate_headers(h)?;
+            }
+        }
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let at = self.deadline(resolved)?;
+        let mut ids = Vec::with_capacity(items.len());
+        for item in items {
+            let id = self.next_id();
+            self.rows.insert(
+                id,
+                StoredRow {
+                    id,
+                    queue: queue.to_owned(),
+                    payload: item.payload.to_vec(),
+                    headers: item.headers.cloned(),
+                    attempts_count: 0,
+                    deliveries_count: 0,
+                    created_at: self.now,
+                    next_attempt_at: at,
+                    first_attempt_at: None,
+                    last_attempt_at: None,
+                    acquired_at: None,
+                    acquired_token: None,
+                    timer_id: None,
+                    rearm_at: None,
+                    rearm_payload: None,
+                    rearm_headers: None,
+                },
+            );
+            ids.push(id);
+        }
+        Ok(ids)
+    }
+}
+
+fn clear_rearm(row: &mut StoredRow) {
+    row.rearm_at = None;
+    row.rearm_payload = None;
+    row.rearm_headers = None;
+}
+
+/// `APPLY_REARM`: the leased row becomes a fresh pending timer at `rearm_at` with the rearm
+/// payload; lease, rearm columns, retry history and `deliveries_count` cleared.
+fn apply_rearm(row: &mut StoredRow) -> DateTime<Utc> {
+    let at = row.rearm_at.unwrap_or(row.next_attempt_at);
+    row.next_attempt_at = at;
+    row.payload = row.rearm_payload.take().unwrap_or_default();
+    row.headers = row.rearm_headers.take();
+    clear_rearm(row);
+    row.acquired_token = None;
+    row.acquired_at = None;
+    row.attempts_count = 0;
+    row.first_attempt_at = None;
+    row.last_attempt_at = None;
+    row.deliveries_count = 0;
+    at
+}
+
+impl MemoryStore {
+    /// An empty store, dead-letter queue off (like [`Outbox::default`](crate::Outbox)),
+    /// its clock at the current wall-clock time rounded down to whole seconds.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An empty store whose clock starts at `start` (kept to whole microseconds, as
+    /// Postgres would store it). Use a fixed instant for reproducible tests.
+    pub fn starting_at(start: DateTime<Utc>) -> Self {
+        MemoryStore {
+            state: Arc::new(Mutex::new(State::at(start))),
+        }
+    }
+
+    /// Turns archiving of terminal failures on or off (default off), as
+    /// [`OutboxBuilder::dead_letter`](crate::OutboxBuilder::dead_letter) does. Affects
+    /// every clone.
+    pub fn with_dead_letter(self, on: bool) -> Self {
+        self.lock().dead_letter = on;
+        self
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Nothing panics while holding the lock; recover the state rather than
+        // propagating a poison from an unrelated panic.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The virtual clock: what `now()` is for this store.
+    pub fn time(&self) -> DateTime<Utc> {
+        self.lock().now
+    }
+
+    /// Moves the virtual clock forward by `by` (kept to whole microseconds). Rows become
+    /// due and leases expire accordingly; nothing runs by itself.
+    ///
+    /// # Panics
+    /// If the clock would leave chrono's range (about 262 000 years).
+    pub fn advance(&self, by: Duration) {
+        let mut s = self.lock();
+        let us = i64::try_from(by.as_micros()).unwrap_or(i64::MAX);
+        s.now = plus(s.now, us, "advance")
+            .unwrap_or_else(|_| panic!("MemoryStore::advance({by:?}) leaves the clock's range"));
+    }
+
+    /// Sets the virtual clock to `now` (kept to whole microseconds). Moving it backwards is
+    /// allowed, as a database clock can jump; deadlines already stored do not move.
+    pub fn set_time(&self, now: DateTime<Utc>) {
+        self.lock().now = to_postgres_precision(now);
+    }
+
+    /// Every live row of every queue (pending and leased), ordered by deadline, then id.
+    pub fn rows(&self) -> Vec<StoredRow> {
+        let mut rows: Vec<StoredRow> = self.lock().rows.values().cloned().collect();
+        rows.sort_by_key(row_order);
+        rows
+    }
+
+    /// Every row of the dead-letter table, oldest first.
+    pub fn dead_letter_rows(&self) -> Vec<DeadLetter> {
+        self.lock().dlq.clone()
+    }
+
+    /// Publishes many messages to one queue at once, like
+    /// [`Outbox::publish_batch`](crate::Outbox::publish_batch): all or nothing, no timer
+    /// ids, new ids in the order of `items`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for input that breaks SPEC §2.1; nothing is written.
+    pub fn publish_batch(
+        &self,
+        queue: &str,
+        items: &[BatchItem<'_>],
+        schedule: impl Into<Schedule>,
+    ) -> Result<Vec<i64>> {
+        self.lock().publish_batch(queue, items, schedule.into())
+    }
+}
+
+impl Store for MemoryStore {
+    fn claim(
+        &self,
+        queues: &[String],
+        limit: usize,
+        lease_ttl: Duration,
+    ) -> impl Future<Output = Result<Vec<Delivery>>> + Send {
+        ready(self.lock().claim(queues, limit, lease_ttl))
+    }
+
+    fn ack(&self, lease: Lease) -> impl Future<Output = Result<Completion>> + Send {
+        ready(Ok(self.lock().ack(lease)))
+    }
+
+    fn ack_batch(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<Completion>>> + Send {
+        ready(Ok(self.lock().ack_batch(leases)))
+    }
+
+    fn retry(
+        &self,
+        lease: Lease,
+        delay: Duration,
+    ) -> impl Future<Output = Result<Completion>> + Send {
+        ready(self.lock().retry(lease, delay))
+    }
+
+    fn fail(
+        &self,
+        lease: Lease,
+        failure: Failure<'_>,
+    ) -> impl Future<Output = Result<Completion>> + Send {
+        ready(Ok(self.lock().fail(lease, failure)))
+    }
+
+    fn next_wakeup(
+        &self,
+        queues: &[String],
+        lease_ttl: Duration,
+    ) -> impl Future<Output = Result<NextWakeup>> + Send {
+        ready(self.lock().next_wakeup(queues, lease_ttl))
+    }
+
+    fn publish(&self, message: Message<'_>) -> impl Future<Output = Result<Published>> + Send {
+        ready(self.lock().publish(message))
+    }
+
+    fn cancel(
+        &self,
+        queue: &str,
+        timer_id: &str,
+    ) -> impl Future<Output = Result<Cancelled>> + Send {
+        ready(self.lock().cancel(queue, timer_id))
+    }
+
+    fn pending(
+        &self,
+        queue: &str,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<StoredRow>>> + Send {
+        ready(self.lock().pending(queue, limit))
+    }
+
+    fn dead_letters(
+        &self,
+        queue: &str,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<DeadLetter>>> + Send {
+        ready(self.lock().dead_letters(queue, limit))
+    }
+
+    fn dead_letter_enabled(&self) -> bool {
+        self.lock().dead_letter
+    }
+
+    fn now(&self) -> impl Future<Output = Result<DateTime<Utc>>> + Send {
+        ready(Ok(self.lock().now))
+    }
+}
+
+/// Lets the functions `#[timer]` generates publish into the store:
+/// `extend_presence_expiry(&mut store.clone(), "7", &payload, Duration::from_secs(60))`.
+impl Publisher for MemoryStore {
+    fn publish_message<'a>(
+        &'a mut self,
+        message: Message<'a>,
+    ) -> impl Future<Output = Result<Published>> + Send + 'a {
+        ready(self.lock().publish(message))
+    }
+
+    fn cancel_timer<'a>(
+        &'a mut self,
+        queue: &'a str,
+        timer_id: &'a str,
+    ) -> impl Future<Output = Result<Cancelled>> + Send + 'a {
+        ready(self.lock().cancel(queue, timer_id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precision_matches_sqlx() {
+        let t = DateTime::parse_from_rfc3339("2030-01-01T00:00:00.123456789Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        assert_eq!(
+            to_postgres_precision(t),
+            DateTime::parse_from_rfc3339("2030-01-01T00:00:00.123456Z").unwrap()
+        );
+        // Before 2000 sqlx truncates towards its epoch, i.e. upwards.
+        let t = DateTime::parse_from_rfc3339("1999-12-31T23:59:59.000000500Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        assert_eq!(
+            to_postgres_precision(t),
+            DateTime::parse_from_rfc3339("1999-12-31T23:59:59.000001Z").unwrap()
+        );
+    }
+}
