@@ -167,6 +167,6 @@ fn overlong_derived_identifiers_are_rejected_by_name() {
         }
         other => panic!("{other:?}"),
     }
-    let err = Outbox::builder().table("t").dead_letter_table("d".repeat(40)).build().unwrap_err();
+    let err = Outbox::builder().table("t").dead_letter_table("d".repeat(45)).build().unwrap_err();
     assert!(matches!(err, Error::InvalidName { identifier, .. } if identifier.ends_with("_queue_failed_at_idx")));
 }
