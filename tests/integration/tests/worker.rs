@@ -1,0 +1,443 @@
+//! The worker on real Postgres (SPEC §7): outcomes, retries, dead letters, rearm during a
+//! run, redelivery after a lost lease, wake-ups, database failures, shutdown.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox::{
+    Context, Error, HandlerOptions, Message, Outcome, PgStore, Published, RetryStrategy, Store, Worker,
+};
+use outbox_tests::Fixture;
+use tokio::sync::Notify;
+
+#[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Expiry {
+    user_id: i64,
+    seq: u32,
+}
+
+#[outbox::timer(queue = "presence.expiry", max_deliveries = 3)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct SameQueue;
+
+#[outbox::timer(queue = "jobs", max_deliveries = 3)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Job {
+    n: u32,
+}
+
+/// Polls `cond` every 20 ms until it holds, failing after `secs` seconds.
+async fn eventually<F, Fut>(secs: u64, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let end = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while tokio::time::Instant::now() < end {
+        if cond().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+fn fast(store: PgStore) -> outbox::WorkerBuilder<PgStore> {
+    Worker::builder(store).idle_poll(Duration::from_millis(200))
+}
+
+async fn seed_job(f: &Fixture, n: u32) {
+    let mut conn = f.pool.acquire().await.unwrap();
+    outbox::publish_timer(&mut f.outbox.on(&mut conn), &format!("job-{n}"), &Job { n }, Duration::ZERO)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn build_rejects_bad_knobs_and_duplicate_queues() {
+    let f = Fixture::new().await;
+    let ok = |_: Expiry, _: Context| async { Ok::<(), String>(()) };
+    let err = Worker::builder(f.store.clone()).timer::<Expiry>(ok).concurrency(0).build().unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { knob: "concurrency", .. }), "{err}");
+    assert!(err.to_string().contains("`concurrency`"), "{err}");
+    let err = Worker::builder(f.store.clone()).timer::<Expiry>(ok).lease_ttl(Duration::ZERO).build().unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { knob: "lease_ttl", .. }), "{err}");
+    let bad_retry = HandlerOptions::new().retry(RetryStrategy::exponential(Duration::from_secs(1), 0.5));
+    let err = Worker::builder(f.store.clone()).timer_with::<Expiry>(ok, bad_retry).build().unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { knob: "retry", .. }), "{err}");
+    let err = Worker::builder(f.store.clone()).build().unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { knob: "handlers", .. }), "{err}");
+    let err = Worker::builder(f.store.clone())
+        .timer::<Expiry>(ok)
+        .timer::<SameQueue>(|_: SameQueue, _: Context| async {})
+        .build()
+        .unwrap_err();
+    match &err {
+        Error::DuplicateHandler { queue, first, second } => {
+            assert_eq!(queue, "presence.expiry");
+            assert!(first.ends_with("Expiry") && second.ends_with("SameQueue"), "{err}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let raw = |_: Vec<u8>, _: Context| async {};
+    let err = Worker::builder(f.store.clone()).timer::<Expiry>(ok).queue("presence.expiry", raw).build().unwrap_err();
+    assert!(matches!(err, Error::DuplicateHandler { .. }), "{err}");
+    let err = Worker::builder(f.store.clone()).queue("", raw).build().unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { field: "queue", .. }), "{err}");
+    f.cleanup().await;
+}
+
+/// The motivating case: a ping (extend) lands while the expiry handler runs; the timer
+/// fires again for the newer deadline with the newer payload.
+#[tokio::test]
+async fn a_ping_during_a_running_expiry_makes_it_fire_again() {
+    let f = Fixture::new().await;
+    let runs: Arc<Mutex<Vec<Expiry>>> = Arc::default();
+    let started = Arc::new(Notify::new());
+    let release = Arc::new(Notify::new());
+    let worker = {
+        let (runs, started, release) = (runs.clone(), started.clone(), release.clone());
+        fast(f.store.clone())
+            .timer::<Expiry>(move |t: Expiry, _ctx: Context| {
+                let (runs, started, release) = (runs.clone(), started.clone(), release.clone());
+                async move {
+                    let first = runs.lock().unwrap().is_empty();
+                    runs.lock().unwrap().push(t);
+                    if first {
+                        started.notify_one();
+                        release.notified().await;
+                    }
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    let mut conn = f.pool.acquire().await.unwrap();
+    let p = extend_expiry(&mut f.outbox.on(&mut conn), "7", &Expiry { user_id: 7, seq: 1 }, Duration::ZERO).await.unwrap();
+    assert!(matches!(p, Published::Inserted { .. }));
+    started.notified().await;
+    // The ping, while the handler runs.
+    let p = extend_expiry(&mut f.outbox.on(&mut conn), "7", &Expiry { user_id: 7, seq: 2 }, Duration::from_millis(500))
+        .await
+        .unwrap();
+    assert!(matches!(p, Published::RearmQueued { .. }), "{p:?}");
+    release.notify_one();
+    eventually(10, "the rearmed timer fires", || async { runs.lock().unwrap().len() == 2 }).await;
+    assert_eq!(runs.lock().unwrap()[1], Expiry { user_id: 7, seq: 2 });
+    eventually(5, "the row is gone", || async { f.rows("presence.expiry").await.is_empty() }).await;
+    assert!(worker.shutdown().await.graceful);
+    assert_eq!(runs.lock().unwrap().len(), 2);
+    f.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_handler_that_extends_itself_three_times_runs_four_times() {
+    let f = Fixture::new().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let (runs, pool, outbox) = (runs.clone(), f.pool.clone(), f.outbox.clone());
+        fast(f.store.clone())
+            .timer::<Expiry>(move |t: Expiry, ctx: Context| {
+                let (runs, pool, outbox) = (runs.clone(), pool.clone(), outbox.clone());
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    assert_eq!(ctx.timer_id(), Some("me"));
+                    if n <= 3 {
+                        let mut conn = pool.acquire().await?;
+                        let next = Expiry { seq: t.seq + 1, ..t };
+                        extend_expiry(&mut outbox.on(&mut conn), "me", &next, Duration::from_millis(100)).await?;
+                    }
+                    Ok::<(), Error>(())
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    let mut conn = f.pool.acquire().await.unwrap();
+    publish_expiry(&mut f.outbox.on(&mut conn), "me", &Expiry { user_id: 1, seq: 0 }, Duration::ZERO).await.unwrap();
+    eventually(10, "four runs", || async { runs.load(Ordering::SeqCst) >= 4 }).await;
+    eventually(5, "the row is gone", || async { f.rows("presence.expiry").await.is_empty() }).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 4, "exactly four runs");
+    worker.shutdown().await;
+    f.cleanup().await;
+}
+
+/// A slow handler loses its lease; a second worker gets the row; the slow worker's
+/// completion is reported as lease_lost and changes nothing.
+#[tokio::test]
+async fn a_slow_handler_is_redelivered_and_its_late_completion_changes_nothing() {
+    let f = Fixture::new().await;
+    let deliveries: Arc<Mutex<Vec<(u32, &'static str)>>> = Arc::default();
+    let slow = {
+        let deliveries = deliveries.clone();
+        fast(f.store.clone())
+            .lease_ttl(Duration::from_millis(500))
+            .timer::<Job>(move |_: Job, ctx: Context| {
+                let deliveries = deliveries.clone();
+                async move {
+                    deliveries.lock().unwrap().push((ctx.delivery(), "slow"));
+                    tokio::time::sleep(Duration::from_millis(2500)).await;
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    seed_job(&f, 1).await;
+    eventually(10, "the slow worker starts", || async { deliveries.lock().unwrap().len() == 1 }).await;
+    // A second worker reclaims the expired lease and fails the run with a long retry.
+    let quick = {
+        let deliveries = deliveries.clone();
+        fast(f.store.clone())
+            .lease_ttl(Duration::from_millis(500))
+            .timer_with::<Job>(
+                move |_: Job, ctx: Context| {
+                    let deliveries = deliveries.clone();
+                    async move {
+                        deliveries.lock().unwrap().push((ctx.delivery(), "quick"));
+                        Outcome::RetryAfter(Duration::from_secs(3600))
+                    }
+                },
+                HandlerOptions::new(),
+            )
+            .build()
+            .unwrap()
+            .start()
+    };
+    let quick_ran = || async { deliveries.lock().unwrap().iter().any(|d| d.1 == "quick") };
+    eventually(10, "the quick worker ran the redelivery", quick_ran).await;
+    // The slow worker's own claim loop may also have reclaimed the expired lease into its
+    // buffer (delivery 2) before the quick worker took it: either way it is a redelivery.
+    assert!(deliveries.lock().unwrap().iter().all(|d| d.1 == "slow" || d.0 >= 2));
+    eventually(5, "the retry is stored", || async { f.rows("jobs").await.first().is_some_and(|r| r.acquired_token.is_none()) }).await;
+    let after_quick = f.rows("jobs").await;
+    // The slow worker finishes with success now: fenced, it must not delete the row.
+    assert!(slow.shutdown().await.graceful);
+    assert_eq!(f.rows("jobs").await, after_quick, "the stale completion changed nothing");
+    assert_eq!(after_quick[0].attempts_count, 1);
+    quick.shutdown().await;
+    f.cleanup().await;
+}
+
+#[tokio::test]
+async fn two_workers_never_run_one_row_at_once() {
+    let f = Fixture::new().await;
+    let running: Arc<Mutex<HashMap<u32, bool>>> = Arc::default();
+    let runs: Arc<Mutex<Vec<u32>>> = Arc::default();
+    let overlap = Arc::new(AtomicUsize::new(0));
+    let make = || {
+        let (running, runs, overlap) = (running.clone(), runs.clone(), overlap.clone());
+        fast(f.store.clone())
+            .concurrency(4)
+            .fetch_batch_size(8)
+            .timer::<Job>(move |j: Job, _: Context| {
+                let (running, runs, overlap) = (running.clone(), runs.clone(), overlap.clone());
+                async move {
+                    if running.lock().unwrap().insert(j.n, true) == Some(true) {
+                        overlap.fetch_add(1, Ordering::SeqCst);
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    running.lock().unwrap().insert(j.n, false);
+                    runs.lock().unwrap().push(j.n);
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    let (a, b) = (make(), make());
+    let mut conn = f.pool.acquire().await.unwrap();
+    let payloads: Vec<Vec<u8>> = (0..300).map(|n| serde_json::to_vec(&Job { n }).unwrap()).collect();
+    let items: Vec<_> = payloads.iter().map(|p| outbox::BatchItem::new(p)).collect();
+    f.outbox.publish_batch(&mut conn, "jobs", &items, Duration::ZERO).await.unwrap();
+    eventually(30, "all 300 handled", || async { runs.lock().unwrap().len() >= 300 }).await;
+    a.shutdown().await;
+    b.shutdown().await;
+    let mut seen = runs.lock().unwrap().clone();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..300).collect::<Vec<_>>(), "each row exactly once");
+    assert_eq!(overlap.load(Ordering::SeqCst), 0);
+    assert!(f.rows("jobs").await.is_empty());
+    f.cleanup().await;
+}
+
+#[tokio::test]
+async fn outcomes_retries_dead_letters_panics_and_decode_errors() {
+    let f = Fixture::new().await;
+    let calls: Arc<Mutex<HashMap<u32, u32>>> = Arc::default();
+    let worker = {
+        let calls = calls.clone();
+        fast(f.store.clone())
+            .concurrency(2)
+            .timer_with::<Job>(
+                move |j: Job, ctx: Context| {
+                    let calls = calls.clone();
+                    async move {
+                        let n = {
+                            let mut c = calls.lock().unwrap();
+                            let e = c.entry(j.n).or_default();
+                            *e += 1;
+                            *e
+                        };
+                        assert_eq!(ctx.attempt(), n, "attempt = failed runs before + 1");
+                        match j.n {
+                            // Fails twice, then succeeds.
+                            1 if n < 3 => Err(format!("transient {n}")),
+                            1 => Ok(Outcome::Ack),
+                            // Rejected at once.
+                            2 => Ok(Outcome::Reject("bad order".into())),
+                            // Panics on the first run, succeeds after.
+                            3 if n == 1 => panic!("handler bug"),
+                            3 => Ok(Outcome::Ack),
+                            // Always fails: exhausted after max_attempts = 3.
+                            4 => Err("always".to_owned()),
+                            _ => Ok(Outcome::Ack),
+                        }
+                    }
+                },
+                HandlerOptions::new().retry(RetryStrategy::constant(Duration::from_millis(50)).max_attempts(3)),
+            )
+            .build()
+            .unwrap()
+            .start()
+    };
+    for n in 1..=4 {
+        seed_job(&f, n).await;
+    }
+    // A payload that does not decode as Job: terminal at once, original bytes archived.
+    let mut conn = f.pool.acquire().await.unwrap();
+    f.outbox.publish(&mut conn, Message::new("jobs", b"{not json")).await.unwrap();
+    eventually(15, "every row finished", || async { f.rows("jobs").await.is_empty() }).await;
+    worker.shutdown().await;
+    let c = calls.lock().unwrap().clone();
+    assert_eq!((c[&1], c[&2], c[&3], c[&4]), (3, 1, 2, 3), "{c:?}");
+    let dlq = f.store.dead_letters("jobs", 10).await.unwrap();
+    let by_reason: HashMap<&str, &outbox::DeadLetter> = dlq.iter().map(|d| (d.failure_reason.as_str(), d)).collect();
+    assert_eq!(dlq.len(), 3, "{dlq:#?}");
+    let rejected = by_reason["rejected"];
+    assert_eq!((rejected.last_error.as_deref(), rejected.attempts_count), (Some("bad order"), 1));
+    let exhausted = by_reason["retry_exhausted"];
+    assert_eq!((exhausted.last_error.as_deref(), exhausted.attempts_count, exhausted.deliveries_count), (Some("always"), 3, 3));
+    let decode = by_reason["decode_error"];
+    assert_eq!((decode.payload.as_slice(), decode.attempts_count), (&b"{not json"[..], 0));
+    assert!(decode.last_error.as_deref().unwrap_or("").contains("key must be a string"), "{decode:?}");
+    f.cleanup().await;
+}
+
+#[tokio::test]
+async fn max_deliveries_is_enforced_before_the_handler_runs() {
+    let f = Fixture::new().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    seed_job(&f, 9).await;
+    // Three claims already happened (Job::MAX_DELIVERIES = 3): the fourth is terminal.
+    sqlx::query(&format!("UPDATE {} SET deliveries_count = 3", f.outbox.table())).execute(&f.pool).await.unwrap();
+    let worker = {
+        let runs = runs.clone();
+        fast(f.store.clone())
+            .timer::<Job>(move |_: Job, _: Context| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    eventually(10, "the row is gone", || async { f.rows("jobs").await.is_empty() }).await;
+    worker.shutdown().await;
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    let dlq = f.store.dead_letters("jobs", 10).await.unwrap();
+    assert_eq!((dlq[0].failure_reason.as_str(), dlq[0].deliveries_count), ("max_deliveries", 4));
+    f.cleanup().await;
+}
+
+#[tokio::test]
+async fn batched_acks_flush_when_idle_and_on_shutdown() {
+    let f = Fixture::new().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let runs = runs.clone();
+        fast(f.store.clone())
+            .concurrency(2)
+            .fetch_batch_size(20)
+            .ack_batch_size(16)
+            .timer::<Job>(move |_: Job, _: Context| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    for n in 0..50 {
+        seed_job(&f, n).await;
+    }
+    eventually(10, "all rows deleted by batched acks", || async { f.rows("jobs").await.is_empty() }).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 50);
+    // One more, then shut down at once: the pending ack is flushed, not lost.
+    seed_job(&f, 99).await;
+    eventually(10, "the last one ran", || async { runs.load(Ordering::SeqCst) == 51 }).await;
+    let report = worker.shutdown().await;
+    assert!(report.graceful);
+    assert!(f.rows("jobs").await.is_empty());
+    f.cleanup().await;
+}
+
+#[tokio::test]
+async fn shutdown_waits_for_running_handlers_and_abandons_wedged_ones() {
+    let f = Fixture::new().await;
+    let finished = Arc::new(AtomicUsize::new(0));
+    let started = Arc::new(AtomicUsize::new(0));
+    let make = |sleep: Duration, timeout: Duration| {
+        let (finished, started) = (finished.clone(), started.clone());
+        fast(f.store.clone())
+            .graceful_timeout(timeout)
+            .lease_ttl(Duration::from_secs(1))
+            .timer::<Job>(move |_: Job, _: Context| {
+                let (finished, started) = (finished.clone(), started.clone());
+                async move {
+                    started.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(sleep).await;
+                    finished.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    // In flight at shutdown, finishes within the timeout: completed and acked.
+    let w = make(Duration::from_millis(300), Duration::from_secs(5));
+    seed_job(&f, 1).await;
+    eventually(10, "started", || async { started.load(Ordering::SeqCst) == 1 }).await;
+    let report = w.shutdown().await;
+    assert_eq!(report, outbox::ShutdownReport { graceful: true, abandoned: 0 });
+    assert_eq!(finished.load(Ordering::SeqCst), 1);
+    assert!(f.rows("jobs").await.is_empty());
+
+    // Wedged: shutdown returns after the timeout; the row stays leased, not lost.
+    let w = make(Duration::from_secs(3600), Duration::from_millis(300));
+    seed_job(&f, 2).await;
+    eventually(10, "started", || async { started.load(Ordering::SeqCst) == 2 }).await;
+    let t0 = std::time::Instant::now();
+    let report = w.shutdown().await;
+    assert!(t0.elapsed() < Duration::from_secs(10), "shutdown is not held by a wedged handler");
+    assert_eq!(report, outbox::ShutdownReport { graceful: false, abandoned: 1 });
+    let rows = f.rows("jobs").await;
+    assert_eq!(rows.len(), 1);
+    assert!(rows[0].acquired_token.is_some());
+    // A new worker picks it up once the lease expires.
+    let w = make(Duration::ZERO, Duration::from_secs(5));
+    eventually(10, "redelivered and finished", || async { f.rows("jobs").await.is_empty() }).await;
+    w.shutdown().await;
+    f.cleanup().await;
+}
