@@ -1,0 +1,111 @@
+//! The metrics of SPEC §11 move (its own test binary: it installs the global recorder).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use metrics_util::MetricKind;
+use outbox::{Context, HandlerOptions, Outcome, RetryStrategy, Worker};
+use outbox_tests::Fixture;
+
+#[outbox::timer(queue = "metered", max_deliveries = 5)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Metered {
+    kind: String,
+}
+
+/// Adds to `out` the counters and histogram sample counts taken since the last read (a
+/// snapshot drains them), by name and sorted labels.
+fn read_into(s: &Snapshotter, out: &mut HashMap<String, f64>) {
+    for (key, _, _, value) in s.snapshot().into_vec() {
+        let mut labels: Vec<String> = key.key().labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+        labels.sort();
+        let name = format!("{}{{{}}}", key.key().name(), labels.join(","));
+        let v = match (key.kind(), value) {
+            (MetricKind::Counter, DebugValue::Counter(c)) => c as f64,
+            (MetricKind::Histogram, DebugValue::Histogram(h)) => h.len() as f64,
+            (_, DebugValue::Gauge(g)) => g.into_inner(),
+            _ => 0.0,
+        };
+        *out.entry(name).or_insert(0.0) += v;
+    }
+}
+
+#[tokio::test]
+async fn counters_and_histograms_move() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::set_global_recorder(recorder).expect("the only recorder of this binary");
+
+    let f = Fixture::new().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let (runs, pool, outbox) = (runs.clone(), f.pool.clone(), f.outbox.clone());
+        Worker::builder(f.store.clone())
+            .idle_poll(Duration::from_millis(100))
+            .timer_with::<Metered>(
+                move |m: Metered, ctx: Context| {
+                    let (runs, pool, outbox) = (runs.clone(), pool.clone(), outbox.clone());
+                    async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        match (m.kind.as_str(), ctx.attempt()) {
+                            ("fail-once", 1) => Err("first run fails".to_owned()),
+                            ("reject", _) => Ok(Outcome::Reject("no".into())),
+                            ("rearm", _) => {
+                                let mut conn = pool.acquire().await.map_err(|e| e.to_string())?;
+                                let next = Metered { kind: "plain".into() };
+                                extend_metered(&mut outbox.on(&mut conn), "rearm", &next, Duration::from_millis(50))
+                                    .await
+                                    .map_err(|e| e.to_string())?;
+                                Ok(Outcome::Ack)
+                            }
+                            ("steal", _) => {
+                                // Another worker "reclaims" the row under our feet.
+                                let sql = format!("UPDATE {} SET acquired_token = gen_random_uuid() WHERE id = $1", outbox.table());
+                                sqlx::query(&sql).bind(ctx.id()).execute(&pool).await.map_err(|e| e.to_string())?;
+                                Ok(Outcome::Ack)
+                            }
+                            _ => Ok(Outcome::Ack),
+                        }
+                    }
+                },
+                HandlerOptions::new().retry(RetryStrategy::constant(Duration::from_millis(20))),
+            )
+            .build()
+            .unwrap()
+            .start()
+    };
+    let mut conn = f.pool.acquire().await.unwrap();
+    for kind in ["plain", "fail-once", "reject", "rearm", "steal"] {
+        publish_metered(&mut f.outbox.on(&mut conn), kind, &Metered { kind: kind.into() }, Duration::ZERO).await.unwrap();
+    }
+    let end = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut m = HashMap::new();
+    loop {
+        read_into(&snapshotter, &mut m);
+        let acked = m.get("outbox_acked_total{queue=metered}").copied().unwrap_or(0.0);
+        let lost = m.get("outbox_lease_lost_total{phase=ack,queue=metered}").copied().unwrap_or(0.0);
+        if acked >= 4.0 && lost >= 1.0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < end, "metrics never arrived: {m:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    worker.shutdown().await;
+    read_into(&snapshotter, &mut m);
+    let get = |k: &str| m.get(k).copied().unwrap_or(0.0);
+    assert_eq!(get("outbox_published_total{queue=metered}"), 5.0, "the extend queued a rearm, no insert: {m:#?}");
+    // plain, fail-once (2nd run), rearm, and the rearmed instance: four successes.
+    assert_eq!(get("outbox_acked_total{queue=metered}"), 4.0, "{m:#?}");
+    assert_eq!(get("outbox_retried_total{queue=metered}"), 1.0, "{m:#?}");
+    assert_eq!(get("outbox_terminal_total{queue=metered,reason=rejected}"), 1.0, "{m:#?}");
+    assert_eq!(get("outbox_dlq_written_total{queue=metered}"), 1.0, "{m:#?}");
+    assert_eq!(get("outbox_rearmed_total{queue=metered}"), 1.0, "{m:#?}");
+    assert_eq!(get("outbox_lease_lost_total{phase=ack,queue=metered}"), 1.0, "{m:#?}");
+    assert!(get("outbox_handler_duration_seconds{queue=metered}") >= 7.0, "{m:#?}");
+    assert!(get("outbox_firing_lateness_seconds{queue=metered}") >= 7.0, "{m:#?}");
+    assert!(get("outbox_claim_batch_size{}") >= 1.0, "{m:#?}");
+    f.cleanup().await;
+}

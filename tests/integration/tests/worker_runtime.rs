@@ -1,0 +1,283 @@
+//! The worker's runtime behaviour on real Postgres: on-time wake-ups without polling
+//! (SPEC §7.3), no queries while idle, recovery from killed connections (SPEC §7.4).
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use outbox::{
+    Cancelled, Completion, Context, Delivery, Failure, Lease, Message, NextWakeup, PgStore, Published, Store,
+    StoredRow, Wakeup, Worker,
+};
+use outbox_tests::Fixture;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+#[outbox::timer(queue = "jobs", max_deliveries = 10)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Job {
+    n: u32,
+}
+
+/// A store that counts the statements the worker issues through it.
+#[derive(Clone)]
+struct Counting {
+    inner: PgStore,
+    calls: Arc<Mutex<HashMap<&'static str, usize>>>,
+}
+
+impl Counting {
+    fn new(inner: PgStore) -> Self {
+        Counting { inner, calls: Arc::default() }
+    }
+    fn hit(&self, op: &'static str) {
+        *self.calls.lock().unwrap().entry(op).or_default() += 1;
+    }
+    fn snapshot(&self) -> HashMap<&'static str, usize> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl Store for Counting {
+    async fn claim(&self, q: &[String], limit: usize, ttl: Duration) -> outbox::Result<Vec<Delivery>> {
+        self.hit("claim");
+        self.inner.claim(q, limit, ttl).await
+    }
+    async fn ack(&self, lease: Lease) -> outbox::Result<Completion> {
+        self.hit("ack");
+        self.inner.ack(lease).await
+    }
+    async fn ack_batch(&self, leases: &[Lease]) -> outbox::Result<Vec<Completion>> {
+        self.hit("ack_batch");
+        self.inner.ack_batch(leases).await
+    }
+    async fn retry(&self, lease: Lease, delay: Duration) -> outbox::Result<Completion> {
+        self.hit("retry");
+        self.inner.retry(lease, delay).await
+    }
+    async fn fail(&self, lease: Lease, failure: Failure<'_>) -> outbox::Result<Completion> {
+        self.hit("fail");
+        self.inner.fail(lease, failure).await
+    }
+    async fn next_wakeup(&self, q: &[String], ttl: Duration) -> outbox::Result<NextWakeup> {
+        self.hit("next_wakeup");
+        self.inner.next_wakeup(q, ttl).await
+    }
+    async fn publish(&self, m: Message<'_>) -> outbox::Result<Published> {
+        self.hit("publish");
+        self.inner.publish(m).await
+    }
+    async fn cancel(&self, q: &str, id: &str) -> outbox::Result<Cancelled> {
+        self.hit("cancel");
+        self.inner.cancel(q, id).await
+    }
+    async fn pending(&self, q: &str, limit: usize) -> outbox::Result<Vec<StoredRow>> {
+        self.hit("pending");
+        self.inner.pending(q, limit).await
+    }
+    async fn dead_letters(&self, q: &str, limit: usize) -> outbox::Result<Vec<outbox::DeadLetter>> {
+        self.hit("dead_letters");
+        self.inner.dead_letters(q, limit).await
+    }
+    fn dead_letter_enabled(&self) -> bool {
+        self.inner.dead_letter_enabled()
+    }
+    async fn wakeups(&self) -> outbox::Result<Option<tokio::sync::mpsc::Receiver<Wakeup>>> {
+        self.inner.wakeups().await
+    }
+    async fn now(&self) -> outbox::Result<DateTime<Utc>> {
+        self.hit("now");
+        self.inner.now().await
+    }
+}
+
+async fn eventually<F, Fut>(secs: u64, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let end = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < end {
+        if cond().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+/// With a 60 s idle ceiling, a timer published for now + 2 s while the worker sleeps
+/// fires at its deadline, and the idle worker issues no queries in between.
+#[tokio::test]
+async fn a_sleeping_worker_fires_a_new_timer_on_time_without_polling() {
+    let f = Fixture::new().await;
+    let store = Counting::new(f.store.clone());
+    let fired: Arc<Mutex<Vec<(Instant, DateTime<Utc>, DateTime<Utc>)>>> = Arc::default();
+    let worker = {
+        let fired = fired.clone();
+        Worker::builder(store.clone())
+            .idle_poll(Duration::from_secs(60))
+            .timer::<Job>(move |_: Job, ctx: Context| {
+                let fired = fired.clone();
+                async move {
+                    fired.lock().unwrap().push((Instant::now(), ctx.deadline(), ctx.claimed_at()));
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let settled = store.snapshot();
+    assert_eq!((settled.get("claim"), settled.get("next_wakeup")), (Some(&1), Some(&1)), "{settled:?}");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(store.snapshot(), settled, "an idle worker issues no queries");
+
+    let published = Instant::now();
+    let mut conn = f.pool.acquire().await.unwrap();
+    publish_job(&mut f.outbox.on(&mut conn), "t", &Job { n: 1 }, Duration::from_secs(2)).await.unwrap();
+    // The notification alone moves the wake-up: still no query before the deadline.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(store.snapshot(), settled, "the notification costs no query");
+    eventually(20, "the timer fires", || async { !fired.lock().unwrap().is_empty() }).await;
+    let (at, deadline, claimed_at) = fired.lock().unwrap()[0];
+    let after = at - published;
+    assert!(after >= Duration::from_millis(1900), "not before its deadline: {after:?}");
+    assert!(after < Duration::from_secs(10), "well before the 60 s ceiling: {after:?}");
+    assert!(claimed_at >= deadline);
+    eventually(5, "acked", || async { store.snapshot().get("ack") == Some(&1) }).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let idle_again = store.snapshot();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(store.snapshot(), idle_again, "idle again, no queries");
+    assert!(idle_again["claim"] <= 4, "{idle_again:?}");
+    worker.shutdown().await;
+    f.cleanup().await;
+}
+
+/// A pool whose connections carry `application_name`, so the test can kill exactly them.
+async fn named_pool(app: &str) -> sqlx::PgPool {
+    let opts: PgConnectOptions = outbox_tests::database_url().parse::<PgConnectOptions>().unwrap().application_name(app);
+    PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(opts)
+        .await
+        .unwrap()
+}
+
+/// Killing the worker's backends mid-run (claims, completions and the LISTEN connection):
+/// it recovers, every message is handled, none is lost, and the only duplicates are
+/// redeliveries (a later delivery number of the same row).
+#[tokio::test]
+async fn the_worker_survives_terminated_backends_without_losing_messages() {
+    let f = Fixture::new().await;
+    let app = format!("outbox-kill-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let worker_pool = named_pool(&app).await;
+    let store = PgStore::new(worker_pool.clone(), f.outbox.clone());
+    const N: u32 = 2000;
+    let handled: Arc<Mutex<Vec<(u32, u32)>>> = Arc::default();
+    let worker = {
+        let handled = handled.clone();
+        Worker::builder(store)
+            .concurrency(4)
+            .fetch_batch_size(50)
+            .lease_ttl(Duration::from_secs(2))
+            .idle_poll(Duration::from_millis(500))
+            .timer::<Job>(move |j: Job, ctx: Context| {
+                let handled = handled.clone();
+                async move {
+                    handled.lock().unwrap().push((j.n, ctx.delivery()));
+                    tokio::time::sleep(Duration::from_micros(500)).await;
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    let payloads: Vec<Vec<u8>> = (0..N).map(|n| serde_json::to_vec(&Job { n }).unwrap()).collect();
+    let items: Vec<_> = payloads.iter().map(|p| outbox::BatchItem::new(p)).collect();
+    let mut conn = f.pool.acquire().await.unwrap();
+    f.outbox.publish_batch(&mut conn, "jobs", &items, Duration::ZERO).await.unwrap();
+
+    let mut kills = 0i64;
+    for _ in 0..5 {
+        eventually(30, "progress between kills", || {
+            let seen = handled.lock().unwrap().len();
+            async move { seen > (kills as usize + 1) * 250 }
+        })
+        .await;
+        let killed: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1) k",
+        )
+        .bind(&app)
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+        assert!(killed > 0, "the worker had backends to kill");
+        kills += 1;
+    }
+    eventually(60, "every message handled and deleted", || async { f.rows("jobs").await.is_empty() }).await;
+    worker.shutdown().await;
+
+    let handled = handled.lock().unwrap().clone();
+    let distinct: HashSet<u32> = handled.iter().map(|h| h.0).collect();
+    assert_eq!(distinct.len(), N as usize, "none lost");
+    let runs: HashSet<(u32, u32)> = handled.iter().copied().collect();
+    assert_eq!(runs.len(), handled.len(), "a row never runs twice under one delivery");
+    for &(n, delivery) in &handled {
+        if delivery > 1 {
+            assert!(handled.iter().any(|h| h.0 == n), "redelivery of a known row");
+        }
+    }
+    let duplicates = handled.len() - distinct.len();
+    println!("{N} messages, {kills} kills, {duplicates} redeliveries");
+    f.cleanup().await;
+}
+
+/// One poison row (a payload that does not decode) is dead-lettered and does not stall
+/// the others, in its queue or in another.
+#[tokio::test]
+async fn a_poison_row_is_isolated() {
+    let f = Fixture::new().await;
+    let ok = Arc::new(AtomicUsize::new(0));
+    let raw = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let (ok, raw) = (ok.clone(), raw.clone());
+        Worker::builder(f.store.clone())
+            .idle_poll(Duration::from_millis(200))
+            .timer::<Job>(move |_: Job, _: Context| {
+                let ok = ok.clone();
+                async move {
+                    ok.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+            .queue("other", move |_: Vec<u8>, _: Context| {
+                let raw = raw.clone();
+                async move {
+                    raw.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    let mut conn = f.pool.acquire().await.unwrap();
+    f.outbox.publish(&mut conn, Message::new("jobs", b"\x00\x01 not json")).await.unwrap();
+    for n in 0..20 {
+        publish_job(&mut f.outbox.on(&mut conn), &format!("j{n}"), &Job { n }, Duration::ZERO).await.unwrap();
+        f.outbox.publish(&mut conn, Message::new("other", b"x")).await.unwrap();
+    }
+    eventually(20, "all good rows handled", || async {
+        ok.load(Ordering::SeqCst) == 20 && raw.load(Ordering::SeqCst) == 20
+    })
+    .await;
+    eventually(5, "queues drained", || async { f.rows("jobs").await.is_empty() && f.rows("other").await.is_empty() }).await;
+    let dlq = f.store.dead_letters("jobs", 10).await.unwrap();
+    assert_eq!(dlq.len(), 1);
+    assert_eq!((dlq[0].failure_reason.as_str(), dlq[0].payload.as_slice()), ("decode_error", &b"\x00\x01 not json"[..]));
+    worker.shutdown().await;
+    f.cleanup().await;
+}
