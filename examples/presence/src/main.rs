@@ -1,0 +1,247 @@
+//! `presence serve | load | demo`; see the crate docs and README.md.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use outbox::Outbox;
+use presence::{load, LoadConfig, Server, ServerConfig, DEFAULT_DATABASE_URL};
+
+/// The outbox presence example: an HTTP presence service whose expiry timers are outbox
+/// timers, and a load driver that checks every transition.
+///
+/// Postgres comes from DATABASE_URL (default postgres://postgres@127.0.0.1:5432/postgres).
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve the presence API and run the expiry worker until Ctrl-C.
+    Serve(ServeArgs),
+    /// Drive a running service over HTTP and check every transition.
+    Load {
+        /// The service.
+        #[arg(long, default_value = "http://127.0.0.1:3000")]
+        url: String,
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+    /// Serve and drive in one process for a fixed time, print a live summary each second
+    /// and a final one; the exit code is non-zero if any transition was wrong.
+    Demo {
+        #[command(flatten)]
+        serve: ServeArgs,
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+}
+
+#[derive(Args, Debug, Clone)]
+struct ServeArgs {
+    /// HTTP address (`demo` picks a free port when this is left at its default).
+    #[arg(long, default_value = "127.0.0.1:3000")]
+    listen: SocketAddr,
+    /// Seconds a user stays online after the last ping (default: 30 for serve, 5 for demo).
+    #[arg(long)]
+    timeout_secs: Option<f64>,
+    /// Simulated work in the expiry handler, milliseconds (default: 0 for serve, 50 for
+    /// demo, so pings land while it runs).
+    #[arg(long)]
+    handler_delay_ms: Option<u64>,
+    /// Expiry handlers running at once.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Connections for requests and handlers.
+    #[arg(long, default_value_t = 16)]
+    pool_size: u32,
+    /// Outbox queue table (its dead-letter table is `<table>_dlq`).
+    #[arg(long, default_value = outbox::DEFAULT_TABLE)]
+    table: String,
+    /// Users table.
+    #[arg(long, default_value = presence::server::DEFAULT_USERS_TABLE)]
+    users_table: String,
+}
+
+#[derive(Args, Debug, Clone)]
+struct LoadArgs {
+    /// Simulated users.
+    #[arg(long, default_value_t = 2000)]
+    users: usize,
+    /// How long users ping (default: 60 for load, 30 for demo); the final check follows.
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Share of users whose pings land while the expiry handler runs, then go silent.
+    #[arg(long, default_value_t = 0.15)]
+    edge: f64,
+    /// Share of users who go silent for good.
+    #[arg(long, default_value_t = 0.125)]
+    silent: f64,
+    /// Share of users who log out.
+    #[arg(long, default_value_t = 0.125)]
+    logout: f64,
+    /// Random reads per second that check users during the run.
+    #[arg(long, default_value_t = 200)]
+    observe_per_sec: u32,
+    /// How late past last ping + timeout a user may still be read online, milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    allowed_lateness_ms: u64,
+    /// First user id (default: random, so runs do not share users).
+    #[arg(long)]
+    first_user_id: Option<i64>,
+    /// Seed of the users' random choices (default: random; printed at the end).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl LoadArgs {
+    fn config(&self, url: String, default_seconds: f64) -> Result<LoadConfig, String> {
+        let mut c = LoadConfig::new(url);
+        c.users = self.users;
+        c.duration = secs(self.seconds.unwrap_or(default_seconds), "--seconds")?;
+        c.edge = self.edge;
+        c.silent = self.silent;
+        c.logout = self.logout;
+        c.observe_per_sec = self.observe_per_sec;
+        c.allowed_lateness = Duration::from_millis(self.allowed_lateness_ms);
+        if let Some(id) = self.first_user_id {
+            c.first_user_id = id;
+        }
+        if let Some(seed) = self.seed {
+            c.seed = seed;
+        }
+        Ok(c)
+    }
+}
+
+fn secs(v: f64, flag: &str) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(v)
+        .map_err(|_| format!("{flag} {v}: expected a non-negative number of seconds"))
+}
+
+impl ServeArgs {
+    fn config(&self, default_timeout: f64, default_delay_ms: u64) -> Result<ServerConfig, String> {
+        let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
+        let mut c = ServerConfig::new(url);
+        c.listen = self.listen;
+        c.timeout = secs(
+            self.timeout_secs.unwrap_or(default_timeout),
+            "--timeout-secs",
+        )?;
+        c.handler_delay = Duration::from_millis(self.handler_delay_ms.unwrap_or(default_delay_ms));
+        c.concurrency = self.concurrency;
+        c.pool_size = self.pool_size;
+        c.outbox = Outbox::builder()
+            .table(&self.table)
+            .build()
+            .map_err(|e| e.to_string())?;
+        c.users_table = self.users_table.clone();
+        Ok(c)
+    }
+}
+
+/// Exit codes: 0 success, 1 a run with wrong transitions or failed checks, 2 could not start.
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("presence: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("presence: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(command: Command) -> Result<bool, String> {
+    match command {
+        Command::Serve(args) => {
+            let config = args.config(30.0, 0)?;
+            let server = Server::start(config.clone())
+                .await
+                .map_err(|e| e.to_string())?;
+            println!(
+                "presence: serving on {} (timeout {:?}, timers in {}, users in {}); Ctrl-C stops",
+                server.url(),
+                config.timeout,
+                config.outbox.table(),
+                config.users_table
+            );
+            let _ = tokio::signal::ctrl_c().await;
+            let report = server.shutdown().await;
+            println!("presence: stopped (graceful: {})", report.graceful);
+            Ok(true)
+        }
+        Command::Load { url, load } => {
+            let config = load.config(url, 60.0)?;
+            let report = load::run(config).await.map_err(|e| e.to_string())?;
+            print!("{}", report.summary());
+            Ok(report.ok())
+        }
+        Command::Demo { serve, load } => {
+            let mut config = serve.config(5.0, 50)?;
+            if serve.listen == SocketAddr::from(([127, 0, 0, 1], 3000)) {
+                // Any free port: the demo talks to itself.
+                config.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+            }
+            let server = Server::start(config.clone())
+                .await
+                .map_err(|e| e.to_string())?;
+            let load = load.config(server.url(), 30.0)?;
+            println!(
+                "presence demo: serving on {}, {} users for {:.0} s, timeout {:?}, handler delay {:?}, timers in {}, users in {}",
+                server.url(),
+                load.users,
+                load.duration.as_secs_f64(),
+                config.timeout,
+                config.handler_delay,
+                config.outbox.table(),
+                config.users_table
+            );
+            let (first, users) = (load.first_user_id, load.users as i64);
+            let report = match load::run(load).await {
+                Ok(r) => r,
+                Err(e) => {
+                    server.shutdown().await;
+                    return Err(e.to_string());
+                }
+            };
+            let audit = server.audit(first, users).await;
+            server.shutdown().await;
+            print!("{}", report.summary());
+            let audit_ok = match audit {
+                Ok(a) => {
+                    println!(
+                        "  timer rows       online users without a live timer: {}; logged-out users with a timer: {}",
+                        a.online_without_timer.len(),
+                        a.logged_out_with_timer.len()
+                    );
+                    a.online_without_timer.is_empty() && a.logged_out_with_timer.is_empty()
+                }
+                Err(e) => {
+                    println!("  timer rows       could not be read: {e}");
+                    false
+                }
+            };
+            Ok(report.ok() && audit_ok)
+        }
+    }
+}
