@@ -303,3 +303,101 @@ async fn extend_and_cancel_while_the_handler_runs() {
     })
     .await;
 }
+
+/// Issue 5 req 7 end to end with the real worker: a `#[timer]` type published, extended
+/// while its typed handler runs (rearm), cancelled, all through the generated functions.
+#[tokio::test]
+async fn typed_handler_on_a_real_worker() {
+    with_table(|pool, outbox| async move {
+        use std::sync::{Arc, Mutex};
+        let store = PgStore::new(pool.clone(), outbox.clone());
+        let seen: Arc<Mutex<Vec<i64>>> = Arc::default();
+        let started = Arc::new(tokio::sync::Notify::new());
+        let release = Arc::new(tokio::sync::Notify::new());
+        let worker = {
+            let (seen, started, release) = (seen.clone(), started.clone(), release.clone());
+            outbox::Worker::builder(store)
+                .idle_poll(Duration::from_millis(200))
+                .timer::<PresenceExpiry>(move |p: PresenceExpiry, _ctx: outbox::Context| {
+                    let (seen, started, release) = (seen.clone(), started.clone(), release.clone());
+                    async move {
+                        let first = seen.lock().unwrap().is_empty();
+                        seen.lock().unwrap().push(p.user_id);
+                        if first {
+                            started.notify_one();
+                            release.notified().await;
+                        }
+                        Ok::<(), std::convert::Infallible>(())
+                    }
+                })
+                .build()
+                .unwrap()
+                .start()
+        };
+        let mut conn = pool.acquire().await.unwrap();
+        let on = &mut outbox.on(&mut conn);
+        let first =
+            publish_presence_expiry(on, "u", &PresenceExpiry { user_id: 1 }, Duration::ZERO)
+                .await
+                .unwrap();
+        assert!(matches!(first, Published::Inserted { .. }), "{first:?}");
+        started.notified().await;
+        let rearm = extend_presence_expiry(
+            on,
+            "u",
+            &PresenceExpiry { user_id: 2 },
+            Duration::from_millis(300),
+        )
+        .await
+        .unwrap();
+        assert!(matches!(rearm, Published::RearmQueued { .. }), "{rearm:?}");
+        release.notify_one();
+        let end = tokio::time::Instant::now() + Duration::from_secs(10);
+        while seen.lock().unwrap().len() < 2 {
+            assert!(
+                tokio::time::Instant::now() < end,
+                "the rearmed timer never fired"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(*seen.lock().unwrap(), vec![1, 2]);
+        while !rows(&pool, &outbox, PresenceExpiry::QUEUE).await.is_empty() {
+            assert!(
+                tokio::time::Instant::now() < end,
+                "the second run was never acked"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Scheduled again, then cancelled before its deadline: it never fires.
+        let later = extend_presence_expiry(
+            on,
+            "u",
+            &PresenceExpiry { user_id: 3 },
+            Duration::from_millis(400),
+        )
+        .await
+        .unwrap();
+        assert!(
+            matches!(
+                later,
+                Published::Inserted { .. } | Published::Extended { .. }
+            ),
+            "{later:?}"
+        );
+        let cancelled = outbox_macro_tests::cancel_presence_expiry(on, "u")
+            .await
+            .unwrap();
+        assert!(
+            matches!(cancelled, Cancelled::Deleted { .. }),
+            "{cancelled:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![1, 2],
+            "a cancelled timer does not fire"
+        );
+        assert!(worker.shutdown().await.graceful);
+    })
+    .await;
+}
