@@ -69,7 +69,12 @@ impl Outbox {
     /// # Errors
     /// [`crate::Error::InvalidArgument`] for an empty, over-long (more than 255 bytes) or
     /// NUL-containing queue or timer id, before any SQL runs; [`crate::Error::Database`].
-    pub async fn cancel(&self, conn: &mut PgConnection, queue: &str, timer_id: &str) -> Result<Cancelled> {
+    pub async fn cancel(
+        &self,
+        conn: &mut PgConnection,
+        queue: &str,
+        timer_id: &str,
+    ) -> Result<Cancelled> {
         validate_queue(queue)?;
         validate_timer_id(timer_id)?;
         let sql = &self.sql().cancel;
@@ -87,7 +92,10 @@ impl Outbox {
             let has_rearm: bool = row.try_get(2)?;
             let done = match token {
                 None => {
-                    let n = sqlx::query(&sql.delete).bind(id).execute(&mut *conn).await?;
+                    let n = sqlx::query(&sql.delete)
+                        .bind(id)
+                        .execute(&mut *conn)
+                        .await?;
                     (n.rows_affected() == 1).then_some(Cancelled::Deleted { id })
                 }
                 Some(token) if has_rearm => {

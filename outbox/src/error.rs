@@ -146,16 +146,18 @@ impl Error {
     /// that Postgres rejected); the worker rebuilds its connections after these.
     pub fn is_connection_error(&self) -> bool {
         match self {
-            Error::Database(e) => matches!(
-                e,
-                sqlx::Error::Io(_)
-                    | sqlx::Error::PoolTimedOut
-                    | sqlx::Error::PoolClosed
-                    | sqlx::Error::WorkerCrashed
-                    | sqlx::Error::Tls(_)
-                    | sqlx::Error::Protocol(_)
-            ) || matches!(e, sqlx::Error::Database(db)
-                    if db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57P"))),
+            Error::Database(e) => {
+                matches!(
+                    e,
+                    sqlx::Error::Io(_)
+                        | sqlx::Error::PoolTimedOut
+                        | sqlx::Error::PoolClosed
+                        | sqlx::Error::WorkerCrashed
+                        | sqlx::Error::Tls(_)
+                        | sqlx::Error::Protocol(_)
+                ) || matches!(e, sqlx::Error::Database(db)
+                    if db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57P")))
+            }
             _ => false,
         }
     }

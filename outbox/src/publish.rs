@@ -448,7 +448,11 @@ impl Outbox {
     /// [`Error::InvalidArgument`] for input that breaks SPEC §2.1 (nothing is sent to the
     /// database); [`Error::UpgradeRequired`] if the table predates the rearm upgrade and the
     /// call extends; [`Error::Database`] otherwise.
-    pub async fn publish(&self, conn: &mut PgConnection, message: Message<'_>) -> Result<Published> {
+    pub async fn publish(
+        &self,
+        conn: &mut PgConnection,
+        message: Message<'_>,
+    ) -> Result<Published> {
         let resolved = message.validate()?;
         let (delay, at) = resolved.binds();
         let sql = &self.sql().publish;
@@ -526,7 +530,8 @@ impl Outbox {
         }
         let (delay, at) = resolved.binds();
         let payloads: Vec<&[u8]> = items.iter().map(|i| i.payload).collect();
-        let headers: Vec<Option<Json<&Headers>>> = items.iter().map(|i| i.headers.map(Json)).collect();
+        let headers: Vec<Option<Json<&Headers>>> =
+            items.iter().map(|i| i.headers.map(Json)).collect();
         let row = sqlx::query(&self.sql().publish.batch)
             .bind(queue)
             .bind(payloads)
@@ -536,7 +541,8 @@ impl Outbox {
             .fetch_one(&mut *conn)
             .await?;
         let ids: Vec<i64> = row.try_get::<Option<Vec<i64>>, _>(0)?.unwrap_or_default();
-        metrics::counter!("outbox_published_total", "queue" => queue.to_owned()).increment(ids.len() as u64);
+        metrics::counter!("outbox_published_total", "queue" => queue.to_owned())
+            .increment(ids.len() as u64);
         Ok(ids)
     }
 }

@@ -44,8 +44,8 @@ pub(crate) fn quote_literal(value: &str) -> String {
 /// forms ready to paste into SQL text.
 #[derive(Debug, Clone)]
 pub(crate) struct Names {
-    pub table: String,
-    pub dlq_table: String,
+    pub table_name: String,
+    pub dlq_name: String,
     /// `"schema"."table"` or `"table"`.
     pub qtable: String,
     /// `"schema"."dlq"` or `"dlq"`.
@@ -88,16 +88,16 @@ impl Names {
             rearm_ck: format!("{table}_rearm_ck"),
             dlq_idx: format!("{dlq_table}_queue_failed_at_idx"),
             channel,
-            table,
-            dlq_table,
+            table_name: table,
+            dlq_name: dlq_table,
         };
         // The sequences and primary keys Postgres names for us would be truncated silently;
         // check them together with ours.
         let implicit = [
-            format!("{}_id_seq", names.table),
-            format!("{}_pkey", names.table),
-            format!("{}_id_seq", names.dlq_table),
-            format!("{}_pkey", names.dlq_table),
+            format!("{}_id_seq", names.table_name),
+            format!("{}_pkey", names.table_name),
+            format!("{}_id_seq", names.dlq_name),
+            format!("{}_pkey", names.dlq_name),
         ];
         for id in [
             &names.pending_idx,
@@ -120,7 +120,6 @@ impl Names {
     pub(crate) fn table_literal(&self) -> String {
         quote_literal(&self.qtable)
     }
-
 }
 
 fn check_identifier(id: &str) -> Result<()> {

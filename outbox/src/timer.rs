@@ -203,7 +203,10 @@ pub async fn extend_timer<T: Timer, P: Publisher + ?Sized>(
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] (before any SQL), [`Error::Database`].
-pub async fn cancel_timer<T: Timer, P: Publisher + ?Sized>(conn: &mut P, timer_id: &str) -> Result<Cancelled> {
+pub async fn cancel_timer<T: Timer, P: Publisher + ?Sized>(
+    conn: &mut P,
+    timer_id: &str,
+) -> Result<Cancelled> {
     conn.cancel_timer(T::QUEUE, timer_id).await
 }
 

@@ -82,17 +82,19 @@ impl Outbox {
     pub async fn validate_schema(&self, pool: &PgPool) -> Result<()> {
         let n = self.names();
         let mut problems = Vec::new();
-        let table_exists = check_columns(pool, &n.qtable, &n.table, QUEUE_COLUMNS, &mut problems).await?;
+        let table_exists =
+            check_columns(pool, &n.qtable, &n.table_name, QUEUE_COLUMNS, &mut problems).await?;
         if table_exists {
             check_queue_indexes(pool, n, &mut problems).await?;
             check_queue_constraints(pool, n, &mut problems).await?;
         }
         if self.dead_letter_enabled() {
-            let dlq_exists = check_columns(pool, &n.qdlq, &n.dlq_table, DLQ_COLUMNS, &mut problems).await?;
+            let dlq_exists =
+                check_columns(pool, &n.qdlq, &n.dlq_name, DLQ_COLUMNS, &mut problems).await?;
             if dlq_exists {
                 let live = live_indexes(pool, &n.qdlq).await?;
                 check_index(
-                    &n.dlq_table,
+                    &n.dlq_name,
                     &WantedIndex {
                         name: &n.dlq_idx,
                         columns: &["queue", "failed_at"],
@@ -120,7 +122,11 @@ pub async fn validate_schema(pool: &PgPool) -> Result<()> {
     Outbox::default().validate_schema(pool).await
 }
 
-fn problem(object: impl Into<String>, message: impl Into<String>, needs_upgrade: bool) -> SchemaProblem {
+fn problem(
+    object: impl Into<String>,
+    message: impl Into<String>,
+    needs_upgrade: bool,
+) -> SchemaProblem {
     SchemaProblem {
         object: object.into(),
         message: message.into(),
@@ -141,7 +147,11 @@ async fn check_columns(
         .fetch_one(pool)
         .await?;
     let Some(oid) = oid else {
-        problems.push(problem(table, "table is missing; run the migrations", false));
+        problems.push(problem(
+            table,
+            "table is missing; run the migrations",
+            false,
+        ));
         return Ok(false);
     };
     let rows = sqlx::query(
@@ -161,7 +171,11 @@ async fn check_columns(
             None => problems.push(problem(object, "column is missing", rearm)),
             Some((live_ty, live_nn)) => {
                 if live_ty != ty {
-                    problems.push(problem(&object, format!("type is `{live_ty}`, expected `{ty}`"), false));
+                    problems.push(problem(
+                        &object,
+                        format!("type is `{live_ty}`, expected `{ty}`"),
+                        false,
+                    ));
                 }
                 if *live_nn != not_null {
                     let want = if not_null { "NOT NULL" } else { "nullable" };
@@ -196,10 +210,20 @@ async fn live_indexes(pool: &PgPool, qualified: &str) -> Result<Vec<LiveIndex>> 
 }
 
 /// Looks for an index with the wanted key columns and reports the closest miss.
-fn check_index(table: &str, want: &WantedIndex<'_>, live: &[LiveIndex], problems: &mut Vec<SchemaProblem>) {
+fn check_index(
+    table: &str,
+    want: &WantedIndex<'_>,
+    live: &[LiveIndex],
+    problems: &mut Vec<SchemaProblem>,
+) {
     let same_columns: Vec<&LiveIndex> = live
         .iter()
-        .filter(|i| i.columns.iter().map(String::as_str).eq(want.columns.iter().copied()))
+        .filter(|i| {
+            i.columns
+                .iter()
+                .map(String::as_str)
+                .eq(want.columns.iter().copied())
+        })
         .collect();
     let want_pred = want.predicate.map(normalise);
     let fits = |i: &&LiveIndex| {
@@ -208,14 +232,20 @@ fn check_index(table: &str, want: &WantedIndex<'_>, live: &[LiveIndex], problems
     if same_columns.iter().any(fits) {
         return;
     }
-    let object = format!("{table}: index {} on ({})", want.name, want.columns.join(", "));
+    let object = format!(
+        "{table}: index {} on ({})",
+        want.name,
+        want.columns.join(", ")
+    );
     let message = if let Some(i) = same_columns.first() {
         match (&i.predicate, want.predicate) {
             (None, Some(p)) => format!("index is not partial; it needs `WHERE {p}`"),
             (Some(live), Some(p)) if normalise(live) != normalise(p) => {
                 format!("partial index has `WHERE {live}`, expected `WHERE {p}`")
             }
-            (Some(live), None) => format!("index is partial (`WHERE {live}`); it must cover every row"),
+            (Some(live), None) => {
+                format!("index is partial (`WHERE {live}`); it must cover every row")
+            }
             _ => "index is not UNIQUE".to_owned(),
         }
     } else {
@@ -224,7 +254,11 @@ fn check_index(table: &str, want: &WantedIndex<'_>, live: &[LiveIndex], problems
     problems.push(problem(object, message, false));
 }
 
-async fn check_queue_indexes(pool: &PgPool, n: &Names, problems: &mut Vec<SchemaProblem>) -> Result<()> {
+async fn check_queue_indexes(
+    pool: &PgPool,
+    n: &Names,
+    problems: &mut Vec<SchemaProblem>,
+) -> Result<()> {
     let live = live_indexes(pool, &n.qtable).await?;
     for want in [
         WantedIndex {
@@ -246,12 +280,16 @@ async fn check_queue_indexes(pool: &PgPool, n: &Names, problems: &mut Vec<Schema
             predicate: Some("timer_id IS NOT NULL"),
         },
     ] {
-        check_index(&n.table, &want, &live, problems);
+        check_index(&n.table_name, &want, &live, problems);
     }
     Ok(())
 }
 
-async fn check_queue_constraints(pool: &PgPool, n: &Names, problems: &mut Vec<SchemaProblem>) -> Result<()> {
+async fn check_queue_constraints(
+    pool: &PgPool,
+    n: &Names,
+    problems: &mut Vec<SchemaProblem>,
+) -> Result<()> {
     let rows = sqlx::query(
         "SELECT pg_get_constraintdef(oid), convalidated FROM pg_constraint \
          WHERE conrelid = to_regclass($1) AND contype = 'c'",
@@ -275,11 +313,25 @@ async fn check_queue_constraints(pool: &PgPool, n: &Names, problems: &mut Vec<Sc
         normalise("CHECK (acquired_token IS NOT NULL OR rearm_at IS NULL)"),
     ];
     for (name, forms, upgrade, def) in [
-        (&n.lease_ck, &lease, false, "CHECK ((acquired_token IS NULL) = (acquired_at IS NULL))"),
-        (&n.rearm_ck, &rearm, true, "CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL)"),
+        (
+            &n.lease_ck,
+            &lease,
+            false,
+            "CHECK ((acquired_token IS NULL) = (acquired_at IS NULL))",
+        ),
+        (
+            &n.rearm_ck,
+            &rearm,
+            true,
+            "CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL)",
+        ),
     ] {
-        let found: Vec<bool> = live.iter().filter(|(d, _)| forms.contains(d)).map(|(_, v)| *v).collect();
-        let object = format!("{}: constraint {name}", n.table);
+        let found: Vec<bool> = live
+            .iter()
+            .filter(|(d, _)| forms.contains(d))
+            .map(|(_, v)| *v)
+            .collect();
+        let object = format!("{}: constraint {name}", n.table_name);
         if found.is_empty() {
             problems.push(problem(object, format!("`{def}` is missing"), upgrade));
         } else if !found.contains(&true) {

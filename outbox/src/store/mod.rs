@@ -141,7 +141,10 @@ impl FailureReason {
 
     /// Whether the handler ran (and failed): such a failure counts in `attempts_count`.
     pub fn handler_ran(self) -> bool {
-        matches!(self, FailureReason::RetryExhausted | FailureReason::Rejected)
+        matches!(
+            self,
+            FailureReason::RetryExhausted | FailureReason::Rejected
+        )
     }
 }
 
@@ -270,11 +273,19 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// A failed run with a retry `delay` (from the database clock). A queued rearm replaces
     /// the retry and keeps `deliveries_count` (SPEC §5.1).
-    fn retry(&self, lease: Lease, delay: Duration) -> impl Future<Output = Result<Completion>> + Send;
+    fn retry(
+        &self,
+        lease: Lease,
+        delay: Duration,
+    ) -> impl Future<Output = Result<Completion>> + Send;
 
     /// A terminal failure: archives the failed run when the dead-letter queue is on, and
     /// deletes the row or applies its queued rearm, in one step (SPEC §5.1).
-    fn fail(&self, lease: Lease, failure: Failure<'_>) -> impl Future<Output = Result<Completion>> + Send;
+    fn fail(
+        &self,
+        lease: Lease,
+        failure: Failure<'_>,
+    ) -> impl Future<Output = Result<Completion>> + Send;
 
     /// Earliest deadline and lease expiry of `queues` (SPEC §7.3), to sleep until.
     fn next_wakeup(
@@ -287,14 +298,23 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn publish(&self, message: Message<'_>) -> impl Future<Output = Result<Published>> + Send;
 
     /// Cancels a timer in its own transaction (SPEC §3).
-    fn cancel(&self, queue: &str, timer_id: &str) -> impl Future<Output = Result<Cancelled>> + Send;
+    fn cancel(&self, queue: &str, timer_id: &str)
+        -> impl Future<Output = Result<Cancelled>> + Send;
 
     /// Live rows of `queue` (pending and leased), ordered by deadline then id, at most
     /// `limit` (SPEC §8).
-    fn pending(&self, queue: &str, limit: usize) -> impl Future<Output = Result<Vec<StoredRow>>> + Send;
+    fn pending(
+        &self,
+        queue: &str,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<StoredRow>>> + Send;
 
     /// Rows of the dead-letter table for `queue`, oldest first.
-    fn dead_letters(&self, queue: &str, limit: usize) -> impl Future<Output = Result<Vec<DeadLetter>>> + Send;
+    fn dead_letters(
+        &self,
+        queue: &str,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<DeadLetter>>> + Send;
 
     /// Whether terminal failures are archived.
     fn dead_letter_enabled(&self) -> bool;
@@ -302,7 +322,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Starts pushing [`Wakeup`] hints. The stream is listening when this returns (so a
     /// scan after it misses nothing). `None` means the store has no push channel and
     /// workers rely on deadlines and the idle poll alone (the default).
-    fn wakeups(&self) -> impl Future<Output = Result<Option<tokio::sync::mpsc::Receiver<Wakeup>>>> + Send {
+    fn wakeups(
+        &self,
+    ) -> impl Future<Output = Result<Option<tokio::sync::mpsc::Receiver<Wakeup>>>> + Send {
         async { Ok(None) }
     }
 

@@ -10,8 +10,8 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::{
-    clean_error_text, Completion, DeadLetter, Delivery, Failure, Lease, NextWakeup, Store, StoredRow,
-    Wakeup,
+    clean_error_text, Completion, DeadLetter, Delivery, Failure, Lease, NextWakeup, Store,
+    StoredRow, Wakeup,
 };
 use crate::cancel::Cancelled;
 use crate::error::{Error, Result};
@@ -41,14 +41,16 @@ const DELIVERY_COLUMNS: &str = "t.id, t.acquired_token, t.queue, t.payload, t.he
      t.attempts_count, t.deliveries_count, t.created_at, t.next_attempt_at, t.first_attempt_at, t.acquired_at";
 
 /// Columns a [`StoredRow`] is read from, in [`stored_from_row`]'s order.
-const ROW_COLUMNS: &str = "id, queue, payload, headers, attempts_count, deliveries_count, created_at, \
+const ROW_COLUMNS: &str =
+    "id, queue, payload, headers, attempts_count, deliveries_count, created_at, \
      next_attempt_at, first_attempt_at, last_attempt_at, acquired_at, acquired_token, timer_id, \
      rearm_at, rearm_payload, rearm_headers";
 
 /// The SET list that turns a leased row with a queued rearm into a fresh pending timer at
 /// `rearm_at` (SPEC §5.1: success and terminal failure): new payload, lease cleared, retry
 /// history and `deliveries_count` reset.
-const APPLY_REARM: &str = "next_attempt_at = t.rearm_at, payload = t.rearm_payload, headers = t.rearm_headers, \
+const APPLY_REARM: &str =
+    "next_attempt_at = t.rearm_at, payload = t.rearm_payload, headers = t.rearm_headers, \
      rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL, \
      acquired_token = NULL, acquired_at = NULL, \
      attempts_count = 0, first_attempt_at = NULL, last_attempt_at = NULL, deliveries_count = 0";
@@ -239,7 +241,8 @@ fn stored_from_row(row: &PgRow) -> Result<StoredRow> {
 }
 
 fn micros(d: Duration) -> Result<i64> {
-    i64::try_from(d.as_micros()).map_err(|_| Error::invalid("duration", "overflows 64-bit microseconds"))
+    i64::try_from(d.as_micros())
+        .map_err(|_| Error::invalid("duration", "overflows 64-bit microseconds"))
 }
 
 /// The Postgres implementation of [`Store`]: a pool and an [`Outbox`] (names and SQL).
@@ -289,7 +292,12 @@ impl PgStore {
 }
 
 impl Store for PgStore {
-    async fn claim(&self, queues: &[String], limit: usize, lease_ttl: Duration) -> Result<Vec<Delivery>> {
+    async fn claim(
+        &self,
+        queues: &[String],
+        limit: usize,
+        lease_ttl: Duration,
+    ) -> Result<Vec<Delivery>> {
         let mut conn = self.pool.acquire().await?;
         self.outbox.claim(&mut conn, queues, limit, lease_ttl).await
     }
@@ -468,12 +476,19 @@ impl Store for PgStore {
                 None
             }
         };
-        tokio::spawn(listen_loop(self.pool.clone(), self.outbox.channel().to_owned(), start, tx));
+        tokio::spawn(listen_loop(
+            self.pool.clone(),
+            self.outbox.channel().to_owned(),
+            start,
+            tx,
+        ));
         Ok(Some(rx))
     }
 
     async fn now(&self) -> Result<DateTime<Utc>> {
-        Ok(sqlx::query_scalar("SELECT now()").fetch_one(&self.pool).await?)
+        Ok(sqlx::query_scalar("SELECT now()")
+            .fetch_one(&self.pool)
+            .await?)
     }
 }
 
@@ -579,9 +594,12 @@ impl Outbox {
             .bind(Uuid::new_v4())
             .fetch_all(&mut *conn)
             .await?;
-        let mut out = rows.iter().map(delivery_from_row).collect::<Result<Vec<_>>>()?;
+        let mut out = rows
+            .iter()
+            .map(delivery_from_row)
+            .collect::<Result<Vec<_>>>()?;
         // RETURNING follows the update order, not the CTE's; restore the contract's order.
-        out.sort_by(|a, b| (a.deadline, a.lease.id).cmp(&(b.deadline, b.lease.id)));
+        out.sort_by_key(|d| (d.deadline, d.lease.id));
         Ok(out)
     }
 

@@ -39,7 +39,9 @@ impl Context {
             queue: d.queue.clone(),
             timer_id: d.timer_id.clone(),
             headers: d.headers.clone(),
-            attempt: u32::try_from(d.attempts_count).unwrap_or(0).saturating_add(1),
+            attempt: u32::try_from(d.attempts_count)
+                .unwrap_or(0)
+                .saturating_add(1),
             delivery: u32::try_from(d.deliveries_count).unwrap_or(0),
             deadline: d.deadline,
             claimed_at: d.claimed_at,
@@ -175,7 +177,7 @@ where
 }
 
 /// Per-handler settings: retry strategy and, for raw queues, `max_deliveries`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct HandlerOptions {
     pub(crate) retry: RetryStrategy,
     pub(crate) max_deliveries: Option<u32>,
@@ -183,15 +185,6 @@ pub struct HandlerOptions {
 
 /// `max_deliveries` of raw queues when none is set: 10.
 pub const DEFAULT_MAX_DELIVERIES: u32 = 10;
-
-impl Default for HandlerOptions {
-    fn default() -> Self {
-        HandlerOptions {
-            retry: RetryStrategy::default(),
-            max_deliveries: None,
-        }
-    }
-}
 
 impl HandlerOptions {
     /// Defaults: [`RetryStrategy::default`], `max_deliveries` from the timer (raw queues:
@@ -217,7 +210,11 @@ impl HandlerOptions {
 /// Decodes and calls, type-erased.
 pub(crate) trait Erased: Send + Sync + 'static {
     /// `Err` carries the decode error text.
-    fn dispatch(&self, payload: &[u8], ctx: Context) -> Result<BoxFuture<'static, HandlerResult>, String>;
+    fn dispatch(
+        &self,
+        payload: &[u8],
+        ctx: Context,
+    ) -> Result<BoxFuture<'static, HandlerResult>, String>;
 }
 
 struct Typed<T, H> {
@@ -226,7 +223,11 @@ struct Typed<T, H> {
 }
 
 impl<T: Timer, H: Handler<T>> Erased for Typed<T, H> {
-    fn dispatch(&self, payload: &[u8], ctx: Context) -> Result<BoxFuture<'static, HandlerResult>, String> {
+    fn dispatch(
+        &self,
+        payload: &[u8],
+        ctx: Context,
+    ) -> Result<BoxFuture<'static, HandlerResult>, String> {
         let value = T::decode(payload).map_err(|e| e.to_string())?;
         Ok(self.handler.call(value, ctx))
     }
@@ -237,7 +238,11 @@ struct Raw<H> {
 }
 
 impl<H: Handler<Vec<u8>>> Erased for Raw<H> {
-    fn dispatch(&self, payload: &[u8], ctx: Context) -> Result<BoxFuture<'static, HandlerResult>, String> {
+    fn dispatch(
+        &self,
+        payload: &[u8],
+        ctx: Context,
+    ) -> Result<BoxFuture<'static, HandlerResult>, String> {
         Ok(self.handler.call(payload.to_vec(), ctx))
     }
 }
@@ -258,13 +263,20 @@ impl Route {
         Route {
             queue: T::QUEUE.to_owned(),
             name: type_name::<T>().to_owned(),
-            handler: Arc::new(Typed { handler, _t: PhantomData }),
+            handler: Arc::new(Typed {
+                handler,
+                _t: PhantomData,
+            }),
             max_deliveries: options.max_deliveries.unwrap_or(T::MAX_DELIVERIES),
             retry: options.retry,
         }
     }
 
-    pub(crate) fn raw<H: Handler<Vec<u8>>>(queue: String, handler: H, options: HandlerOptions) -> Self {
+    pub(crate) fn raw<H: Handler<Vec<u8>>>(
+        queue: String,
+        handler: H,
+        options: HandlerOptions,
+    ) -> Self {
         Route {
             queue,
             name: format!("raw handler {}", type_name::<H>()),
@@ -279,8 +291,14 @@ impl Route {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Decision {
     Ack,
-    Retry { delay: Duration, error: String },
-    Fail { reason: FailureReason, error: Option<String> },
+    Retry {
+        delay: Duration,
+        error: String,
+    },
+    Fail {
+        reason: FailureReason,
+        error: Option<String>,
+    },
 }
 
 /// Runs one delivery through its route: the `max_deliveries` check, decoding, the handler
@@ -310,7 +328,9 @@ pub(crate) async fn decide(route: &Route, delivery: &Delivery) -> Decision {
         Ok(r) => r,
         Err(panic) => HandlerResult::Error(format!("handler panicked: {}", panic_text(&panic))),
     };
-    let failures = u32::try_from(delivery.attempts_count).unwrap_or(0).saturating_add(1);
+    let failures = u32::try_from(delivery.attempts_count)
+        .unwrap_or(0)
+        .saturating_add(1);
     let elapsed = delivery
         .first_attempt_at
         .and_then(|first| (delivery.claimed_at - first).to_std().ok())
@@ -321,13 +341,18 @@ pub(crate) async fn decide(route: &Route, delivery: &Delivery) -> Decision {
             reason: FailureReason::Rejected,
             error: Some(e),
         },
-        HandlerResult::Error(error) => match route.retry.next_delay(failures, elapsed, rand::random::<f64>()) {
-            Some(delay) => Decision::Retry { delay, error },
-            None => Decision::Fail {
-                reason: FailureReason::RetryExhausted,
-                error: Some(error),
-            },
-        },
+        HandlerResult::Error(error) => {
+            match route
+                .retry
+                .next_delay(failures, elapsed, rand::random::<f64>())
+            {
+                Some(delay) => Decision::Retry { delay, error },
+                None => Decision::Fail {
+                    reason: FailureReason::RetryExhausted,
+                    error: Some(error),
+                },
+            }
+        }
         HandlerResult::RetryAfter(delay) => {
             // An explicit delay replaces the strategy's, but its attempt limit still holds.
             if route.retry.allows_another(failures) {
@@ -338,7 +363,9 @@ pub(crate) async fn decide(route: &Route, delivery: &Delivery) -> Decision {
             } else {
                 Decision::Fail {
                     reason: FailureReason::RetryExhausted,
-                    error: Some(format!("handler asked to retry after {delay:?}; attempts exhausted")),
+                    error: Some(format!(
+                        "handler asked to retry after {delay:?}; attempts exhausted"
+                    )),
                 }
             }
         }

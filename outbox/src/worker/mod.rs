@@ -53,8 +53,10 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-pub use handler::{Context, Handler, HandlerOptions, HandlerResult, IntoOutcome, Outcome, DEFAULT_MAX_DELIVERIES};
 pub(crate) use handler::{decide, Decision, Route};
+pub use handler::{
+    Context, Handler, HandlerOptions, HandlerResult, IntoOutcome, Outcome, DEFAULT_MAX_DELIVERIES,
+};
 pub use retry::{RetryStrategy, MAX_RETRY_DELAY};
 
 use crate::error::{Error, Result};
@@ -86,9 +88,18 @@ impl Default for Config {
     }
 }
 
-fn check_range<T: PartialOrd + std::fmt::Debug>(knob: &'static str, v: T, min: T, max: T, unit: &str) -> Result<()> {
+fn check_range<T: PartialOrd + std::fmt::Debug>(
+    knob: &'static str,
+    v: T,
+    min: T,
+    max: T,
+    unit: &str,
+) -> Result<()> {
     if v < min || v > max {
-        return Err(Error::config(knob, format!("must be within {min:?}..={max:?}{unit}, got {v:?}")));
+        return Err(Error::config(
+            knob,
+            format!("must be within {min:?}..={max:?}{unit}, got {v:?}"),
+        ));
     }
     Ok(())
 }
@@ -98,9 +109,27 @@ impl Config {
         check_range("concurrency", self.concurrency, 1, 10_000, "")?;
         check_range("fetch_batch_size", self.fetch_batch_size, 1, 10_000, "")?;
         check_range("ack_batch_size", self.ack_batch_size, 1, 10_000, "")?;
-        check_range("lease_ttl", self.lease_ttl, Duration::from_millis(100), Duration::from_secs(7 * 24 * 3600), "")?;
-        check_range("idle_poll", self.idle_poll, Duration::from_millis(10), Duration::from_secs(24 * 3600), "")?;
-        check_range("graceful_timeout", self.graceful_timeout, Duration::ZERO, Duration::from_secs(3600), "")?;
+        check_range(
+            "lease_ttl",
+            self.lease_ttl,
+            Duration::from_millis(100),
+            Duration::from_secs(7 * 24 * 3600),
+            "",
+        )?;
+        check_range(
+            "idle_poll",
+            self.idle_poll,
+            Duration::from_millis(10),
+            Duration::from_secs(24 * 3600),
+            "",
+        )?;
+        check_range(
+            "graceful_timeout",
+            self.graceful_timeout,
+            Duration::ZERO,
+            Duration::from_secs(3600),
+            "",
+        )?;
         Ok(())
     }
 }
@@ -124,7 +153,11 @@ impl<S: Store> WorkerBuilder<S> {
     }
 
     /// As [`WorkerBuilder::timer`], with a retry strategy or a `max_deliveries` override.
-    pub fn timer_with<T: Timer>(mut self, handler: impl Handler<T>, options: HandlerOptions) -> Self {
+    pub fn timer_with<T: Timer>(
+        mut self,
+        handler: impl Handler<T>,
+        options: HandlerOptions,
+    ) -> Self {
         self.routes.push(Route::typed::<T, _>(handler, options));
         self
     }
@@ -136,7 +169,12 @@ impl<S: Store> WorkerBuilder<S> {
     }
 
     /// As [`WorkerBuilder::queue`], with options.
-    pub fn queue_with(mut self, queue: impl Into<String>, handler: impl Handler<Vec<u8>>, options: HandlerOptions) -> Self {
+    pub fn queue_with(
+        mut self,
+        queue: impl Into<String>,
+        handler: impl Handler<Vec<u8>>,
+        options: HandlerOptions,
+    ) -> Self {
         let queue = queue.into();
         if let Err(e) = validate_queue(&queue) {
             self.invalid_queue.get_or_insert(e);
@@ -209,7 +247,10 @@ impl<S: Store> WorkerBuilder<S> {
             validate_queue(&route.queue)?;
             route.retry.validate("retry")?;
             if route.max_deliveries == 0 {
-                return Err(Error::config("max_deliveries", format!("must be at least 1 for queue `{}`", route.queue)));
+                return Err(Error::config(
+                    "max_deliveries",
+                    format!("must be at least 1 for queue `{}`", route.queue),
+                ));
             }
             if let Some(first) = routes.get(&route.queue) {
                 return Err(Error::DuplicateHandler {
@@ -306,7 +347,9 @@ struct Shared<S> {
 impl<S: Store> Shared<S> {
     /// Maps a store-clock time onto the local monotonic clock.
     fn local(&self, at: DateTime<Utc>) -> Instant {
-        let offset = self.clock_offset_us.load(std::sync::atomic::Ordering::Relaxed);
+        let offset = self
+            .clock_offset_us
+            .load(std::sync::atomic::Ordering::Relaxed);
         let store_now_us = Utc::now().timestamp_micros() + offset;
         let ahead = at.timestamp_micros() - store_now_us;
         let now = Instant::now();
@@ -388,7 +431,11 @@ impl<S: Store> Worker<S> {
         };
         let mut handlers = JoinSet::new();
         for _ in 0..config.concurrency {
-            handlers.spawn(handler_task(shared.clone(), deliveries_rx.clone(), acks_tx.clone()));
+            handlers.spawn(handler_task(
+                shared.clone(),
+                deliveries_rx.clone(),
+                acks_tx.clone(),
+            ));
         }
         drop(acks_tx);
 
@@ -419,12 +466,20 @@ impl<S: Store> Worker<S> {
             // aborted ones drop theirs when the abort lands. Give the final flush at most
             // the time left, and never less than one round trip's worth.
             let flush_deadline = deadline.max(Instant::now() + Duration::from_secs(1));
-            if tokio::time::timeout_at(flush_deadline, acker).await.is_err() {
+            if tokio::time::timeout_at(flush_deadline, acker)
+                .await
+                .is_err()
+            {
                 graceful = false;
-                tracing::warn!("outbox: pending acks not flushed in time; those rows will be redelivered");
+                tracing::warn!(
+                    "outbox: pending acks not flushed in time; those rows will be redelivered"
+                );
             }
         }
-        ShutdownReport { graceful, abandoned }
+        ShutdownReport {
+            graceful,
+            abandoned,
+        }
     }
 }
 
@@ -608,7 +663,11 @@ async fn handler_task<S: Store>(
 }
 
 /// Handles one delivery and writes its fenced completion.
-async fn process<S: Store>(shared: &Shared<S>, d: Delivery, acks: Option<&mpsc::Sender<(Lease, Instant, String)>>) {
+async fn process<S: Store>(
+    shared: &Shared<S>,
+    d: Delivery,
+    acks: Option<&mpsc::Sender<(Lease, Instant, String)>>,
+) {
     // The lease is ours until claimed_at + lease_ttl; past it a completion is pointless.
     let lease_end = Instant::now() + shared.config.lease_ttl;
     let Some(route) = shared.routes.get(&d.queue) else {
@@ -616,8 +675,13 @@ async fn process<S: Store>(shared: &Shared<S>, d: Delivery, acks: Option<&mpsc::
         tracing::error!("outbox: claimed a row of a queue without handler");
         return;
     };
-    let lateness = (d.claimed_at - d.deadline).num_microseconds().unwrap_or(0).max(0) as f64 / 1e6;
-    metrics::histogram!("outbox_firing_lateness_seconds", "queue" => d.queue.clone()).record(lateness);
+    let lateness = (d.claimed_at - d.deadline)
+        .num_microseconds()
+        .unwrap_or(0)
+        .max(0) as f64
+        / 1e6;
+    metrics::histogram!("outbox_firing_lateness_seconds", "queue" => d.queue.clone())
+        .record(lateness);
     let started = Instant::now();
     let decision = decide(route, &d).await;
     metrics::histogram!("outbox_handler_duration_seconds", "queue" => d.queue.clone())
@@ -652,7 +716,8 @@ async fn process<S: Store>(shared: &Shared<S>, d: Delivery, acks: Option<&mpsc::
                 metrics::counter!("outbox_terminal_total", "queue" => d.queue.clone(), "reason" => reason.as_str())
                     .increment(1);
                 if shared.store.dead_letter_enabled() {
-                    metrics::counter!("outbox_dlq_written_total", "queue" => d.queue.clone()).increment(1);
+                    metrics::counter!("outbox_dlq_written_total", "queue" => d.queue.clone())
+                        .increment(1);
                     tracing::warn!(reason = %reason, "outbox: dead letter written");
                 }
             }
@@ -688,12 +753,15 @@ where
 }
 
 /// Metrics, events and wake-up hints for a finished completion.
-fn report<S: Store>(shared: &Shared<S>, queue: &str, phase: &'static str, done: Option<Completion>) {
+fn report<S: Store>(
+    shared: &Shared<S>,
+    queue: &str,
+    phase: &'static str,
+    done: Option<Completion>,
+) {
     match done {
-        Some(Completion::Deleted) => {
-            if phase == "ack" {
-                metrics::counter!("outbox_acked_total", "queue" => queue.to_owned()).increment(1);
-            }
+        Some(Completion::Deleted) if phase == "ack" => {
+            metrics::counter!("outbox_acked_total", "queue" => queue.to_owned()).increment(1);
         }
         Some(Completion::Rearmed { at }) => {
             if phase == "ack" {
@@ -704,9 +772,13 @@ fn report<S: Store>(shared: &Shared<S>, queue: &str, phase: &'static str, done: 
             shared.wake_at(at);
         }
         Some(Completion::RetryScheduled { at }) => shared.wake_at(at),
+        Some(Completion::Deleted) => {}
         Some(Completion::LeaseLost) => {
             metrics::counter!("outbox_lease_lost_total", "queue" => queue.to_owned(), "phase" => phase).increment(1);
-            tracing::warn!(phase, "outbox: lease lost; the completion was dropped (another worker holds the row)");
+            tracing::warn!(
+                phase,
+                "outbox: lease lost; the completion was dropped (another worker holds the row)"
+            );
         }
         None => {}
     }
@@ -726,7 +798,11 @@ async fn acker<S: Store>(shared: Arc<Shared<S>>, mut rx: mpsc::Receiver<(Lease, 
             }
         }
         let leases: Vec<Lease> = batch.iter().map(|(l, _, _)| *l).collect();
-        let lease_end = batch.iter().map(|(_, e, _)| *e).min().unwrap_or_else(Instant::now);
+        let lease_end = batch
+            .iter()
+            .map(|(_, e, _)| *e)
+            .min()
+            .unwrap_or_else(Instant::now);
         let results = write_batch_with_retry(&shared, lease_end, &leases).await;
         for ((_, _, queue), done) in batch.drain(..).zip(results) {
             report(&shared, &queue, "ack", done);
@@ -734,7 +810,11 @@ async fn acker<S: Store>(shared: Arc<Shared<S>>, mut rx: mpsc::Receiver<(Lease, 
     }
 }
 
-async fn write_batch_with_retry<S: Store>(shared: &Shared<S>, lease_end: Instant, leases: &[Lease]) -> Vec<Option<Completion>> {
+async fn write_batch_with_retry<S: Store>(
+    shared: &Shared<S>,
+    lease_end: Instant,
+    leases: &[Lease],
+) -> Vec<Option<Completion>> {
     let mut attempt = 0;
     loop {
         match shared.store.ack_batch(leases).await {
@@ -769,17 +849,45 @@ mod tests {
     #[test]
     fn knob_ranges_name_the_knob() {
         let bad = [
-            Config { concurrency: 0, ..Config::default() },
-            Config { fetch_batch_size: 0, ..Config::default() },
-            Config { ack_batch_size: 10_001, ..Config::default() },
-            Config { lease_ttl: Duration::from_millis(1), ..Config::default() },
-            Config { idle_poll: Duration::ZERO, ..Config::default() },
-            Config { graceful_timeout: Duration::from_secs(7200), ..Config::default() },
+            Config {
+                concurrency: 0,
+                ..Config::default()
+            },
+            Config {
+                fetch_batch_size: 0,
+                ..Config::default()
+            },
+            Config {
+                ack_batch_size: 10_001,
+                ..Config::default()
+            },
+            Config {
+                lease_ttl: Duration::from_millis(1),
+                ..Config::default()
+            },
+            Config {
+                idle_poll: Duration::ZERO,
+                ..Config::default()
+            },
+            Config {
+                graceful_timeout: Duration::from_secs(7200),
+                ..Config::default()
+            },
         ];
-        let knobs = ["concurrency", "fetch_batch_size", "ack_batch_size", "lease_ttl", "idle_poll", "graceful_timeout"];
+        let knobs = [
+            "concurrency",
+            "fetch_batch_size",
+            "ack_batch_size",
+            "lease_ttl",
+            "idle_poll",
+            "graceful_timeout",
+        ];
         for (c, knob) in bad.iter().zip(knobs) {
             let e = c.validate().unwrap_err();
-            assert!(matches!(e, Error::InvalidConfig { knob: k, .. } if k == knob), "{e}");
+            assert!(
+                matches!(e, Error::InvalidConfig { knob: k, .. } if k == knob),
+                "{e}"
+            );
         }
         assert!(Config::default().validate().is_ok());
     }

@@ -84,7 +84,10 @@ impl RetryStrategy {
 
     /// `initial`, then `multiplier` times longer each time (`multiplier` ≥ 1).
     pub fn exponential(initial: Duration, multiplier: f64) -> Self {
-        Self::with(Backoff::Exponential { initial, multiplier })
+        Self::with(Backoff::Exponential {
+            initial,
+            multiplier,
+        })
     }
 
     /// The longest delay (default and maximum [`MAX_RETRY_DELAY`]).
@@ -115,11 +118,17 @@ impl RetryStrategy {
     pub(crate) fn validate(&self, knob: &'static str) -> Result<()> {
         if let Backoff::Exponential { multiplier, .. } = self.backoff {
             if !(multiplier.is_finite() && multiplier >= 1.0) {
-                return Err(Error::config(knob, format!("the multiplier must be a finite number ≥ 1, got {multiplier}")));
+                return Err(Error::config(
+                    knob,
+                    format!("the multiplier must be a finite number ≥ 1, got {multiplier}"),
+                ));
             }
         }
         if !(self.jitter.is_finite() && (0.0..=1.0).contains(&self.jitter)) {
-            return Err(Error::config(knob, format!("jitter must be within 0.0..=1.0, got {}", self.jitter)));
+            return Err(Error::config(
+                knob,
+                format!("jitter must be within 0.0..=1.0, got {}", self.jitter),
+            ));
         }
         if self.cap > MAX_RETRY_DELAY {
             return Err(Error::config(knob, "the cap may be at most 30 days"));
@@ -132,13 +141,18 @@ impl RetryStrategy {
 
     /// Whether `max_attempts` allows another run after the `failures`-th failed one.
     pub(crate) fn allows_another(&self, failures: u32) -> bool {
-        !self.max_attempts.is_some_and(|max| failures >= max)
+        self.max_attempts.is_none_or(|max| failures < max)
     }
 
     /// The delay after the `failures`-th failed run (1-based), or `None` to give up.
     /// `elapsed` is the time since the first failure (zero for the first one). `unit` is a
     /// uniform random number in `[0, 1)` for the jitter.
-    pub(crate) fn next_delay(&self, failures: u32, elapsed: Duration, unit: f64) -> Option<Duration> {
+    pub(crate) fn next_delay(
+        &self,
+        failures: u32,
+        elapsed: Duration,
+        unit: f64,
+    ) -> Option<Duration> {
         if !self.allows_another(failures) {
             return None;
         }
@@ -147,7 +161,10 @@ impl RetryStrategy {
             Backoff::None => return None,
             Backoff::Constant(d) => d,
             Backoff::Linear { initial, step } => initial.saturating_add(step.saturating_mul(n)),
-            Backoff::Exponential { initial, multiplier } => {
+            Backoff::Exponential {
+                initial,
+                multiplier,
+            } => {
                 let secs = initial.as_secs_f64() * multiplier.powi(n.min(1024) as i32);
                 Duration::try_from_secs_f64(secs).unwrap_or(MAX_RETRY_DELAY)
             }
@@ -159,7 +176,10 @@ impl RetryStrategy {
                 .unwrap_or(delay)
                 .min(self.cap);
         }
-        if self.max_total_delay.is_some_and(|max| elapsed.saturating_add(delay) > max) {
+        if self
+            .max_total_delay
+            .is_some_and(|max| elapsed.saturating_add(delay) > max)
+        {
             return None;
         }
         Some(delay)
@@ -175,24 +195,51 @@ mod tests {
     #[test]
     fn default_is_exponential_capped_with_ten_attempts() {
         let r = RetryStrategy::default();
-        let d: Vec<_> = (1..=9).map(|n| r.next_delay(n, Duration::ZERO, 0.5).unwrap().as_secs()).collect();
+        let d: Vec<_> = (1..=9)
+            .map(|n| r.next_delay(n, Duration::ZERO, 0.5).unwrap().as_secs())
+            .collect();
         assert_eq!(d, [1, 2, 4, 8, 16, 32, 64, 128, 256]);
-        assert_eq!(r.next_delay(10, Duration::ZERO, 0.5), None, "10 attempts in total");
+        assert_eq!(
+            r.next_delay(10, Duration::ZERO, 0.5),
+            None,
+            "10 attempts in total"
+        );
         // 20 % jitter: 1 s spreads over [0.8 s, 1.2 s].
-        assert_eq!(r.next_delay(1, Duration::ZERO, 0.0), Some(Duration::from_millis(800)));
-        assert_eq!(r.next_delay(1, Duration::ZERO, 1.0), Some(Duration::from_millis(1200)));
+        assert_eq!(
+            r.next_delay(1, Duration::ZERO, 0.0),
+            Some(Duration::from_millis(800))
+        );
+        assert_eq!(
+            r.next_delay(1, Duration::ZERO, 1.0),
+            Some(Duration::from_millis(1200))
+        );
         let capped = RetryStrategy::default().max_attempts(100);
-        assert_eq!(capped.next_delay(20, Duration::ZERO, 1.0), Some(300 * S), "jitter never passes the cap");
+        assert_eq!(
+            capped.next_delay(20, Duration::ZERO, 1.0),
+            Some(300 * S),
+            "jitter never passes the cap"
+        );
     }
 
     #[test]
     fn constant_linear_none() {
-        assert_eq!(RetryStrategy::constant(5 * S).next_delay(7, Duration::ZERO, 0.3), Some(5 * S));
+        assert_eq!(
+            RetryStrategy::constant(5 * S).next_delay(7, Duration::ZERO, 0.3),
+            Some(5 * S)
+        );
         let l = RetryStrategy::linear(S, 2 * S);
         assert_eq!(l.next_delay(1, Duration::ZERO, 0.0), Some(S));
         assert_eq!(l.next_delay(3, Duration::ZERO, 0.0), Some(5 * S));
-        assert_eq!(RetryStrategy::none().next_delay(1, Duration::ZERO, 0.0), None);
-        assert_eq!(RetryStrategy::constant(S).max_attempts(1).next_delay(1, Duration::ZERO, 0.0), None);
+        assert_eq!(
+            RetryStrategy::none().next_delay(1, Duration::ZERO, 0.0),
+            None
+        );
+        assert_eq!(
+            RetryStrategy::constant(S)
+                .max_attempts(1)
+                .next_delay(1, Duration::ZERO, 0.0),
+            None
+        );
     }
 
     #[test]
@@ -205,16 +252,30 @@ mod tests {
     #[test]
     fn huge_exponents_saturate() {
         let r = RetryStrategy::exponential(S, 10.0);
-        assert_eq!(r.next_delay(u32::MAX - 1, Duration::ZERO, 0.0), Some(MAX_RETRY_DELAY));
+        assert_eq!(
+            r.next_delay(u32::MAX - 1, Duration::ZERO, 0.0),
+            Some(MAX_RETRY_DELAY)
+        );
     }
 
     #[test]
     fn validation_names_the_knob() {
-        let e = RetryStrategy::exponential(S, 0.5).validate("retry").unwrap_err();
+        let e = RetryStrategy::exponential(S, 0.5)
+            .validate("retry")
+            .unwrap_err();
         assert!(e.to_string().contains("`retry`"), "{e}");
-        assert!(RetryStrategy::default().jitter(1.5).validate("retry").is_err());
-        assert!(RetryStrategy::default().jitter(f64::NAN).validate("retry").is_err());
-        assert!(RetryStrategy::default().max_attempts(0).validate("retry").is_err());
+        assert!(RetryStrategy::default()
+            .jitter(1.5)
+            .validate("retry")
+            .is_err());
+        assert!(RetryStrategy::default()
+            .jitter(f64::NAN)
+            .validate("retry")
+            .is_err());
+        assert!(RetryStrategy::default()
+            .max_attempts(0)
+            .validate("retry")
+            .is_err());
         assert!(RetryStrategy::default().validate("retry").is_ok());
     }
 }

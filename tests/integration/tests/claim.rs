@@ -14,33 +14,68 @@ async fn claim_orders_limits_filters_and_reclaims() {
     let mut conn = f.pool.acquire().await.unwrap();
     let now = Utc::now();
     // Distinct deadlines, oldest last inserted, two queues, one future row.
-    for (q, secs, body) in [("a", -1, "a1"), ("a", -3, "a3"), ("b", -2, "b2"), ("a", 3600, "future")] {
+    for (q, secs, body) in [
+        ("a", -1, "a1"),
+        ("a", -3, "a3"),
+        ("b", -2, "b2"),
+        ("a", 3600, "future"),
+    ] {
         let m = Message::new(q, body.as_bytes()).schedule(now + TimeDelta::seconds(secs));
         f.outbox.publish(&mut conn, m).await.unwrap();
     }
     let qs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    assert!(f.store.claim(&[], 10, TTL).await.unwrap().is_empty(), "empty queue list");
+    assert!(
+        f.store.claim(&[], 10, TTL).await.unwrap().is_empty(),
+        "empty queue list"
+    );
 
     let got = f.store.claim(&qs(&["a", "b"]), 2, TTL).await.unwrap();
-    let bodies: Vec<_> = got.iter().map(|d| String::from_utf8(d.payload.clone()).unwrap()).collect();
-    assert_eq!(bodies, ["a3", "b2"], "the oldest due rows across served queues, in deadline order");
-    assert_eq!(got[0].lease.token, got[1].lease.token, "one token per claim");
-    assert!(got.iter().all(|d| d.deliveries_count == 1 && d.attempts_count == 0));
+    let bodies: Vec<_> = got
+        .iter()
+        .map(|d| String::from_utf8(d.payload.clone()).unwrap())
+        .collect();
+    assert_eq!(
+        bodies,
+        ["a3", "b2"],
+        "the oldest due rows across served queues, in deadline order"
+    );
+    assert_eq!(
+        got[0].lease.token, got[1].lease.token,
+        "one token per claim"
+    );
+    assert!(got
+        .iter()
+        .all(|d| d.deliveries_count == 1 && d.attempts_count == 0));
 
     let got = f.store.claim(&qs(&["b"]), 10, TTL).await.unwrap();
     assert!(got.is_empty(), "queue filter: b has nothing left");
     let got = f.store.claim(&qs(&["a", "b"]), 10, TTL).await.unwrap();
-    assert_eq!(got.len(), 1, "the future row is not claimed, fresh leases are not reclaimed");
+    assert_eq!(
+        got.len(),
+        1,
+        "the future row is not claimed, fresh leases are not reclaimed"
+    );
     assert_eq!(got[0].payload, b"a1");
 
     // Expired leases come back with a new token and deliveries_count 2.
-    let sql = format!("UPDATE {} SET acquired_at = acquired_at - interval '2 minutes' WHERE payload = 'a3'", f.outbox.table());
+    let sql = format!(
+        "UPDATE {} SET acquired_at = acquired_at - interval '2 minutes' WHERE payload = 'a3'",
+        f.outbox.table()
+    );
     sqlx::query(&sql).execute(&f.pool).await.unwrap();
     let again = f.store.claim(&qs(&["a"]), 10, TTL).await.unwrap();
     assert_eq!(again.len(), 1);
-    assert_eq!((again[0].payload.as_slice(), again[0].deliveries_count), (&b"a3"[..], 2));
+    assert_eq!(
+        (again[0].payload.as_slice(), again[0].deliveries_count),
+        (&b"a3"[..], 2)
+    );
     assert_ne!(again[0].lease.token, got[0].lease.token);
-    let row = f.rows("a").await.into_iter().find(|r| r.payload == b"a3").unwrap();
+    let row = f
+        .rows("a")
+        .await
+        .into_iter()
+        .find(|r| r.payload == b"a3")
+        .unwrap();
     assert_eq!(row.acquired_token, Some(again[0].lease.token));
     assert_eq!(row.acquired_at, Some(again[0].claimed_at));
     f.cleanup().await;
@@ -64,20 +99,35 @@ async fn claim_plan_uses_both_partial_indexes_on_a_large_backlog() {
     let plan: Vec<String> = sqlx::query_scalar(&explain)
         .bind(&queues)
         .bind(10i64)
-        .bind(sqlx::postgres::types::PgInterval { months: 0, days: 0, microseconds: 60_000_000 })
+        .bind(sqlx::postgres::types::PgInterval {
+            months: 0,
+            days: 0,
+            microseconds: 60_000_000,
+        })
         .bind(uuid::Uuid::new_v4())
         .fetch_all(&f.pool)
         .await
         .unwrap();
     let plan = plan.join("\n");
     let name = t.trim_matches('"');
-    assert!(!plan.contains(&format!("Seq Scan on {name}")), "sequential scan in:\n{plan}");
-    assert!(plan.contains(&format!("{name}_pending_idx")), "pending branch without its index:\n{plan}");
-    assert!(plan.contains(&format!("{name}_lease_idx")), "reclaim branch without its index:\n{plan}");
+    assert!(
+        !plan.contains(&format!("Seq Scan on {name}")),
+        "sequential scan in:\n{plan}"
+    );
+    assert!(
+        plan.contains(&format!("{name}_pending_idx")),
+        "pending branch without its index:\n{plan}"
+    );
+    assert!(
+        plan.contains(&format!("{name}_lease_idx")),
+        "reclaim branch without its index:\n{plan}"
+    );
 
     // And it claims the right rows: the oldest pending ones (i = 100000 is the oldest).
     let got = f.store.claim(&queues, 10, TTL).await.unwrap();
     assert_eq!(got.len(), 10);
-    assert!(got.windows(2).all(|w| (w[0].deadline, w[0].lease.id) <= (w[1].deadline, w[1].lease.id)));
+    assert!(got
+        .windows(2)
+        .all(|w| (w[0].deadline, w[0].lease.id) <= (w[1].deadline, w[1].lease.id)));
     f.cleanup().await;
 }

@@ -20,7 +20,11 @@ struct Metered {
 /// snapshot drains them), by name and sorted labels.
 fn read_into(s: &Snapshotter, out: &mut HashMap<String, f64>) {
     for (key, _, _, value) in s.snapshot().into_vec() {
-        let mut labels: Vec<String> = key.key().labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+        let mut labels: Vec<String> = key
+            .key()
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
         labels.sort();
         let name = format!("{}{{{}}}", key.key().name(), labels.join(","));
         let v = match (key.kind(), value) {
@@ -79,33 +83,71 @@ async fn counters_and_histograms_move() {
     };
     let mut conn = f.pool.acquire().await.unwrap();
     for kind in ["plain", "fail-once", "reject", "rearm", "steal"] {
-        publish_metered(&mut f.outbox.on(&mut conn), kind, &Metered { kind: kind.into() }, Duration::ZERO).await.unwrap();
+        publish_metered(
+            &mut f.outbox.on(&mut conn),
+            kind,
+            &Metered { kind: kind.into() },
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
     }
     let end = tokio::time::Instant::now() + Duration::from_secs(20);
     let mut m = HashMap::new();
     loop {
         read_into(&snapshotter, &mut m);
-        let acked = m.get("outbox_acked_total{queue=metered}").copied().unwrap_or(0.0);
-        let lost = m.get("outbox_lease_lost_total{phase=ack,queue=metered}").copied().unwrap_or(0.0);
+        let acked = m
+            .get("outbox_acked_total{queue=metered}")
+            .copied()
+            .unwrap_or(0.0);
+        let lost = m
+            .get("outbox_lease_lost_total{phase=ack,queue=metered}")
+            .copied()
+            .unwrap_or(0.0);
         if acked >= 4.0 && lost >= 1.0 {
             break;
         }
-        assert!(tokio::time::Instant::now() < end, "metrics never arrived: {m:#?}");
+        assert!(
+            tokio::time::Instant::now() < end,
+            "metrics never arrived: {m:#?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     worker.shutdown().await;
     read_into(&snapshotter, &mut m);
     let get = |k: &str| m.get(k).copied().unwrap_or(0.0);
-    assert_eq!(get("outbox_published_total{queue=metered}"), 5.0, "the extend queued a rearm, no insert: {m:#?}");
+    assert_eq!(
+        get("outbox_published_total{queue=metered}"),
+        5.0,
+        "the extend queued a rearm, no insert: {m:#?}"
+    );
     // plain, fail-once (2nd run), rearm, and the rearmed instance: four successes.
     assert_eq!(get("outbox_acked_total{queue=metered}"), 4.0, "{m:#?}");
     assert_eq!(get("outbox_retried_total{queue=metered}"), 1.0, "{m:#?}");
-    assert_eq!(get("outbox_terminal_total{queue=metered,reason=rejected}"), 1.0, "{m:#?}");
-    assert_eq!(get("outbox_dlq_written_total{queue=metered}"), 1.0, "{m:#?}");
+    assert_eq!(
+        get("outbox_terminal_total{queue=metered,reason=rejected}"),
+        1.0,
+        "{m:#?}"
+    );
+    assert_eq!(
+        get("outbox_dlq_written_total{queue=metered}"),
+        1.0,
+        "{m:#?}"
+    );
     assert_eq!(get("outbox_rearmed_total{queue=metered}"), 1.0, "{m:#?}");
-    assert_eq!(get("outbox_lease_lost_total{phase=ack,queue=metered}"), 1.0, "{m:#?}");
-    assert!(get("outbox_handler_duration_seconds{queue=metered}") >= 7.0, "{m:#?}");
-    assert!(get("outbox_firing_lateness_seconds{queue=metered}") >= 7.0, "{m:#?}");
+    assert_eq!(
+        get("outbox_lease_lost_total{phase=ack,queue=metered}"),
+        1.0,
+        "{m:#?}"
+    );
+    assert!(
+        get("outbox_handler_duration_seconds{queue=metered}") >= 7.0,
+        "{m:#?}"
+    );
+    assert!(
+        get("outbox_firing_lateness_seconds{queue=metered}") >= 7.0,
+        "{m:#?}"
+    );
     assert!(get("outbox_claim_batch_size{}") >= 1.0, "{m:#?}");
     f.cleanup().await;
 }

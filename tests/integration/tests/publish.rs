@@ -21,33 +21,68 @@ async fn publish_outcomes_and_rows() {
     let in_1h = micros(Utc::now() + TimeDelta::hours(1));
     let in_2h = in_1h + TimeDelta::hours(1);
 
-    let plain = f.outbox.publish(&mut conn, Message::new(q, b"plain")).await.unwrap();
-    let Published::Inserted { id: plain_id } = plain else { panic!("{plain:?}") };
+    let plain = f
+        .outbox
+        .publish(&mut conn, Message::new(q, b"plain"))
+        .await
+        .unwrap();
+    let Published::Inserted { id: plain_id } = plain else {
+        panic!("{plain:?}")
+    };
 
     let mut headers = Headers::new();
     headers.insert("content-type".into(), "application/json".into());
-    let timer = Message::new(q, b"v1").timer_id("k").headers(&headers).schedule(in_1h);
+    let timer = Message::new(q, b"v1")
+        .timer_id("k")
+        .headers(&headers)
+        .schedule(in_1h);
     let first = f.outbox.publish(&mut conn, timer).await.unwrap();
-    let Published::Inserted { id: timer_id } = first else { panic!("{first:?}") };
+    let Published::Inserted { id: timer_id } = first else {
+        panic!("{first:?}")
+    };
     assert_eq!(first.id(), Some(timer_id));
 
     // Ignore: the key is taken, nothing changes.
-    let again = f.outbox.publish(&mut conn, Message::new(q, b"v2").timer_id("k").schedule(in_2h)).await.unwrap();
+    let again = f
+        .outbox
+        .publish(
+            &mut conn,
+            Message::new(q, b"v2").timer_id("k").schedule(in_2h),
+        )
+        .await
+        .unwrap();
     assert_eq!(again, Published::Skipped);
 
     // Extend later on a pending row: deadline, payload, headers replaced.
-    let ext = Message::new(q, b"v3").timer_id("k").schedule(in_2h).on_conflict(OnConflict::Extend);
-    assert_eq!(f.outbox.publish(&mut conn, ext).await.unwrap(), Published::Extended { id: timer_id });
+    let ext = Message::new(q, b"v3")
+        .timer_id("k")
+        .schedule(in_2h)
+        .on_conflict(OnConflict::Extend);
+    assert_eq!(
+        f.outbox.publish(&mut conn, ext).await.unwrap(),
+        Published::Extended { id: timer_id }
+    );
 
     // Extend earlier or equal: unchanged.
     for at in [in_1h, in_2h] {
-        let ext = Message::new(q, b"v4").timer_id("k").schedule(at).on_conflict(OnConflict::Extend);
-        assert_eq!(f.outbox.publish(&mut conn, ext).await.unwrap(), Published::Unchanged);
+        let ext = Message::new(q, b"v4")
+            .timer_id("k")
+            .schedule(at)
+            .on_conflict(OnConflict::Extend);
+        assert_eq!(
+            f.outbox.publish(&mut conn, ext).await.unwrap(),
+            Published::Unchanged
+        );
     }
 
     // Extend of an unknown key inserts.
-    let ext = Message::new(q, b"n1").timer_id("new").schedule(in_1h).on_conflict(OnConflict::Extend);
-    let Published::Inserted { id: new_id } = f.outbox.publish(&mut conn, ext).await.unwrap() else { panic!() };
+    let ext = Message::new(q, b"n1")
+        .timer_id("new")
+        .schedule(in_1h)
+        .on_conflict(OnConflict::Extend);
+    let Published::Inserted { id: new_id } = f.outbox.publish(&mut conn, ext).await.unwrap() else {
+        panic!()
+    };
 
     let rows = f.rows(q).await;
     assert_eq!(rows.len(), 3);
@@ -56,7 +91,10 @@ async fn publish_outcomes_and_rows() {
     assert_eq!(plain_row.payload, b"plain");
     assert_eq!(plain_row.timer_id, None);
     assert_eq!(plain_row.headers, None);
-    assert_eq!(plain_row.next_attempt_at, plain_row.created_at, "due now = now() of the publish");
+    assert_eq!(
+        plain_row.next_attempt_at, plain_row.created_at,
+        "due now = now() of the publish"
+    );
     let new_row = &rows[1];
     assert_eq!((new_row.id, new_row.next_attempt_at), (new_id, in_1h));
     let timer_row = &rows[2];
@@ -65,7 +103,10 @@ async fn publish_outcomes_and_rows() {
     assert_eq!(timer_row.headers, None, "extend replaces headers too");
     assert_eq!(timer_row.next_attempt_at, in_2h);
     assert_eq!(timer_row.timer_id.as_deref(), Some("k"));
-    assert_eq!((timer_row.attempts_count, timer_row.deliveries_count), (0, 0));
+    assert_eq!(
+        (timer_row.attempts_count, timer_row.deliveries_count),
+        (0, 0)
+    );
     assert_eq!(timer_row.acquired_token, None);
     assert_eq!(timer_row.rearm_at, None);
     f.cleanup().await;
@@ -76,12 +117,18 @@ async fn relative_schedule_is_computed_by_the_database_clock() {
     let f = Fixture::new().await;
     let mut conn = f.pool.acquire().await.unwrap();
     f.outbox
-        .publish(&mut conn, Message::new("q", b"x").schedule(Duration::from_millis(90_500)))
+        .publish(
+            &mut conn,
+            Message::new("q", b"x").schedule(Duration::from_millis(90_500)),
+        )
         .await
         .unwrap();
     let row = f.only_row("q").await;
     // created_at and the deadline both come from the same now() of the statement.
-    assert_eq!(row.next_attempt_at - row.created_at, TimeDelta::milliseconds(90_500));
+    assert_eq!(
+        row.next_attempt_at - row.created_at,
+        TimeDelta::milliseconds(90_500)
+    );
     f.cleanup().await;
 }
 
@@ -93,7 +140,11 @@ async fn rolled_back_publish_leaves_nothing_and_committed_one_notifies() {
 
     // Rolled back: no row, no notification.
     let mut tx = f.pool.begin().await.unwrap();
-    let p = f.outbox.publish(&mut tx, Message::new("q", b"gone")).await.unwrap();
+    let p = f
+        .outbox
+        .publish(&mut tx, Message::new("q", b"gone"))
+        .await
+        .unwrap();
     assert!(matches!(p, Published::Inserted { .. }));
     tx.rollback().await.unwrap();
     assert!(f.rows("q").await.is_empty());
@@ -101,14 +152,21 @@ async fn rolled_back_publish_leaves_nothing_and_committed_one_notifies() {
     // Committed and future-dated: a row and one notification carrying queue and deadline.
     let at = micros(Utc::now() + TimeDelta::seconds(30));
     let mut tx = f.pool.begin().await.unwrap();
-    f.outbox.publish(&mut tx, Message::new("q", b"kept").schedule(at)).await.unwrap();
+    f.outbox
+        .publish(&mut tx, Message::new("q", b"kept").schedule(at))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
 
     let n = tokio::time::timeout(Duration::from_secs(5), listener.recv())
         .await
         .expect("a notification arrives")
         .unwrap();
-    assert_eq!(n.payload(), format!("{}:q", at.timestamp_millis()), "rolled-back one never arrives");
+    assert_eq!(
+        n.payload(),
+        format!("{}:q", at.timestamp_millis()),
+        "rolled-back one never arrives"
+    );
     assert_eq!(f.only_row("q").await.payload, b"kept");
 
     // Skipped, Unchanged and Extended notify nothing; only the insert does.
@@ -116,9 +174,17 @@ async fn rolled_back_publish_leaves_nothing_and_committed_one_notifies() {
     let m = Message::new("q", b"t").timer_id("k").schedule(at);
     f.outbox.publish(&mut conn, m).await.unwrap();
     f.outbox.publish(&mut conn, m).await.unwrap();
-    f.outbox.publish(&mut conn, m.on_conflict(OnConflict::Extend)).await.unwrap();
-    let later = m.schedule(at + TimeDelta::seconds(1)).on_conflict(OnConflict::Extend);
-    assert!(matches!(f.outbox.publish(&mut conn, later).await.unwrap(), Published::Extended { .. }));
+    f.outbox
+        .publish(&mut conn, m.on_conflict(OnConflict::Extend))
+        .await
+        .unwrap();
+    let later = m
+        .schedule(at + TimeDelta::seconds(1))
+        .on_conflict(OnConflict::Extend);
+    assert!(matches!(
+        f.outbox.publish(&mut conn, later).await.unwrap(),
+        Published::Extended { .. }
+    ));
     let first = listener.recv().await.unwrap();
     assert_eq!(first.payload(), format!("{}:q", at.timestamp_millis()));
     let extra = tokio::time::timeout(Duration::from_millis(500), listener.recv()).await;
@@ -145,12 +211,21 @@ async fn invalid_input_is_rejected_before_sql() {
         (Message::new("q", b"p").timer_id(""), "timer_id"),
         (Message::new("q", b"p").timer_id(&long), "timer_id"),
         (Message::new("q", b"p").timer_id("a\0"), "timer_id"),
-        (Message::new("q", b"p").on_conflict(OnConflict::Extend), "on_conflict"),
+        (
+            Message::new("q", b"p").on_conflict(OnConflict::Extend),
+            "on_conflict",
+        ),
         (Message::new("q", b"p").headers(&nul_headers), "headers"),
-        (Message::new("q", b"p").schedule(TimeDelta::seconds(-1)), "schedule"),
+        (
+            Message::new("q", b"p").schedule(TimeDelta::seconds(-1)),
+            "schedule",
+        ),
         (Message::new("q", b"p").schedule(TimeDelta::MAX), "schedule"),
         (Message::new("q", b"p").schedule(Duration::MAX), "schedule"),
-        (Message::new("q", b"p").schedule(DateTime::<Utc>::MIN_UTC), "schedule"),
+        (
+            Message::new("q", b"p").schedule(DateTime::<Utc>::MIN_UTC),
+            "schedule",
+        ),
     ];
     for (msg, field) in cases {
         match f.outbox.publish(&mut tx, msg).await {
@@ -159,12 +234,35 @@ async fn invalid_input_is_rejected_before_sql() {
         }
     }
     let err = f.outbox.cancel(&mut tx, "q", "").await.unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { field: "timer_id", .. }), "{err:?}");
-    let err = f.outbox.publish_batch(&mut tx, "", &[BatchItem::new(b"x")], Schedule::now()).await.unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { field: "queue", .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                field: "timer_id",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let err = f
+        .outbox
+        .publish_batch(&mut tx, "", &[BatchItem::new(b"x")], Schedule::now())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument { field: "queue", .. }),
+        "{err:?}"
+    );
     // The message names the field and the rule.
-    let err = f.outbox.publish(&mut tx, Message::new(&long, b"p")).await.unwrap_err();
-    assert_eq!(err.to_string(), "invalid `queue`: is 256 bytes long; at most 255 bytes are allowed");
+    let err = f
+        .outbox
+        .publish(&mut tx, Message::new(&long, b"p"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid `queue`: is 256 bytes long; at most 255 bytes are allowed"
+    );
     drop(tx);
     assert!(f.rows("q").await.is_empty());
     f.cleanup().await;
@@ -178,14 +276,30 @@ async fn batch_is_one_statement_all_or_nothing() {
     let mut conn = f.pool.acquire().await.unwrap();
     let mut h = Headers::new();
     h.insert("k".into(), "v".into());
-    let items = [BatchItem::new(b"a"), BatchItem { payload: b"b", headers: Some(&h) }, BatchItem::new(b"c")];
-    let ids = f.outbox.publish_batch(&mut conn, "b", &items, Schedule::now()).await.unwrap();
+    let items = [
+        BatchItem::new(b"a"),
+        BatchItem {
+            payload: b"b",
+            headers: Some(&h),
+        },
+        BatchItem::new(b"c"),
+    ];
+    let ids = f
+        .outbox
+        .publish_batch(&mut conn, "b", &items, Schedule::now())
+        .await
+        .unwrap();
     assert_eq!(ids.len(), 3);
     let rows = f.rows("b").await;
     assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), ids);
-    assert_eq!(rows.iter().map(|r| r.payload.clone()).collect::<Vec<_>>(), vec![b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
+    assert_eq!(
+        rows.iter().map(|r| r.payload.clone()).collect::<Vec<_>>(),
+        vec![b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]
+    );
     assert_eq!(rows[1].headers.as_ref(), Some(&h));
-    assert!(rows.iter().all(|r| r.timer_id.is_none() && r.next_attempt_at == rows[0].next_attempt_at));
+    assert!(rows
+        .iter()
+        .all(|r| r.timer_id.is_none() && r.next_attempt_at == rows[0].next_attempt_at));
     // One notification for the batch.
     listener.recv().await.unwrap();
     let extra = tokio::time::timeout(Duration::from_millis(300), listener.recv()).await;
@@ -194,14 +308,38 @@ async fn batch_is_one_statement_all_or_nothing() {
     // An invalid item rejects the whole batch before any SQL.
     let mut bad = Headers::new();
     bad.insert("x\0".into(), "v".into());
-    let items = [BatchItem::new(b"d"), BatchItem { payload: b"e", headers: Some(&bad) }];
-    let err = f.outbox.publish_batch(&mut conn, "b", &items, Schedule::now()).await.unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { field: "headers", .. }));
+    let items = [
+        BatchItem::new(b"d"),
+        BatchItem {
+            payload: b"e",
+            headers: Some(&bad),
+        },
+    ];
+    let err = f
+        .outbox
+        .publish_batch(&mut conn, "b", &items, Schedule::now())
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::InvalidArgument {
+            field: "headers",
+            ..
+        }
+    ));
     // A batch rolled back with its transaction leaves nothing.
     let mut tx = f.pool.begin().await.unwrap();
-    f.outbox.publish_batch(&mut tx, "b", &[BatchItem::new(b"f")], Schedule::now()).await.unwrap();
+    f.outbox
+        .publish_batch(&mut tx, "b", &[BatchItem::new(b"f")], Schedule::now())
+        .await
+        .unwrap();
     tx.rollback().await.unwrap();
     assert_eq!(f.rows("b").await.len(), 3);
-    assert!(f.outbox.publish_batch(&mut conn, "b", &[], Schedule::now()).await.unwrap().is_empty());
+    assert!(f
+        .outbox
+        .publish_batch(&mut conn, "b", &[], Schedule::now())
+        .await
+        .unwrap()
+        .is_empty());
     f.cleanup().await;
 }

@@ -24,7 +24,10 @@ fn secs(s: i64) -> DateTime<Utc> {
 }
 
 fn extend<'a>(key: &'a str, payload: &'a [u8], at: DateTime<Utc>) -> Message<'a> {
-    Message::new(Q, payload).timer_id(key).schedule(at).on_conflict(OnConflict::Extend)
+    Message::new(Q, payload)
+        .timer_id(key)
+        .schedule(at)
+        .on_conflict(OnConflict::Extend)
 }
 
 async fn publish(f: &Fixture, m: Message<'_>) -> Published {
@@ -56,8 +59,16 @@ async fn expire_leases(f: &Fixture) {
 fn assert_pending_timer(row: &StoredRow, at: DateTime<Utc>, payload: &[u8]) {
     assert_eq!(row.next_attempt_at, at, "{row:#?}");
     assert_eq!(row.payload, payload, "{row:#?}");
-    assert_eq!((row.acquired_token, row.acquired_at), (None, None), "lease cleared: {row:#?}");
-    assert_eq!((row.rearm_at, &row.rearm_payload, &row.rearm_headers), (None, &None, &None), "{row:#?}");
+    assert_eq!(
+        (row.acquired_token, row.acquired_at),
+        (None, None),
+        "lease cleared: {row:#?}"
+    );
+    assert_eq!(
+        (row.rearm_at, &row.rearm_payload, &row.rearm_headers),
+        (None, &None, &None),
+        "{row:#?}"
+    );
 }
 
 #[tokio::test]
@@ -67,20 +78,40 @@ async fn rearm_is_queued_on_fresh_and_expired_leases() {
     let claimed_deadline = f.only_row(Q).await.next_attempt_at;
 
     let t1 = secs(60);
-    assert_eq!(publish(&f, extend("u1", b"p1", t1)).await, Published::RearmQueued { id: d.lease.id });
+    assert_eq!(
+        publish(&f, extend("u1", b"p1", t1)).await,
+        Published::RearmQueued { id: d.lease.id }
+    );
     let row = f.only_row(Q).await;
-    assert_eq!(row.acquired_token, Some(d.lease.token), "the running lease is untouched");
-    assert_eq!(row.next_attempt_at, claimed_deadline, "the claimed deadline is untouched");
+    assert_eq!(
+        row.acquired_token,
+        Some(d.lease.token),
+        "the running lease is untouched"
+    );
+    assert_eq!(
+        row.next_attempt_at, claimed_deadline,
+        "the claimed deadline is untouched"
+    );
     assert_eq!(row.payload, b"p0", "the running payload is untouched");
-    assert_eq!((row.rearm_at, row.rearm_payload.as_deref()), (Some(t1), Some(&b"p1"[..])));
+    assert_eq!(
+        (row.rearm_at, row.rearm_payload.as_deref()),
+        (Some(t1), Some(&b"p1"[..]))
+    );
     assert_eq!(row.deliveries_count, 1);
 
     expire_leases(&f).await;
     let t2 = secs(120);
-    assert_eq!(publish(&f, extend("u1", b"p2", t2)).await, Published::RearmQueued { id: d.lease.id });
+    assert_eq!(
+        publish(&f, extend("u1", b"p2", t2)).await,
+        Published::RearmQueued { id: d.lease.id }
+    );
     let row = f.only_row(Q).await;
     assert_eq!(row.acquired_token, Some(d.lease.token));
-    assert_eq!((row.rearm_at, row.rearm_payload.as_deref()), (Some(t2), Some(&b"p2"[..])), "one rearm holds the latest");
+    assert_eq!(
+        (row.rearm_at, row.rearm_payload.as_deref()),
+        (Some(t2), Some(&b"p2"[..])),
+        "one rearm holds the latest"
+    );
     f.cleanup().await;
 }
 
@@ -93,24 +124,45 @@ async fn rearm_never_moves_earlier_nor_behind_the_claimed_deadline() {
     let claimed = f.only_row(Q).await.next_attempt_at;
 
     // Not later than the claimed deadline: nothing queued.
-    assert_eq!(publish(&f, extend("u1", b"old", claimed - TimeDelta::seconds(5))).await, Published::Unchanged);
-    assert_eq!(publish(&f, extend("u1", b"old", claimed)).await, Published::Unchanged);
+    assert_eq!(
+        publish(&f, extend("u1", b"old", claimed - TimeDelta::seconds(5))).await,
+        Published::Unchanged
+    );
+    assert_eq!(
+        publish(&f, extend("u1", b"old", claimed)).await,
+        Published::Unchanged
+    );
     assert_eq!(f.only_row(Q).await.rearm_at, None);
 
     let t1 = secs(60);
-    assert_eq!(publish(&f, extend("u1", b"p1", t1)).await, Published::RearmQueued { id: d.lease.id });
+    assert_eq!(
+        publish(&f, extend("u1", b"p1", t1)).await,
+        Published::RearmQueued { id: d.lease.id }
+    );
     // Earlier or equal to the queued rearm: unchanged, payload kept.
-    assert_eq!(publish(&f, extend("u1", b"p-early", secs(30))).await, Published::Unchanged);
-    assert_eq!(publish(&f, extend("u1", b"p-same", t1)).await, Published::Unchanged);
+    assert_eq!(
+        publish(&f, extend("u1", b"p-early", secs(30))).await,
+        Published::Unchanged
+    );
+    assert_eq!(
+        publish(&f, extend("u1", b"p-same", t1)).await,
+        Published::Unchanged
+    );
     let row = f.only_row(Q).await;
-    assert_eq!((row.rearm_at, row.rearm_payload.as_deref()), (Some(t1), Some(&b"p1"[..])));
+    assert_eq!(
+        (row.rearm_at, row.rearm_payload.as_deref()),
+        (Some(t1), Some(&b"p1"[..]))
+    );
     f.cleanup().await;
 }
 
 /// Gives a running timer retry history: claim, fail with a zero-delay retry, claim again.
 async fn running_with_history(f: &Fixture, key: &str) -> Delivery {
     let d = running_timer(f, key, b"p0").await;
-    assert!(matches!(f.store.retry(d.lease, Duration::ZERO).await.unwrap(), Completion::RetryScheduled { .. }));
+    assert!(matches!(
+        f.store.retry(d.lease, Duration::ZERO).await.unwrap(),
+        Completion::RetryScheduled { .. }
+    ));
     let d2 = claim_one(f).await;
     assert_eq!((d2.attempts_count, d2.deliveries_count), (1, 2));
     d2
@@ -122,7 +174,10 @@ async fn rearm_applied_by_single_delete_resets_history_and_deliveries() {
     let d = running_with_history(&f, "u1").await;
     let t1 = secs(60);
     publish(&f, extend("u1", b"p1", t1)).await;
-    assert_eq!(f.store.ack(d.lease).await.unwrap(), Completion::Rearmed { at: t1 });
+    assert_eq!(
+        f.store.ack(d.lease).await.unwrap(),
+        Completion::Rearmed { at: t1 }
+    );
     let row = f.only_row(Q).await;
     assert_eq!(row.id, d.lease.id);
     assert_pending_timer(&row, t1, b"p1");
@@ -138,9 +193,15 @@ async fn rearm_applied_by_single_delete_resets_history_and_deliveries() {
 async fn batched_ack_deletes_applies_rearm_and_reports_lost_leases() {
     let f = Fixture::new().await;
     let mut conn = f.pool.acquire().await.unwrap();
-    f.outbox.publish(&mut conn, Message::new(Q, b"plain")).await.unwrap();
+    f.outbox
+        .publish(&mut conn, Message::new(Q, b"plain"))
+        .await
+        .unwrap();
     publish(&f, extend("u1", b"p0", secs(-1))).await;
-    f.outbox.publish(&mut conn, Message::new(Q, b"other")).await.unwrap();
+    f.outbox
+        .publish(&mut conn, Message::new(Q, b"other"))
+        .await
+        .unwrap();
     let claimed = f.store.claim(&[Q.to_owned()], 10, TTL).await.unwrap();
     assert_eq!(claimed.len(), 3);
     let timer = claimed.iter().find(|d| d.timer_id.is_some()).unwrap();
@@ -154,7 +215,14 @@ async fn batched_ack_deletes_applies_rearm_and_reports_lost_leases() {
     for (l, c) in leases.iter().zip(&out) {
         let want = if l.id == timer.lease.id {
             Completion::Rearmed { at: t1 }
-        } else if l.token != claimed.iter().find(|d| d.lease.id == l.id).unwrap().lease.token {
+        } else if l.token
+            != claimed
+                .iter()
+                .find(|d| d.lease.id == l.id)
+                .unwrap()
+                .lease
+                .token
+        {
             Completion::LeaseLost
         } else {
             Completion::Deleted
@@ -162,12 +230,19 @@ async fn batched_ack_deletes_applies_rearm_and_reports_lost_leases() {
         assert_eq!(*c, want, "{l:?}");
     }
     let rows = f.rows(Q).await;
-    assert_eq!(rows.len(), 2, "the deleted row is gone, the lost one and the rearmed one stay");
+    assert_eq!(
+        rows.len(),
+        2,
+        "the deleted row is gone, the lost one and the rearmed one stay"
+    );
     let rearmed = rows.iter().find(|r| r.id == timer.lease.id).unwrap();
     assert_pending_timer(rearmed, t1, b"p1");
     assert_eq!(rearmed.deliveries_count, 0);
     let lost = rows.iter().find(|r| r.id == leases[wrong].id).unwrap();
-    assert!(lost.acquired_token.is_some(), "a lost lease changes nothing");
+    assert!(
+        lost.acquired_token.is_some(),
+        "a lost lease changes nothing"
+    );
     assert!(f.store.ack_batch(&[]).await.unwrap().is_empty());
     f.cleanup().await;
 }
@@ -178,8 +253,14 @@ async fn terminal_failure_with_dlq_archives_the_run_and_applies_the_rearm() {
     let d = running_with_history(&f, "u1").await;
     let t1 = secs(60);
     publish(&f, extend("u1", b"p1", t1)).await;
-    let failure = Failure { reason: FailureReason::Rejected, last_error: Some("boom\0!") };
-    assert_eq!(f.store.fail(d.lease, failure).await.unwrap(), Completion::Rearmed { at: t1 });
+    let failure = Failure {
+        reason: FailureReason::Rejected,
+        last_error: Some("boom\0!"),
+    };
+    assert_eq!(
+        f.store.fail(d.lease, failure).await.unwrap(),
+        Completion::Rearmed { at: t1 }
+    );
     let row = f.only_row(Q).await;
     assert_pending_timer(&row, t1, b"p1");
     assert_eq!((row.attempts_count, row.deliveries_count), (0, 0));
@@ -189,23 +270,62 @@ async fn terminal_failure_with_dlq_archives_the_run_and_applies_the_rearm() {
     assert_eq!(a.original_id, d.lease.id);
     assert_eq!(a.payload, b"p0", "the failed run's own payload is archived");
     assert_eq!(a.timer_id.as_deref(), Some("u1"));
-    assert_eq!((a.attempts_count, a.deliveries_count), (2, 2), "the failed run counts as an attempt");
+    assert_eq!(
+        (a.attempts_count, a.deliveries_count),
+        (2, 2),
+        "the failed run counts as an attempt"
+    );
     assert_eq!(a.failure_reason, "rejected");
-    assert_eq!(a.last_error.as_deref(), Some("boom\\0!"), "NUL is escaped for text");
+    assert_eq!(
+        a.last_error.as_deref(),
+        Some("boom\\0!"),
+        "NUL is escaped for text"
+    );
     assert_eq!(a.created_at, d.created_at);
 
     // Without a rearm: archived and deleted; a decode error does not count as an attempt.
     let mut conn = f.pool.acquire().await.unwrap();
-    f.outbox.publish(&mut conn, Message::new(Q, b"\xff")).await.unwrap();
-    let d2 = f.store.claim(&[Q.to_owned()], 10, TTL).await.unwrap().remove(0);
-    let failure = Failure { reason: FailureReason::DecodeError, last_error: Some("expected value") };
-    assert_eq!(f.store.fail(d2.lease, failure).await.unwrap(), Completion::Deleted);
+    f.outbox
+        .publish(&mut conn, Message::new(Q, b"\xff"))
+        .await
+        .unwrap();
+    let d2 = f
+        .store
+        .claim(&[Q.to_owned()], 10, TTL)
+        .await
+        .unwrap()
+        .remove(0);
+    let failure = Failure {
+        reason: FailureReason::DecodeError,
+        last_error: Some("expected value"),
+    };
+    assert_eq!(
+        f.store.fail(d2.lease, failure).await.unwrap(),
+        Completion::Deleted
+    );
     assert!(f.rows(Q).await.iter().all(|r| r.id != d2.lease.id));
     let dlq = f.store.dead_letters(Q, 10).await.unwrap();
     assert_eq!(dlq.len(), 2);
-    assert_eq!((dlq[1].payload.as_slice(), dlq[1].attempts_count, dlq[1].failure_reason.as_str()), (&b"\xff"[..], 0, "decode_error"));
+    assert_eq!(
+        (
+            dlq[1].payload.as_slice(),
+            dlq[1].attempts_count,
+            dlq[1].failure_reason.as_str()
+        ),
+        (&b"\xff"[..], 0, "decode_error")
+    );
     // Lost lease: nothing archived, nothing changed.
-    let lost = f.store.fail(Lease { id: row.id, token: uuid::Uuid::new_v4() }, failure).await.unwrap();
+    let lost = f
+        .store
+        .fail(
+            Lease {
+                id: row.id,
+                token: uuid::Uuid::new_v4(),
+            },
+            failure,
+        )
+        .await
+        .unwrap();
     assert_eq!(lost, Completion::LeaseLost);
     assert_eq!(f.store.dead_letters(Q, 10).await.unwrap().len(), 2);
     f.cleanup().await;
@@ -215,16 +335,31 @@ async fn terminal_failure_with_dlq_archives_the_run_and_applies_the_rearm() {
 async fn terminal_failure_without_dlq_deletes_or_applies_the_rearm() {
     let f = Fixture::with(|b| b.dead_letter(false)).await;
     let d = running_timer(&f, "u1", b"p0").await;
-    let failure = Failure { reason: FailureReason::RetryExhausted, last_error: None };
-    assert_eq!(f.store.fail(d.lease, failure).await.unwrap(), Completion::Deleted);
+    let failure = Failure {
+        reason: FailureReason::RetryExhausted,
+        last_error: None,
+    };
+    assert_eq!(
+        f.store.fail(d.lease, failure).await.unwrap(),
+        Completion::Deleted
+    );
     assert!(f.rows(Q).await.is_empty());
     let d = running_timer(&f, "u1", b"p0").await;
     let t1 = secs(60);
     publish(&f, extend("u1", b"p1", t1)).await;
-    assert_eq!(f.store.fail(d.lease, failure).await.unwrap(), Completion::Rearmed { at: t1 });
+    assert_eq!(
+        f.store.fail(d.lease, failure).await.unwrap(),
+        Completion::Rearmed { at: t1 }
+    );
     assert_pending_timer(&f.only_row(Q).await, t1, b"p1");
-    assert!(f.store.dead_letters(Q, 10).await.unwrap().is_empty(), "nothing archived when the DLQ is off");
-    assert_eq!(f.store.fail(d.lease, failure).await.unwrap(), Completion::LeaseLost);
+    assert!(
+        f.store.dead_letters(Q, 10).await.unwrap().is_empty(),
+        "nothing archived when the DLQ is off"
+    );
+    assert_eq!(
+        f.store.fail(d.lease, failure).await.unwrap(),
+        Completion::LeaseLost
+    );
     f.cleanup().await;
 }
 
@@ -239,18 +374,40 @@ async fn a_lost_lease_keeps_the_rearm_for_the_new_holder() {
     assert_ne!(fresh.lease.token, stale.lease.token);
     assert_eq!(fresh.deliveries_count, 2);
     let before = f.only_row(Q).await;
-    assert_eq!(before.rearm_at, Some(t1), "the reclaim does not touch the rearm");
+    assert_eq!(
+        before.rearm_at,
+        Some(t1),
+        "the reclaim does not touch the rearm"
+    );
 
     // Every completion of the stale worker is dropped.
-    assert_eq!(f.store.ack(stale.lease).await.unwrap(), Completion::LeaseLost);
-    assert_eq!(f.store.ack_batch(&[stale.lease]).await.unwrap(), vec![Completion::LeaseLost]);
-    assert_eq!(f.store.retry(stale.lease, Duration::ZERO).await.unwrap(), Completion::LeaseLost);
-    let failure = Failure { reason: FailureReason::Rejected, last_error: None };
-    assert_eq!(f.store.fail(stale.lease, failure).await.unwrap(), Completion::LeaseLost);
+    assert_eq!(
+        f.store.ack(stale.lease).await.unwrap(),
+        Completion::LeaseLost
+    );
+    assert_eq!(
+        f.store.ack_batch(&[stale.lease]).await.unwrap(),
+        vec![Completion::LeaseLost]
+    );
+    assert_eq!(
+        f.store.retry(stale.lease, Duration::ZERO).await.unwrap(),
+        Completion::LeaseLost
+    );
+    let failure = Failure {
+        reason: FailureReason::Rejected,
+        last_error: None,
+    };
+    assert_eq!(
+        f.store.fail(stale.lease, failure).await.unwrap(),
+        Completion::LeaseLost
+    );
     assert_eq!(f.only_row(Q).await, before, "neither applied nor cleared");
     assert!(f.store.dead_letters(Q, 10).await.unwrap().is_empty());
 
-    assert_eq!(f.store.ack(fresh.lease).await.unwrap(), Completion::Rearmed { at: t1 });
+    assert_eq!(
+        f.store.ack(fresh.lease).await.unwrap(),
+        Completion::Rearmed { at: t1 }
+    );
     assert_pending_timer(&f.only_row(Q).await, t1, b"p1");
     f.cleanup().await;
 }
@@ -260,28 +417,55 @@ async fn retry_yields_to_the_rearm_and_keeps_deliveries() {
     let f = Fixture::new().await;
     // Plain retry first: pending at now() + delay, history updated.
     let d = running_timer(&f, "u1", b"p0").await;
-    let Completion::RetryScheduled { at } = f.store.retry(d.lease, Duration::from_secs(90)).await.unwrap() else {
+    let Completion::RetryScheduled { at } = f
+        .store
+        .retry(d.lease, Duration::from_secs(90))
+        .await
+        .unwrap()
+    else {
         panic!()
     };
     let row = f.only_row(Q).await;
     assert_eq!(row.next_attempt_at, at);
-    assert_eq!(row.last_attempt_at.map(|l| at - l), Some(TimeDelta::seconds(90)), "delay from the database clock");
+    assert_eq!(
+        row.last_attempt_at.map(|l| at - l),
+        Some(TimeDelta::seconds(90)),
+        "delay from the database clock"
+    );
     assert_eq!(row.first_attempt_at, row.last_attempt_at);
-    assert_eq!((row.attempts_count, row.deliveries_count, row.acquired_token), (1, 1, None));
+    assert_eq!(
+        (row.attempts_count, row.deliveries_count, row.acquired_token),
+        (1, 1, None)
+    );
 
     // Make it due again, claim, extend while running, then fail with a retry.
-    let sql = format!("UPDATE {} SET next_attempt_at = now() - interval '1 second'", f.outbox.table());
+    let sql = format!(
+        "UPDATE {} SET next_attempt_at = now() - interval '1 second'",
+        f.outbox.table()
+    );
     sqlx::query(&sql).execute(&f.pool).await.unwrap();
     let d = claim_one(&f).await;
     let t1 = secs(60);
     publish(&f, extend("u1", b"p1", t1)).await;
-    assert_eq!(f.store.retry(d.lease, Duration::from_secs(3600)).await.unwrap(), Completion::Rearmed { at: t1 });
+    assert_eq!(
+        f.store
+            .retry(d.lease, Duration::from_secs(3600))
+            .await
+            .unwrap(),
+        Completion::Rearmed { at: t1 }
+    );
     let row2 = f.only_row(Q).await;
     assert_pending_timer(&row2, t1, b"p1");
-    assert_eq!(row2.attempts_count, 2, "history updated as for the failed run");
+    assert_eq!(
+        row2.attempts_count, 2,
+        "history updated as for the failed run"
+    );
     assert_eq!(row2.first_attempt_at, row.first_attempt_at);
     assert!(row2.last_attempt_at > row.last_attempt_at);
-    assert_eq!(row2.deliveries_count, 2, "deliveries_count kept so max_deliveries still applies");
+    assert_eq!(
+        row2.deliveries_count, 2,
+        "deliveries_count kept so max_deliveries still applies"
+    );
     f.cleanup().await;
 }
 
@@ -289,26 +473,52 @@ async fn retry_yields_to_the_rearm_and_keeps_deliveries() {
 async fn cancel_deletes_pending_drops_rearm_and_never_deletes_running() {
     let f = Fixture::new().await;
     let mut conn = f.pool.acquire().await.unwrap();
-    assert_eq!(f.outbox.cancel(&mut conn, Q, "nobody").await.unwrap(), Cancelled::NotFound);
+    assert_eq!(
+        f.outbox.cancel(&mut conn, Q, "nobody").await.unwrap(),
+        Cancelled::NotFound
+    );
 
-    let Published::Inserted { id } = publish(&f, extend("p", b"x", secs(60))).await else { panic!() };
+    let Published::Inserted { id } = publish(&f, extend("p", b"x", secs(60))).await else {
+        panic!()
+    };
     let mut tx = conn.begin().await.unwrap();
-    assert_eq!(f.outbox.cancel(&mut tx, Q, "p").await.unwrap(), Cancelled::Deleted { id });
+    assert_eq!(
+        f.outbox.cancel(&mut tx, Q, "p").await.unwrap(),
+        Cancelled::Deleted { id }
+    );
     tx.commit().await.unwrap();
     assert!(f.rows(Q).await.is_empty());
 
     let d = running_timer(&f, "r", b"p0").await;
     let before = f.only_row(Q).await;
     // Bare connection (autocommit) and transaction alike.
-    assert_eq!(f.outbox.cancel(&mut conn, Q, "r").await.unwrap(), Cancelled::Running { id: d.lease.id });
-    assert_eq!(f.only_row(Q).await, before, "a running row is never deleted");
+    assert_eq!(
+        f.outbox.cancel(&mut conn, Q, "r").await.unwrap(),
+        Cancelled::Running { id: d.lease.id }
+    );
+    assert_eq!(
+        f.only_row(Q).await,
+        before,
+        "a running row is never deleted"
+    );
 
     publish(&f, extend("r", b"p1", secs(60))).await;
     let mut tx = conn.begin().await.unwrap();
-    assert_eq!(f.outbox.cancel(&mut tx, Q, "r").await.unwrap(), Cancelled::RearmDropped { id: d.lease.id });
+    assert_eq!(
+        f.outbox.cancel(&mut tx, Q, "r").await.unwrap(),
+        Cancelled::RearmDropped { id: d.lease.id }
+    );
     tx.commit().await.unwrap();
-    assert_eq!(f.only_row(Q).await, before, "the rearm columns are cleared, the run is untouched");
-    assert_eq!(f.store.ack(d.lease).await.unwrap(), Completion::Deleted, "the run ends without firing again");
+    assert_eq!(
+        f.only_row(Q).await,
+        before,
+        "the rearm columns are cleared, the run is untouched"
+    );
+    assert_eq!(
+        f.store.ack(d.lease).await.unwrap(),
+        Completion::Deleted,
+        "the run ends without firing again"
+    );
     assert!(f.rows(Q).await.is_empty());
     f.cleanup().await;
 }
@@ -340,7 +550,11 @@ async fn completion_waits_on_an_uncommitted_extend_and_applies_it() {
 
     let mut extender = f.pool.acquire().await.unwrap();
     let mut tx = extender.begin().await.unwrap();
-    let p = f.outbox.publish(&mut tx, extend("u1", b"p1", t1)).await.unwrap();
+    let p = f
+        .outbox
+        .publish(&mut tx, extend("u1", b"p1", t1))
+        .await
+        .unwrap();
     assert_eq!(p, Published::RearmQueued { id: d.lease.id });
 
     // The ack blocks on the extend's row lock...
@@ -354,17 +568,26 @@ async fn completion_waits_on_an_uncommitted_extend_and_applies_it() {
     assert_pending_timer(&f.only_row(Q).await, t1, b"p1");
 
     // The same with a batched ack.
-    let sql = format!("UPDATE {} SET next_attempt_at = now() - interval '1 second'", f.outbox.table());
+    let sql = format!(
+        "UPDATE {} SET next_attempt_at = now() - interval '1 second'",
+        f.outbox.table()
+    );
     sqlx::query(&sql).execute(&f.pool).await.unwrap();
     let d = claim_one(&f).await;
     let t2 = secs(120);
     let mut tx = extender.begin().await.unwrap();
-    f.outbox.publish(&mut tx, extend("u1", b"p2", t2)).await.unwrap();
+    f.outbox
+        .publish(&mut tx, extend("u1", b"p2", t2))
+        .await
+        .unwrap();
     let store = f.store.clone();
     let ack = tokio::spawn(async move { store.ack_batch(&[d.lease]).await });
     wait_for_lock_wait(&f).await;
     tx.commit().await.unwrap();
-    assert_eq!(ack.await.unwrap().unwrap(), vec![Completion::Rearmed { at: t2 }]);
+    assert_eq!(
+        ack.await.unwrap().unwrap(),
+        vec![Completion::Rearmed { at: t2 }]
+    );
     assert_pending_timer(&f.only_row(Q).await, t2, b"p2");
     f.cleanup().await;
 }
@@ -377,7 +600,11 @@ async fn an_extend_racing_a_claim_queues_a_rearm() {
     // Hold the claim open in a transaction: its row lock stays taken.
     let mut claimer = f.pool.acquire().await.unwrap();
     let mut tx = claimer.begin().await.unwrap();
-    let claimed = f.outbox.claim(&mut tx, &[Q.to_owned()], 10, TTL).await.unwrap();
+    let claimed = f
+        .outbox
+        .claim(&mut tx, &[Q.to_owned()], 10, TTL)
+        .await
+        .unwrap();
     assert_eq!(claimed.len(), 1);
 
     let t1 = secs(60);
@@ -389,11 +616,19 @@ async fn an_extend_racing_a_claim_queues_a_rearm() {
     });
     wait_for_lock_wait(&f).await;
     tx.commit().await.unwrap();
-    assert_eq!(ext.await.unwrap().unwrap(), Published::RearmQueued { id: claimed[0].lease.id });
+    assert_eq!(
+        ext.await.unwrap().unwrap(),
+        Published::RearmQueued {
+            id: claimed[0].lease.id
+        }
+    );
     let row = f.only_row(Q).await;
     assert_eq!(row.acquired_token, Some(claimed[0].lease.token));
     assert_eq!(row.payload, b"p0");
-    assert_eq!((row.rearm_at, row.rearm_payload.as_deref()), (Some(t1), Some(&b"p1"[..])));
+    assert_eq!(
+        (row.rearm_at, row.rearm_payload.as_deref()),
+        (Some(t1), Some(&b"p1"[..]))
+    );
     f.cleanup().await;
 }
 
@@ -401,21 +636,44 @@ async fn an_extend_racing_a_claim_queues_a_rearm() {
 async fn every_completion_is_fenced_by_the_token() {
     let f = Fixture::new().await;
     let d = running_timer(&f, "u1", b"p0").await;
-    let wrong = Lease { id: d.lease.id, token: uuid::Uuid::new_v4() };
+    let wrong = Lease {
+        id: d.lease.id,
+        token: uuid::Uuid::new_v4(),
+    };
     let before = f.only_row(Q).await;
     assert_eq!(f.store.ack(wrong).await.unwrap(), Completion::LeaseLost);
-    assert_eq!(f.store.ack_batch(&[wrong]).await.unwrap(), vec![Completion::LeaseLost]);
-    assert_eq!(f.store.retry(wrong, Duration::ZERO).await.unwrap(), Completion::LeaseLost);
+    assert_eq!(
+        f.store.ack_batch(&[wrong]).await.unwrap(),
+        vec![Completion::LeaseLost]
+    );
+    assert_eq!(
+        f.store.retry(wrong, Duration::ZERO).await.unwrap(),
+        Completion::LeaseLost
+    );
     for reason in [FailureReason::Rejected, FailureReason::MaxDeliveries] {
-        let failure = Failure { reason, last_error: None };
-        assert_eq!(f.store.fail(wrong, failure).await.unwrap(), Completion::LeaseLost);
+        let failure = Failure {
+            reason,
+            last_error: None,
+        };
+        assert_eq!(
+            f.store.fail(wrong, failure).await.unwrap(),
+            Completion::LeaseLost
+        );
     }
     assert_eq!(f.only_row(Q).await, before);
     // An unleased row cannot be completed either.
-    let Published::Inserted { id } = publish(&f, extend("u2", b"x", secs(60))).await else { panic!() };
-    let unleased = Lease { id, token: d.lease.token };
+    let Published::Inserted { id } = publish(&f, extend("u2", b"x", secs(60))).await else {
+        panic!()
+    };
+    let unleased = Lease {
+        id,
+        token: d.lease.token,
+    };
     assert_eq!(f.store.ack(unleased).await.unwrap(), Completion::LeaseLost);
-    assert_eq!(f.store.retry(unleased, Duration::ZERO).await.unwrap(), Completion::LeaseLost);
+    assert_eq!(
+        f.store.retry(unleased, Duration::ZERO).await.unwrap(),
+        Completion::LeaseLost
+    );
     assert_eq!(f.rows(Q).await.len(), 2);
     // The right token deletes a row without rearm in one statement.
     assert_eq!(f.store.ack(d.lease).await.unwrap(), Completion::Deleted);

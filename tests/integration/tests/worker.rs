@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox::{
-    Context, Error, HandlerOptions, Message, Outcome, PgStore, Published, RetryStrategy, Store, Worker,
+    Context, Error, HandlerOptions, Message, Outcome, PgStore, Published, RetryStrategy, Store,
+    Worker,
 };
 use outbox_tests::Fixture;
 use tokio::sync::Notify;
@@ -52,42 +53,106 @@ fn fast(store: PgStore) -> outbox::WorkerBuilder<PgStore> {
 
 async fn seed_job(f: &Fixture, n: u32) {
     let mut conn = f.pool.acquire().await.unwrap();
-    outbox::publish_timer(&mut f.outbox.on(&mut conn), &format!("job-{n}"), &Job { n }, Duration::ZERO)
-        .await
-        .unwrap();
+    outbox::publish_timer(
+        &mut f.outbox.on(&mut conn),
+        &format!("job-{n}"),
+        &Job { n },
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
 }
 
 #[tokio::test]
 async fn build_rejects_bad_knobs_and_duplicate_queues() {
     let f = Fixture::new().await;
     let ok = |_: Expiry, _: Context| async { Ok::<(), String>(()) };
-    let err = Worker::builder(f.store.clone()).timer::<Expiry>(ok).concurrency(0).build().unwrap_err();
-    assert!(matches!(err, Error::InvalidConfig { knob: "concurrency", .. }), "{err}");
+    let err = Worker::builder(f.store.clone())
+        .timer::<Expiry>(ok)
+        .concurrency(0)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidConfig {
+                knob: "concurrency",
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("`concurrency`"), "{err}");
-    let err = Worker::builder(f.store.clone()).timer::<Expiry>(ok).lease_ttl(Duration::ZERO).build().unwrap_err();
-    assert!(matches!(err, Error::InvalidConfig { knob: "lease_ttl", .. }), "{err}");
-    let bad_retry = HandlerOptions::new().retry(RetryStrategy::exponential(Duration::from_secs(1), 0.5));
-    let err = Worker::builder(f.store.clone()).timer_with::<Expiry>(ok, bad_retry).build().unwrap_err();
-    assert!(matches!(err, Error::InvalidConfig { knob: "retry", .. }), "{err}");
+    let err = Worker::builder(f.store.clone())
+        .timer::<Expiry>(ok)
+        .lease_ttl(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidConfig {
+                knob: "lease_ttl",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let bad_retry =
+        HandlerOptions::new().retry(RetryStrategy::exponential(Duration::from_secs(1), 0.5));
+    let err = Worker::builder(f.store.clone())
+        .timer_with::<Expiry>(ok, bad_retry)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidConfig { knob: "retry", .. }),
+        "{err}"
+    );
     let err = Worker::builder(f.store.clone()).build().unwrap_err();
-    assert!(matches!(err, Error::InvalidConfig { knob: "handlers", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::InvalidConfig {
+                knob: "handlers",
+                ..
+            }
+        ),
+        "{err}"
+    );
     let err = Worker::builder(f.store.clone())
         .timer::<Expiry>(ok)
         .timer::<SameQueue>(|_: SameQueue, _: Context| async {})
         .build()
         .unwrap_err();
     match &err {
-        Error::DuplicateHandler { queue, first, second } => {
+        Error::DuplicateHandler {
+            queue,
+            first,
+            second,
+        } => {
             assert_eq!(queue, "presence.expiry");
-            assert!(first.ends_with("Expiry") && second.ends_with("SameQueue"), "{err}");
+            assert!(
+                first.ends_with("Expiry") && second.ends_with("SameQueue"),
+                "{err}"
+            );
         }
         other => panic!("{other:?}"),
     }
     let raw = |_: Vec<u8>, _: Context| async {};
-    let err = Worker::builder(f.store.clone()).timer::<Expiry>(ok).queue("presence.expiry", raw).build().unwrap_err();
+    let err = Worker::builder(f.store.clone())
+        .timer::<Expiry>(ok)
+        .queue("presence.expiry", raw)
+        .build()
+        .unwrap_err();
     assert!(matches!(err, Error::DuplicateHandler { .. }), "{err}");
-    let err = Worker::builder(f.store.clone()).queue("", raw).build().unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { field: "queue", .. }), "{err}");
+    let err = Worker::builder(f.store.clone())
+        .queue("", raw)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument { field: "queue", .. }),
+        "{err}"
+    );
     f.cleanup().await;
 }
 
@@ -118,18 +183,36 @@ async fn a_ping_during_a_running_expiry_makes_it_fire_again() {
             .start()
     };
     let mut conn = f.pool.acquire().await.unwrap();
-    let p = extend_expiry(&mut f.outbox.on(&mut conn), "7", &Expiry { user_id: 7, seq: 1 }, Duration::ZERO).await.unwrap();
+    let p = extend_expiry(
+        &mut f.outbox.on(&mut conn),
+        "7",
+        &Expiry { user_id: 7, seq: 1 },
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
     assert!(matches!(p, Published::Inserted { .. }));
     started.notified().await;
     // The ping, while the handler runs.
-    let p = extend_expiry(&mut f.outbox.on(&mut conn), "7", &Expiry { user_id: 7, seq: 2 }, Duration::from_millis(500))
-        .await
-        .unwrap();
+    let p = extend_expiry(
+        &mut f.outbox.on(&mut conn),
+        "7",
+        &Expiry { user_id: 7, seq: 2 },
+        Duration::from_millis(500),
+    )
+    .await
+    .unwrap();
     assert!(matches!(p, Published::RearmQueued { .. }), "{p:?}");
     release.notify_one();
-    eventually(10, "the rearmed timer fires", || async { runs.lock().unwrap().len() == 2 }).await;
+    eventually(10, "the rearmed timer fires", || async {
+        runs.lock().unwrap().len() == 2
+    })
+    .await;
     assert_eq!(runs.lock().unwrap()[1], Expiry { user_id: 7, seq: 2 });
-    eventually(5, "the row is gone", || async { f.rows("presence.expiry").await.is_empty() }).await;
+    eventually(5, "the row is gone", || async {
+        f.rows("presence.expiry").await.is_empty()
+    })
+    .await;
     assert!(worker.shutdown().await.graceful);
     assert_eq!(runs.lock().unwrap().len(), 2);
     f.cleanup().await;
@@ -149,8 +232,17 @@ async fn a_handler_that_extends_itself_three_times_runs_four_times() {
                     assert_eq!(ctx.timer_id(), Some("me"));
                     if n <= 3 {
                         let mut conn = pool.acquire().await?;
-                        let next = Expiry { seq: t.seq + 1, ..t };
-                        extend_expiry(&mut outbox.on(&mut conn), "me", &next, Duration::from_millis(100)).await?;
+                        let next = Expiry {
+                            seq: t.seq + 1,
+                            ..t
+                        };
+                        extend_expiry(
+                            &mut outbox.on(&mut conn),
+                            "me",
+                            &next,
+                            Duration::from_millis(100),
+                        )
+                        .await?;
                     }
                     Ok::<(), Error>(())
                 }
@@ -160,9 +252,22 @@ async fn a_handler_that_extends_itself_three_times_runs_four_times() {
             .start()
     };
     let mut conn = f.pool.acquire().await.unwrap();
-    publish_expiry(&mut f.outbox.on(&mut conn), "me", &Expiry { user_id: 1, seq: 0 }, Duration::ZERO).await.unwrap();
-    eventually(10, "four runs", || async { runs.load(Ordering::SeqCst) >= 4 }).await;
-    eventually(5, "the row is gone", || async { f.rows("presence.expiry").await.is_empty() }).await;
+    publish_expiry(
+        &mut f.outbox.on(&mut conn),
+        "me",
+        &Expiry { user_id: 1, seq: 0 },
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    eventually(10, "four runs", || async {
+        runs.load(Ordering::SeqCst) >= 4
+    })
+    .await;
+    eventually(5, "the row is gone", || async {
+        f.rows("presence.expiry").await.is_empty()
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(runs.load(Ordering::SeqCst), 4, "exactly four runs");
     worker.shutdown().await;
@@ -191,7 +296,10 @@ async fn a_slow_handler_is_redelivered_and_its_late_completion_changes_nothing()
             .start()
     };
     seed_job(&f, 1).await;
-    eventually(10, "the slow worker starts", || async { deliveries.lock().unwrap().len() == 1 }).await;
+    eventually(10, "the slow worker starts", || async {
+        deliveries.lock().unwrap().len() == 1
+    })
+    .await;
     // A second worker reclaims the expired lease and fails the run with a long retry.
     let quick = {
         let deliveries = deliveries.clone();
@@ -215,12 +323,26 @@ async fn a_slow_handler_is_redelivered_and_its_late_completion_changes_nothing()
     eventually(10, "the quick worker ran the redelivery", quick_ran).await;
     // The slow worker's own claim loop may also have reclaimed the expired lease into its
     // buffer (delivery 2) before the quick worker took it: either way it is a redelivery.
-    assert!(deliveries.lock().unwrap().iter().all(|d| d.1 == "slow" || d.0 >= 2));
-    eventually(5, "the retry is stored", || async { f.rows("jobs").await.first().is_some_and(|r| r.acquired_token.is_none()) }).await;
+    assert!(deliveries
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|d| d.1 == "slow" || d.0 >= 2));
+    eventually(5, "the retry is stored", || async {
+        f.rows("jobs")
+            .await
+            .first()
+            .is_some_and(|r| r.acquired_token.is_none())
+    })
+    .await;
     let after_quick = f.rows("jobs").await;
     // The slow worker finishes with success now: fenced, it must not delete the row.
     assert!(slow.shutdown().await.graceful);
-    assert_eq!(f.rows("jobs").await, after_quick, "the stale completion changed nothing");
+    assert_eq!(
+        f.rows("jobs").await,
+        after_quick,
+        "the stale completion changed nothing"
+    );
     assert_eq!(after_quick[0].attempts_count, 1);
     quick.shutdown().await;
     f.cleanup().await;
@@ -254,10 +376,18 @@ async fn two_workers_never_run_one_row_at_once() {
     };
     let (a, b) = (make(), make());
     let mut conn = f.pool.acquire().await.unwrap();
-    let payloads: Vec<Vec<u8>> = (0..300).map(|n| serde_json::to_vec(&Job { n }).unwrap()).collect();
+    let payloads: Vec<Vec<u8>> = (0..300)
+        .map(|n| serde_json::to_vec(&Job { n }).unwrap())
+        .collect();
     let items: Vec<_> = payloads.iter().map(|p| outbox::BatchItem::new(p)).collect();
-    f.outbox.publish_batch(&mut conn, "jobs", &items, Duration::ZERO).await.unwrap();
-    eventually(30, "all 300 handled", || async { runs.lock().unwrap().len() >= 300 }).await;
+    f.outbox
+        .publish_batch(&mut conn, "jobs", &items, Duration::ZERO)
+        .await
+        .unwrap();
+    eventually(30, "all 300 handled", || async {
+        runs.lock().unwrap().len() >= 300
+    })
+    .await;
     a.shutdown().await;
     b.shutdown().await;
     let mut seen = runs.lock().unwrap().clone();
@@ -302,7 +432,8 @@ async fn outcomes_retries_dead_letters_panics_and_decode_errors() {
                         }
                     }
                 },
-                HandlerOptions::new().retry(RetryStrategy::constant(Duration::from_millis(50)).max_attempts(3)),
+                HandlerOptions::new()
+                    .retry(RetryStrategy::constant(Duration::from_millis(50)).max_attempts(3)),
             )
             .build()
             .unwrap()
@@ -313,21 +444,48 @@ async fn outcomes_retries_dead_letters_panics_and_decode_errors() {
     }
     // A payload that does not decode as Job: terminal at once, original bytes archived.
     let mut conn = f.pool.acquire().await.unwrap();
-    f.outbox.publish(&mut conn, Message::new("jobs", b"{not json")).await.unwrap();
-    eventually(15, "every row finished", || async { f.rows("jobs").await.is_empty() }).await;
+    f.outbox
+        .publish(&mut conn, Message::new("jobs", b"{not json"))
+        .await
+        .unwrap();
+    eventually(15, "every row finished", || async {
+        f.rows("jobs").await.is_empty()
+    })
+    .await;
     worker.shutdown().await;
     let c = calls.lock().unwrap().clone();
     assert_eq!((c[&1], c[&2], c[&3], c[&4]), (3, 1, 2, 3), "{c:?}");
     let dlq = f.store.dead_letters("jobs", 10).await.unwrap();
-    let by_reason: HashMap<&str, &outbox::DeadLetter> = dlq.iter().map(|d| (d.failure_reason.as_str(), d)).collect();
+    let by_reason: HashMap<&str, &outbox::DeadLetter> =
+        dlq.iter().map(|d| (d.failure_reason.as_str(), d)).collect();
     assert_eq!(dlq.len(), 3, "{dlq:#?}");
     let rejected = by_reason["rejected"];
-    assert_eq!((rejected.last_error.as_deref(), rejected.attempts_count), (Some("bad order"), 1));
+    assert_eq!(
+        (rejected.last_error.as_deref(), rejected.attempts_count),
+        (Some("bad order"), 1)
+    );
     let exhausted = by_reason["retry_exhausted"];
-    assert_eq!((exhausted.last_error.as_deref(), exhausted.attempts_count, exhausted.deliveries_count), (Some("always"), 3, 3));
+    assert_eq!(
+        (
+            exhausted.last_error.as_deref(),
+            exhausted.attempts_count,
+            exhausted.deliveries_count
+        ),
+        (Some("always"), 3, 3)
+    );
     let decode = by_reason["decode_error"];
-    assert_eq!((decode.payload.as_slice(), decode.attempts_count), (&b"{not json"[..], 0));
-    assert!(decode.last_error.as_deref().unwrap_or("").contains("key must be a string"), "{decode:?}");
+    assert_eq!(
+        (decode.payload.as_slice(), decode.attempts_count),
+        (&b"{not json"[..], 0)
+    );
+    assert!(
+        decode
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("key must be a string"),
+        "{decode:?}"
+    );
     f.cleanup().await;
 }
 
@@ -337,7 +495,13 @@ async fn max_deliveries_is_enforced_before_the_handler_runs() {
     let runs = Arc::new(AtomicUsize::new(0));
     seed_job(&f, 9).await;
     // Three claims already happened (Job::MAX_DELIVERIES = 3): the fourth is terminal.
-    sqlx::query(&format!("UPDATE {} SET deliveries_count = 3", f.outbox.table())).execute(&f.pool).await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE {} SET deliveries_count = 3",
+        f.outbox.table()
+    ))
+    .execute(&f.pool)
+    .await
+    .unwrap();
     let worker = {
         let runs = runs.clone();
         fast(f.store.clone())
@@ -351,11 +515,17 @@ async fn max_deliveries_is_enforced_before_the_handler_runs() {
             .unwrap()
             .start()
     };
-    eventually(10, "the row is gone", || async { f.rows("jobs").await.is_empty() }).await;
+    eventually(10, "the row is gone", || async {
+        f.rows("jobs").await.is_empty()
+    })
+    .await;
     worker.shutdown().await;
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     let dlq = f.store.dead_letters("jobs", 10).await.unwrap();
-    assert_eq!((dlq[0].failure_reason.as_str(), dlq[0].deliveries_count), ("max_deliveries", 4));
+    assert_eq!(
+        (dlq[0].failure_reason.as_str(), dlq[0].deliveries_count),
+        ("max_deliveries", 4)
+    );
     f.cleanup().await;
 }
 
@@ -382,11 +552,17 @@ async fn batched_acks_flush_when_idle_and_on_shutdown() {
     for n in 0..50 {
         seed_job(&f, n).await;
     }
-    eventually(10, "all rows deleted by batched acks", || async { f.rows("jobs").await.is_empty() }).await;
+    eventually(10, "all rows deleted by batched acks", || async {
+        f.rows("jobs").await.is_empty()
+    })
+    .await;
     assert_eq!(runs.load(Ordering::SeqCst), 50);
     // One more, then shut down at once: the pending ack is flushed, not lost.
     seed_job(&f, 99).await;
-    eventually(10, "the last one ran", || async { runs.load(Ordering::SeqCst) == 51 }).await;
+    eventually(10, "the last one ran", || async {
+        runs.load(Ordering::SeqCst) == 51
+    })
+    .await;
     let report = worker.shutdown().await;
     assert!(report.graceful);
     assert!(f.rows("jobs").await.is_empty());
@@ -418,26 +594,50 @@ async fn shutdown_waits_for_running_handlers_and_abandons_wedged_ones() {
     // In flight at shutdown, finishes within the timeout: completed and acked.
     let w = make(Duration::from_millis(300), Duration::from_secs(5));
     seed_job(&f, 1).await;
-    eventually(10, "started", || async { started.load(Ordering::SeqCst) == 1 }).await;
+    eventually(10, "started", || async {
+        started.load(Ordering::SeqCst) == 1
+    })
+    .await;
     let report = w.shutdown().await;
-    assert_eq!(report, outbox::ShutdownReport { graceful: true, abandoned: 0 });
+    assert_eq!(
+        report,
+        outbox::ShutdownReport {
+            graceful: true,
+            abandoned: 0
+        }
+    );
     assert_eq!(finished.load(Ordering::SeqCst), 1);
     assert!(f.rows("jobs").await.is_empty());
 
     // Wedged: shutdown returns after the timeout; the row stays leased, not lost.
     let w = make(Duration::from_secs(3600), Duration::from_millis(300));
     seed_job(&f, 2).await;
-    eventually(10, "started", || async { started.load(Ordering::SeqCst) == 2 }).await;
+    eventually(10, "started", || async {
+        started.load(Ordering::SeqCst) == 2
+    })
+    .await;
     let t0 = std::time::Instant::now();
     let report = w.shutdown().await;
-    assert!(t0.elapsed() < Duration::from_secs(10), "shutdown is not held by a wedged handler");
-    assert_eq!(report, outbox::ShutdownReport { graceful: false, abandoned: 1 });
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "shutdown is not held by a wedged handler"
+    );
+    assert_eq!(
+        report,
+        outbox::ShutdownReport {
+            graceful: false,
+            abandoned: 1
+        }
+    );
     let rows = f.rows("jobs").await;
     assert_eq!(rows.len(), 1);
     assert!(rows[0].acquired_token.is_some());
     // A new worker picks it up once the lease expires.
     let w = make(Duration::ZERO, Duration::from_secs(5));
-    eventually(10, "redelivered and finished", || async { f.rows("jobs").await.is_empty() }).await;
+    eventually(10, "redelivered and finished", || async {
+        f.rows("jobs").await.is_empty()
+    })
+    .await;
     w.shutdown().await;
     f.cleanup().await;
 }

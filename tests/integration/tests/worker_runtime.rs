@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use outbox::{
-    Cancelled, Completion, Context, Delivery, Failure, Lease, Message, NextWakeup, PgStore, Published, Store,
-    StoredRow, Wakeup, Worker,
+    Cancelled, Completion, Context, Delivery, Failure, Lease, Message, NextWakeup, PgStore,
+    Published, Store, StoredRow, Wakeup, Worker,
 };
 use outbox_tests::Fixture;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -30,7 +30,10 @@ struct Counting {
 
 impl Counting {
     fn new(inner: PgStore) -> Self {
-        Counting { inner, calls: Arc::default() }
+        Counting {
+            inner,
+            calls: Arc::default(),
+        }
     }
     fn hit(&self, op: &'static str) {
         *self.calls.lock().unwrap().entry(op).or_default() += 1;
@@ -41,7 +44,12 @@ impl Counting {
 }
 
 impl Store for Counting {
-    async fn claim(&self, q: &[String], limit: usize, ttl: Duration) -> outbox::Result<Vec<Delivery>> {
+    async fn claim(
+        &self,
+        q: &[String],
+        limit: usize,
+        ttl: Duration,
+    ) -> outbox::Result<Vec<Delivery>> {
         self.hit("claim");
         self.inner.claim(q, limit, ttl).await
     }
@@ -114,7 +122,9 @@ where
 async fn a_sleeping_worker_fires_a_new_timer_on_time_without_polling() {
     let f = Fixture::new().await;
     let store = Counting::new(f.store.clone());
-    let fired: Arc<Mutex<Vec<(Instant, DateTime<Utc>, DateTime<Utc>)>>> = Arc::default();
+    /// (local firing time, deadline, claimed_at)
+    type Fired = (Instant, DateTime<Utc>, DateTime<Utc>);
+    let fired: Arc<Mutex<Vec<Fired>>> = Arc::default();
     let worker = {
         let fired = fired.clone();
         Worker::builder(store.clone())
@@ -122,7 +132,10 @@ async fn a_sleeping_worker_fires_a_new_timer_on_time_without_polling() {
             .timer::<Job>(move |_: Job, ctx: Context| {
                 let fired = fired.clone();
                 async move {
-                    fired.lock().unwrap().push((Instant::now(), ctx.deadline(), ctx.claimed_at()));
+                    fired
+                        .lock()
+                        .unwrap()
+                        .push((Instant::now(), ctx.deadline(), ctx.claimed_at()));
                 }
             })
             .build()
@@ -131,23 +144,50 @@ async fn a_sleeping_worker_fires_a_new_timer_on_time_without_polling() {
     };
     tokio::time::sleep(Duration::from_millis(800)).await;
     let settled = store.snapshot();
-    assert_eq!((settled.get("claim"), settled.get("next_wakeup")), (Some(&1), Some(&1)), "{settled:?}");
+    assert_eq!(
+        (settled.get("claim"), settled.get("next_wakeup")),
+        (Some(&1), Some(&1)),
+        "{settled:?}"
+    );
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    assert_eq!(store.snapshot(), settled, "an idle worker issues no queries");
+    assert_eq!(
+        store.snapshot(),
+        settled,
+        "an idle worker issues no queries"
+    );
 
     let published = Instant::now();
     let mut conn = f.pool.acquire().await.unwrap();
-    publish_job(&mut f.outbox.on(&mut conn), "t", &Job { n: 1 }, Duration::from_secs(2)).await.unwrap();
+    publish_job(
+        &mut f.outbox.on(&mut conn),
+        "t",
+        &Job { n: 1 },
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
     // The notification alone moves the wake-up: still no query before the deadline.
     tokio::time::sleep(Duration::from_millis(1000)).await;
     assert_eq!(store.snapshot(), settled, "the notification costs no query");
-    eventually(20, "the timer fires", || async { !fired.lock().unwrap().is_empty() }).await;
+    eventually(20, "the timer fires", || async {
+        !fired.lock().unwrap().is_empty()
+    })
+    .await;
     let (at, deadline, claimed_at) = fired.lock().unwrap()[0];
     let after = at - published;
-    assert!(after >= Duration::from_millis(1900), "not before its deadline: {after:?}");
-    assert!(after < Duration::from_secs(10), "well before the 60 s ceiling: {after:?}");
+    assert!(
+        after >= Duration::from_millis(1900),
+        "not before its deadline: {after:?}"
+    );
+    assert!(
+        after < Duration::from_secs(10),
+        "well before the 60 s ceiling: {after:?}"
+    );
     assert!(claimed_at >= deadline);
-    eventually(5, "acked", || async { store.snapshot().get("ack") == Some(&1) }).await;
+    eventually(5, "acked", || async {
+        store.snapshot().get("ack") == Some(&1)
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let idle_again = store.snapshot();
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -159,7 +199,10 @@ async fn a_sleeping_worker_fires_a_new_timer_on_time_without_polling() {
 
 /// A pool whose connections carry `application_name`, so the test can kill exactly them.
 async fn named_pool(app: &str) -> sqlx::PgPool {
-    let opts: PgConnectOptions = outbox_tests::database_url().parse::<PgConnectOptions>().unwrap().application_name(app);
+    let opts: PgConnectOptions = outbox_tests::database_url()
+        .parse::<PgConnectOptions>()
+        .unwrap()
+        .application_name(app);
     PgPoolOptions::new()
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(10))
@@ -174,7 +217,10 @@ async fn named_pool(app: &str) -> sqlx::PgPool {
 #[tokio::test]
 async fn the_worker_survives_terminated_backends_without_losing_messages() {
     let f = Fixture::new().await;
-    let app = format!("outbox-kill-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let app = format!(
+        "outbox-kill-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
     let worker_pool = named_pool(&app).await;
     let store = PgStore::new(worker_pool.clone(), f.outbox.clone());
     const N: u32 = 2000;
@@ -197,10 +243,15 @@ async fn the_worker_survives_terminated_backends_without_losing_messages() {
             .unwrap()
             .start()
     };
-    let payloads: Vec<Vec<u8>> = (0..N).map(|n| serde_json::to_vec(&Job { n }).unwrap()).collect();
+    let payloads: Vec<Vec<u8>> = (0..N)
+        .map(|n| serde_json::to_vec(&Job { n }).unwrap())
+        .collect();
     let items: Vec<_> = payloads.iter().map(|p| outbox::BatchItem::new(p)).collect();
     let mut conn = f.pool.acquire().await.unwrap();
-    f.outbox.publish_batch(&mut conn, "jobs", &items, Duration::ZERO).await.unwrap();
+    f.outbox
+        .publish_batch(&mut conn, "jobs", &items, Duration::ZERO)
+        .await
+        .unwrap();
 
     let mut kills = 0i64;
     for _ in 0..5 {
@@ -219,17 +270,27 @@ async fn the_worker_survives_terminated_backends_without_losing_messages() {
         assert!(killed > 0, "the worker had backends to kill");
         kills += 1;
     }
-    eventually(60, "every message handled and deleted", || async { f.rows("jobs").await.is_empty() }).await;
+    eventually(60, "every message handled and deleted", || async {
+        f.rows("jobs").await.is_empty()
+    })
+    .await;
     worker.shutdown().await;
 
     let handled = handled.lock().unwrap().clone();
     let distinct: HashSet<u32> = handled.iter().map(|h| h.0).collect();
     assert_eq!(distinct.len(), N as usize, "none lost");
     let runs: HashSet<(u32, u32)> = handled.iter().copied().collect();
-    assert_eq!(runs.len(), handled.len(), "a row never runs twice under one delivery");
+    assert_eq!(
+        runs.len(),
+        handled.len(),
+        "a row never runs twice under one delivery"
+    );
     for &(n, delivery) in &handled {
         if delivery > 1 {
-            assert!(handled.iter().any(|h| h.0 == n), "redelivery of a known row");
+            assert!(
+                handled.iter().any(|h| h.0 == n),
+                "redelivery of a known row"
+            );
         }
     }
     let duplicates = handled.len() - distinct.len();
@@ -265,19 +326,38 @@ async fn a_poison_row_is_isolated() {
             .start()
     };
     let mut conn = f.pool.acquire().await.unwrap();
-    f.outbox.publish(&mut conn, Message::new("jobs", b"\x00\x01 not json")).await.unwrap();
+    f.outbox
+        .publish(&mut conn, Message::new("jobs", b"\x00\x01 not json"))
+        .await
+        .unwrap();
     for n in 0..20 {
-        publish_job(&mut f.outbox.on(&mut conn), &format!("j{n}"), &Job { n }, Duration::ZERO).await.unwrap();
-        f.outbox.publish(&mut conn, Message::new("other", b"x")).await.unwrap();
+        publish_job(
+            &mut f.outbox.on(&mut conn),
+            &format!("j{n}"),
+            &Job { n },
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+        f.outbox
+            .publish(&mut conn, Message::new("other", b"x"))
+            .await
+            .unwrap();
     }
     eventually(20, "all good rows handled", || async {
         ok.load(Ordering::SeqCst) == 20 && raw.load(Ordering::SeqCst) == 20
     })
     .await;
-    eventually(5, "queues drained", || async { f.rows("jobs").await.is_empty() && f.rows("other").await.is_empty() }).await;
+    eventually(5, "queues drained", || async {
+        f.rows("jobs").await.is_empty() && f.rows("other").await.is_empty()
+    })
+    .await;
     let dlq = f.store.dead_letters("jobs", 10).await.unwrap();
     assert_eq!(dlq.len(), 1);
-    assert_eq!((dlq[0].failure_reason.as_str(), dlq[0].payload.as_slice()), ("decode_error", &b"\x00\x01 not json"[..]));
+    assert_eq!(
+        (dlq[0].failure_reason.as_str(), dlq[0].payload.as_slice()),
+        ("decode_error", &b"\x00\x01 not json"[..])
+    );
     worker.shutdown().await;
     f.cleanup().await;
 }
