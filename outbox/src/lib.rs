@@ -11,6 +11,96 @@
 //! never lost.
 //!
 //! The contract is the project's `SPEC.md`; section numbers (§) in these docs refer to it.
+//!
+//! ## Quick start
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use outbox::{Context, Outbox, PgStore, Worker};
+//!
+//! #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! pub struct PresenceExpiry { pub user_id: i64 }
+//!
+//! async fn on_expiry(t: PresenceExpiry, _ctx: Context) -> Result<(), sqlx::Error> {
+//!     // mark t.user_id offline, re-checking last_seen in the same transaction (SPEC §5.4)
+//!     Ok(())
+//! }
+//!
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), outbox::Error> {
+//! outbox::migrate(&pool).await?;               // tables `outbox` and `outbox_dlq`
+//!
+//! // In a request: the domain write and the timer commit together.
+//! let mut tx = pool.begin().await?;
+//! // sqlx::query("UPDATE users SET last_seen = now() WHERE id = $1")...execute(&mut *tx)
+//! extend_presence_expiry(&mut *tx, "42", &PresenceExpiry { user_id: 42 }, Duration::from_secs(30)).await?;
+//! tx.commit().await?;
+//!
+//! // A worker, anywhere.
+//! let worker = Worker::builder(PgStore::new(pool.clone(), Outbox::default()))
+//!     .timer::<PresenceExpiry>(on_expiry)
+//!     .build()?
+//!     .start();
+//! worker.shutdown().await;
+//! # Ok(()) }
+//! ```
+//!
+//! ## Map
+//!
+//! | concern | where | SPEC |
+//! |---|---|---|
+//! | table names, identifiers, the [`Outbox`] handle | [`Outbox`], [`OutboxBuilder`] | §1 |
+//! | migrations and the rearm upgrade | [`migrate`], [`Outbox::migrate`], [`migration_steps`] | §1.3 |
+//! | publish, extend, batch | [`Outbox::publish`], [`Outbox::publish_batch`], [`Message`], [`Published`] | §2, §4, §5 |
+//! | cancel | [`Outbox::cancel`], [`Cancelled`] | §3 |
+//! | claim and fenced completions | [`Store`], [`PgStore`], [`Completion`] | §5.1, §5.2, §6 |
+//! | reading and validating | [`Outbox::pending`], [`Outbox::validate_schema`] | §8 |
+//! | the typed layer | [`timer`] (macro), [`Timer`], [`Publisher`] | §9 |
+//! | workers | [`Worker`], [`WorkerBuilder`], [`RetryStrategy`], [`Context`], [`Outcome`] | §7 |
+//! | tests without a database | [`testing`] | §10 |
+//!
+//! ## Units and clocks
+//!
+//! Every duration is a [`std::time::Duration`]; absolute times are `chrono::DateTime<Utc>`.
+//! Deadlines, lease ages and retry delays are computed **by the database clock**
+//! (`now() + interval`), so clock skew between application hosts and Postgres cannot shift
+//! them. `now()` is the start of the *transaction*: a message published "now" inside a long
+//! transaction is due from that transaction's start (it becomes visible at commit).
+//!
+//! ## Errors
+//!
+//! One [`Error`] type. Input that breaks a rule (an empty queue name, a timer id over 255
+//! bytes, a negative delay, `Extend` without a timer id, a header with NUL) is
+//! [`Error::InvalidArgument`] naming the field, returned **before any SQL runs**. Bad names
+//! are [`Error::InvalidName`], bad worker knobs [`Error::InvalidConfig`], both naming the
+//! offender. A table that predates the rearm upgrade gives [`Error::UpgradeRequired`],
+//! whose message points to `docs/upgrading.md`.
+//!
+//! ## Decisions where the specification is silent
+//!
+//! - **Dead-letter queue** is off by default ([`OutboxBuilder::dead_letter`]); the table is
+//!   still created by the migrations so it can be turned on without a schema change. Off, a
+//!   terminal failure deletes the row (or applies its rearm).
+//! - **`Published::Unchanged`** carries no id: reporting it would need a second statement
+//!   on a path that wrote nothing.
+//! - **Cancel outside a transaction** (a bare connection, autocommit) is still safe: each
+//!   write repeats the state it expects and the lock-then-write loop runs again if the row
+//!   changed in between.
+//! - **Claim order among equal deadlines** follows the pending index (heap order), so the
+//!   claim cost stays independent of the backlog even when thousands of rows share one
+//!   `now()`; the claimed batch itself is ordered by `(next_attempt_at, id)`.
+//! - **`attempts_count` in the dead-letter row** includes the final failed run when the
+//!   handler ran (`rejected`, `retry_exhausted`), not for `decode_error` or
+//!   `max_deliveries` (the handler never ran).
+//! - **`Outcome::RetryAfter`** replaces the strategy's delay but still obeys its
+//!   `max_attempts`.
+//! - **Raw queues** default to `max_deliveries = 10` ([`DEFAULT_MAX_DELIVERIES`]).
+//! - **Panics** in a handler are caught and treated as a failed run (retry per strategy).
+//! - **Notifications** carry `<deadline epoch ms>:<queue>` on the channel
+//!   `<table>_wakeup` (`<schema>.<table>_wakeup` with an explicit schema).
+//! - **Publishing through generated functions** on a plain connection uses
+//!   [`Outbox::global`] (the defaults unless [`Outbox::set_global`] was called); to use
+//!   another outbox, pass `&mut outbox.on(&mut *tx)` ([`Outbox::on`]).
 #![deny(missing_docs)]
 #![warn(unreachable_pub)]
 

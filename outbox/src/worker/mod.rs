@@ -1,44 +1,5 @@
 //! The worker (SPEC §7): one claim loop, `concurrency` handler tasks, fenced completions,
 //! on-time wake-ups, recovery from database failures, graceful shutdown.
-//!
-//! ```no_run
-//! use std::time::Duration;
-//! use outbox::{Context, Outbox, PgStore, Worker};
-//!
-//! #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
-//! #[derive(serde::Serialize, serde::Deserialize)]
-//! struct PresenceExpiry { user_id: i64 }
-//!
-//! async fn on_expiry(t: PresenceExpiry, ctx: Context) -> Result<(), sqlx::Error> {
-//!     println!("user {} expired (delivery {})", t.user_id, ctx.delivery());
-//!     Ok(())
-//! }
-//!
-//! # async fn run(pool: sqlx::PgPool) -> Result<(), outbox::Error> {
-//! let worker = Worker::builder(PgStore::new(pool, Outbox::default()))
-//!     .timer::<PresenceExpiry>(on_expiry)
-//!     .concurrency(4)
-//!     .build()?;
-//! let running = worker.start();
-//! // ... on SIGTERM:
-//! running.shutdown().await;
-//! # Ok(()) }
-//! ```
-//!
-//! # Sizing
-//! A worker holds at most `fetch_batch_size + concurrency × ack_batch_size` leases at once
-//! (SPEC §7.7): the claimed rows waiting for a handler, the running ones, and successes
-//! waiting in the ack batch. Every one of them must finish within `lease_ttl`, or another
-//! worker reclaims the row and this worker's completion is dropped as `lease_lost`. Size
-//! `lease_ttl` above the handler's p99 time **plus** the wait in the buffer
-//! (`fetch_batch_size / concurrency × handler time`) with a wide margin; when handlers are
-//! slow, keep `fetch_batch_size` close to `concurrency`.
-//!
-//! A worker uses its pool for claims and completions (at most
-//! `concurrency + 2` statements in flight) plus one dedicated LISTEN connection. Any number
-//! of workers, in any number of processes, may serve the same queues (SPEC §7.6):
-//! `SKIP LOCKED` claims and token-fenced writes need no coordination. Past what one
-//! primary can absorb, split queues across databases, each with its own `Outbox`.
 
 mod handler;
 mod retry;
@@ -134,7 +95,7 @@ impl Config {
     }
 }
 
-/// Builds a [`Worker`]; see the [module docs](self). Setters never fail: every value is
+/// Builds a [`Worker`]; see there. Setters never fail: every value is
 /// checked by [`WorkerBuilder::build`].
 pub struct WorkerBuilder<S> {
     store: S,
@@ -272,7 +233,69 @@ impl<S: Store> WorkerBuilder<S> {
     }
 }
 
-/// A configured worker; [`Worker::start`] runs it.
+/// A worker (SPEC §7): one claim loop, `concurrency` handler tasks, fenced completions,
+/// on-time wake-ups, recovery from database failures, graceful shutdown. Build one with
+/// [`Worker::builder`]; [`Worker::start`] runs it.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use outbox::{Context, Outbox, PgStore, Worker};
+///
+/// #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
+/// #[derive(serde::Serialize, serde::Deserialize)]
+/// struct PresenceExpiry { user_id: i64 }
+///
+/// async fn on_expiry(t: PresenceExpiry, ctx: Context) -> Result<(), sqlx::Error> {
+///     println!("user {} expired (delivery {})", t.user_id, ctx.delivery());
+///     Ok(())
+/// }
+///
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), outbox::Error> {
+/// let worker = Worker::builder(PgStore::new(pool, Outbox::default()))
+///     .timer::<PresenceExpiry>(on_expiry)
+///     .concurrency(4)
+///     .build()?;
+/// let running = worker.start();
+/// // ... on SIGTERM:
+/// running.shutdown().await;
+/// # Ok(()) }
+/// ```
+///
+/// # Sizing
+/// A worker holds at most `fetch_batch_size + concurrency × ack_batch_size` leases at once
+/// (SPEC §7.7): the claimed rows waiting for a handler, the running ones, and successes
+/// waiting in the ack batch. Every one of them must finish within `lease_ttl`, or another
+/// worker reclaims the row and this worker's completion is dropped as `lease_lost`. Size
+/// `lease_ttl` above the handler's p99 time **plus** the wait in the buffer
+/// (`fetch_batch_size / concurrency × handler time`) with a wide margin; when handlers are
+/// slow, keep `fetch_batch_size` close to `concurrency`.
+///
+/// A worker uses its pool for claims and completions (at most
+/// `concurrency + 2` statements in flight) plus one dedicated LISTEN connection. Any number
+/// of workers, in any number of processes, may serve the same queues (SPEC §7.6):
+/// `SKIP LOCKED` claims and token-fenced writes need no coordination. Past what one
+/// primary can absorb, split queues across databases, each with its own `Outbox`.
+///
+/// # Waking up (SPEC §7.3)
+/// The worker LISTENs before its first scan. After a claim that did not fill a batch it
+/// asks once for the earliest deadline and lease expiry of its queues (two index probes per
+/// queue) and sleeps until then, until a notification for one of its queues moves that
+/// moment earlier, until one of its own completions makes a row due (a rearm applied, a
+/// retry scheduled), or until `idle_poll`. An idle worker issues no queries in between. If
+/// the LISTEN connection drops, it polls at least every second until LISTEN is back, and
+/// re-scans once it is.
+///
+/// # Failures (SPEC §7.2, §7.4)
+/// A handler error retries per [`RetryStrategy`]; a panic is a failed run; a payload that
+/// does not decode, a rejection, exhausted retries and too many deliveries are terminal
+/// (archived to the dead-letter table when it is on). A failed claim backs off (100 ms
+/// doubling to 5 s) and retries; a completion that fails on a broken connection is retried
+/// while the lease lasts, other statement errors leave the row to lease expiry.
+///
+/// # Shutdown (SPEC §7.5)
+/// [`RunningWorker::shutdown`] stops claiming, runs the rows already claimed, waits up to
+/// `graceful_timeout` for handlers and flushes batched acks. A handler still running then is
+/// abandoned; its row is redelivered once its lease expires. Nothing is lost either way.
 pub struct Worker<S> {
     store: S,
     routes: Arc<HashMap<String, Route>>,
