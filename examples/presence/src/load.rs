@@ -9,7 +9,7 @@
 //! | steady | pings every `U(0.1, 0.6) × timeout` until the run ends | online |
 //! | edge | pings `timeout + U(0, handler delay + 20 ms)` after its previous ping, so the timer fires and the next ping lands **while the expiry handler runs** (a rearm); stops at a random time in the second half of the run | offline |
 //! | silent | pings like a steady user, then stops for good at a random time | offline |
-//! | logout | pings like a steady user, then logs out (`DELETE /users/{id}/session`) | offline, reason `logout` |
+//! | logout | pings like a steady user, then logs out (`DELETE /users/{id}/session`); every other one logs out `timeout + U(0, handler delay + 20 ms)` after its last ping, so the cancel lands while the expiry handler runs | offline, reason `logout` |
 //!
 //! Silent and edge users stop at least `timeout + allowed lateness + 1 s` before the end.
 //!
@@ -582,9 +582,17 @@ async fn user(sh: Arc<Shared>, i: usize, plan: Plan, seed: u64, mut stop: watch:
     let t = sh.timeout;
     let until = sh.start + plan.until;
     let mut next = sh.start + plan.first;
+    let mut last_sent = None;
     loop {
         if plan.class == Class::Logout && next >= until {
-            if !sleep_until_or_stop(until, &mut stop).await {
+            // Every other logout user logs out just after its timer fired, while the
+            // expiry handler runs: the cancel finds the row leased (`Cancelled::Running`,
+            // or `RearmDropped` after a ping during the same run).
+            let at = match last_sent {
+                Some(s) if i % 2 == 1 => s + t + uniform(&mut rng, Duration::ZERO, sh.edge_window),
+                _ => until,
+            };
+            if !sleep_until_or_stop(at, &mut stop).await {
                 sh.logout(i).await;
             }
             return;
@@ -596,6 +604,7 @@ async fn user(sh: Arc<Shared>, i: usize, plan: Plan, seed: u64, mut stop: watch:
             return;
         }
         let sent = Instant::now();
+        last_sent = Some(sent);
         sh.ping(i).await;
         next = match plan.class {
             // Lands just after the timer fired: during the handler's simulated work, its
@@ -716,7 +725,8 @@ pub async fn run(config: LoadConfig) -> Result<Report, LoadError> {
             Class::Steady => d * 10,
             Class::Edge => uniform(&mut rng, d / 2, d - quiet),
             Class::Silent => uniform(&mut rng, d / 5, d - quiet),
-            Class::Logout => uniform(&mut rng, d / 5, d * 9 / 10),
+            // Logged out (at the latest one timeout later) before the final check.
+            Class::Logout => uniform(&mut rng, d / 5, d - quiet),
         };
         plans.push(Plan {
             class,

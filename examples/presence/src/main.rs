@@ -34,6 +34,10 @@ enum Command {
     /// Serve and drive in one process for a fixed time, print a live summary each second
     /// and a final one; the exit code is non-zero if any transition was wrong.
     Demo {
+        /// Keep the rows an earlier demo left in the demo's tables (by default they are
+        /// deleted at the start).
+        #[arg(long)]
+        keep: bool,
         #[command(flatten)]
         serve: ServeArgs,
         #[command(flatten)]
@@ -59,12 +63,13 @@ struct ServeArgs {
     /// Connections for requests and handlers.
     #[arg(long, default_value_t = 16)]
     pool_size: u32,
-    /// Outbox queue table (its dead-letter table is `<table>_dlq`).
-    #[arg(long, default_value = outbox::DEFAULT_TABLE)]
-    table: String,
-    /// Users table.
-    #[arg(long, default_value = presence::server::DEFAULT_USERS_TABLE)]
-    users_table: String,
+    /// Outbox queue table; its dead-letter table is `<table>_dlq` (default: `outbox` for
+    /// serve, `presence_demo_outbox` for demo).
+    #[arg(long)]
+    table: Option<String>,
+    /// Users table (default: `presence_users` for serve, `presence_demo_users` for demo).
+    #[arg(long)]
+    users_table: Option<String>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -123,23 +128,51 @@ fn secs(v: f64, flag: &str) -> Result<Duration, String> {
         .map_err(|_| format!("{flag} {v}: expected a non-negative number of seconds"))
 }
 
+struct ServeDefaults {
+    timeout_secs: f64,
+    handler_delay_ms: u64,
+    table: &'static str,
+    users_table: &'static str,
+}
+
+const SERVE: ServeDefaults = ServeDefaults {
+    timeout_secs: 30.0,
+    handler_delay_ms: 0,
+    table: outbox::DEFAULT_TABLE,
+    users_table: presence::server::DEFAULT_USERS_TABLE,
+};
+
+/// The demo has tables of its own, emptied at its start, so timers left by an earlier
+/// (interrupted) run cannot fire into this one.
+const DEMO: ServeDefaults = ServeDefaults {
+    timeout_secs: 5.0,
+    handler_delay_ms: 50,
+    table: "presence_demo_outbox",
+    users_table: "presence_demo_users",
+};
+
 impl ServeArgs {
-    fn config(&self, default_timeout: f64, default_delay_ms: u64) -> Result<ServerConfig, String> {
+    fn config(&self, defaults: ServeDefaults) -> Result<ServerConfig, String> {
         let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
         let mut c = ServerConfig::new(url);
         c.listen = self.listen;
         c.timeout = secs(
-            self.timeout_secs.unwrap_or(default_timeout),
+            self.timeout_secs.unwrap_or(defaults.timeout_secs),
             "--timeout-secs",
         )?;
-        c.handler_delay = Duration::from_millis(self.handler_delay_ms.unwrap_or(default_delay_ms));
+        c.handler_delay =
+            Duration::from_millis(self.handler_delay_ms.unwrap_or(defaults.handler_delay_ms));
         c.concurrency = self.concurrency;
         c.pool_size = self.pool_size;
         c.outbox = Outbox::builder()
-            .table(&self.table)
+            .table(self.table.as_deref().unwrap_or(defaults.table))
             .build()
             .map_err(|e| e.to_string())?;
-        c.users_table = self.users_table.clone();
+        c.users_table = self
+            .users_table
+            .as_deref()
+            .unwrap_or(defaults.users_table)
+            .to_owned();
         Ok(c)
     }
 }
@@ -174,7 +207,7 @@ fn main() -> ExitCode {
 async fn run(command: Command) -> Result<bool, String> {
     match command {
         Command::Serve(args) => {
-            let config = args.config(30.0, 0)?;
+            let config = args.config(SERVE)?;
             let server = Server::start(config.clone())
                 .await
                 .map_err(|e| e.to_string())?;
@@ -196,8 +229,9 @@ async fn run(command: Command) -> Result<bool, String> {
             print!("{}", report.summary());
             Ok(report.ok())
         }
-        Command::Demo { serve, load } => {
-            let mut config = serve.config(5.0, 50)?;
+        Command::Demo { keep, serve, load } => {
+            let mut config = serve.config(DEMO)?;
+            config.reset = !keep;
             if serve.listen == SocketAddr::from(([127, 0, 0, 1], 3000)) {
                 // Any free port: the demo talks to itself.
                 config.listen = SocketAddr::from(([127, 0, 0, 1], 0));

@@ -155,11 +155,14 @@ pub struct ServerConfig {
     pub outbox: Outbox,
     /// The users table (letters, digits, `_`; created if missing).
     pub users_table: String,
+    /// Start from empty tables: delete every user and every `presence.expiry` timer row
+    /// (running or not) at start. For the demo's own tables only.
+    pub reset: bool,
 }
 
 impl ServerConfig {
     /// Defaults: 127.0.0.1:3000, 30 s timeout, no handler delay, 8 expiry handlers, 16
-    /// connections, the default outbox tables, table `presence_users`.
+    /// connections, the default outbox tables, table `presence_users`, no reset.
     pub fn new(database_url: impl Into<String>) -> Self {
         ServerConfig {
             database_url: database_url.into(),
@@ -170,6 +173,7 @@ impl ServerConfig {
             pool_size: 16,
             outbox: Outbox::default(),
             users_table: DEFAULT_USERS_TABLE.to_owned(),
+            reset: false,
         }
     }
 
@@ -207,6 +211,8 @@ impl ServerConfig {
 /// The SQL of the users table, rendered once for its name.
 struct UserSql {
     create: String,
+    reset_users: String,
+    reset_timers: String,
     ping: String,
     logout: String,
     get: String,
@@ -229,6 +235,8 @@ impl UserSql {
                    offline_since timestamptz, \
                    offline_reason text)"
             ),
+            reset_users: format!("DELETE FROM {u}"),
+            reset_timers: format!("DELETE FROM {o} WHERE queue = $1"),
             // `greatest` keeps last_seen monotonic if two pings of one user race.
             ping: format!(
                 "INSERT INTO {u} AS u (user_id, online, last_seen) VALUES ($1, true, now()) \
@@ -296,8 +304,6 @@ fn bump(c: &AtomicU64) {
 
 struct App {
     pool: PgPool,
-    /// Quoted.
-    users_table: String,
     outbox: Outbox,
     sql: UserSql,
     timeout: Duration,
@@ -340,9 +346,15 @@ impl Server {
         config.outbox.validate_schema(&pool).await?;
         let sql = UserSql::new(&config.users_table, &config.outbox);
         sqlx::query(&sql.create).execute(&pool).await?;
+        if config.reset {
+            sqlx::query(&sql.reset_users).execute(&pool).await?;
+            sqlx::query(&sql.reset_timers)
+                .bind(<PresenceExpiry as outbox::Timer>::QUEUE)
+                .execute(&pool)
+                .await?;
+        }
         let app = Arc::new(App {
             pool,
-            users_table: format!("\"{}\"", config.users_table),
             outbox: config.outbox.clone(),
             sql,
             timeout: config.timeout,
@@ -441,23 +453,6 @@ impl Server {
     /// The service's counters and the worker's metrics.
     pub async fn stats(&self, range: Option<(i64, i64)>) -> Result<Stats, sqlx::Error> {
         self.app.stats(range).await
-    }
-
-    /// Drops the users table and the outbox tables (tests use throwaway names).
-    ///
-    /// # Errors
-    /// The database error.
-    pub async fn drop_tables(&self) -> Result<(), sqlx::Error> {
-        let sql = format!(
-            "DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {}",
-            self.app.users_table,
-            self.app.outbox.table(),
-            self.app.outbox.dead_letter_table()
-        );
-        sqlx::raw_sql(&sql)
-            .execute(&self.app.pool)
-            .await
-            .map(|_| ())
     }
 
     /// Stops HTTP, then the worker (running handlers finish, SPEC §7.5), then closes the

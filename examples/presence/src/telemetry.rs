@@ -223,7 +223,8 @@ impl HistogramFn for Hist {
     fn record(&self, value: f64) {
         if value.is_finite() && value >= 0.0 {
             let mut h = self.0.lock().unwrap_or_else(|p| p.into_inner());
-            h.saturating_record((value * SCALE) as u64);
+            // The histogram grows as needed; a value it cannot grow to is dropped.
+            let _ = h.record((value * SCALE) as u64);
         }
     }
 }

@@ -1,0 +1,127 @@
+//! The presence example under a shortened load, on real Postgres (issue 6, req. 4): 200
+//! users for 20 s with a 2 s timeout, some pinging steadily, some going silent, some
+//! logging out, and some whose pings are timed to land while the expiry handler runs.
+//!
+//! Postgres comes from `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
+//! The tables have unique names, so this runs next to the other test suites. If Postgres
+//! cannot be reached the test fails with a message saying how to start it.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use outbox::Outbox;
+use presence::server::connect;
+use presence::{LoadConfig, Server, ServerConfig};
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_wrong_transitions_under_load_with_pings_during_expiry() {
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
+    let users_table = format!("presence_users_{suffix}");
+    let outbox = Outbox::builder()
+        .table(format!("presence_t_{suffix}"))
+        .build()
+        .expect("valid table name");
+    let mut config = ServerConfig::new(database_url());
+    config.listen = ([127, 0, 0, 1], 0).into();
+    config.timeout = Duration::from_secs(2);
+    // Simulated work in the expiry handler: pings timed at the timeout land during it.
+    config.handler_delay = Duration::from_millis(50);
+    config.outbox = outbox.clone();
+    config.users_table = users_table.clone();
+    let server = match Server::start(config).await {
+        Ok(s) => s,
+        Err(e) => panic!("the presence service did not start (this test does not skip):\n{e}"),
+    };
+
+    let mut load = LoadConfig::new(server.url());
+    load.users = 200;
+    load.duration = Duration::from_secs(20);
+    load.first_user_id = 1;
+    load.edge = 0.2;
+    load.silent = 0.15;
+    load.logout = 0.15;
+    load.observe_per_sec = 100;
+    if let Some(seed) = std::env::var("PRESENCE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        load.seed = seed;
+    }
+    let report = presence::load::run(load).await;
+    let audit = server.audit(1, 200).await;
+    server.shutdown().await;
+
+    let cleanup = connect(&database_url(), 1)
+        .await
+        .expect("cleanup connection");
+    sqlx::raw_sql(&format!(
+        "DROP TABLE IF EXISTS \"{users_table}\"; DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {}",
+        outbox.table(),
+        outbox.dead_letter_table()
+    ))
+    .execute(&cleanup)
+    .await
+    .expect("drop the test's tables");
+
+    let report = report.expect("the load ran");
+    println!("{}", report.summary());
+    let audit = audit.expect("audit");
+    let stats = report.server.clone().expect("final stats");
+
+    assert_eq!(
+        report.errors, 0,
+        "failed requests: {:?}",
+        report.error_samples
+    );
+    assert!(
+        report.wrong.is_empty(),
+        "wrong transitions: {:#?}",
+        report.wrong
+    );
+    // Every steady user online, every silent and edge user offline (expired), every
+    // logged-out user offline (logout), read over HTTP at the end.
+    assert!(
+        report.final_failures.is_empty(),
+        "final states: {:#?}",
+        report.final_failures
+    );
+    let online: BTreeSet<i64> = audit.online.iter().copied().collect();
+    let steady: BTreeSet<i64> = report.steady.iter().copied().collect();
+    assert_eq!(
+        online, steady,
+        "online users in the database are exactly the steady users"
+    );
+    // A lost rearm would leave an online user without a timer, online for ever.
+    assert!(
+        audit.online_without_timer.is_empty(),
+        "online without a timer: {:?}",
+        audit.online_without_timer
+    );
+    assert!(
+        audit.logged_out_with_timer.is_empty(),
+        "logged out with a live timer row: {:?}",
+        audit.logged_out_with_timer
+    );
+    // The hard case happened, and often: pings landed while expiry handlers ran, queued
+    // rearms, and the worker applied them.
+    assert!(
+        stats.pings_rearm_queued >= 10,
+        "too few pings landed during a handler run: {stats:#?}"
+    );
+    assert!(
+        stats.rearms_applied.unwrap_or(0) >= 10,
+        "rearms applied: {stats:#?}"
+    );
+    assert!(
+        stats.kept_online >= 10,
+        "handlers that found a newer ping: {stats:#?}"
+    );
+    assert_eq!(stats.handler_errors, 0, "{stats:#?}");
+    assert_eq!(stats.lease_lost, Some(0), "{stats:#?}");
+    assert!(!report.silent.is_empty() && !report.edge.is_empty() && !report.logout.is_empty());
+}
