@@ -361,3 +361,85 @@ async fn a_poison_row_is_isolated() {
     worker.shutdown().await;
     f.cleanup().await;
 }
+
+/// After the LISTEN connection is killed, the worker re-LISTENs and re-scans: a timer
+/// published right after the kill still fires near its deadline, not at the 60 s ceiling.
+#[tokio::test]
+async fn a_lost_listen_connection_is_rebuilt_and_timers_stay_on_time() {
+    let f = Fixture::new().await;
+    let app = format!(
+        "outbox-listen-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let store = PgStore::new(named_pool(&app).await, f.outbox.clone());
+    let fired = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let fired = fired.clone();
+        Worker::builder(store)
+            .idle_poll(Duration::from_secs(60))
+            .timer::<Job>(move |_: Job, _: Context| {
+                let fired = fired.clone();
+                async move {
+                    fired.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE application_name = $1 AND query ILIKE 'LISTEN%') k",
+    )
+    .bind(&app)
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(killed, 1, "exactly the LISTEN connection");
+    let t0 = Instant::now();
+    let mut conn = f.pool.acquire().await.unwrap();
+    publish_job(
+        &mut f.outbox.on(&mut conn),
+        "after-kill",
+        &Job { n: 1 },
+        Duration::from_millis(1500),
+    )
+    .await
+    .unwrap();
+    eventually(20, "the timer fires", || async {
+        fired.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "fired long before the 60 s ceiling: {:?}",
+        t0.elapsed()
+    );
+    // LISTEN is back: a later timer fires through the notification again.
+    eventually(10, "LISTEN restored", || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query ILIKE 'LISTEN%'",
+        )
+        .bind(&app)
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+        n == 1
+    })
+    .await;
+    publish_job(
+        &mut f.outbox.on(&mut conn),
+        "later",
+        &Job { n: 2 },
+        Duration::from_millis(500),
+    )
+    .await
+    .unwrap();
+    eventually(20, "the second timer fires", || async {
+        fired.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    worker.shutdown().await;
+    f.cleanup().await;
+}
