@@ -691,8 +691,12 @@ async fn process<S: Store>(
     d: Delivery,
     acks: Option<&mpsc::Sender<(Lease, Instant, String)>>,
 ) {
-    // The lease is ours until claimed_at + lease_ttl; past it a completion is pointless.
-    let lease_end = Instant::now() + shared.config.lease_ttl;
+    // The lease is ours until claimed_at + lease_ttl (time spent waiting in the buffer
+    // counts); past it, retrying a failed completion is pointless.
+    let lease_end = chrono::TimeDelta::from_std(shared.config.lease_ttl)
+        .ok()
+        .and_then(|ttl| d.claimed_at.checked_add_signed(ttl))
+        .map_or_else(|| Instant::now() + shared.config.lease_ttl, |end| shared.local(end));
     let Some(route) = shared.routes.get(&d.queue) else {
         // Unreachable: we only claim queues we serve. Leave the row to lease expiry.
         tracing::error!("outbox: claimed a row of a queue without handler");

@@ -5,6 +5,8 @@
 //! `postgres://postgres@127.0.0.1:5432/test`). If it cannot be reached the tests **fail**
 //! with a message saying how to start it: they never skip silently.
 
+pub mod contract;
+
 use std::time::Duration;
 
 use outbox::{Outbox, OutboxBuilder, PgStore, StoredRow};
