@@ -1,0 +1,309 @@
+//! One test-support interface over both stores, for the contract suite (`tests/contract.rs`)
+//! and the model-based test (`tests/model.rs`).
+//!
+//! # A frozen, test-controlled clock on Postgres
+//!
+//! Both stores start at [`start`] and their clocks move only when a test calls
+//! [`Harness::advance`], so every timestamp is known exactly and the same hand-written
+//! expected values hold for both.
+//!
+//! On Postgres this works without touching the store's SQL: every statement calls `now()`
+//! unqualified, so each test gets its own schema holding a one-row `clock` table and a
+//! function `now()` that reads it, and its connections run with
+//! `search_path = <that schema>, pg_catalog, public`. Naming `pg_catalog` explicitly
+//! *after* the test's schema is what lets our `now()` shadow the built-in one (Postgres
+//! searches an unlisted `pg_catalog` first). The tables are created under that search path
+//! too, so their `DEFAULT now()` columns (`created_at`, the dead-letter `failed_at`) bind to
+//! the test's clock. Advancing time is `UPDATE clock SET t = t + interval`.
+//!
+//! This replaces "the transaction's start time" with "the test's clock": what the contract
+//! suite checks is the logic of each statement, not Postgres' clock. The Postgres-only tests
+//! (`rearm.rs`, `publish.rs`, `claim.rs`) run on the real clock.
+
+use std::future::Future;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox::testing::MemoryStore;
+use outbox::{BatchItem, Cancelled, Outbox, PgStore, Published, Result, Schedule, Store, Timer};
+use sqlx::postgres::types::PgInterval;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+
+use crate::{database_url, unique_table};
+
+/// Where both stores' clocks start: 2030-01-01T00:00:00Z.
+pub fn start() -> DateTime<Utc> {
+    DateTime::from_timestamp(1_893_456_000, 0).expect("a valid instant")
+}
+
+/// A store under test plus the controls the scenarios need, implemented once per store.
+pub trait Harness: Sized {
+    /// The store.
+    type S: Store;
+
+    /// Which store, for messages.
+    const NAME: &'static str;
+
+    /// A fresh, empty store whose clock reads [`start`], with the dead-letter queue on or off.
+    fn new(dead_letter: bool) -> impl Future<Output = Self>;
+
+    /// The store.
+    fn store(&self) -> &Self::S;
+
+    /// Moves the store's clock forward by `by`.
+    fn advance(&self, by: Duration) -> impl Future<Output = ()>;
+
+    /// Publishes a batch (SPEC §2.3): `Outbox::publish_batch` or `MemoryStore::publish_batch`.
+    fn publish_batch(
+        &self,
+        queue: &str,
+        items: &[BatchItem<'_>],
+        schedule: Schedule,
+    ) -> impl Future<Output = Result<Vec<i64>>>;
+
+    /// `outbox::extend_timer` through this store's [`outbox::Publisher`].
+    fn extend_typed<T: Timer>(
+        &self,
+        timer_id: &str,
+        payload: &T,
+        schedule: Schedule,
+    ) -> impl Future<Output = Result<Published>>;
+
+    /// `outbox::publish_timer` through this store's [`outbox::Publisher`].
+    fn publish_typed<T: Timer>(
+        &self,
+        timer_id: &str,
+        payload: &T,
+        schedule: Schedule,
+    ) -> impl Future<Output = Result<Published>>;
+
+    /// `outbox::cancel_timer` through this store's [`outbox::Publisher`].
+    fn cancel_typed<T: Timer>(&self, timer_id: &str) -> impl Future<Output = Result<Cancelled>>;
+
+    /// Releases what the harness holds (the Postgres schema).
+    fn finish(self) -> impl Future<Output = ()>;
+}
+
+/// [`MemoryStore`] starting at [`start`].
+#[derive(Debug, Clone)]
+pub struct MemHarness {
+    /// The store.
+    pub store: MemoryStore,
+}
+
+impl Harness for MemHarness {
+    type S = MemoryStore;
+    const NAME: &'static str = "memory";
+
+    async fn new(dead_letter: bool) -> Self {
+        MemHarness {
+            store: MemoryStore::starting_at(start()).with_dead_letter(dead_letter),
+        }
+    }
+
+    fn store(&self) -> &MemoryStore {
+        &self.store
+    }
+
+    async fn advance(&self, by: Duration) {
+        self.store.advance(by);
+    }
+
+    async fn publish_batch(
+        &self,
+        queue: &str,
+        items: &[BatchItem<'_>],
+        schedule: Schedule,
+    ) -> Result<Vec<i64>> {
+        self.store.publish_batch(queue, items, schedule)
+    }
+
+    async fn extend_typed<T: Timer>(
+        &self,
+        timer_id: &str,
+        payload: &T,
+        schedule: Schedule,
+    ) -> Result<Published> {
+        outbox::extend_timer(&mut self.store.clone(), timer_id, payload, schedule).await
+    }
+
+    async fn publish_typed<T: Timer>(
+        &self,
+        timer_id: &str,
+        payload: &T,
+        schedule: Schedule,
+    ) -> Result<Published> {
+        outbox::publish_timer(&mut self.store.clone(), timer_id, payload, schedule).await
+    }
+
+    async fn cancel_typed<T: Timer>(&self, timer_id: &str) -> Result<Cancelled> {
+        outbox::cancel_timer::<T, _>(&mut self.store.clone(), timer_id).await
+    }
+
+    async fn finish(self) {}
+}
+
+/// [`PgStore`] on its own schema and frozen clock (see the module docs).
+#[derive(Debug)]
+pub struct PgHarness {
+    /// Connections whose `now()` is the test's clock.
+    pub pool: PgPool,
+    /// The test's tables.
+    pub outbox: Outbox,
+    /// The store under test.
+    pub store: PgStore,
+    schema: String,
+}
+
+impl PgHarness {
+    /// The quoted schema holding the clock and the tables.
+    pub fn schema(&self) -> String {
+        format!("\"{}\"", self.schema)
+    }
+
+    /// Empties the tables and sets the clock back to [`start`]: ids count from 1 again.
+    pub async fn reset(&self) {
+        let sql = format!(
+            "TRUNCATE {}, {} RESTART IDENTITY; UPDATE {}.clock SET t = '{}'",
+            self.outbox.table(),
+            self.outbox.dead_letter_table(),
+            self.schema(),
+            start().to_rfc3339()
+        );
+        sqlx::raw_sql(&sql)
+            .execute(&self.pool)
+            .await
+            .expect("reset");
+    }
+}
+
+fn interval(d: Duration) -> PgInterval {
+    PgInterval {
+        months: 0,
+        days: 0,
+        microseconds: i64::try_from(d.as_micros())
+            .expect("a test duration fits in i64 microseconds"),
+    }
+}
+
+impl Harness for PgHarness {
+    type S = PgStore;
+    const NAME: &'static str = "postgres";
+
+    async fn new(dead_letter: bool) -> Self {
+        let schema = unique_table("clk");
+        let admin = crate::pool_with(1).await;
+        let setup = format!(
+            "CREATE SCHEMA \"{schema}\";\
+             CREATE TABLE \"{schema}\".clock (t timestamptz NOT NULL);\
+             CREATE FUNCTION \"{schema}\".now() RETURNS timestamptz LANGUAGE sql STABLE \
+               AS 'SELECT t FROM \"{schema}\".clock';"
+        );
+        sqlx::raw_sql(&setup)
+            .execute(&admin)
+            .await
+            .expect("create the clock schema");
+        sqlx::query(&format!("INSERT INTO \"{schema}\".clock VALUES ($1)"))
+            .bind(start())
+            .execute(&admin)
+            .await
+            .expect("set the clock");
+        admin.close().await;
+
+        let url = database_url();
+        let opts = url
+            .parse::<PgConnectOptions>()
+            .expect("DATABASE_URL is a Postgres URL")
+            .options([("search_path", format!("{schema},pg_catalog,public"))])
+            .disable_statement_logging();
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(opts)
+            .await
+            .expect("connect to Postgres");
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&pool)
+            .await
+            .expect("now()");
+        assert_eq!(now, start(), "now() must resolve to the test's clock");
+
+        let outbox = Outbox::builder()
+            .schema(schema.clone())
+            .table("outbox")
+            .dead_letter(dead_letter)
+            .build()
+            .expect("valid names");
+        outbox.migrate(&pool).await.expect("migrations apply");
+        let store = PgStore::new(pool.clone(), outbox.clone());
+        PgHarness {
+            pool,
+            outbox,
+            store,
+            schema,
+        }
+    }
+
+    fn store(&self) -> &PgStore {
+        &self.store
+    }
+
+    async fn advance(&self, by: Duration) {
+        sqlx::query(&format!("UPDATE {}.clock SET t = t + $1", self.schema()))
+            .bind(interval(by))
+            .execute(&self.pool)
+            .await
+            .expect("advance the clock");
+    }
+
+    async fn publish_batch(
+        &self,
+        queue: &str,
+        items: &[BatchItem<'_>],
+        schedule: Schedule,
+    ) -> Result<Vec<i64>> {
+        let mut conn = self.pool.acquire().await?;
+        self.outbox
+            .publish_batch(&mut conn, queue, items, schedule)
+            .await
+    }
+
+    async fn extend_typed<T: Timer>(
+        &self,
+        timer_id: &str,
+        payload: &T,
+        schedule: Schedule,
+    ) -> Result<Published> {
+        let mut conn = self.pool.acquire().await?;
+        outbox::extend_timer(&mut self.outbox.on(&mut conn), timer_id, payload, schedule).await
+    }
+
+    async fn publish_typed<T: Timer>(
+        &self,
+        timer_id: &str,
+        payload: &T,
+        schedule: Schedule,
+    ) -> Result<Published> {
+        let mut conn = self.pool.acquire().await?;
+        outbox::publish_timer(&mut self.outbox.on(&mut conn), timer_id, payload, schedule).await
+    }
+
+    async fn cancel_typed<T: Timer>(&self, timer_id: &str) -> Result<Cancelled> {
+        let mut conn = self.pool.acquire().await?;
+        outbox::cancel_timer::<T, _>(&mut self.outbox.on(&mut conn), timer_id).await
+    }
+
+    async fn finish(self) {
+        self.pool.close().await;
+        let admin = crate::pool_with(1).await;
+        sqlx::raw_sql(&format!(
+            "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+            self.schema
+        ))
+        .execute(&admin)
+        .await
+        .expect("drop the test schema");
+        admin.close().await;
+    }
+}

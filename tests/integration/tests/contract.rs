@@ -1,0 +1,1342 @@
+//! The contract suite (SPEC §10, issue 3): every storage scenario is written once, as a
+//! function generic over [`Harness`], and runs against Postgres (`postgres::*`) and the
+//! in-memory store (`memory::*`) with the same hand-written expected values.
+//!
+//! Both stores start at [`start`] (2030-01-01T00:00:00Z) and their clocks move only when a
+//! scenario advances them, so expected timestamps are exact: `at(5)` is five seconds after
+//! the start. See `outbox_tests::contract` for how Postgres gets such a clock.
+
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use outbox::store::MAX_LAST_ERROR_BYTES;
+use outbox::{
+    BatchItem, Cancelled, Completion, DeadLetter, Delivery, Error, Failure, FailureReason, Headers,
+    Lease, Message, OnConflict, Published, Schedule, Store, StoredRow,
+};
+use outbox_tests::contract::{start, Harness, MemHarness, PgHarness};
+use uuid::Uuid;
+
+const Q: &str = "q.main";
+const Q2: &str = "q.other";
+const Q3: &str = "q.third";
+const TTL: Duration = Duration::from_secs(30);
+
+/// `s` seconds after the start.
+fn at(s: i64) -> DateTime<Utc> {
+    start() + TimeDelta::seconds(s)
+}
+
+fn us(n: i64) -> TimeDelta {
+    TimeDelta::microseconds(n)
+}
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+/// A plain message on `Q`, due `delay_s` seconds from now.
+fn plain(payload: &[u8], delay_s: u64) -> Message<'_> {
+    Message::new(Q, payload).schedule(secs(delay_s))
+}
+
+/// `extend` of timer `key` on `Q` to `schedule`.
+fn extend<'a>(key: &'a str, payload: &'a [u8], schedule: impl Into<Schedule>) -> Message<'a> {
+    Message::new(Q, payload)
+        .timer_id(key)
+        .schedule(schedule)
+        .on_conflict(OnConflict::Extend)
+}
+
+/// `publish` (Ignore) of timer `key` on `Q` to `schedule`.
+fn schedule<'a>(key: &'a str, payload: &'a [u8], schedule: impl Into<Schedule>) -> Message<'a> {
+    Message::new(Q, payload).timer_id(key).schedule(schedule)
+}
+
+fn rejected(last_error: Option<&str>) -> Failure<'_> {
+    Failure {
+        reason: FailureReason::Rejected,
+        last_error,
+    }
+}
+
+/// The row a fresh publish at `at(0)` writes: pending, no history.
+fn row(id: i64, queue: &str, payload: &[u8], due: DateTime<Utc>) -> StoredRow {
+    StoredRow {
+        id,
+        queue: queue.to_owned(),
+        payload: payload.to_vec(),
+        headers: None,
+        attempts_count: 0,
+        deliveries_count: 0,
+        created_at: at(0),
+        next_attempt_at: due,
+        first_attempt_at: None,
+        last_attempt_at: None,
+        acquired_at: None,
+        acquired_token: None,
+        timer_id: None,
+        rearm_at: None,
+        rearm_payload: None,
+        rearm_headers: None,
+    }
+}
+
+/// `row` as a timer.
+fn timer_row(id: i64, key: &str, payload: &[u8], due: DateTime<Utc>) -> StoredRow {
+    StoredRow {
+        timer_id: Some(key.to_owned()),
+        ..row(id, Q, payload, due)
+    }
+}
+
+/// `r` leased by `d` at `claimed`, after `deliveries` claims.
+fn leased(r: StoredRow, d: &Delivery, claimed: DateTime<Utc>, deliveries: i32) -> StoredRow {
+    StoredRow {
+        acquired_token: Some(d.lease.token),
+        acquired_at: Some(claimed),
+        deliveries_count: deliveries,
+        ..r
+    }
+}
+
+fn with_rearm(r: StoredRow, rearm_at: DateTime<Utc>, payload: &[u8]) -> StoredRow {
+    StoredRow {
+        rearm_at: Some(rearm_at),
+        rearm_payload: Some(payload.to_vec()),
+        ..r
+    }
+}
+
+fn headers(pairs: &[(&str, &str)]) -> Headers {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+async fn publish<H: Harness>(h: &H, m: Message<'_>) -> Published {
+    h.store().publish(m).await.expect("publish")
+}
+
+async fn claim<H: Harness>(h: &H, queues: &[&str], limit: usize) -> Vec<Delivery> {
+    let queues: Vec<String> = queues.iter().map(|q| (*q).to_owned()).collect();
+    h.store().claim(&queues, limit, TTL).await.expect("claim")
+}
+
+async fn claim_one<H: Harness>(h: &H) -> Delivery {
+    let mut got = claim(h, &[Q], 10).await;
+    assert_eq!(
+        got.len(),
+        1,
+        "{}: expected one claimable row: {got:#?}",
+        H::NAME
+    );
+    got.remove(0)
+}
+
+fn ids(ds: &[Delivery]) -> Vec<i64> {
+    ds.iter().map(|d| d.lease.id).collect()
+}
+
+async fn rows<H: Harness>(h: &H, queue: &str) -> Vec<StoredRow> {
+    h.store().pending(queue, 1000).await.expect("pending")
+}
+
+async fn only_row<H: Harness>(h: &H) -> StoredRow {
+    let mut rows = rows(h, Q).await;
+    assert_eq!(
+        rows.len(),
+        1,
+        "{}: expected exactly one row: {rows:#?}",
+        H::NAME
+    );
+    rows.remove(0)
+}
+
+async fn dead_letters<H: Harness>(h: &H) -> Vec<DeadLetter> {
+    h.store().dead_letters(Q, 1000).await.expect("dead letters")
+}
+
+fn wrong(lease: Lease) -> Lease {
+    Lease {
+        id: lease.id,
+        token: Uuid::new_v4(),
+    }
+}
+
+fn invalid_field(e: Error) -> &'static str {
+    match e {
+        Error::InvalidArgument { field, .. } => field,
+        other => panic!("expected an invalid argument, got {other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Claim (SPEC §6)
+
+async fn claim_of_an_unleased_due_row<H: Harness>(h: &H) {
+    let hs = headers(&[("content-type", "application/json")]);
+    assert_eq!(
+        publish(h, Message::new(Q, b"a").headers(&hs)).await,
+        Published::Inserted { id: 1 }
+    );
+    h.advance(secs(5)).await;
+    let got = claim(h, &[Q], 10).await;
+    assert_eq!(got.len(), 1);
+    let d = &got[0];
+    assert_eq!(
+        d,
+        &Delivery {
+            lease: Lease {
+                id: 1,
+                token: d.lease.token
+            },
+            queue: Q.to_owned(),
+            payload: b"a".to_vec(),
+            headers: Some(hs.clone()),
+            timer_id: None,
+            attempts_count: 0,
+            deliveries_count: 1,
+            created_at: at(0),
+            deadline: at(0),
+            first_attempt_at: None,
+            claimed_at: at(5),
+        }
+    );
+    let want = StoredRow {
+        headers: Some(hs),
+        ..leased(row(1, Q, b"a", at(0)), d, at(5), 1)
+    };
+    assert_eq!(only_row(h).await, want);
+    assert!(
+        claim(h, &[Q], 10).await.is_empty(),
+        "a leased row is not claimed again"
+    );
+}
+
+async fn a_future_row_is_not_claimed_before_its_deadline<H: Harness>(h: &H) {
+    publish(h, plain(b"a", 10)).await;
+    assert!(claim(h, &[Q], 10).await.is_empty());
+    h.advance(secs(10) - Duration::from_micros(1)).await;
+    assert!(claim(h, &[Q], 10).await.is_empty(), "one microsecond early");
+    assert_eq!(only_row(h).await, row(1, Q, b"a", at(10)));
+    h.advance(Duration::from_micros(1)).await;
+    let d = claim_one(h).await;
+    assert_eq!(
+        (d.deadline, d.claimed_at),
+        (at(10), at(10)),
+        "due at its deadline exactly"
+    );
+}
+
+async fn an_expired_lease_is_reclaimed_with_a_new_token<H: Harness>(h: &H) {
+    publish(h, plain(b"a", 0)).await;
+    let first = claim_one(h).await;
+    h.advance(TTL).await;
+    assert!(
+        claim(h, &[Q], 10).await.is_empty(),
+        "a lease exactly lease_ttl old still holds"
+    );
+    h.advance(Duration::from_micros(1)).await;
+    let second = claim_one(h).await;
+    assert_ne!(second.lease.token, first.lease.token);
+    assert_eq!(second.lease.id, 1);
+    assert_eq!(second.deliveries_count, 2);
+    assert_eq!(second.attempts_count, 0);
+    assert_eq!(
+        (second.deadline, second.claimed_at),
+        (at(0), at(30) + us(1))
+    );
+    assert_eq!(
+        only_row(h).await,
+        leased(row(1, Q, b"a", at(0)), &second, at(30) + us(1), 2)
+    );
+}
+
+async fn a_fresh_lease_is_not_reclaimed<H: Harness>(h: &H) {
+    publish(h, plain(b"a", 0)).await;
+    let d = claim_one(h).await;
+    let before = only_row(h).await;
+    h.advance(secs(29)).await;
+    assert!(claim(h, &[Q], 10).await.is_empty());
+    assert_eq!(only_row(h).await, before);
+    assert_eq!(before, leased(row(1, Q, b"a", at(0)), &d, at(0), 1));
+}
+
+async fn the_oldest_rows_are_chosen_under_a_limit<H: Harness>(h: &H) {
+    for (p, delay) in [(b"1", 5), (b"2", 3), (b"3", 4), (b"4", 1), (b"5", 2)] {
+        publish(h, plain(p, delay)).await;
+    }
+    h.advance(secs(10)).await;
+    assert_eq!(ids(&claim(h, &[Q], 2).await), vec![4, 5]);
+    assert_eq!(ids(&claim(h, &[Q], 2).await), vec![2, 3]);
+    let last = claim(h, &[Q], 2).await;
+    assert_eq!(ids(&last), vec![1]);
+    assert_eq!(last[0].deadline, at(5));
+    // Equal deadlines come back in id order.
+    h.publish_batch(
+        Q2,
+        &[
+            BatchItem::new(b"x"),
+            BatchItem::new(b"y"),
+            BatchItem::new(b"z"),
+        ],
+        Schedule::now(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids(&claim(h, &[Q2], 10).await), vec![6, 7, 8]);
+}
+
+async fn expired_leases_and_due_rows_are_taken_by_deadline<H: Harness>(h: &H) {
+    publish(h, plain(b"old", 0)).await; // 1, due at 0, claimed and then lost
+    let lost = claim_one(h).await;
+    publish(h, plain(b"new", 10)).await; // 2, due at 10
+    h.advance(secs(40)).await;
+    publish(h, plain(b"newest", 0)).await; // 3, due at 40
+    let got = claim(h, &[Q], 2).await;
+    assert_eq!(
+        ids(&got),
+        vec![1, 2],
+        "the reclaim and the older due row, by deadline"
+    );
+    assert_ne!(got[0].lease.token, lost.lease.token);
+    assert_eq!(
+        got[0].lease.token, got[1].lease.token,
+        "one token per claim"
+    );
+    assert_eq!(ids(&claim(h, &[Q], 2).await), vec![3]);
+}
+
+async fn the_limit_is_respected<H: Harness>(h: &H) {
+    for i in 0..5u8 {
+        publish(h, plain(&[b'a' + i], 0)).await;
+        h.advance(secs(1)).await;
+    }
+    assert!(claim(h, &[Q], 0).await.is_empty(), "limit 0 claims nothing");
+    assert!(rows(h, Q).await.iter().all(|r| r.acquired_token.is_none()));
+    assert_eq!(ids(&claim(h, &[Q], 3).await), vec![1, 2, 3]);
+    assert_eq!(ids(&claim(h, &[Q], 3).await), vec![4, 5]);
+    assert!(claim(h, &[Q], 3).await.is_empty());
+}
+
+async fn the_queue_filter<H: Harness>(h: &H) {
+    publish(h, Message::new(Q, b"q1")).await; // 1 at 0
+    h.advance(secs(1)).await;
+    publish(h, Message::new(Q2, b"q2")).await; // 2 at 1
+    h.advance(secs(1)).await;
+    publish(h, Message::new(Q3, b"q3")).await; // 3 at 2
+    h.advance(secs(1)).await;
+    publish(h, Message::new(Q2, b"q2b")).await; // 4 at 3
+    publish(h, Message::new(Q, b"q1b")).await; // 5 at 3
+
+    assert!(claim(h, &["nobody"], 10).await.is_empty());
+    let got = claim(h, &[Q3, Q2], 10).await;
+    assert_eq!(
+        ids(&got),
+        vec![2, 3, 4],
+        "both queues, by deadline across them"
+    );
+    assert_eq!(
+        got.iter().map(|d| d.queue.as_str()).collect::<Vec<_>>(),
+        vec![Q2, Q3, Q2]
+    );
+    let q3 = StoredRow {
+        created_at: at(2),
+        ..row(3, Q3, b"q3", at(2))
+    };
+    assert_eq!(rows(h, Q3).await, vec![leased(q3, &got[1], at(3), 1)]);
+    assert!(
+        rows(h, Q).await.iter().all(|r| r.acquired_token.is_none()),
+        "{Q} untouched"
+    );
+    let got = claim(h, &[Q], 10).await;
+    assert_eq!(ids(&got), vec![1, 5]);
+    for q in [Q, Q2, Q3] {
+        assert!(
+            rows(h, q).await.iter().all(|r| r.deliveries_count == 1),
+            "{q}: claimed once"
+        );
+    }
+}
+
+async fn an_empty_queue_list_and_bad_arguments<H: Harness>(h: &H) {
+    publish(h, plain(b"a", 0)).await;
+    assert!(claim(h, &[], 10).await.is_empty());
+    assert_eq!(only_row(h).await, row(1, Q, b"a", at(0)), "nothing leased");
+    let bad = [String::new()];
+    let e = h.store().claim(&bad, 0, TTL).await.unwrap_err();
+    assert_eq!(
+        invalid_field(e),
+        "queue",
+        "names are checked before anything else"
+    );
+    let long = ["q".repeat(256)];
+    assert_eq!(
+        invalid_field(h.store().claim(&long, 10, TTL).await.unwrap_err()),
+        "queue"
+    );
+    let e = h
+        .store()
+        .claim(&[Q.to_owned()], 10, Duration::MAX)
+        .await
+        .unwrap_err();
+    assert_eq!(invalid_field(e), "duration");
+    assert_eq!(only_row(h).await, row(1, Q, b"a", at(0)));
+}
+
+// ---------------------------------------------------------------------------------------
+// Fenced completions (SPEC §5.1, §5.2)
+
+async fn ack_with_the_right_token_a_wrong_token_and_an_unleased_row<H: Harness>(h: &H) {
+    publish(h, plain(b"a", 0)).await;
+    publish(h, plain(b"b", 60)).await;
+    let d = claim_one(h).await;
+    let before = rows(h, Q).await;
+    assert_eq!(
+        h.store().ack(wrong(d.lease)).await.unwrap(),
+        Completion::LeaseLost
+    );
+    let unleased = Lease {
+        id: 2,
+        token: d.lease.token,
+    };
+    assert_eq!(
+        h.store().ack(unleased).await.unwrap(),
+        Completion::LeaseLost
+    );
+    assert_eq!(rows(h, Q).await, before, "nothing changed");
+    assert_eq!(h.store().ack(d.lease).await.unwrap(), Completion::Deleted);
+    assert_eq!(rows(h, Q).await, vec![row(2, Q, b"b", at(60))]);
+    assert_eq!(
+        h.store().ack(d.lease).await.unwrap(),
+        Completion::LeaseLost,
+        "the row is gone"
+    );
+}
+
+async fn dead_letter_archive_contents<H: Harness>(h: &H) {
+    assert!(h.store().dead_letter_enabled());
+    let hs = headers(&[("trace", "t-1")]);
+    publish(h, Message::new(Q, b"p0").timer_id("k").headers(&hs)).await;
+    let d = claim_one(h).await;
+    h.advance(secs(1)).await;
+    assert_eq!(
+        h.store().retry(d.lease, Duration::ZERO).await.unwrap(),
+        Completion::RetryScheduled { at: at(1) }
+    );
+    h.advance(secs(1)).await;
+    let d = claim_one(h).await;
+    assert_eq!((d.attempts_count, d.deliveries_count), (1, 2));
+    h.advance(secs(1)).await;
+    let lost = h
+        .store()
+        .fail(wrong(d.lease), rejected(Some("x")))
+        .await
+        .unwrap();
+    assert_eq!(lost, Completion::LeaseLost);
+    assert!(
+        dead_letters(h).await.is_empty(),
+        "a lost lease archives nothing"
+    );
+
+    let outcome = h
+        .store()
+        .fail(d.lease, rejected(Some("boom\0!")))
+        .await
+        .unwrap();
+    assert_eq!(outcome, Completion::Deleted);
+    assert!(rows(h, Q).await.is_empty());
+    let dlq = dead_letters(h).await;
+    assert_eq!(
+        dlq,
+        vec![DeadLetter {
+            id: 1,
+            original_id: 1,
+            queue: Q.to_owned(),
+            payload: b"p0".to_vec(),
+            headers: Some(hs),
+            timer_id: Some("k".to_owned()),
+            attempts_count: 2,
+            deliveries_count: 2,
+            created_at: at(0),
+            failed_at: at(3),
+            failure_reason: "rejected".to_owned(),
+            last_error: Some("boom\\0!".to_owned()),
+        }]
+    );
+
+    // A failure where the handler never ran does not count as an attempt; a long error is
+    // cut at a character boundary.
+    publish(h, plain(b"\xff", 0)).await; // id 2
+    let d = claim_one(h).await;
+    let long = "é".repeat(MAX_LAST_ERROR_BYTES);
+    let failure = Failure {
+        reason: FailureReason::DecodeError,
+        last_error: Some(&long),
+    };
+    assert_eq!(
+        h.store().fail(d.lease, failure).await.unwrap(),
+        Completion::Deleted
+    );
+    let max = Failure {
+        reason: FailureReason::MaxDeliveries,
+        last_error: None,
+    };
+    publish(h, plain(b"m", 0)).await; // id 3
+    let d = claim_one(h).await;
+    assert_eq!(
+        h.store().fail(d.lease, max).await.unwrap(),
+        Completion::Deleted
+    );
+    let dlq = dead_letters(h).await;
+    assert_eq!(dlq.len(), 3);
+    assert_eq!(
+        (
+            dlq[1].id,
+            dlq[1].original_id,
+            dlq[1].attempts_count,
+            dlq[1].deliveries_count
+        ),
+        (2, 2, 0, 1)
+    );
+    assert_eq!(dlq[1].failure_reason, "decode_error");
+    assert_eq!(
+        dlq[1].last_error.as_deref(),
+        Some(&long[..MAX_LAST_ERROR_BYTES])
+    );
+    assert_eq!(
+        (
+            dlq[2].id,
+            dlq[2].attempts_count,
+            dlq[2].failure_reason.as_str(),
+            dlq[2].last_error.as_deref()
+        ),
+        (3, 0, "max_deliveries", None)
+    );
+    publish(h, plain(b"r", 0)).await; // id 4
+    let d = claim_one(h).await;
+    let exhausted = Failure {
+        reason: FailureReason::RetryExhausted,
+        last_error: None,
+    };
+    assert_eq!(
+        h.store().fail(d.lease, exhausted).await.unwrap(),
+        Completion::Deleted
+    );
+    let dlq = dead_letters(h).await;
+    assert_eq!(
+        (dlq[3].attempts_count, dlq[3].failure_reason.as_str()),
+        (1, "retry_exhausted")
+    );
+    assert!(
+        h.store().dead_letters(Q2, 10).await.unwrap().is_empty(),
+        "per queue"
+    );
+    assert_eq!(
+        h.store().dead_letters(Q, 2).await.unwrap().len(),
+        2,
+        "limit"
+    );
+}
+
+async fn terminal_failure_without_the_dead_letter_queue<H: Harness>(h: &H) {
+    assert!(!h.store().dead_letter_enabled());
+    publish(h, plain(b"a", 0)).await;
+    let d = claim_one(h).await;
+    assert_eq!(
+        h.store()
+            .fail(wrong(d.lease), rejected(None))
+            .await
+            .unwrap(),
+        Completion::LeaseLost
+    );
+    assert_eq!(
+        h.store().fail(d.lease, rejected(Some("e"))).await.unwrap(),
+        Completion::Deleted
+    );
+    assert!(rows(h, Q).await.is_empty());
+    assert!(dead_letters(h).await.is_empty(), "nothing archived");
+}
+
+async fn batched_ack_with_one_wrong_token_in_three<H: Harness>(h: &H) {
+    for (p, delay) in [(b"a", 0), (b"b", 1), (b"c", 2)] {
+        publish(h, plain(p, delay)).await;
+    }
+    h.advance(secs(2)).await;
+    let got = claim(h, &[Q], 10).await;
+    assert_eq!(ids(&got), vec![1, 2, 3]);
+    let leases = [got[0].lease, wrong(got[1].lease), got[2].lease];
+    let out = h.store().ack_batch(&leases).await.unwrap();
+    assert_eq!(
+        out,
+        vec![
+            Completion::Deleted,
+            Completion::LeaseLost,
+            Completion::Deleted
+        ]
+    );
+    assert_eq!(
+        rows(h, Q).await,
+        vec![leased(row(2, Q, b"b", at(1)), &got[1], at(2), 1)]
+    );
+    assert!(
+        h.store().ack_batch(&[]).await.unwrap().is_empty(),
+        "empty batch"
+    );
+    assert_eq!(
+        h.store().ack_batch(&[got[1].lease]).await.unwrap(),
+        vec![Completion::Deleted]
+    );
+    assert!(rows(h, Q).await.is_empty());
+}
+
+async fn retry_with_the_right_token_a_wrong_token_and_an_unleased_row<H: Harness>(h: &H) {
+    publish(h, plain(b"a", 0)).await;
+    publish(h, plain(b"b", 60)).await;
+    let d = claim_one(h).await;
+    h.advance(secs(2)).await;
+    let before = rows(h, Q).await;
+    assert_eq!(
+        h.store().retry(wrong(d.lease), secs(5)).await.unwrap(),
+        Completion::LeaseLost
+    );
+    let unleased = Lease {
+        id: 2,
+        token: d.lease.token,
+    };
+    assert_eq!(
+        h.store().retry(unleased, secs(5)).await.unwrap(),
+        Completion::LeaseLost
+    );
+    assert_eq!(rows(h, Q).await, before);
+    let e = h.store().retry(d.lease, Duration::MAX).await.unwrap_err();
+    assert_eq!(invalid_field(e), "duration");
+
+    assert_eq!(
+        h.store().retry(d.lease, secs(5)).await.unwrap(),
+        Completion::RetryScheduled { at: at(7) }
+    );
+    let want = StoredRow {
+        attempts_count: 1,
+        deliveries_count: 1,
+        first_attempt_at: Some(at(2)),
+        last_attempt_at: Some(at(2)),
+        ..row(1, Q, b"a", at(7))
+    };
+    assert_eq!(rows(h, Q).await[0], want);
+    assert_eq!(
+        h.store().retry(d.lease, secs(5)).await.unwrap(),
+        Completion::LeaseLost,
+        "lease cleared"
+    );
+
+    h.advance(secs(5)).await;
+    let d = claim_one(h).await;
+    assert_eq!(
+        (d.attempts_count, d.deliveries_count, d.first_attempt_at),
+        (1, 2, Some(at(2)))
+    );
+    h.advance(secs(1)).await;
+    assert_eq!(
+        h.store()
+            .retry(d.lease, Duration::from_millis(1500))
+            .await
+            .unwrap(),
+        Completion::RetryScheduled {
+            at: at(8) + TimeDelta::milliseconds(1500)
+        }
+    );
+    let want = StoredRow {
+        attempts_count: 2,
+        deliveries_count: 2,
+        first_attempt_at: Some(at(2)),
+        last_attempt_at: Some(at(8)),
+        ..row(1, Q, b"a", at(8) + TimeDelta::milliseconds(1500))
+    };
+    assert_eq!(rows(h, Q).await[0], want);
+}
+
+// ---------------------------------------------------------------------------------------
+// Publish, extend, rearm, cancel (SPEC §2.2, §3, §4, §5)
+
+async fn publish_outcomes_use_up_ids_like_an_identity_column<H: Harness>(h: &H) {
+    assert_eq!(
+        publish(h, schedule("k", b"v1", at(60))).await,
+        Published::Inserted { id: 1 }
+    );
+    assert_eq!(
+        publish(h, schedule("k", b"v2", at(90))).await,
+        Published::Skipped
+    );
+    assert_eq!(
+        publish(h, extend("k", b"v3", at(30))).await,
+        Published::Unchanged
+    );
+    // The skipped and the unchanged publish each used up an id.
+    assert_eq!(
+        publish(h, plain(b"p", 0)).await,
+        Published::Inserted { id: 4 }
+    );
+    // Rejected input uses up nothing.
+    let e = h.store().publish(Message::new("", b"x")).await.unwrap_err();
+    assert_eq!(invalid_field(e), "queue");
+    assert_eq!(
+        publish(h, extend("other", b"o", secs(5))).await,
+        Published::Inserted { id: 5 }
+    );
+    let rows = rows(h, Q).await;
+    assert_eq!(
+        rows,
+        vec![
+            row(4, Q, b"p", at(0)),
+            timer_row(5, "other", b"o", at(5)),
+            timer_row(1, "k", b"v1", at(60)),
+        ]
+    );
+    // The same key in another queue is another timer.
+    let other = Message::new(Q2, b"v").timer_id("k");
+    assert_eq!(publish(h, other).await, Published::Inserted { id: 6 });
+}
+
+async fn extend_of_a_pending_row_moves_later_only_and_resets_history<H: Harness>(h: &H) {
+    let h1 = headers(&[("v", "1")]);
+    let h2 = headers(&[("v", "2")]);
+    publish(h, extend("k", b"p0", at(0)).headers(&h1)).await;
+    let d = claim_one(h).await;
+    h.advance(secs(1)).await;
+    h.store().retry(d.lease, secs(10)).await.unwrap(); // pending again at 11, with history
+    let waiting = StoredRow {
+        attempts_count: 1,
+        deliveries_count: 1,
+        first_attempt_at: Some(at(1)),
+        last_attempt_at: Some(at(1)),
+        headers: Some(h1.clone()),
+        ..timer_row(1, "k", b"p0", at(11))
+    };
+    assert_eq!(only_row(h).await, waiting);
+
+    // Not later: nothing changes, the newer payload is kept.
+    assert_eq!(
+        publish(h, extend("k", b"early", at(5))).await,
+        Published::Unchanged
+    );
+    assert_eq!(
+        publish(h, extend("k", b"same", at(11))).await,
+        Published::Unchanged
+    );
+    assert_eq!(only_row(h).await, waiting);
+
+    // Later: deadline, payload and headers replaced, retry history reset, deliveries kept.
+    assert_eq!(
+        publish(h, extend("k", b"p1", at(11) + us(1)).headers(&h2)).await,
+        Published::Extended { id: 1 }
+    );
+    assert_eq!(
+        only_row(h).await,
+        StoredRow {
+            deliveries_count: 1,
+            headers: Some(h2),
+            ..timer_row(1, "k", b"p1", at(11) + us(1))
+        }
+    );
+    // A relative extend counts from the store's clock; no headers clears them.
+    h.advance(secs(100)).await;
+    assert_eq!(
+        publish(h, extend("k", b"p2", secs(60))).await,
+        Published::Extended { id: 1 }
+    );
+    assert_eq!(
+        only_row(h).await,
+        StoredRow {
+            deliveries_count: 1,
+            ..timer_row(1, "k", b"p2", at(161))
+        }
+    );
+}
+
+async fn a_rearm_is_queued_on_fresh_and_expired_leases_later_only<H: Harness>(h: &H) {
+    publish(h, extend("k", b"p0", at(0))).await;
+    h.advance(secs(5)).await;
+    let d = claim_one(h).await;
+    let running = leased(timer_row(1, "k", b"p0", at(0)), &d, at(5), 1);
+
+    // Not later than the claimed deadline (even though that is in the past): nothing queued.
+    assert_eq!(
+        publish(h, extend("k", b"x", at(-1))).await,
+        Published::Unchanged
+    );
+    assert_eq!(
+        publish(h, extend("k", b"x", at(0))).await,
+        Published::Unchanged
+    );
+    assert_eq!(only_row(h).await, running);
+    // Later than the claimed deadline, even if already past: queued.
+    assert_eq!(
+        publish(h, extend("k", b"p1", at(0) + us(1))).await,
+        Published::RearmQueued { id: 1 }
+    );
+    assert_eq!(
+        only_row(h).await,
+        with_rearm(running.clone(), at(0) + us(1), b"p1")
+    );
+
+    // Later than the queued rearm: moved, with the newer payload and headers.
+    let hs = headers(&[("v", "2")]);
+    assert_eq!(
+        publish(h, extend("k", b"p2", secs(60)).headers(&hs)).await,
+        Published::RearmQueued { id: 1 }
+    );
+    let queued = StoredRow {
+        rearm_headers: Some(hs),
+        ..with_rearm(running.clone(), at(65), b"p2")
+    };
+    assert_eq!(only_row(h).await, queued);
+    // Not later than the queued rearm: unchanged.
+    assert_eq!(
+        publish(h, extend("k", b"x", at(65))).await,
+        Published::Unchanged
+    );
+    assert_eq!(
+        publish(h, extend("k", b"x", at(64))).await,
+        Published::Unchanged
+    );
+    // `Ignore` never touches a running row.
+    assert_eq!(
+        publish(h, schedule("k", b"x", at(500))).await,
+        Published::Skipped
+    );
+    assert_eq!(only_row(h).await, queued);
+
+    // The lease expires: still leased, the extend still queues a rearm.
+    h.advance(TTL + secs(1)).await;
+    assert_eq!(
+        publish(h, extend("k", b"p3", at(100))).await,
+        Published::RearmQueued { id: 1 }
+    );
+    assert_eq!(only_row(h).await, with_rearm(running, at(100), b"p3"));
+}
+
+/// A timer that has failed once and is running its second delivery, with a rearm queued.
+async fn running_with_history_and_rearm<H: Harness>(h: &H) -> Delivery {
+    publish(h, extend("k", b"p0", at(0))).await;
+    let d = claim_one(h).await;
+    h.advance(secs(1)).await;
+    h.store().retry(d.lease, Duration::ZERO).await.unwrap();
+    h.advance(secs(1)).await;
+    let d = claim_one(h).await;
+    assert_eq!(
+        (d.attempts_count, d.deliveries_count, d.deadline),
+        (1, 2, at(1))
+    );
+    let hs = headers(&[("v", "1")]);
+    assert_eq!(
+        publish(h, extend("k", b"p1", at(60)).headers(&hs)).await,
+        Published::RearmQueued { id: 1 }
+    );
+    d
+}
+
+/// What a rearm applied by success or terminal failure leaves: a fresh pending timer.
+fn rearmed_row() -> StoredRow {
+    StoredRow {
+        headers: Some(headers(&[("v", "1")])),
+        ..timer_row(1, "k", b"p1", at(60))
+    }
+}
+
+async fn a_rearm_is_applied_by_the_single_delete<H: Harness>(h: &H) {
+    let d = running_with_history_and_rearm(h).await;
+    assert_eq!(
+        h.store().ack(wrong(d.lease)).await.unwrap(),
+        Completion::LeaseLost
+    );
+    assert_eq!(
+        h.store().ack(d.lease).await.unwrap(),
+        Completion::Rearmed { at: at(60) }
+    );
+    assert_eq!(
+        only_row(h).await,
+        rearmed_row(),
+        "history and deliveries_count reset"
+    );
+    assert_eq!(h.store().ack(d.lease).await.unwrap(), Completion::LeaseLost);
+    // The fresh instance fires at the rearm deadline.
+    h.advance(secs(58)).await;
+    let d = claim_one(h).await;
+    assert_eq!(
+        (d.deliveries_count, d.attempts_count, d.payload.as_slice()),
+        (1, 0, &b"p1"[..])
+    );
+}
+
+async fn a_rearm_is_applied_by_the_batched_delete<H: Harness>(h: &H) {
+    let d = running_with_history_and_rearm(h).await;
+    publish(h, plain(b"plain", 0)).await; // id 3 (the extend used id 2)
+    let p = claim_one(h).await;
+    assert_eq!(p.lease.id, 3);
+    let out = h.store().ack_batch(&[p.lease, d.lease]).await.unwrap();
+    assert_eq!(
+        out,
+        vec![Completion::Deleted, Completion::Rearmed { at: at(60) }]
+    );
+    assert_eq!(rows(h, Q).await, vec![rearmed_row()]);
+    assert_eq!(
+        h.store().ack_batch(&[d.lease, p.lease]).await.unwrap(),
+        vec![Completion::LeaseLost, Completion::LeaseLost]
+    );
+}
+
+async fn a_rearm_is_applied_by_the_dead_letter_delete<H: Harness>(h: &H) {
+    let d = running_with_history_and_rearm(h).await;
+    h.advance(secs(1)).await;
+    assert_eq!(
+        h.store().fail(d.lease, rejected(Some("no"))).await.unwrap(),
+        Completion::Rearmed { at: at(60) }
+    );
+    assert_eq!(only_row(h).await, rearmed_row());
+    let dlq = dead_letters(h).await;
+    assert_eq!(
+        dlq,
+        vec![DeadLetter {
+            id: 1,
+            original_id: 1,
+            queue: Q.to_owned(),
+            payload: b"p0".to_vec(),
+            headers: None,
+            timer_id: Some("k".to_owned()),
+            attempts_count: 2,
+            deliveries_count: 2,
+            created_at: at(0),
+            failed_at: at(3),
+            failure_reason: "rejected".to_owned(),
+            last_error: Some("no".to_owned()),
+        }],
+        "the failed run is archived with its own payload"
+    );
+}
+
+async fn a_rearm_is_applied_by_a_terminal_failure_without_dead_letters<H: Harness>(h: &H) {
+    let d = running_with_history_and_rearm(h).await;
+    let max = Failure {
+        reason: FailureReason::MaxDeliveries,
+        last_error: None,
+    };
+    assert_eq!(
+        h.store().fail(d.lease, max).await.unwrap(),
+        Completion::Rearmed { at: at(60) }
+    );
+    assert_eq!(only_row(h).await, rearmed_row());
+    assert!(dead_letters(h).await.is_empty());
+}
+
+async fn a_rearm_is_kept_through_a_lost_lease<H: Harness>(h: &H) {
+    publish(h, extend("k", b"p0", at(0))).await;
+    let stale = claim_one(h).await;
+    assert_eq!(
+        publish(h, extend("k", b"p1", at(60))).await,
+        Published::RearmQueued { id: 1 }
+    );
+    h.advance(TTL + secs(1)).await;
+    let fresh = claim_one(h).await;
+    assert_eq!(fresh.deliveries_count, 2);
+    assert_eq!(
+        fresh.payload, b"p0",
+        "the reclaim runs the claimed instance again"
+    );
+    let before = only_row(h).await;
+    assert_eq!(
+        before,
+        with_rearm(
+            leased(timer_row(1, "k", b"p0", at(0)), &fresh, at(31), 2),
+            at(60),
+            b"p1"
+        ),
+        "the reclaim does not touch the rearm"
+    );
+
+    assert_eq!(
+        h.store().ack(stale.lease).await.unwrap(),
+        Completion::LeaseLost
+    );
+    assert_eq!(
+        h.store().ack_batch(&[stale.lease]).await.unwrap(),
+        vec![Completion::LeaseLost]
+    );
+    assert_eq!(
+        h.store().retry(stale.lease, Duration::ZERO).await.unwrap(),
+        Completion::LeaseLost
+    );
+    assert_eq!(
+        h.store().fail(stale.lease, rejected(None)).await.unwrap(),
+        Completion::LeaseLost
+    );
+    assert_eq!(only_row(h).await, before, "neither applied nor cleared");
+    assert!(dead_letters(h).await.is_empty());
+
+    assert_eq!(
+        h.store().ack(fresh.lease).await.unwrap(),
+        Completion::Rearmed { at: at(60) }
+    );
+    assert_eq!(only_row(h).await, timer_row(1, "k", b"p1", at(60)));
+}
+
+async fn a_rearm_replaces_a_retry_and_keeps_deliveries<H: Harness>(h: &H) {
+    let d = running_with_history_and_rearm(h).await;
+    h.advance(secs(1)).await;
+    assert_eq!(
+        h.store().retry(d.lease, secs(3600)).await.unwrap(),
+        Completion::Rearmed { at: at(60) }
+    );
+    let want = StoredRow {
+        attempts_count: 2,
+        deliveries_count: 2,
+        first_attempt_at: Some(at(1)),
+        last_attempt_at: Some(at(3)),
+        ..rearmed_row()
+    };
+    assert_eq!(
+        only_row(h).await,
+        want,
+        "history updated as for the failed run, deliveries kept"
+    );
+}
+
+async fn cancel_deletes_pending_drops_rearm_and_never_deletes_a_running_row<H: Harness>(h: &H) {
+    assert_eq!(
+        h.store().cancel(Q, "nobody").await.unwrap(),
+        Cancelled::NotFound
+    );
+    publish(h, extend("p", b"x", secs(60))).await; // 1
+    assert_eq!(
+        h.store().cancel(Q2, "p").await.unwrap(),
+        Cancelled::NotFound,
+        "keys are per queue"
+    );
+    assert_eq!(
+        h.store().cancel(Q, "p").await.unwrap(),
+        Cancelled::Deleted { id: 1 }
+    );
+    assert!(rows(h, Q).await.is_empty());
+    assert_eq!(h.store().cancel(Q, "p").await.unwrap(), Cancelled::NotFound);
+
+    publish(h, extend("r", b"p0", at(0))).await; // 2
+    let d = claim_one(h).await;
+    let running = leased(timer_row(2, "r", b"p0", at(0)), &d, at(0), 1);
+    assert_eq!(
+        h.store().cancel(Q, "r").await.unwrap(),
+        Cancelled::Running { id: 2 }
+    );
+    assert_eq!(only_row(h).await, running, "a running row is never deleted");
+
+    publish(h, extend("r", b"p1", secs(60))).await; // rearm (uses id 3)
+    assert_eq!(
+        h.store().cancel(Q, "r").await.unwrap(),
+        Cancelled::RearmDropped { id: 2 }
+    );
+    assert_eq!(
+        only_row(h).await,
+        running,
+        "the rearm columns are cleared, the run untouched"
+    );
+    assert_eq!(
+        h.store().cancel(Q, "r").await.unwrap(),
+        Cancelled::Running { id: 2 }
+    );
+
+    // On an expired lease too.
+    publish(h, extend("r", b"p2", secs(60))).await; // 4
+    h.advance(TTL + secs(1)).await;
+    assert_eq!(
+        h.store().cancel(Q, "r").await.unwrap(),
+        Cancelled::RearmDropped { id: 2 }
+    );
+    assert_eq!(only_row(h).await, running);
+    assert_eq!(
+        h.store().ack(d.lease).await.unwrap(),
+        Completion::Deleted,
+        "the run ends without firing again"
+    );
+    assert!(rows(h, Q).await.is_empty());
+
+    let e = h.store().cancel(Q, "").await.unwrap_err();
+    assert_eq!(invalid_field(e), "timer_id");
+    let e = h.store().cancel("", "r").await.unwrap_err();
+    assert_eq!(invalid_field(e), "queue");
+}
+
+async fn a_timer_key_is_free_again_once_its_row_is_gone<H: Harness>(h: &H) {
+    publish(h, schedule("k", b"a", at(0))).await; // 1
+    let d = claim_one(h).await;
+    assert_eq!(
+        publish(h, schedule("k", b"b", at(0))).await,
+        Published::Skipped,
+        "taken while running"
+    );
+    h.store().ack(d.lease).await.unwrap();
+    assert_eq!(
+        publish(h, schedule("k", b"c", secs(5))).await,
+        Published::Inserted { id: 3 }
+    );
+    assert_eq!(only_row(h).await, timer_row(3, "k", b"c", at(5)));
+}
+
+// ---------------------------------------------------------------------------------------
+// Reads, wake-ups, batches, typed functions, validation
+
+async fn next_wakeup_reports_the_earliest_deadline_and_lease_expiry<H: Harness>(h: &H) {
+    let qs = |qs: &[&str]| qs.iter().map(|q| (*q).to_owned()).collect::<Vec<_>>();
+    let w = h.store().next_wakeup(&qs(&[Q]), TTL).await.unwrap();
+    assert_eq!((w.now, w.deadline, w.lease_expiry), (at(0), None, None));
+    publish(h, plain(b"a", 0)).await;
+    publish(h, plain(b"b", 50)).await;
+    publish(h, Message::new(Q2, b"c").schedule(secs(20))).await;
+    claim_one(h).await;
+    h.advance(secs(10)).await;
+    let w = h.store().next_wakeup(&qs(&[Q]), TTL).await.unwrap();
+    assert_eq!(
+        (w.now, w.deadline, w.lease_expiry),
+        (at(10), Some(at(50)), Some(at(30)))
+    );
+    assert_eq!(w.earliest(), Some(at(30)));
+    let w = h
+        .store()
+        .next_wakeup(&qs(&[Q, Q2]), secs(60))
+        .await
+        .unwrap();
+    assert_eq!((w.deadline, w.lease_expiry), (Some(at(20)), Some(at(60))));
+    let w = h.store().next_wakeup(&[], TTL).await.unwrap();
+    assert_eq!((w.now, w.deadline, w.lease_expiry), (at(10), None, None));
+    let e = h
+        .store()
+        .next_wakeup(&qs(&[Q]), Duration::MAX)
+        .await
+        .unwrap_err();
+    assert_eq!(invalid_field(e), "duration");
+    assert_eq!(h.store().now().await.unwrap(), at(10));
+}
+
+async fn pending_reads_live_rows_by_deadline_with_a_limit<H: Harness>(h: &H) {
+    publish(h, plain(b"a", 30)).await; // 1
+    publish(h, plain(b"b", 0)).await; // 2
+    publish(h, plain(b"c", 10)).await; // 3
+    publish(h, Message::new(Q2, b"d")).await; // 4
+    let d = claim_one(h).await;
+    assert_eq!(d.lease.id, 2);
+    let all = rows(h, Q).await;
+    assert_eq!(
+        all.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![2, 3, 1],
+        "leased rows included"
+    );
+    let two = h.store().pending(Q, 2).await.unwrap();
+    assert_eq!(two, all[..2].to_vec());
+    assert!(h.store().pending(Q, 0).await.unwrap().is_empty());
+    assert!(h.store().pending("nobody", 10).await.unwrap().is_empty());
+    assert_eq!(
+        invalid_field(h.store().pending("", 10).await.unwrap_err()),
+        "queue"
+    );
+    assert_eq!(
+        invalid_field(h.store().dead_letters("", 10).await.unwrap_err()),
+        "queue"
+    );
+}
+
+async fn a_batch_inserts_rows_in_item_order<H: Harness>(h: &H) {
+    let hs = headers(&[("n", "2")]);
+    let items = [
+        BatchItem::new(b"one"),
+        BatchItem {
+            payload: b"two",
+            headers: Some(&hs),
+        },
+    ];
+    assert!(h
+        .publish_batch(Q, &[], Schedule::now())
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        h.publish_batch(Q, &items, secs(5).into()).await.unwrap(),
+        vec![1, 2]
+    );
+    let e = h
+        .publish_batch("", &items, Schedule::now())
+        .await
+        .unwrap_err();
+    assert_eq!(invalid_field(e), "queue");
+    let e = h
+        .publish_batch(Q, &items, TimeDelta::seconds(-1).into())
+        .await
+        .unwrap_err();
+    assert_eq!(invalid_field(e), "schedule");
+    assert_eq!(
+        rows(h, Q).await,
+        vec![
+            row(1, Q, b"one", at(5)),
+            StoredRow {
+                headers: Some(hs),
+                ..row(2, Q, b"two", at(5))
+            }
+        ]
+    );
+    assert_eq!(
+        publish(h, plain(b"after", 0)).await,
+        Published::Inserted { id: 3 }
+    );
+}
+
+#[outbox::timer(queue = "q.main", max_deliveries = 3)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Presence {
+    user_id: i64,
+}
+
+async fn typed_functions_publish_through_the_store<H: Harness>(h: &H) {
+    let p = |user_id| Presence { user_id };
+    assert_eq!(
+        h.publish_typed("7", &p(7), secs(60).into()).await.unwrap(),
+        Published::Inserted { id: 1 }
+    );
+    assert_eq!(
+        h.publish_typed("7", &p(8), secs(90).into()).await.unwrap(),
+        Published::Skipped
+    );
+    h.advance(secs(10)).await;
+    assert_eq!(
+        h.extend_typed("7", &p(9), secs(60).into()).await.unwrap(),
+        Published::Extended { id: 1 }
+    );
+    assert_eq!(only_row(h).await.payload, br#"{"user_id":9}"#);
+    assert_eq!(only_row(h).await.next_attempt_at, at(70));
+    h.advance(secs(60)).await;
+    let d = claim_one(h).await;
+    assert_eq!(
+        h.extend_typed("7", &p(10), secs(60).into()).await.unwrap(),
+        Published::RearmQueued { id: 1 }
+    );
+    assert_eq!(
+        h.cancel_typed::<Presence>("7").await.unwrap(),
+        Cancelled::RearmDropped { id: 1 }
+    );
+    assert_eq!(
+        h.cancel_typed::<Presence>("7").await.unwrap(),
+        Cancelled::Running { id: 1 }
+    );
+    h.store().ack(d.lease).await.unwrap();
+    assert_eq!(
+        h.cancel_typed::<Presence>("7").await.unwrap(),
+        Cancelled::NotFound
+    );
+    let e = h
+        .extend_typed("", &p(1), Schedule::now())
+        .await
+        .unwrap_err();
+    assert_eq!(invalid_field(e), "timer_id");
+}
+
+async fn invalid_input_is_rejected_before_anything_is_written<H: Harness>(h: &H) {
+    let nul = headers(&[("a\0b", "v")]);
+    let long_key = "k".repeat(256);
+    let cases: Vec<(Message<'_>, &str)> = vec![
+        (Message::new("", b"x"), "queue"),
+        (Message::new("a\0b", b"x"), "queue"),
+        (Message::new(Q, b"x").timer_id(""), "timer_id"),
+        (Message::new(Q, b"x").timer_id(&long_key), "timer_id"),
+        (
+            Message::new(Q, b"x").on_conflict(OnConflict::Extend),
+            "on_conflict",
+        ),
+        (Message::new(Q, b"x").headers(&nul), "headers"),
+        (
+            Message::new(Q, b"x").schedule(TimeDelta::seconds(-1)),
+            "schedule",
+        ),
+        (
+            Message::new(Q, b"x").schedule(TimeDelta::days(366 * 10_001)),
+            "schedule",
+        ),
+    ];
+    for (m, field) in cases {
+        let e = h.store().publish(m).await.unwrap_err();
+        assert_eq!(invalid_field(e), field, "{m:?}");
+    }
+    // Absolute deadlines are kept to whole microseconds, far past and far future alike.
+    let fine = start() + TimeDelta::nanoseconds(1_234_567);
+    assert_eq!(
+        publish(h, schedule("a", b"x", fine)).await,
+        Published::Inserted { id: 1 }
+    );
+    assert_eq!(only_row(h).await.next_attempt_at, start() + us(1234));
+    let past: DateTime<Utc> = "1900-01-01T00:00:00Z".parse().unwrap();
+    assert_eq!(
+        publish(h, schedule("b", b"x", past)).await,
+        Published::Inserted { id: 2 }
+    );
+    assert_eq!(rows(h, Q).await[0].next_attempt_at, past);
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// Runs each scenario against both stores: `postgres::<name>` and `memory::<name>`.
+macro_rules! contract {
+    ($($name:ident(dead_letter = $dlq:expr);)*) => {
+        mod postgres {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let h = PgHarness::new($dlq).await;
+                    super::$name(&h).await;
+                    h.finish().await;
+                }
+            )*
+        }
+        mod memory {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let h = MemHarness::new($dlq).await;
+                    super::$name(&h).await;
+                    h.finish().await;
+                }
+            )*
+        }
+    };
+}
+
+contract! {
+    claim_of_an_unleased_due_row(dead_letter = true);
+    a_future_row_is_not_claimed_before_its_deadline(dead_letter = true);
+    an_expired_lease_is_reclaimed_with_a_new_token(dead_letter = true);
+    a_fresh_lease_is_not_reclaimed(dead_letter = true);
+    the_oldest_rows_are_chosen_under_a_limit(dead_letter = true);
+    expired_leases_and_due_rows_are_taken_by_deadline(dead_letter = true);
+    the_limit_is_respected(dead_letter = true);
+    the_queue_filter(dead_letter = true);
+    an_empty_queue_list_and_bad_arguments(dead_letter = true);
+    ack_with_the_right_token_a_wrong_token_and_an_unleased_row(dead_letter = true);
+    dead_letter_archive_contents(dead_letter = true);
+    terminal_failure_without_the_dead_letter_queue(dead_letter = false);
+    batched_ack_with_one_wrong_token_in_three(dead_letter = true);
+    retry_with_the_right_token_a_wrong_token_and_an_unleased_row(dead_letter = true);
+    publish_outcomes_use_up_ids_like_an_identity_column(dead_letter = true);
+    extend_of_a_pending_row_moves_later_only_and_resets_history(dead_letter = true);
+    a_rearm_is_queued_on_fresh_and_expired_leases_later_only(dead_letter = true);
+    a_rearm_is_applied_by_the_single_delete(dead_letter = true);
+    a_rearm_is_applied_by_the_batched_delete(dead_letter = true);
+    a_rearm_is_applied_by_the_dead_letter_delete(dead_letter = true);
+    a_rearm_is_applied_by_a_terminal_failure_without_dead_letters(dead_letter = false);
+    a_rearm_is_kept_through_a_lost_lease(dead_letter = true);
+    a_rearm_replaces_a_retry_and_keeps_deliveries(dead_letter = true);
+    cancel_deletes_pending_drops_rearm_and_never_deletes_a_running_row(dead_letter = true);
+    a_timer_key_is_free_again_once_its_row_is_gone(dead_letter = true);
+    next_wakeup_reports_the_earliest_deadline_and_lease_expiry(dead_letter = true);
+    pending_reads_live_rows_by_deadline_with_a_limit(dead_letter = true);
+    a_batch_inserts_rows_in_item_order(dead_letter = true);
+    typed_functions_publish_through_the_store(dead_letter = true);
+    invalid_input_is_rejected_before_anything_is_written(dead_letter = true);
+}
