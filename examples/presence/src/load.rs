@@ -9,7 +9,7 @@
 //! | steady | pings every `U(0.1, 0.6) × timeout` until the run ends | online |
 //! | edge | pings `timeout + U(0, handler delay + 20 ms)` after its previous ping, so the timer fires and the next ping lands **while the expiry handler runs** (a rearm); stops at a random time in the second half of the run | offline |
 //! | silent | pings like a steady user, then stops for good at a random time | offline |
-//! | logout | pings like a steady user, then logs out (`DELETE /users/{id}/session`); every other one logs out `timeout + U(0, handler delay + 20 ms)` after its last ping, so the cancel lands while the expiry handler runs | offline, reason `logout` |
+//! | logout | pings like a steady user, then logs out (`DELETE /users/{id}/session`); half of them log out `timeout + U(0, (handler delay + 20 ms) / 2)` after their last ping, so the cancel lands while the expiry handler runs, and half of those ping just before (a rearm, which the cancel drops) | offline, reason `logout` |
 //!
 //! Silent and edge users stop at least `timeout + allowed lateness + 1 s` before the end.
 //!
@@ -585,14 +585,20 @@ async fn user(sh: Arc<Shared>, i: usize, plan: Plan, seed: u64, mut stop: watch:
     let mut last_sent = None;
     loop {
         if plan.class == Class::Logout && next >= until {
-            // Every other logout user logs out just after its timer fired, while the
-            // expiry handler runs: the cancel finds the row leased (`Cancelled::Running`,
-            // or `RearmDropped` after a ping during the same run).
+            // Half of the logout users log out just after their timer fired, while the
+            // expiry handler runs, so the cancel finds the row leased: a quarter log out
+            // at once (`Cancelled::Running`), a quarter first ping (which queues a rearm)
+            // and log out right after it (`Cancelled::RearmDropped`).
             let at = match last_sent {
-                Some(s) if i % 2 == 1 => s + t + uniform(&mut rng, Duration::ZERO, sh.edge_window),
+                Some(s) if i % 2 == 1 => {
+                    s + t + uniform(&mut rng, Duration::ZERO, sh.edge_window / 2)
+                }
                 _ => until,
             };
             if !sleep_until_or_stop(at, &mut stop).await {
+                if i % 4 == 3 {
+                    sh.ping(i).await;
+                }
                 sh.logout(i).await;
             }
             return;

@@ -1,0 +1,207 @@
+//! The operator docs say what the code does: `docs/upgrading.md` carries the rearm upgrade
+//! verbatim, and following it on a base-shape table (with rows in it) gives the errors,
+//! the `validate_schema` reports and the end state it describes.
+//!
+//! Postgres comes from `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`);
+//! the table has a unique name.
+
+use std::path::Path;
+use std::time::Duration;
+
+use outbox::{migration_steps, Error, Outbox};
+use presence::server::connect;
+use presence::PresenceExpiry;
+
+fn read(rel: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(rel);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn upgrade_guide_quotes_the_rearm_migrations_verbatim() {
+    let guide = read("docs/upgrading.md");
+    let steps = migration_steps(&Outbox::default());
+    for step in &steps[1..] {
+        assert!(
+            guide.contains(step.sql.trim_end()),
+            "docs/upgrading.md does not quote {} as rendered:\n{}",
+            step.file_name(),
+            step.sql
+        );
+        assert!(
+            guide.contains(&step.file_name()),
+            "docs/upgrading.md does not name {}",
+            step.file_name()
+        );
+        assert_eq!(read(&format!("migrations/{}", step.file_name())), step.sql);
+    }
+    assert!(guide.contains(outbox::UPGRADE_GUIDE.trim_start_matches("docs/")));
+}
+
+#[test]
+fn readme_starts_with_the_two_commands() {
+    let readme = read("README.md");
+    let head: String = readme.lines().take(40).collect::<Vec<_>>().join("\n");
+    assert!(
+        head.contains("cargo run --release -p presence -- demo"),
+        "{head}"
+    );
+    assert!(
+        head.contains("cargo nextest run --workspace && cargo test --workspace --doc"),
+        "{head}"
+    );
+    let ci = read(".ci/run");
+    assert!(
+        ci.contains("cargo nextest run --workspace && cargo test --workspace --doc"),
+        "README and .ci/run disagree"
+    );
+}
+
+#[tokio::test]
+async fn following_the_upgrade_guide_on_a_base_table() {
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let pool = match connect(&url, 2).await {
+        Ok(p) => p,
+        Err(e) => panic!("{e}"),
+    };
+    let table = format!(
+        "presence_up_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    outbox.migrate_base_only(&pool).await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    presence::server::publish_presence_expiry(
+        &mut outbox.on(&mut conn),
+        "1",
+        &PresenceExpiry { user_id: 1 },
+        Duration::from_secs(60),
+    )
+    .await
+    .expect("plain publishing works on the base shape");
+
+    // Before: every rearm problem is reported, each pointing at the guide.
+    let Err(Error::SchemaMismatch { problems }) = outbox.validate_schema(&pool).await else {
+        panic!("a base-shape table must not validate");
+    };
+    let text: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    println!("{}", text.join("\n"));
+    for col in ["rearm_at", "rearm_payload", "rearm_headers"] {
+        let want = format!(
+            "{table}.{col}: column is missing (run the rearm upgrade, see docs/upgrading.md)"
+        );
+        assert!(text.contains(&want), "{text:#?}");
+    }
+    let ck = format!(
+        "{table}: constraint {table}_rearm_ck: `CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL)` is missing (run the rearm upgrade, see docs/upgrading.md)"
+    );
+    assert!(text.contains(&ck), "{text:#?}");
+    assert!(problems.iter().all(|p| p.needs_upgrade), "{problems:#?}");
+
+    // The error an extend gets.
+    let err = presence::server::extend_presence_expiry(
+        &mut outbox.on(&mut conn),
+        "1",
+        &PresenceExpiry { user_id: 1 },
+        Duration::from_secs(90),
+    )
+    .await
+    .unwrap_err();
+    println!("{err}");
+    assert!(matches!(err, Error::UpgradeRequired { .. }), "{err:?}");
+    assert!(err.to_string().contains("docs/upgrading.md"), "{err}");
+    assert!(
+        err.to_string()
+            .starts_with("the outbox table has no rearm columns ("),
+        "{err}"
+    );
+
+    // Step 1 in its own transaction: the CHECK exists but is NOT VALID, so validation
+    // still reports it (and only it).
+    let steps = migration_steps(&outbox);
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::raw_sql(&steps[1].sql)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let Err(Error::SchemaMismatch { problems }) = outbox.validate_schema(&pool).await else {
+        panic!("a NOT VALID rearm CHECK must be reported");
+    };
+    assert_eq!(problems.len(), 1, "{problems:#?}");
+    assert!(
+        problems[0].object.ends_with(&format!("{table}_rearm_ck")) && problems[0].needs_upgrade,
+        "{problems:#?}"
+    );
+
+    // Step 2 in its own transaction: valid, and the extend works on the old row.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::raw_sql(&steps[2].sql)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    outbox
+        .validate_schema(&pool)
+        .await
+        .expect("upgraded table validates");
+    let done = presence::server::extend_presence_expiry(
+        &mut outbox.on(&mut conn),
+        "1",
+        &PresenceExpiry { user_id: 1 },
+        Duration::from_secs(90),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(done, outbox::Published::Extended { .. }),
+        "{done:?}"
+    );
+
+    sqlx::raw_sql(&format!(
+        "DROP TABLE {}; DROP TABLE {}",
+        outbox.table(),
+        outbox.dead_letter_table()
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+}
+
+/// Reproduction of a `validate_schema` bug (outbox/src/validate.rs,
+/// `check_queue_constraints`): `pg_get_constraintdef` appends ` NOT VALID` to the
+/// definition of a constraint that is not validated yet, so the normalised definition
+/// never matches the wanted one and a NOT VALID `<t>_rearm_ck` is reported as "is
+/// missing" instead of "is NOT VALID; run its VALIDATE CONSTRAINT step". Ignored until the
+/// runtime is fixed: `cargo test -p presence --test docs -- --ignored`.
+#[tokio::test]
+#[ignore = "outbox bug: a NOT VALID rearm CHECK is reported as missing"]
+async fn not_valid_rearm_check_is_reported_as_not_valid() {
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let pool = connect(&url, 1).await.unwrap_or_else(|e| panic!("{e}"));
+    let table = format!(
+        "presence_nv_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    outbox.migrate_base_only(&pool).await.unwrap();
+    let step1 = &migration_steps(&outbox)[1];
+    sqlx::raw_sql(&step1.sql).execute(&pool).await.unwrap();
+    let result = outbox.validate_schema(&pool).await;
+    sqlx::raw_sql(&format!(
+        "DROP TABLE {}; DROP TABLE {}",
+        outbox.table(),
+        outbox.dead_letter_table()
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let Err(Error::SchemaMismatch { problems }) = result else {
+        panic!("expected a mismatch");
+    };
+    assert!(problems[0].message.contains("NOT VALID"), "{problems:#?}");
+}
