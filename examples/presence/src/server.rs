@@ -70,6 +70,16 @@ pub enum Error {
 impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            // The server answered (a missing database, a refused login): no cluster to start.
+            Error::Unreachable {
+                url,
+                source: source @ sqlx::Error::Database(_),
+            } => write!(
+                f,
+                "Postgres at {url} refused the connection: {source}\n\
+                 create the database (for example `createdb -h 127.0.0.1 -U postgres <name>`) \
+                 or set DATABASE_URL to one that exists (default {DEFAULT_DATABASE_URL})"
+            ),
             Error::Unreachable { url, source } => write!(
                 f,
                 "cannot reach Postgres at {url}: {source}\n\
@@ -122,15 +132,23 @@ pub async fn connect(url: &str, max: u32) -> Result<PgPool, Error> {
             redact(url)
         ))
     })?;
+    let opts = opts.disable_statement_logging();
+    let unreachable = |source| Error::Unreachable {
+        url: redact(url),
+        source,
+    };
+    // One plain connection first: a pool only says "timed out", this says why.
+    match tokio::time::timeout(Duration::from_secs(5), opts.connect()).await {
+        Ok(Ok(conn)) => drop(conn),
+        Ok(Err(e)) => return Err(unreachable(e)),
+        Err(_) => return Err(unreachable(sqlx::Error::PoolTimedOut)),
+    }
     PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(Duration::from_secs(5))
-        .connect_with(opts.disable_statement_logging())
+        .connect_with(opts)
         .await
-        .map_err(|source| Error::Unreachable {
-            url: redact(url),
-            source,
-        })
+        .map_err(unreachable)
 }
 
 /// Settings of [`Server::start`].

@@ -16,7 +16,8 @@ use metrics::{
 };
 
 /// Histogram values are stored as integers in millionths of the recorded unit (seconds →
-/// microseconds), with three significant digits.
+/// microseconds), with three significant digits; quantiles report the low end of their
+/// bucket.
 const SCALE: f64 = 1e6;
 
 /// Every metric reported so far, by name and label set.
@@ -145,7 +146,7 @@ impl Registry {
         {
             let h = h.0.lock().unwrap_or_else(|p| p.into_inner());
             for q in [0.5, 0.9, 0.99, 1.0] {
-                let v = h.value_at_quantile(q) as f64 / SCALE;
+                let v = h.lowest_equivalent(h.value_at_quantile(q)) as f64 / SCALE;
                 let _ = writeln!(out, "{name}{} {v}", with(l, &format!("quantile=\"{q}\"")));
             }
             let _ = writeln!(out, "{name}_count{} {}", braces(l), h.len());
@@ -165,9 +166,9 @@ fn quantiles_of(h: &hdrhistogram::Histogram<u64>) -> Option<Quantiles> {
     }
     Some(Quantiles {
         count: h.len(),
-        p50: h.value_at_quantile(0.5) as f64 / SCALE,
-        p99: h.value_at_quantile(0.99) as f64 / SCALE,
-        max: h.max() as f64 / SCALE,
+        p50: h.lowest_equivalent(h.value_at_quantile(0.5)) as f64 / SCALE,
+        p99: h.lowest_equivalent(h.value_at_quantile(0.99)) as f64 / SCALE,
+        max: h.lowest_equivalent(h.max()) as f64 / SCALE,
     })
 }
 
