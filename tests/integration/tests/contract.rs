@@ -874,16 +874,36 @@ async fn a_rearm_is_applied_by_the_single_delete<H: Harness>(h: &H) {
 async fn a_rearm_is_applied_by_the_batched_delete<H: Harness>(h: &H) {
     let d = running_with_history_and_rearm(h).await;
     publish(h, plain(b"plain", 0)).await; // id 3 (the extend used id 2)
-    let p = claim_one(h).await;
-    assert_eq!(p.lease.id, 3);
-    let out = h.store().ack_batch(&[p.lease, d.lease]).await.unwrap();
+    publish(h, plain(b"other", 0)).await; // id 4
+    let got = claim(h, &[Q], 10).await;
+    assert_eq!(ids(&got), vec![3, 4]);
+    let (p, other) = (got[0].lease, got[1].lease);
+    // A lost lease first must not keep the follow-up from applying the rearm.
+    let out = h
+        .store()
+        .ack_batch(&[wrong(other), p, d.lease])
+        .await
+        .unwrap();
     assert_eq!(
         out,
-        vec![Completion::Deleted, Completion::Rearmed { at: at(60) }]
+        vec![
+            Completion::LeaseLost,
+            Completion::Deleted,
+            Completion::Rearmed { at: at(60) }
+        ]
     );
-    assert_eq!(rows(h, Q).await, vec![rearmed_row()]);
     assert_eq!(
-        h.store().ack_batch(&[d.lease, p.lease]).await.unwrap(),
+        rows(h, Q).await,
+        vec![
+            StoredRow {
+                created_at: at(2),
+                ..leased(row(4, Q, b"other", at(2)), &got[1], at(2), 1)
+            },
+            rearmed_row()
+        ]
+    );
+    assert_eq!(
+        h.store().ack_batch(&[d.lease, p]).await.unwrap(),
         vec![Completion::LeaseLost, Completion::LeaseLost]
     );
 }
