@@ -1,0 +1,375 @@
+//! A throwaway Postgres cluster with `pg_stat_statements` preloaded, started from the
+//! installed server binaries in a temporary directory on a free port and removed when the
+//! [`Cluster`] is dropped (also when the harness fails or is interrupted with Ctrl-C).
+//!
+//! The main server on this kind of machine does not preload `pg_stat_statements`, and
+//! changing that needs a restart of a server other people's tests use; a private cluster
+//! avoids both. Its settings mirror the main server's where it is reachable (see
+//! [`MIRRORED`]), so figures stay comparable with what the tests see.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, Row};
+
+use crate::BoxError;
+
+/// Settings copied from the main server when it answers (else Postgres' defaults apply,
+/// except for the ones [`FALLBACK`] pins). Durability settings (`fsync`,
+/// `synchronous_commit`, `full_page_writes`) decide the cost of every commit; memory and
+/// WAL sizing decide whether a checkpoint can land inside a run.
+const MIRRORED: &[&str] = &[
+    "shared_buffers",
+    "fsync",
+    "synchronous_commit",
+    "full_page_writes",
+    "wal_level",
+    "wal_compression",
+    "wal_buffers",
+    "wal_writer_delay",
+    "commit_delay",
+    "max_wal_size",
+    "min_wal_size",
+    "checkpoint_timeout",
+    "work_mem",
+    "autovacuum",
+    "jit",
+    "max_connections",
+];
+
+/// What this machine's main server runs with (`/etc/postgresql/15/main`), used when it
+/// cannot be asked.
+const FALLBACK: &[(&str, &str)] = &[
+    ("shared_buffers", "128MB"),
+    ("max_wal_size", "1GB"),
+    ("min_wal_size", "80MB"),
+    ("autovacuum", "off"),
+];
+
+/// Prefix of the temporary directories, so stale ones (a harness killed with SIGKILL) can
+/// be found and removed by the next run.
+const DIR_PREFIX: &str = "outbox-bench-pg-";
+
+/// A running throwaway cluster; dropped = stopped and deleted.
+pub struct Cluster {
+    dir: PathBuf,
+    bin: PathBuf,
+    port: u16,
+    as_postgres: bool,
+    /// `name = value` lines written to `postgresql.conf`, for the report.
+    pub settings: Vec<(String, String)>,
+    pub version: String,
+}
+
+impl Cluster {
+    /// The DSN of the cluster's `postgres` database.
+    pub fn dsn(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// The TCP port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Creates and starts a cluster. `mirror` is the DSN of a server whose settings to copy.
+    pub async fn start(mirror: Option<&str>) -> Result<Cluster, BoxError> {
+        sweep_stale();
+        let bin = server_bin()?;
+        let as_postgres = running_as_root();
+        let mut settings = mirrored_settings(mirror).await;
+        let (checksums, settings_from) = match &settings {
+            Some((_, c)) => (*c, "mirrored from the main server"),
+            None => (false, "fallback (main server not reachable)"),
+        };
+        let mut conf: Vec<(String, String)> = match settings.take() {
+            Some((s, _)) => s,
+            None => FALLBACK
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        eprintln!("cluster settings {settings_from}");
+
+        let dir = std::env::temp_dir().join(format!(
+            "{DIR_PREFIX}{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("harness.pid"), std::process::id().to_string())?;
+        let port = free_port()?;
+        // From here on, Drop cleans up whatever exists.
+        let mut cluster = Cluster {
+            dir,
+            bin,
+            port,
+            as_postgres,
+            settings: Vec::new(),
+            version: String::new(),
+        };
+        if as_postgres {
+            chown_postgres(&cluster.dir)?;
+        }
+        let data = cluster.data();
+        let mut initdb = vec![
+            "-D".to_owned(),
+            data.display().to_string(),
+            "-U".to_owned(),
+            "postgres".to_owned(),
+            "-A".to_owned(),
+            "trust".to_owned(),
+            "-E".to_owned(),
+            "UTF8".to_owned(),
+            "--locale=C.UTF-8".to_owned(),
+            // A throwaway cluster: skip initdb's fsync of every file (the server's own
+            // fsync setting is what the benchmark measures).
+            "--no-sync".to_owned(),
+        ];
+        if checksums {
+            initdb.push("--data-checksums".to_owned());
+        }
+        cluster.pg_tool("initdb", &initdb)?;
+
+        conf.retain(|(k, _)| k != "max_connections");
+        conf.extend(
+            [
+                ("listen_addresses", "'127.0.0.1'".to_owned()),
+                ("port", port.to_string()),
+                (
+                    "unix_socket_directories",
+                    format!("'{}'", cluster.dir.display()),
+                ),
+                // The harness and the peer connect over TCP without TLS (sqlx is built without
+                // a TLS backend); both sides pay the same.
+                ("ssl", "off".to_owned()),
+                ("max_connections", "100".to_owned()),
+                ("shared_preload_libraries", "'pg_stat_statements'".to_owned()),
+                ("pg_stat_statements.max", "10000".to_owned()),
+                ("pg_stat_statements.track", "top".to_owned()),
+                // BEGIN/COMMIT/LISTEN are round trips too; count them.
+                ("pg_stat_statements.track_utility", "on".to_owned()),
+                ("pg_stat_statements.save", "off".to_owned()),
+                ("track_counts", "on".to_owned()),
+                ("logging_collector", "off".to_owned()),
+                ("timezone", "'UTC'".to_owned()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v)),
+        );
+        let mut text = String::from("\n# outbox-bench\n");
+        for (k, v) in &conf {
+            text.push_str(&format!("{k} = {v}\n"));
+        }
+        let conf_path = data.join("postgresql.conf");
+        let mut existing = std::fs::read_to_string(&conf_path)?;
+        existing.push_str(&text);
+        std::fs::write(&conf_path, existing)?;
+        cluster.settings = conf;
+
+        let log = cluster.dir.join("server.log");
+        if as_postgres {
+            // The log file must be writable by the server.
+            std::fs::write(&log, "")?;
+            chown_postgres(&log)?;
+        }
+        cluster.pg_tool(
+            "pg_ctl",
+            &[
+                "-D".to_owned(),
+                data.display().to_string(),
+                "-l".to_owned(),
+                log.display().to_string(),
+                "-w".to_owned(),
+                "-t".to_owned(),
+                "60".to_owned(),
+                "start".to_owned(),
+            ],
+        )?;
+        let mut conn = PgConnectOptions::new()
+            .host("127.0.0.1")
+            .port(port)
+            .username("postgres")
+            .database("postgres")
+            .connect()
+            .await?;
+        sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .execute(&mut conn)
+            .await?;
+        cluster.version = sqlx::query("SELECT version()")
+            .fetch_one(&mut conn)
+            .await?
+            .try_get(0)?;
+        Ok(cluster)
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    /// Runs a server binary, as the `postgres` OS user when we are root (initdb and the
+    /// server refuse to run as root).
+    fn pg_tool(&self, tool: &str, args: &[String]) -> Result<(), BoxError> {
+        let exe = self.bin.join(tool);
+        let mut cmd = if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(&exe);
+            c
+        } else {
+            Command::new(&exe)
+        };
+        cmd.args(args).current_dir(&self.dir);
+        let out = cmd.output()?;
+        if !out.status.success() {
+            let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+            return Err(format!(
+                "{tool} failed ({}): {}{}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr),
+                log
+            )
+            .into());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if self.data().join("postmaster.pid").exists() {
+            let data = self.data().display().to_string();
+            let stop = |mode: &str| {
+                self.pg_tool(
+                    "pg_ctl",
+                    &[
+                        "-D".to_owned(),
+                        data.clone(),
+                        "-m".to_owned(),
+                        mode.to_owned(),
+                        "-w".to_owned(),
+                        "-t".to_owned(),
+                        "20".to_owned(),
+                        "stop".to_owned(),
+                    ],
+                )
+            };
+            if let Err(e) = stop("fast") {
+                eprintln!("stopping the throwaway cluster: {e}; trying immediate");
+                let _ = stop("immediate");
+            }
+        }
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            eprintln!("removing {}: {e}", self.dir.display());
+        }
+    }
+}
+
+/// `/usr/lib/postgresql/<highest version>/bin`, or `$PG_BIN`.
+fn server_bin() -> Result<PathBuf, BoxError> {
+    if let Some(p) = std::env::var_os("PG_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let root = Path::new("/usr/lib/postgresql");
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir(root)
+        .map_err(|e| format!("no Postgres server binaries under {}: {e}", root.display()))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let v: u32 = e.file_name().to_str()?.parse().ok()?;
+            let bin = e.path().join("bin");
+            bin.join("initdb").exists().then_some((v, bin))
+        })
+        .collect();
+    versions.sort();
+    versions.pop().map(|(_, b)| b).ok_or_else(|| {
+        format!(
+            "no initdb under {}/<version>/bin; install the postgresql package or set PG_BIN",
+            root.display()
+        )
+        .into()
+    })
+}
+
+fn running_as_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn chown_postgres(path: &Path) -> Result<(), BoxError> {
+    let st = Command::new("chown")
+        .args(["-R", "postgres:postgres"])
+        .arg(path)
+        .status()?;
+    if !st.success() {
+        return Err(format!("chown postgres {} failed", path.display()).into());
+    }
+    Ok(())
+}
+
+fn free_port() -> Result<u16, BoxError> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Reads [`MIRRORED`] (and whether data checksums are on) from the main server.
+async fn mirrored_settings(dsn: Option<&str>) -> Option<(Vec<(String, String)>, bool)> {
+    let dsn = dsn?;
+    let opts: PgConnectOptions = dsn.parse().ok()?;
+    let connect = tokio::time::timeout(Duration::from_secs(3), opts.connect());
+    let mut conn = connect.await.ok()?.ok()?;
+    let rows = sqlx::query(
+        "/* outbox-bench probe */ SELECT name, current_setting(name) FROM pg_settings \
+         WHERE name = ANY($1)",
+    )
+    .bind(MIRRORED)
+    .fetch_all(&mut conn)
+    .await
+    .ok()?;
+    let mut out = Vec::new();
+    for r in rows {
+        let name: String = r.try_get(0).ok()?;
+        let value: String = r.try_get(1).ok()?;
+        out.push((name, format!("'{}'", value.replace('\'', "''"))));
+    }
+    out.sort();
+    let checksums: String = sqlx::query_scalar("SHOW data_checksums")
+        .fetch_one(&mut conn)
+        .await
+        .ok()?;
+    Some((out, checksums == "on"))
+}
+
+/// Removes clusters left behind by a harness that was killed (its pid is gone).
+fn sweep_stale() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with(DIR_PREFIX) {
+            continue;
+        }
+        let dir = e.path();
+        let owner = std::fs::read_to_string(dir.join("harness.pid")).unwrap_or_default();
+        if !owner.is_empty() && Path::new("/proc").join(owner.trim()).exists() {
+            continue;
+        }
+        eprintln!("removing a stale throwaway cluster: {}", dir.display());
+        let Ok(bin) = server_bin() else { return };
+        let stale = Cluster {
+            dir,
+            bin,
+            port: 0,
+            as_postgres: running_as_root(),
+            settings: Vec::new(),
+            version: String::new(),
+        };
+        drop(stale);
+    }
+}

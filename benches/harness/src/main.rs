@@ -1,0 +1,308 @@
+//! `outbox-bench`: the benchmark harness and regression gate of SPEC §12.
+//!
+//! ```text
+//! cargo run --release -p outbox-bench -- run                    # every scenario, report
+//! cargo run --release -p outbox-bench -- run --write-baseline   # re-record benches/baseline.json
+//! cargo run --release -p outbox-bench -- check                  # gate against the baseline
+//! cargo run --release -p outbox-bench -- run --vs-peer '/tmp/peer-venv/bin/python \
+//!     shared/peer/peer_bench.py --dsn postgresql+asyncpg://postgres@127.0.0.1:{port}/postgres --only {only}'
+//! ```
+//!
+//! Without `--dsn` the harness starts a throwaway Postgres cluster with
+//! `pg_stat_statements` preloaded (see [`cluster`]) and removes it afterwards. The figures,
+//! which of them are gated, and how to read them are in `docs/performance.md`.
+
+mod cluster;
+mod payload;
+mod peer;
+mod probe;
+mod recorder;
+mod report;
+mod scenarios;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::ConnectOptions;
+
+use crate::report::{Baseline, Machine};
+use crate::scenarios::{Env, Measurement, Scenario};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Parser)]
+#[command(name = "outbox-bench", about = "Benchmark harness and regression gate for outbox (SPEC §12)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Runs the scenarios and prints their figures (and a Markdown summary).
+    Run(RunArgs),
+    /// Runs the gated scenarios and compares them with the baseline; exits 1 on a regression.
+    Check(CheckArgs),
+}
+
+#[derive(Args)]
+struct Common {
+    /// Use this server instead of a throwaway cluster. It must preload pg_stat_statements
+    /// and should not be busy with anything else (server-wide WAL counters are read).
+    #[arg(long)]
+    dsn: Option<String>,
+    /// The server whose settings the throwaway cluster copies (shared_buffers, fsync,
+    /// synchronous_commit, …); ignored when it does not answer.
+    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
+    mirror: String,
+    /// Comma-separated scenario names (default: all for `run`, all with a gated figure for `check`).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// sqlx's `test_before_acquire` on the worker's pool: on is sqlx's default (one extra
+    /// round trip per pool checkout, invisible to pg_stat_statements).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pool_ping: String,
+    /// Keep the scenario tables afterwards (for inspection).
+    #[arg(long)]
+    keep_tables: bool,
+    /// Print every statement of every scenario.
+    #[arg(short, long)]
+    verbose: bool,
+    /// Baseline file.
+    #[arg(long, default_value = default_baseline())]
+    baseline: PathBuf,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Runs each scenario this many times and reports the run with the median throughput;
+    /// counts that differ between repeats are reported (they must not).
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
+    /// Writes the results to the baseline file.
+    #[arg(long)]
+    write_baseline: bool,
+    /// Also runs this command (the reference) per scenario on the same server; see `peer.rs`.
+    #[arg(long, value_name = "CMD")]
+    vs_peer: Option<String>,
+    /// Writes every measurement as one JSON object per line to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    #[command(flatten)]
+    common: Common,
+}
+
+fn default_baseline() -> &'static str {
+    concat!(env!("CARGO_MANIFEST_DIR"), "/../baseline.json")
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Dropping the future on Ctrl-C drops the cluster guard inside it, which stops and
+    // removes the throwaway cluster.
+    let result = tokio::select! {
+        r = run(cli) => r,
+        _ = tokio::signal::ctrl_c() => Err("interrupted".into()),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("outbox-bench: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
+    // Install the metrics recorder before any worker exists.
+    recorder::watch();
+    let (common, checking) = match &cli.cmd {
+        Cmd::Run(a) => (&a.common, false),
+        Cmd::Check(a) => (&a.common, true),
+    };
+    let selected = select(&common.only, checking)?;
+    if let Cmd::Run(a) = &cli.cmd {
+        if a.write_baseline && !common.only.is_empty() {
+            return Err("--write-baseline records every scenario; drop --only".into());
+        }
+    }
+    let baseline = if checking {
+        Some(Baseline::load(&common.baseline)?)
+    } else {
+        None
+    };
+
+    let cluster;
+    let (dsn, server) = match &common.dsn {
+        Some(d) => (d.clone(), "given server".to_owned()),
+        None => {
+            eprintln!("starting a throwaway Postgres cluster with pg_stat_statements …");
+            cluster = cluster::Cluster::start(Some(&common.mirror)).await?;
+            let settings: Vec<String> = cluster
+                .settings
+                .iter()
+                .filter(|(k, _)| {
+                    !matches!(k.as_str(), "listen_addresses" | "port" | "unix_socket_directories")
+                })
+                .map(|(k, v)| format!("{k}={}", v.trim_matches('\'')))
+                .collect();
+            eprintln!("cluster on port {}: {}", cluster.port(), settings.join(" "));
+            (cluster.dsn(), "throwaway cluster".to_owned())
+        }
+    };
+    let opts: PgConnectOptions = dsn.parse()?;
+    let mut probe_conn = opts
+        .clone()
+        .application_name("outbox-bench-probe")
+        .connect()
+        .await?;
+    if let Err(e) = sqlx::query(&format!("{} SELECT 1 FROM pg_stat_statements LIMIT 1", probe::TAG))
+        .execute(&mut probe_conn)
+        .await
+    {
+        return Err(format!(
+            "pg_stat_statements is not usable on {dsn}: {e} (it needs shared_preload_libraries; omit --dsn for a throwaway cluster)"
+        )
+        .into());
+    }
+    let version: String = sqlx::query_scalar("SELECT current_setting('server_version')")
+        .fetch_one(&mut probe_conn)
+        .await?;
+    let machine = Machine::read(&format!("PostgreSQL {version}"), &server);
+    println!("{}", machine.describe());
+
+    let mut env = Env {
+        opts: opts.clone(),
+        probe: probe_conn,
+        ping_on_acquire: common.pool_ping == "on",
+        keep_tables: common.keep_tables,
+        verbose: common.verbose,
+    };
+    let target = peer::Target {
+        host: opts.get_host().to_owned(),
+        port: opts.get_port(),
+        dsn: dsn.clone(),
+    };
+
+    let (repeat, vs_peer) = match &cli.cmd {
+        Cmd::Run(a) => (a.repeat.max(1), a.vs_peer.clone()),
+        Cmd::Check(_) => (1, None),
+    };
+    let per_scenario_peer = vs_peer.as_deref().filter(|c| c.contains("{only}"));
+    let mut results: Vec<Measurement> = Vec::new();
+    let mut peers = Vec::new();
+    for sc in &selected {
+        let mut runs = Vec::new();
+        for r in 0..repeat {
+            let (m, statements) = scenarios::run(&mut env, sc).await?;
+            if repeat > 1 {
+                eprintln!("  {} run {}: {:.0} msg/s", sc.name, r + 1, m.msgs_per_second);
+            }
+            runs.push((m, statements));
+        }
+        for (m, _) in &runs[1..] {
+            let first = &runs[0].0;
+            if m.statements != first.statements || m.tuples != first.tuples {
+                println!(
+                    "  note: {} counts differ between repeats: {:?} {:?} vs {:?} {:?}",
+                    sc.name, first.statements, first.tuples, m.statements, m.tuples
+                );
+            }
+        }
+        runs.sort_by(|a, b| a.0.msgs_per_second.total_cmp(&b.0.msgs_per_second));
+        let (m, statements) = runs.swap_remove(runs.len() / 2);
+        report::print_block(&m, &statements, env.verbose);
+        results.push(m);
+        if let Some(cmd) = per_scenario_peer {
+            if !sc.peer.is_empty() {
+                let got = peer::run(&mut env, cmd, &target, Some(sc), common.verbose).await?;
+                for p in &got {
+                    println!(
+                        "  reference {}: {}",
+                        p.scenario,
+                        match (p.msgs_per_second, p.lateness_ms) {
+                            (Some(t), _) => format!("{t:.0} msg/s"),
+                            (None, Some(l)) => format!("lateness p50 {:.0} p99 {:.0} max {:.0} ms", l.p50, l.p99, l.max),
+                            _ => "no figure".to_owned(),
+                        }
+                    );
+                }
+                peers.extend(got);
+            }
+        }
+    }
+    if let Some(cmd) = vs_peer.as_deref().filter(|c| !c.contains("{only}")) {
+        peers = peer::run(&mut env, cmd, &target, None, common.verbose).await?;
+    }
+
+    println!();
+    println!("{}", report::summary_table(&results));
+    if !peers.is_empty() {
+        println!("outbox vs reference (same server, same sitting):\n");
+        println!("{}", report::peer_table(&results, &peers));
+    }
+
+    match &cli.cmd {
+        Cmd::Run(a) => {
+            if let Some(path) = &a.json {
+                let mut text = String::new();
+                for m in &results {
+                    text.push_str(&serde_json::to_string(m)?);
+                    text.push('\n');
+                }
+                std::fs::write(path, text)?;
+            }
+            if a.write_baseline {
+                Baseline::new(machine, &results).save(&common.baseline)?;
+                println!("baseline written to {}", common.baseline.display());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Check(_) => {
+            let baseline = baseline.ok_or("no baseline")?;
+            println!("check against {} (recorded {})", common.baseline.display(), baseline.machine.date);
+            let regressions = report::compare(&baseline, &results);
+            if regressions.is_empty() {
+                println!("check: ok ({} scenarios)", results.len());
+                Ok(ExitCode::SUCCESS)
+            } else {
+                for r in &regressions {
+                    println!(
+                        "REGRESSION {}: {}: baseline {}, current {} ({})",
+                        r.scenario, r.metric, r.baseline, r.current, r.why
+                    );
+                }
+                println!("check: {} regression(s)", regressions.len());
+                Ok(ExitCode::FAILURE)
+            }
+        }
+    }
+}
+
+/// The scenarios to run.
+fn select(only: &[String], checking: bool) -> Result<Vec<Scenario>, BoxError> {
+    if only.is_empty() {
+        return Ok(scenarios::ALL
+            .iter()
+            .filter(|s| !checking || s.gates_tuples_and_wal())
+            .copied()
+            .collect());
+    }
+    only.iter()
+        .map(|n| {
+            scenarios::find(n).copied().ok_or_else(|| {
+                let names: Vec<&str> = scenarios::ALL.iter().map(|s| s.name).collect();
+                format!("unknown scenario `{n}`; known: {}", names.join(", ")).into()
+            })
+        })
+        .collect()
+}

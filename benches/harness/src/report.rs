@@ -1,0 +1,402 @@
+//! Printing results, the committed baseline, and the gate (`check`).
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::peer::PeerResult;
+use crate::probe::Statement;
+use crate::scenarios::{self, Measurement, Scenario};
+use crate::BoxError;
+
+/// Tolerance on WAL records per run: a checkpoint, a standby snapshot or a page split
+/// landing differently moves the count a little; a new record per message moves it a lot.
+pub const WAL_RECORDS_TOLERANCE: f64 = 0.10;
+
+/// Where and when figures were taken.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct Machine {
+    pub date: String,
+    pub cpu: String,
+    pub cores: usize,
+    pub memory: String,
+    pub kernel: String,
+    pub postgres: String,
+    pub server: String,
+}
+
+impl Machine {
+    pub fn read(postgres: &str, server: &str) -> Machine {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("model name").map(|r| r.trim_start_matches([' ', '\t', ':']).to_owned()))
+            .unwrap_or_default();
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let memory = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:").map(|r| r.trim().to_owned()))
+            .unwrap_or_default();
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_owned();
+        Machine {
+            date: chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string(),
+            cpu,
+            cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            memory,
+            kernel,
+            postgres: postgres.to_owned(),
+            server: server.to_owned(),
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "{} · {} cores ({}) · {} RAM · Linux {} · {} · {}",
+            self.date, self.cores, self.cpu, self.memory, self.kernel, self.postgres, self.server
+        )
+    }
+}
+
+/// What each scenario's gate covers, for readers of the baseline file.
+fn gated_figures(sc: &Scenario) -> Vec<String> {
+    let mut g = Vec::new();
+    match sc.ungated_statements() {
+        None => {}
+        Some([]) => g.push("statements (exact)".to_owned()),
+        Some(skip) => g.push(format!("statements except {} (exact)", skip.join(", "))),
+    }
+    if sc.gates_tuples_and_wal() {
+        g.push(format!("tuples {} (exact)", scenarios::GATED_TUPLES.join("/")));
+        g.push(format!("wal.records (+{:.0} %)", WAL_RECORDS_TOLERANCE * 100.0));
+    }
+    g
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BaselineEntry {
+    #[serde(flatten)]
+    pub m: Measurement,
+    /// Informational: which of the figures `check` compares.
+    #[serde(default)]
+    pub gated: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Baseline {
+    pub about: String,
+    pub machine: Machine,
+    pub scenarios: Vec<BaselineEntry>,
+}
+
+impl Baseline {
+    pub fn new(machine: Machine, results: &[Measurement]) -> Baseline {
+        Baseline {
+            about: "outbox-bench baseline (SPEC §12). `cargo run --release -p outbox-bench -- check` \
+                    compares statement and tuple counts exactly and WAL records within +10 %; \
+                    msgs_per_second, WAL bytes/FPI and lateness are informational. Re-record with \
+                    `cargo run --release -p outbox-bench -- run --write-baseline`."
+                .to_owned(),
+            machine,
+            scenarios: results
+                .iter()
+                .map(|m| BaselineEntry {
+                    m: m.clone(),
+                    gated: scenarios::find(&m.scenario).map(gated_figures).unwrap_or_default(),
+                })
+                .collect(),
+        }
+    }
+
+    pub fn load(path: &Path) -> Result<Baseline, BoxError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("reading the baseline {}: {e}", path.display()))?;
+        Ok(serde_json::from_str(&text)
+            .map_err(|e| format!("parsing the baseline {}: {e}", path.display()))?)
+    }
+
+    pub fn save(&self, path: &Path) -> Result<(), BoxError> {
+        let mut text = serde_json::to_string_pretty(self)?;
+        text.push('\n');
+        std::fs::write(path, text)?;
+        Ok(())
+    }
+}
+
+/// One failed comparison.
+#[derive(Debug)]
+pub struct Regression {
+    pub scenario: String,
+    pub metric: String,
+    pub baseline: String,
+    pub current: String,
+    pub why: String,
+}
+
+/// Compares `current` with `baseline`; returns the regressions and prints a line per
+/// scenario.
+pub fn compare(baseline: &Baseline, current: &[Measurement]) -> Vec<Regression> {
+    let mut out = Vec::new();
+    for cur in current {
+        let Some(sc) = scenarios::find(&cur.scenario) else { continue };
+        let Some(base) = baseline.scenarios.iter().find(|b| b.m.scenario == cur.scenario) else {
+            println!("  new  {:<26} not in the baseline; record it with run --write-baseline", cur.scenario);
+            continue;
+        };
+        let base = &base.m;
+        let before = out.len();
+        let mut push = |metric: String, b: String, c: String, why: &str| {
+            out.push(Regression {
+                scenario: cur.scenario.clone(),
+                metric,
+                baseline: b,
+                current: c,
+                why: why.to_owned(),
+            })
+        };
+        if base.messages != cur.messages {
+            push("messages".into(), base.messages.to_string(), cur.messages.to_string(), "different workload");
+        }
+        if let Some(skip) = sc.ungated_statements() {
+            let kinds: BTreeSet<&String> = base.statements.keys().chain(cur.statements.keys()).collect();
+            for k in kinds {
+                if skip.contains(&k.as_str()) {
+                    continue;
+                }
+                let b = base.statements.get(k).copied().unwrap_or(0);
+                let c = cur.statements.get(k).copied().unwrap_or(0);
+                if b != c {
+                    let why = if c > b {
+                        "more statements: a regression"
+                    } else {
+                        "fewer statements: an improvement; re-record the baseline"
+                    };
+                    push(format!("statements[{k}]"), b.to_string(), c.to_string(), why);
+                }
+            }
+        }
+        if sc.gates_tuples_and_wal() {
+            for f in scenarios::GATED_TUPLES {
+                let (b, c) = (tuple_field(&base.tuples, f), tuple_field(&cur.tuples, f));
+                if b != c {
+                    push(format!("tuples.{f}"), b.to_string(), c.to_string(), "tuple counts must match exactly");
+                }
+            }
+            let limit = base.wal.records as f64 * (1.0 + WAL_RECORDS_TOLERANCE);
+            if cur.wal.records as f64 > limit {
+                push(
+                    "wal.records".into(),
+                    base.wal.records.to_string(),
+                    cur.wal.records.to_string(),
+                    &format!(
+                        "more than +{:.0} % ({:+.1} %)",
+                        WAL_RECORDS_TOLERANCE * 100.0,
+                        pct(base.wal.records as f64, cur.wal.records as f64)
+                    ),
+                );
+            }
+        }
+        let status = if out.len() == before { "ok  " } else { "FAIL" };
+        let tput = if sc.has_throughput() {
+            format!(
+                "{:.0} msg/s (baseline {:.0}, {:.2}×, informational)",
+                cur.msgs_per_second,
+                base.msgs_per_second,
+                cur.msgs_per_second / base.msgs_per_second
+            )
+        } else {
+            match cur.lateness_ms {
+                Some(l) => format!("lateness p99 {:.1} ms (informational)", l.p99),
+                None => String::new(),
+            }
+        };
+        println!(
+            "  {status} {:<26} statements {} (baseline {}), WAL records {} ({:+.1} %), {tput}",
+            cur.scenario,
+            cur.statements_total(),
+            base.statements_total(),
+            cur.wal.records,
+            pct(base.wal.records as f64, cur.wal.records as f64),
+        );
+    }
+    out
+}
+
+fn pct(base: f64, cur: f64) -> f64 {
+    if base == 0.0 {
+        0.0
+    } else {
+        (cur / base - 1.0) * 100.0
+    }
+}
+
+pub fn tuple_field(t: &crate::probe::Tuples, f: &str) -> i64 {
+    match f {
+        "ins" => t.ins,
+        "upd" => t.upd,
+        "del" => t.del,
+        "hot_upd" => t.hot_upd,
+        "dead" => t.dead,
+        _ => 0,
+    }
+}
+
+/// The per-scenario block printed after each run.
+pub fn print_block(m: &Measurement, statements: &[Statement], verbose: bool) {
+    let n = m.messages as f64;
+    let sc = scenarios::find(&m.scenario);
+    if sc.is_some_and(|s| !s.has_throughput()) {
+        println!("{}  {} timers  ({:.2} s window)", m.scenario, m.messages, m.wall_seconds);
+    } else {
+        println!(
+            "{}  {} msgs  {:.0} msg/s  ({:.3} s)",
+            m.scenario, m.messages, m.msgs_per_second, m.wall_seconds
+        );
+    }
+    let kinds: Vec<String> = m
+        .statements
+        .iter()
+        .map(|(k, c)| format!("{k} {:.4}", *c as f64 / n))
+        .collect();
+    println!(
+        "  statements/msg {:.4}: {}",
+        m.statements_total() as f64 / n,
+        kinds.join("  ")
+    );
+    println!(
+        "  WAL/msg: {:.2} records, {:.0} bytes, {:.3} FPI",
+        m.wal.records as f64 / n,
+        m.wal.bytes as f64 / n,
+        m.wal.fpi as f64 / n
+    );
+    let t = m.tuples;
+    println!(
+        "  tuples: ins {}  upd {}  del {}  hot_upd {}  dead {}",
+        t.ins, t.upd, t.del, t.hot_upd, t.dead
+    );
+    if let Some(l) = m.lateness_ms {
+        println!(
+            "  lateness (handler start − deadline): p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms  (claim − deadline p99 {:.1} ms)",
+            l.p50, l.p99, l.max, l.claim_p99
+        );
+    }
+    if verbose {
+        for s in statements {
+            println!(
+                "    {:>7} calls {:>7} rows {:>9.1} ms {:>6} wal rec {:>9} wal B  {}",
+                s.calls,
+                s.rows,
+                s.total_ms,
+                s.wal_records,
+                s.wal_bytes,
+                shorten(&s.query, 150)
+            );
+        }
+    }
+}
+
+pub fn shorten(q: &str, max: usize) -> String {
+    let one: String = q.split_whitespace().collect::<Vec<_>>().join(" ");
+    if one.chars().count() <= max {
+        one
+    } else {
+        format!("{}…", one.chars().take(max).collect::<String>())
+    }
+}
+
+/// The summary table, as Markdown (pasted into `docs/performance.md`).
+pub fn summary_table(results: &[Measurement]) -> String {
+    let mut s = String::from(
+        "| scenario | msg/s | statements/msg (by kind) | WAL rec/msg | WAL B/msg | FPI/msg | ins | upd | del | hot upd | dead |\n\
+         |---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for m in results {
+        let n = m.messages as f64;
+        let kinds: Vec<String> = m
+            .statements
+            .iter()
+            .map(|(k, c)| format!("{k} {}", trim(*c as f64 / n)))
+            .collect();
+        let tput = match (scenarios::find(&m.scenario).is_some_and(|s| s.has_throughput()), m.lateness_ms) {
+            (true, _) => format!("{:.0}", m.msgs_per_second),
+            (false, Some(l)) => format!("p50/p99/max {:.0}/{:.0}/{:.0} ms", l.p50, l.p99, l.max),
+            (false, None) => "–".to_owned(),
+        };
+        s.push_str(&format!(
+            "| {} | {} | {} ({}) | {:.2} | {:.0} | {:.3} | {} | {} | {} | {} | {} |\n",
+            m.scenario,
+            tput,
+            trim(m.statements_total() as f64 / n),
+            kinds.join(", "),
+            m.wal.records as f64 / n,
+            m.wal.bytes as f64 / n,
+            m.wal.fpi as f64 / n,
+            m.tuples.ins,
+            m.tuples.upd,
+            m.tuples.del,
+            m.tuples.hot_upd,
+            m.tuples.dead,
+        ));
+    }
+    s
+}
+
+/// Four decimals without trailing zeros.
+fn trim(x: f64) -> String {
+    let s = format!("{x:.4}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    s.to_owned()
+}
+
+/// Ours against the reference, per shared scenario, as Markdown.
+pub fn peer_table(ours: &[Measurement], peers: &[PeerResult]) -> String {
+    let mut s = String::from(
+        "| scenario | outbox msg/s | reference msg/s | ratio | outbox stmts/msg | reference stmts/msg | outbox WAL B/msg | reference WAL B/msg | WAL ratio |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for p in peers {
+        let Some(sc) = scenarios::ALL.iter().find(|s| s.peer.contains(&p.scenario.as_str())) else {
+            continue;
+        };
+        let Some(m) = ours.iter().find(|m| m.scenario == sc.name) else { continue };
+        let n = m.messages as f64;
+        if let (Some(l), Some(pl)) = (m.lateness_ms, p.lateness_ms) {
+            s.push_str(&format!(
+                "| {} vs {} | lateness p50/p99/max {:.0}/{:.0}/{:.0} ms | {:.0}/{:.0}/{:.0} ms | p99 {:.0}× lower | | | | | |\n",
+                m.scenario, p.scenario, l.p50, l.p99, l.max, pl.p50, pl.p99, pl.max,
+                pl.p99 / l.p99.max(0.001)
+            ));
+            continue;
+        }
+        let Some(pt) = p.msgs_per_second else { continue };
+        let our_wal = m.wal.bytes as f64 / n;
+        let (peer_stmts, peer_wal, wal_ratio) = match (&p.phase, p.messages) {
+            (Some(ph), pn) if pn > 0 => {
+                let pn = pn as f64;
+                let w = ph.wal.bytes as f64 / pn;
+                (
+                    format!("{}", trim(ph.statements_total() as f64 / pn)),
+                    format!("{w:.0}"),
+                    format!("{:.2}", our_wal / w),
+                )
+            }
+            _ => ("–".into(), "–".into(), "–".into()),
+        };
+        s.push_str(&format!(
+            "| {} | {:.0} | {:.0} | **{:.2}×** | {} | {} | {:.0} | {} | {} |\n",
+            m.scenario,
+            m.msgs_per_second,
+            pt,
+            m.msgs_per_second / pt,
+            trim(m.statements_total() as f64 / n),
+            peer_stmts,
+            our_wal,
+            peer_wal,
+            wal_ratio,
+        ));
+    }
+    s
+}

@@ -1,0 +1,816 @@
+//! The scenarios of SPEC §12 and how each one is measured.
+//!
+//! Every scenario gets a fresh table (`bench_<name>`), is seeded outside the measured
+//! window, and then runs the real product: [`outbox::Worker`] over [`outbox::PgStore`] for
+//! consumers, [`outbox::Outbox::publish`] / [`outbox::Outbox::publish_batch`] and the
+//! `#[timer]`-generated `extend_body` ([`outbox::OnConflict::Extend`]) for producers and
+//! extends. The shapes follow `shared/peer/peer_bench.py` so ratios against the Python
+//! reference are like for like: 256-byte bodies stored as a JSON string with a
+//! `content-type` header, autovacuum off on the table, `CHECKPOINT` after seeding a consumer
+//! scenario, time from start to the last message handled.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use outbox::{
+    BatchItem, Context, Headers, Message, Outbox, PgStore, Published, Schedule, Worker,
+};
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::payload::{extend_body, publish_body, Body};
+use crate::probe::{self, Statement, Tuples, Wal, TAG, WORK_APP};
+use crate::recorder;
+use crate::BoxError;
+
+/// Messages per scenario unless stated (SPEC §12).
+pub const MESSAGES: u64 = 5000;
+/// Body length in bytes, as the reference's `PAYLOAD`.
+const PAYLOAD: usize = 256;
+/// Timers of `extend/pending` and `extend/rearm`.
+const TIMERS: u64 = 500;
+/// Timers of `timers/lateness`.
+const LATENESS_TIMERS: u64 = 200;
+/// Tuple counters `check` compares exactly.
+pub const GATED_TUPLES: &[&str] = &["ins", "upd", "del", "hot_upd", "dead"];
+
+/// What a scenario does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// N due rows, a worker with `workers` handlers claiming `batch` at a time and acking
+    /// `ack_batch` per statement.
+    Consumer {
+        workers: usize,
+        batch: usize,
+        ack_batch: usize,
+    },
+    /// N single publishes in one transaction.
+    ProducerOneTx,
+    /// N publishes as `publish_batch` calls of `batch` rows, in one transaction.
+    ProducerBatch { batch: usize },
+    /// N publishes, one transaction each.
+    ProducerPerTx,
+    /// `TIMERS` pending timers, then N extends, one transaction each.
+    ExtendPending,
+    /// `TIMERS` due timers; while each one's handler runs, N / `TIMERS` extends land on it
+    /// (rearm), each in its own transaction; the completion applies the rearm.
+    ExtendRearm,
+    /// `LATENESS_TIMERS` timers due 1–3 s ahead while a default worker is idle.
+    Lateness,
+}
+
+/// One named scenario.
+#[derive(Debug, Clone, Copy)]
+pub struct Scenario {
+    pub name: &'static str,
+    pub kind: Kind,
+    /// The reference's name for the same workload, when it has one.
+    pub peer: &'static [&'static str],
+}
+
+impl Scenario {
+    pub fn messages(&self) -> u64 {
+        match self.kind {
+            Kind::Lateness => LATENESS_TIMERS,
+            _ => MESSAGES,
+        }
+    }
+
+    /// The table this scenario runs on.
+    pub fn table(&self) -> String {
+        let mut t = String::from("bench_");
+        for c in self.name.chars() {
+            t.push(if c.is_ascii_alphanumeric() { c } else { '_' });
+        }
+        t
+    }
+
+    /// Statement kinds whose count depends on timing and so is reported, not gated.
+    /// `None` means none of this scenario's statement counts is gated.
+    pub fn ungated_statements(&self) -> Option<&'static [&'static str]> {
+        match self.kind {
+            // How many successes the acker finds waiting when it flushes depends on how
+            // the handler and acker tasks interleave: between N/ack_batch and N DELETEs.
+            Kind::Consumer { ack_batch, .. } if ack_batch > 1 => Some(&["DELETE"]),
+            // How many timers fall due per wake-up depends on the clock.
+            Kind::Lateness => None,
+            _ => Some(&[]),
+        }
+    }
+
+    /// Whether tuple and WAL figures are gated (not for the clock-driven lateness run).
+    pub fn gates_tuples_and_wal(&self) -> bool {
+        self.kind != Kind::Lateness
+    }
+
+    /// Whether throughput is meaningful (the lateness run waits for deadlines).
+    pub fn has_throughput(&self) -> bool {
+        self.kind != Kind::Lateness
+    }
+
+    /// Consumer-shaped runs are seeded and then checkpointed, as the reference does.
+    fn checkpoint_after_seed(&self) -> bool {
+        matches!(self.kind, Kind::Consumer { .. } | Kind::ExtendRearm)
+    }
+}
+
+const fn consumer(
+    name: &'static str,
+    workers: usize,
+    batch: usize,
+    ack_batch: usize,
+    peer: &'static [&'static str],
+) -> Scenario {
+    Scenario {
+        name,
+        kind: Kind::Consumer {
+            workers,
+            batch,
+            ack_batch,
+        },
+        peer,
+    }
+}
+
+/// Every scenario, in run order.
+pub const ALL: &[Scenario] = &[
+    consumer("consumer/w1/b10", 1, 10, 1, &["consumer/w1/b10"]),
+    consumer("consumer/w1/b100", 1, 100, 1, &["consumer/w1/b100"]),
+    consumer("consumer/w2/b10", 2, 10, 1, &["consumer/w2/b10"]),
+    consumer("consumer/w2/b100", 2, 100, 1, &[]),
+    consumer("consumer/w4/b10", 4, 10, 1, &[]),
+    consumer("consumer/w4/b100", 4, 100, 1, &["consumer/w4/b100"]),
+    consumer(
+        "consumer/w1/b100/tfbs100",
+        1,
+        100,
+        100,
+        &["consumer/w1/b100/tfbs100"],
+    ),
+    Scenario {
+        name: "producer/w1/b100",
+        kind: Kind::ProducerOneTx,
+        peer: &["producer/w1/b100"],
+    },
+    Scenario {
+        name: "producer/batch100",
+        kind: Kind::ProducerBatch { batch: 100 },
+        peer: &[],
+    },
+    Scenario {
+        name: "producer/ppt1",
+        kind: Kind::ProducerPerTx,
+        peer: &["producer/ppt1"],
+    },
+    Scenario {
+        name: "extend/pending",
+        kind: Kind::ExtendPending,
+        peer: &["extend/pending"],
+    },
+    Scenario {
+        name: "extend/rearm",
+        kind: Kind::ExtendRearm,
+        peer: &[],
+    },
+    Scenario {
+        name: "timers/lateness",
+        kind: Kind::Lateness,
+        peer: &["timers/lateness/poll1s", "timers/lateness/poll10s"],
+    },
+];
+
+pub fn find(name: &str) -> Option<&'static Scenario> {
+    ALL.iter().find(|s| s.name == name)
+}
+
+/// Firing lateness of the lateness run, in milliseconds.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct Lateness {
+    /// Handler start − deadline.
+    pub p50: f64,
+    pub p99: f64,
+    pub max: f64,
+    /// Claim time (database clock) − deadline, p99.
+    pub claim_p99: f64,
+}
+
+/// WAL written in the window, totals.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct WalTotals {
+    pub records: i64,
+    pub bytes: i64,
+    pub fpi: i64,
+}
+
+/// What one scenario run measured (totals; per-message figures are derived).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Measurement {
+    pub scenario: String,
+    pub messages: u64,
+    pub wall_seconds: f64,
+    pub msgs_per_second: f64,
+    /// Calls by statement kind (see [`probe::keyword`]).
+    pub statements: BTreeMap<String, i64>,
+    pub wal: WalTotals,
+    pub tuples: Tuples,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub lateness_ms: Option<Lateness>,
+}
+
+impl Measurement {
+    pub fn statements_total(&self) -> i64 {
+        self.statements.values().sum()
+    }
+}
+
+/// Connection settings shared by the scenarios.
+pub struct Env {
+    pub opts: PgConnectOptions,
+    /// The harness's own connection: DDL, CHECKPOINT, statistics. Tagged statements only.
+    pub probe: PgConnection,
+    /// sqlx's `test_before_acquire` for the work pool (default true, as users get it).
+    pub ping_on_acquire: bool,
+    pub keep_tables: bool,
+    pub verbose: bool,
+}
+
+impl Env {
+    fn pool_options(&self, max: u32) -> PgPoolOptions {
+        PgPoolOptions::new()
+            .max_connections(max)
+            .test_before_acquire(self.ping_on_acquire)
+            .acquire_timeout(Duration::from_secs(30))
+    }
+
+    async fn pool(&self, app: &str, max: u32) -> Result<PgPool, BoxError> {
+        let pool = self
+            .pool_options(max)
+            .connect_lazy_with(self.opts.clone().application_name(app));
+        // Open the connections before the window, as a long-running service has them.
+        let mut held = Vec::new();
+        for _ in 0..max.saturating_sub(1) {
+            held.push(pool.acquire().await?);
+        }
+        drop(held);
+        Ok(pool)
+    }
+
+    async fn exec(&mut self, sql: &str) -> Result<(), BoxError> {
+        sqlx::raw_sql(&format!("{TAG} {sql}"))
+            .execute(&mut self.probe)
+            .await?;
+        Ok(())
+    }
+
+    async fn count(&mut self, sql: &str) -> Result<i64, BoxError> {
+        Ok(sqlx::query_scalar(&format!("{TAG} {sql}"))
+            .fetch_one(&mut self.probe)
+            .await?)
+    }
+}
+
+/// The JSON-string body of message `i`, as the reference's `body(i)`.
+fn body(i: u64) -> String {
+    let mut s = format!("{i}:");
+    while s.len() < PAYLOAD {
+        s.push('x');
+    }
+    s
+}
+
+fn headers() -> Headers {
+    Headers::from([("content-type".to_owned(), "application/json".to_owned())])
+}
+
+fn json(i: u64) -> Vec<u8> {
+    serde_json::to_vec(&body(i)).expect("a string always encodes")
+}
+
+/// Runs one scenario end to end and returns its figures and its statements.
+pub async fn run(env: &mut Env, sc: &Scenario) -> Result<(Measurement, Vec<Statement>), BoxError> {
+    let table = sc.table();
+    let outbox = Outbox::builder().table(&table).build()?;
+    drop_tables(env, &outbox).await?;
+
+    // Set-up: create, seed, checkpoint; its connections are gone before the window opens.
+    let setup = env.pool("outbox-bench-setup", 2).await?;
+    outbox.migrate(&setup).await?;
+    env.exec(&format!(
+        "ALTER TABLE {} SET (autovacuum_enabled = off)",
+        outbox.table()
+    ))
+    .await?;
+    if !sc.checkpoint_after_seed() {
+        env.exec("CHECKPOINT").await?;
+    }
+    seed(sc, &setup, &outbox).await?;
+    setup.close().await;
+    probe::wait_backends_gone(&mut env.probe, "application_name = 'outbox-bench-setup'").await?;
+    if sc.checkpoint_after_seed() {
+        env.exec("CHECKPOINT").await?;
+    }
+
+    let max = match sc.kind {
+        Kind::Consumer { workers, .. } => workers as u32 + 3,
+        _ => 4,
+    };
+    let work = env.pool(WORK_APP, max).await?;
+    let wal0 = probe::wal(&mut env.probe).await?;
+    let tup0 = probe::tuples(&mut env.probe, outbox.table()).await?;
+    probe::reset_statements(&mut env.probe).await?;
+
+    let ran = match sc.kind {
+        Kind::Consumer {
+            workers,
+            batch,
+            ack_batch,
+        } => run_consumer(env, &work, &outbox, workers, batch, ack_batch).await?,
+        Kind::ProducerOneTx => run_producer_one_tx(&work, &outbox).await?,
+        Kind::ProducerBatch { batch } => run_producer_batch(&work, &outbox, batch).await?,
+        Kind::ProducerPerTx => run_producer_per_tx(&work, &outbox).await?,
+        Kind::ExtendPending => run_extend_pending(&work, &outbox).await?,
+        Kind::ExtendRearm => run_extend_rearm(env, &work, &outbox).await?,
+        Kind::Lateness => run_lateness(&work, &outbox).await?,
+    };
+
+    work.close().await;
+    probe::wait_backends_gone(&mut env.probe, &format!("application_name = '{WORK_APP}'")).await?;
+    let statements = probe::statements(&mut env.probe).await?;
+    let wal1 = probe::wal(&mut env.probe).await?;
+    let tup1 = probe::tuples(&mut env.probe, outbox.table()).await?;
+    verify(env, sc, &outbox).await?;
+    if !env.keep_tables {
+        drop_tables(env, &outbox).await?;
+    }
+
+    let n = sc.messages();
+    let m = Measurement {
+        scenario: sc.name.to_owned(),
+        messages: n,
+        wall_seconds: ran.wall.as_secs_f64(),
+        msgs_per_second: n as f64 / ran.wall.as_secs_f64(),
+        statements: probe::by_keyword(&statements),
+        wal: wal_diff(wal0, wal1),
+        tuples: Tuples {
+            ins: tup1.ins - tup0.ins,
+            upd: tup1.upd - tup0.upd,
+            del: tup1.del - tup0.del,
+            hot_upd: tup1.hot_upd - tup0.hot_upd,
+            dead: tup1.dead,
+        },
+        lateness_ms: ran.lateness,
+    };
+    Ok((m, statements))
+}
+
+pub fn wal_diff(a: Wal, b: Wal) -> WalTotals {
+    WalTotals {
+        records: b.records - a.records,
+        bytes: b.bytes - a.bytes,
+        fpi: b.fpi - a.fpi,
+    }
+}
+
+async fn drop_tables(env: &mut Env, outbox: &Outbox) -> Result<(), BoxError> {
+    env.exec(&format!(
+        "DROP TABLE IF EXISTS {}, {}",
+        outbox.table(),
+        outbox.dead_letter_table()
+    ))
+    .await
+}
+
+/// Rows the scenario needs before its window opens.
+async fn seed(sc: &Scenario, pool: &PgPool, outbox: &Outbox) -> Result<(), BoxError> {
+    let mut tx = pool.begin().await?;
+    match sc.kind {
+        Kind::Consumer { .. } => {
+            let h = headers();
+            let payloads: Vec<Vec<u8>> = (0..MESSAGES).map(json).collect();
+            for chunk in payloads.chunks(1000) {
+                let items: Vec<BatchItem<'_>> = chunk
+                    .iter()
+                    .map(|p| BatchItem {
+                        payload: p,
+                        headers: Some(&h),
+                    })
+                    .collect();
+                outbox
+                    .publish_batch(&mut tx, "bench", &items, Schedule::now())
+                    .await?;
+            }
+        }
+        Kind::ExtendPending => {
+            for t in 0..TIMERS {
+                let p = publish_body(
+                    &mut outbox.on(&mut tx),
+                    &format!("t{t}"),
+                    &Body(body(t)),
+                    Duration::from_secs(3600),
+                )
+                .await?;
+                expect(matches!(p, Published::Inserted { .. }), "seed insert", p)?;
+            }
+        }
+        Kind::ExtendRearm => {
+            for t in 0..TIMERS {
+                let p = publish_body(
+                    &mut outbox.on(&mut tx),
+                    &format!("r{t}"),
+                    &Body(body(t)),
+                    Schedule::now(),
+                )
+                .await?;
+                expect(matches!(p, Published::Inserted { .. }), "seed insert", p)?;
+            }
+        }
+        _ => {}
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+fn expect(ok: bool, what: &str, got: Published) -> Result<(), BoxError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{what}: unexpected outcome {got:?}").into())
+    }
+}
+
+/// Checks the table ended as the scenario says it must.
+async fn verify(env: &mut Env, sc: &Scenario, outbox: &Outbox) -> Result<(), BoxError> {
+    let t = outbox.table();
+    let left = env.count(&format!("SELECT count(*) FROM {t}")).await?;
+    let want = match sc.kind {
+        Kind::Consumer { .. } | Kind::Lateness => 0,
+        Kind::ProducerOneTx | Kind::ProducerBatch { .. } | Kind::ProducerPerTx => MESSAGES as i64,
+        Kind::ExtendPending | Kind::ExtendRearm => TIMERS as i64,
+    };
+    if left != want {
+        return Err(format!("{}: {left} rows left in {t}, expected {want}", sc.name).into());
+    }
+    if sc.kind == Kind::ExtendRearm {
+        // Every run ended by applying its rearm: a fresh pending timer an hour ahead.
+        let bad = env
+            .count(&format!(
+                "SELECT count(*) FROM {t} WHERE acquired_token IS NOT NULL OR rearm_at IS NOT NULL \
+                 OR deliveries_count <> 0 OR next_attempt_at < now() + interval '50 minutes'"
+            ))
+            .await?;
+        if bad != 0 {
+            return Err(format!("{}: {bad} rows without their rearm applied", sc.name).into());
+        }
+    }
+    Ok(())
+}
+
+/// The measured part of a run.
+struct Ran {
+    wall: Duration,
+    lateness: Option<Lateness>,
+}
+
+/// Which bodies were handled, and how often.
+struct Seen {
+    marks: Vec<AtomicU8>,
+    duplicates: AtomicU64,
+}
+
+impl Seen {
+    fn new(n: u64) -> Arc<Seen> {
+        Arc::new(Seen {
+            marks: (0..n).map(|_| AtomicU8::new(0)).collect(),
+            duplicates: AtomicU64::new(0),
+        })
+    }
+
+    fn mark(&self, body: &str) {
+        let i: usize = body
+            .split_once(':')
+            .and_then(|(i, _)| i.parse().ok())
+            .unwrap_or(usize::MAX);
+        match self.marks.get(i) {
+            Some(m) if m.swap(1, Ordering::Relaxed) == 0 => {}
+            _ => {
+                self.duplicates.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn check(&self, what: &str) -> Result<(), BoxError> {
+        let missing = self
+            .marks
+            .iter()
+            .filter(|m| m.load(Ordering::Relaxed) == 0)
+            .count();
+        let dup = self.duplicates.load(Ordering::Relaxed);
+        if missing != 0 || dup != 0 {
+            return Err(format!("{what}: {missing} messages not handled, {dup} handled twice").into());
+        }
+        Ok(())
+    }
+}
+
+const RUN_TIMEOUT: Duration = Duration::from_secs(600);
+
+async fn within<F: std::future::Future>(what: &str, f: F) -> Result<F::Output, BoxError> {
+    tokio::time::timeout(RUN_TIMEOUT, f)
+        .await
+        .map_err(|_| format!("{what}: not finished after {RUN_TIMEOUT:?}").into())
+}
+
+/// Waits until the claim loop has come back short (no more due rows) and the worker has
+/// stopped issuing statements (it then sleeps until the idle ceiling, 30 s by default), so
+/// the counted statements do not depend on when the run is stopped.
+async fn wait_idle(env: &mut Env) -> Result<(), BoxError> {
+    let watch = recorder::watch();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while watch.short_claims() == 0 {
+        if Instant::now() > deadline {
+            return Err("the worker never came back from a claim short of its limit".into());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let mut last = probe::total_calls(&mut env.probe).await?;
+    loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = probe::total_calls(&mut env.probe).await?;
+        if now == last {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err("the worker did not go quiet".into());
+        }
+        last = now;
+    }
+}
+
+async fn run_consumer(
+    env: &mut Env,
+    pool: &PgPool,
+    outbox: &Outbox,
+    workers: usize,
+    batch: usize,
+    ack_batch: usize,
+) -> Result<Ran, BoxError> {
+    let seen = Seen::new(MESSAGES);
+    let watch = recorder::watch();
+    watch.reset(batch);
+    let handler_seen = seen.clone();
+    let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
+        .timer::<Body>(move |b: Body, _ctx: Context| {
+            let seen = handler_seen.clone();
+            async move { seen.mark(&b.0) }
+        })
+        .concurrency(workers)
+        .fetch_batch_size(batch)
+        .ack_batch_size(ack_batch)
+        .build()?;
+    let t0 = Instant::now();
+    let running = worker.start();
+    within("consumer", watch.acked_at_least(MESSAGES)).await?;
+    let wall = t0.elapsed();
+    wait_idle(env).await?;
+    let report = running.shutdown().await;
+    if !report.graceful {
+        return Err(format!("worker shutdown was not graceful: {report:?}").into());
+    }
+    seen.check("consumer")?;
+    Ok(Ran {
+        wall,
+        lateness: None,
+    })
+}
+
+async fn run_producer_one_tx(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxError> {
+    let h = headers();
+    let payloads: Vec<Vec<u8>> = (0..MESSAGES).map(json).collect();
+    let t0 = Instant::now();
+    let mut tx = pool.begin().await?;
+    for p in &payloads {
+        let out = outbox
+            .publish(&mut tx, Message::new("bench", p).headers(&h))
+            .await?;
+        expect(matches!(out, Published::Inserted { .. }), "publish", out)?;
+    }
+    tx.commit().await?;
+    Ok(Ran {
+        wall: t0.elapsed(),
+        lateness: None,
+    })
+}
+
+async fn run_producer_batch(pool: &PgPool, outbox: &Outbox, batch: usize) -> Result<Ran, BoxError> {
+    let h = headers();
+    let payloads: Vec<Vec<u8>> = (0..MESSAGES).map(json).collect();
+    let t0 = Instant::now();
+    let mut tx = pool.begin().await?;
+    for chunk in payloads.chunks(batch) {
+        let items: Vec<BatchItem<'_>> = chunk
+            .iter()
+            .map(|p| BatchItem {
+                payload: p,
+                headers: Some(&h),
+            })
+            .collect();
+        let ids = outbox
+            .publish_batch(&mut tx, "bench", &items, Schedule::now())
+            .await?;
+        if ids.len() != chunk.len() {
+            return Err(format!("publish_batch returned {} ids for {}", ids.len(), chunk.len()).into());
+        }
+    }
+    tx.commit().await?;
+    Ok(Ran {
+        wall: t0.elapsed(),
+        lateness: None,
+    })
+}
+
+async fn run_producer_per_tx(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxError> {
+    let h = headers();
+    let payloads: Vec<Vec<u8>> = (0..MESSAGES).map(json).collect();
+    let t0 = Instant::now();
+    for p in &payloads {
+        let mut tx = pool.begin().await?;
+        let out = outbox
+            .publish(&mut tx, Message::new("bench", p).headers(&h))
+            .await?;
+        expect(matches!(out, Published::Inserted { .. }), "publish", out)?;
+        tx.commit().await?;
+    }
+    Ok(Ran {
+        wall: t0.elapsed(),
+        lateness: None,
+    })
+}
+
+async fn run_extend_pending(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxError> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let picks: Vec<u64> = (0..MESSAGES).map(|_| rng.random_range(0..TIMERS)).collect();
+    let bodies: Vec<Body> = (0..MESSAGES).map(|i| Body(body(i))).collect();
+    let t0 = Instant::now();
+    for (i, (t, b)) in picks.iter().zip(&bodies).enumerate() {
+        let mut tx = pool.begin().await?;
+        // Strictly later every time, so every extend moves its timer (SPEC §4).
+        let out = extend_body(
+            &mut outbox.on(&mut tx),
+            &format!("t{t}"),
+            b,
+            Duration::from_secs(3600 + i as u64),
+        )
+        .await?;
+        expect(matches!(out, Published::Extended { .. }), "extend", out)?;
+        tx.commit().await?;
+    }
+    Ok(Ran {
+        wall: t0.elapsed(),
+        lateness: None,
+    })
+}
+
+/// Each handler announces its timer and waits while the driver lands
+/// `MESSAGES / TIMERS` extends on the running row, one transaction each; each must come
+/// back `RearmQueued`, and the completion then applies the last one.
+async fn run_extend_rearm(env: &mut Env, pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxError> {
+    let per_run = MESSAGES / TIMERS;
+    let watch = recorder::watch();
+    let batch = 10;
+    watch.reset(batch);
+    let (to_driver, mut running_rx) = mpsc::channel::<(String, oneshot::Sender<()>)>(16);
+    let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
+        .timer::<Body>(move |_b: Body, ctx: Context| {
+            let to_driver = to_driver.clone();
+            async move {
+                let (done, wait) = oneshot::channel();
+                let id = ctx.timer_id().unwrap_or_default().to_owned();
+                if to_driver.send((id, done)).await.is_ok() {
+                    let _ = wait.await;
+                }
+            }
+        })
+        .fetch_batch_size(batch)
+        .build()?;
+    let driver_pool = pool.clone();
+    let driver_outbox = outbox.clone();
+    let t0 = Instant::now();
+    let running = worker.start();
+    let driver = tokio::spawn(async move {
+        let mut seq = 0u64;
+        let mut runs = 0u64;
+        while let Some((id, done)) = running_rx.recv().await {
+            for _ in 0..per_run {
+                seq += 1;
+                let mut tx = driver_pool.begin().await?;
+                let out = extend_body(
+                    &mut driver_outbox.on(&mut tx),
+                    &id,
+                    &Body(body(seq)),
+                    Duration::from_secs(3600 + seq),
+                )
+                .await?;
+                expect(matches!(out, Published::RearmQueued { .. }), "extend of a running timer", out)?;
+                tx.commit().await?;
+            }
+            let _ = done.send(());
+            runs += 1;
+            if runs == TIMERS {
+                break;
+            }
+        }
+        Ok::<u64, BoxError>(runs)
+    });
+    within("extend/rearm", watch.acked_at_least(TIMERS)).await?;
+    let wall = t0.elapsed();
+    let runs = driver.await??;
+    if runs != TIMERS {
+        return Err(format!("extend/rearm: {runs} runs, expected {TIMERS}").into());
+    }
+    wait_idle(env).await?;
+    let report = running.shutdown().await;
+    if !report.graceful {
+        return Err(format!("worker shutdown was not graceful: {report:?}").into());
+    }
+    Ok(Ran {
+        wall,
+        lateness: None,
+    })
+}
+
+async fn run_lateness(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxError> {
+    let watch = recorder::watch();
+    watch.reset(10);
+    let late = Arc::new(std::sync::Mutex::new(Vec::<(f64, f64)>::new()));
+    let handler_late = late.clone();
+    // Default knobs: concurrency 1, fetch_batch_size 10, idle ceiling 30 s.
+    let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
+        .timer::<Body>(move |_b: Body, ctx: Context| {
+            let late = handler_late.clone();
+            async move {
+                let now = Utc::now();
+                let ms = |d: chrono::TimeDelta| d.num_microseconds().unwrap_or(0) as f64 / 1000.0;
+                late.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((ms(now - ctx.deadline()), ms(ctx.claimed_at() - ctx.deadline())));
+            }
+        })
+        .build()?;
+    let running = worker.start();
+    // Let the worker settle into its idle sleep first, as the reference does.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let t0 = Instant::now();
+    let mut tx = pool.begin().await?;
+    for i in 0..LATENESS_TIMERS {
+        let due = Utc::now() + chrono::TimeDelta::microseconds(rng.random_range(1_000_000..=3_000_000));
+        let out = publish_body(
+            &mut outbox.on(&mut tx),
+            &format!("l{i}"),
+            &Body(body(i)),
+            Schedule::at(due),
+        )
+        .await?;
+        expect(matches!(out, Published::Inserted { .. }), "publish", out)?;
+    }
+    tx.commit().await?;
+    within("timers/lateness", watch.acked_at_least(LATENESS_TIMERS)).await?;
+    let wall = t0.elapsed();
+    running.shutdown().await;
+    let mut v = late.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut claim: Vec<f64> = v.iter().map(|x| x.1).collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    claim.sort_by(|a, b| a.total_cmp(b));
+    let start: Vec<f64> = v.iter().map(|x| x.0).collect();
+    Ok(Ran {
+        wall,
+        lateness: Some(Lateness {
+            p50: percentile(&start, 0.5),
+            p99: percentile(&start, 0.99),
+            max: start.last().copied().unwrap_or(0.0),
+            claim_p99: percentile(&claim, 0.99),
+        }),
+    })
+}
+
+/// The reference's percentile: the element at `q × (n − 1)` of the sorted values
+/// (its p50 is the median, which is the same for these sizes up to interpolation).
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    if q == 0.5 {
+        let n = sorted.len();
+        return if n % 2 == 1 {
+            sorted[n / 2]
+        } else {
+            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
+        };
+    }
+    sorted[(q * (sorted.len() - 1) as f64) as usize]
+}
