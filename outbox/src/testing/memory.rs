@@ -23,7 +23,7 @@ use crate::publish::{
 };
 use crate::store::{
     clean_error_text, Completion, DeadLetter, Delivery, Failure, Lease, NextWakeup, Store,
-    StoredRow,
+    StoredRow, Wakeup,
 };
 use crate::timer::Publisher;
 
@@ -128,6 +128,8 @@ struct State {
     rows: BTreeMap<i64, StoredRow>,
     /// The dead-letter table, in insertion (= id) order.
     dlq: Vec<DeadLetter>,
+    /// Workers listening for wake-up hints ([`Store::wakeups`]).
+    listeners: Vec<tokio::sync::mpsc::Sender<Wakeup>>,
 }
 
 impl Default for State {
@@ -149,6 +151,7 @@ impl State {
             last_dlq_id: 0,
             rows: BTreeMap::new(),
             dlq: Vec::new(),
+            listeners: Vec::new(),
         }
     }
 }
@@ -187,6 +190,23 @@ fn row_order(r: &StoredRow) -> (DateTime<Utc>, i64) {
 }
 
 impl State {
+    /// What a publish's `pg_notify` tells listeners (SPEC §2.4): the queue and the
+    /// deadline at millisecond precision. Hints are best effort, as NOTIFY is: a full or
+    /// closed channel drops them.
+    fn notify(&mut self, queue: &str, at: DateTime<Utc>) {
+        let at = DateTime::from_timestamp_millis(at.timestamp_millis()).unwrap_or(at);
+        self.listeners.retain(|tx| {
+            let hint = Wakeup::Published {
+                queue: queue.to_owned(),
+                at,
+            };
+            !matches!(
+                tx.try_send(hint),
+                Err(tokio::sync::mpsc::error::TrySendError::Closed(_))
+            )
+        });
+    }
+
     fn next_id(&mut self) -> i64 {
         self.last_id += 1;
         self.last_id
@@ -246,6 +266,8 @@ impl State {
                     rearm_headers: None,
                 },
             );
+            // Only an insert notifies; an extend or a skipped publish does not (SPEC §2.4).
+            self.notify(message.queue, at);
             return Ok(Published::Inserted { id });
         };
         if message.on_conflict == OnConflict::Ignore {
@@ -592,6 +614,8 @@ impl State {
             );
             ids.push(id);
         }
+        // One notification for the batch.
+        self.notify(queue, at);
         Ok(ids)
     }
 }
@@ -771,6 +795,17 @@ impl Store for MemoryStore {
 
     fn dead_letter_enabled(&self) -> bool {
         self.lock().dead_letter
+    }
+
+    /// Hints for every insert from now on, as Postgres' `LISTEN` gives them. Moving the
+    /// virtual clock sends nothing: a worker over this store finds rows made due by
+    /// [`MemoryStore::advance`] at its next scan (its idle poll).
+    fn wakeups(
+        &self,
+    ) -> impl Future<Output = Result<Option<tokio::sync::mpsc::Receiver<Wakeup>>>> + Send {
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        self.lock().listeners.push(tx);
+        ready(Ok(Some(rx)))
     }
 
     fn now(&self) -> impl Future<Output = Result<DateTime<Utc>>> + Send {

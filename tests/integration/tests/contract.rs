@@ -12,7 +12,7 @@ use chrono::{DateTime, TimeDelta, Utc};
 use outbox::store::MAX_LAST_ERROR_BYTES;
 use outbox::{
     BatchItem, Cancelled, Completion, DeadLetter, Delivery, Error, Failure, FailureReason, Headers,
-    Lease, Message, OnConflict, Published, Schedule, Store, StoredRow,
+    Lease, Message, OnConflict, Published, Schedule, Store, StoredRow, Wakeup,
 };
 use outbox_tests::contract::{start, Harness, MemHarness, PgHarness};
 use uuid::Uuid;
@@ -1137,6 +1137,69 @@ async fn next_wakeup_reports_the_earliest_deadline_and_lease_expiry<H: Harness>(
     assert_eq!(h.store().now().await.unwrap(), at(10));
 }
 
+async fn every_insert_and_only_inserts_send_a_wakeup_hint<H: Harness>(h: &H) {
+    let mut hints = h
+        .store()
+        .wakeups()
+        .await
+        .unwrap()
+        .expect("both stores push hints");
+    publish(h, plain(b"a", 5)).await;
+    let due = at(10) + us(1_234);
+    publish(h, extend("k", b"t", due)).await;
+    // An extend of a pending row, a rearm, a skipped publish: no hint (SPEC §2.4).
+    assert_eq!(
+        publish(h, extend("k", b"t2", at(20))).await,
+        Published::Extended { id: 2 }
+    );
+    assert_eq!(
+        publish(h, schedule("k", b"x", at(30))).await,
+        Published::Skipped
+    );
+    h.advance(secs(20)).await;
+    let d = claim(h, &[Q], 10).await;
+    assert_eq!(d.len(), 2);
+    assert_eq!(
+        publish(h, extend("k", b"t3", secs(60))).await,
+        Published::RearmQueued { id: 2 }
+    );
+    h.store()
+        .ack_batch(&[d[0].lease, d[1].lease])
+        .await
+        .unwrap();
+    // One hint per batch; then a marker, so nothing can hide between the expected hints.
+    h.publish_batch(
+        Q2,
+        &[BatchItem::new(b"1"), BatchItem::new(b"2")],
+        secs(7).into(),
+    )
+    .await
+    .unwrap();
+    publish(h, Message::new(Q3, b"marker")).await;
+    let hint = |queue: &str, at: DateTime<Utc>| Wakeup::Published {
+        queue: queue.to_owned(),
+        at,
+    };
+    let want = vec![
+        hint(Q, at(5)),
+        hint(Q, at(10) + TimeDelta::milliseconds(1)),
+        hint(Q2, at(27)),
+        hint(Q3, at(20)),
+    ];
+    let mut got = Vec::new();
+    while got.len() < want.len() {
+        let next = tokio::time::timeout(secs(10), hints.recv()).await;
+        got.push(
+            next.expect("a hint within 10 s")
+                .expect("the hint channel is open"),
+        );
+    }
+    assert_eq!(
+        got, want,
+        "deadlines at millisecond precision, as the NOTIFY payload carries"
+    );
+}
+
 async fn pending_reads_live_rows_by_deadline_with_a_limit<H: Harness>(h: &H) {
     publish(h, plain(b"a", 30)).await; // 1
     publish(h, plain(b"b", 0)).await; // 2
@@ -1355,6 +1418,7 @@ contract! {
     cancel_deletes_pending_drops_rearm_and_never_deletes_a_running_row(dead_letter = true);
     a_timer_key_is_free_again_once_its_row_is_gone(dead_letter = true);
     next_wakeup_reports_the_earliest_deadline_and_lease_expiry(dead_letter = true);
+    every_insert_and_only_inserts_send_a_wakeup_hint(dead_letter = true);
     pending_reads_live_rows_by_deadline_with_a_limit(dead_letter = true);
     a_batch_inserts_rows_in_item_order(dead_letter = true);
     typed_functions_publish_through_the_store(dead_letter = true);
