@@ -63,8 +63,10 @@ use crate::timer::Publisher;
 /// - Among rows with the **same** deadline, a claim with a `limit` that cuts through them
 ///   takes the lowest ids; Postgres takes them in index order (usually, but not always, the
 ///   same). The returned deliveries are ordered by deadline, then id, in both stores.
-/// - A time computed outside Postgres' timestamp range (a retry delay of 300 000 years) is
-///   an [`Error::InvalidArgument`] here and a database error there.
+/// - Absurd durations: a retry delay or lease TTL that puts a time beyond the year 262 000
+///   (chrono's range) is an [`Error::InvalidArgument`] (`duration`, `lease_ttl`) here;
+///   Postgres either stores a time it cannot hand back to chrono or rejects it with a
+///   database error. Anything a worker produces is far inside both ranges.
 /// - Lookups scan every row: it is meant for tests, not for millions of rows.
 ///
 /// # Example
