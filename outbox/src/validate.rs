@@ -301,7 +301,10 @@ async fn check_queue_constraints(
     for r in rows {
         let def: String = r.try_get(0)?;
         let valid: bool = r.try_get(1)?;
-        live.push((normalise(&def), valid));
+        // pg_get_constraintdef appends " NOT VALID" to an unvalidated CHECK; convalidated
+        // already says so.
+        let def = def.trim_end().strip_suffix("NOT VALID").unwrap_or(&def);
+        live.push((normalise(def), valid));
     }
     // Accepted spellings of each CHECK, normalised (either operand order).
     let lease = [

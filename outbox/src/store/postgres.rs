@@ -59,9 +59,9 @@ const APPLY_REARM: &str =
 pub(crate) struct StoreSql {
     claim: String,
     ack_delete: String,
-    ack_rearm: String,
+    ack_settle: String,
     ack_batch_delete: String,
-    ack_batch_rearm: String,
+    ack_batch_settle: String,
     retry: String,
     fail_archive: String,
     next_wakeup: String,
@@ -105,24 +105,40 @@ impl StoreSql {
         // SPEC §5.2: the common success path is this one DELETE. If an extend holds the row
         // lock, the DELETE waits, and Postgres re-evaluates the WHERE on the committed row
         // (READ COMMITTED), so a freshly queued rearm makes it match nothing and we fall
-        // through to the UPDATE below.
+        // through to the settle statement below.
         let ack_delete =
             format!("DELETE FROM {t} WHERE id = $1 AND acquired_token = $2 AND rearm_at IS NULL");
-        let ack_rearm = format!(
-            "UPDATE {t} t SET {APPLY_REARM} \
-             WHERE t.id = $1 AND t.acquired_token = $2 AND t.rearm_at IS NOT NULL \
-             RETURNING t.next_attempt_at"
+        // The follow-up, run only when the DELETE matched nothing. It locks the row first and
+        // decides under the lock: a cancel may have dropped the rearm between our two
+        // statements (the DELETE skipped the row for a rearm that is gone now), and then the
+        // row must still be deleted, not reported as a lost lease and left leased. Zero rows
+        // locked is the lost lease.
+        let ack_settle = format!(
+            "WITH cur AS (SELECT id, rearm_at IS NOT NULL AS rearm FROM {t} \
+                          WHERE id = $1 AND acquired_token = $2 FOR UPDATE), \
+             deleted AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm), \
+             rearmed AS (UPDATE {t} t SET {APPLY_REARM} FROM cur \
+                         WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at) \
+             SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed)"
         );
         let ack_batch_delete = format!(
             "DELETE FROM {t} t USING unnest($1::bigint[], $2::uuid[]) AS l(id, token) \
              WHERE t.id = l.id AND t.acquired_token = l.token AND t.rearm_at IS NULL \
              RETURNING t.id"
         );
-        let ack_batch_rearm = format!(
-            "UPDATE {t} t SET {APPLY_REARM} \
-             FROM unnest($1::bigint[], $2::uuid[]) AS l(id, token) \
-             WHERE t.id = l.id AND t.acquired_token = l.token AND t.rearm_at IS NOT NULL \
-             RETURNING t.id, t.next_attempt_at"
+        // The batched follow-up, for the ids the DELETE did not return; same reasoning as
+        // `ack_settle`. Rows are locked in id order so two batches cannot deadlock.
+        let ack_batch_settle = format!(
+            "WITH cur AS (SELECT t.id, t.rearm_at IS NOT NULL AS rearm FROM {t} t \
+                          JOIN unnest($1::bigint[], $2::uuid[]) AS l(id, token) \
+                            ON t.id = l.id AND t.acquired_token = l.token \
+                          ORDER BY t.id FOR UPDATE OF t), \
+             deleted AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm \
+                         RETURNING t.id), \
+             rearmed AS (UPDATE {t} t SET {APPLY_REARM} FROM cur \
+                         WHERE t.id = cur.id AND cur.rearm RETURNING t.id, t.next_attempt_at) \
+             SELECT id, NULL::timestamptz FROM deleted \
+             UNION ALL SELECT id, next_attempt_at FROM rearmed"
         );
         // One statement (SPEC §5.2). The locking CTE reads whether a rearm is queued on the
         // latest row version (after any lock wait), only to report which case happened; the
@@ -183,9 +199,9 @@ impl StoreSql {
         StoreSql {
             claim,
             ack_delete,
-            ack_rearm,
+            ack_settle,
             ack_batch_delete,
-            ack_batch_rearm,
+            ack_batch_settle,
             retry,
             fail_archive,
             next_wakeup,
@@ -240,6 +256,17 @@ fn stored_from_row(row: &PgRow) -> Result<StoredRow> {
     })
 }
 
+/// Reads `(rows locked, rearm deadline)` from a locking completion statement.
+fn settled(row: &PgRow) -> Result<Completion> {
+    let locked: i64 = row.try_get(0)?;
+    let rearmed: Option<DateTime<Utc>> = row.try_get(1)?;
+    Ok(match (locked, rearmed) {
+        (0, _) => Completion::LeaseLost,
+        (_, Some(at)) => Completion::Rearmed { at },
+        (_, None) => Completion::Deleted,
+    })
+}
+
 fn micros(d: Duration) -> Result<i64> {
     i64::try_from(d.as_micros())
         .map_err(|_| Error::invalid("duration", "overflows 64-bit microseconds"))
@@ -277,17 +304,14 @@ impl PgStore {
         &self.outbox.sql().store
     }
 
-    /// The rearm half of a success: runs only when the DELETE matched nothing.
-    async fn apply_rearm(&self, lease: Lease) -> Result<Completion> {
-        let row = sqlx::query(&self.sql().ack_rearm)
+    /// The follow-up of a success: runs only when the DELETE matched nothing.
+    async fn settle(&self, lease: Lease) -> Result<Completion> {
+        let row = sqlx::query(&self.sql().ack_settle)
             .bind(lease.id)
             .bind(lease.token)
-            .fetch_optional(&self.pool)
+            .fetch_one(&self.pool)
             .await?;
-        Ok(match row {
-            Some(r) => Completion::Rearmed { at: r.try_get(0)? },
-            None => Completion::LeaseLost,
-        })
+        settled(&row)
     }
 }
 
@@ -311,7 +335,7 @@ impl Store for PgStore {
         if done.rows_affected() == 1 {
             return Ok(Completion::Deleted);
         }
-        self.apply_rearm(lease).await
+        self.settle(lease).await
     }
 
     async fn ack_batch(&self, leases: &[Lease]) -> Result<Vec<Completion>> {
@@ -339,18 +363,20 @@ impl Store for PgStore {
         }
         // The follow-up runs only for the rows the DELETE did not return (SPEC §5.2).
         if !rest_ids.is_empty() {
-            let rows = sqlx::query(&self.sql().ack_batch_rearm)
+            let rows = sqlx::query(&self.sql().ack_batch_settle)
                 .bind(&rest_ids)
                 .bind(&rest_tokens)
                 .fetch_all(&self.pool)
                 .await?;
-            let mut rearmed = HashMap::new();
+            let mut settled = HashMap::new();
             for r in rows {
-                rearmed.insert(r.try_get::<i64, _>(0)?, r.try_get::<DateTime<Utc>, _>(1)?);
+                let at: Option<DateTime<Utc>> = r.try_get(1)?;
+                let done = at.map_or(Completion::Deleted, |at| Completion::Rearmed { at });
+                settled.insert(r.try_get::<i64, _>(0)?, done);
             }
             for (i, l) in leases.iter().enumerate() {
-                if let Some(&at) = rearmed.get(&l.id) {
-                    out[i] = Completion::Rearmed { at };
+                if let Some(&done) = settled.get(&l.id) {
+                    out[i] = done;
                 }
             }
         }
@@ -390,13 +416,7 @@ impl Store for PgStore {
             .bind(i32::from(failure.reason.handler_ran()))
             .fetch_one(&self.pool)
             .await?;
-        let matched: i64 = row.try_get(0)?;
-        let rearmed: Option<DateTime<Utc>> = row.try_get(1)?;
-        Ok(match (matched, rearmed) {
-            (0, _) => Completion::LeaseLost,
-            (_, Some(at)) => Completion::Rearmed { at },
-            (_, None) => Completion::Deleted,
-        })
+        settled(&row)
     }
 
     async fn next_wakeup(&self, queues: &[String], lease_ttl: Duration) -> Result<NextWakeup> {

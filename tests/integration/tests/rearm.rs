@@ -680,3 +680,39 @@ async fn every_completion_is_fenced_by_the_token() {
     assert_eq!(f.rows(Q).await.len(), 1);
     f.cleanup().await;
 }
+
+/// A cancel that drops the rearm between the ack's DELETE (which skipped the row for its
+/// rearm) and its follow-up must not turn the success into a lost lease: the follow-up
+/// decides under the row lock and deletes the row.
+#[tokio::test]
+async fn a_rearm_dropped_between_the_acks_two_statements_still_deletes_the_row() {
+    let f = Fixture::new().await;
+    for batched in [false, true] {
+        let d = running_timer(&f, "u1", b"p0").await;
+        publish(&f, extend("u1", b"p1", secs(60))).await;
+        // The cancel holds the row lock with the rearm dropped, uncommitted: the ack's
+        // DELETE still sees the committed rearm and skips the row, then its follow-up
+        // waits on the cancel's lock.
+        let mut canceller = f.pool.acquire().await.unwrap();
+        let mut tx = canceller.begin().await.unwrap();
+        let c = f.outbox.cancel(&mut tx, Q, "u1").await.unwrap();
+        assert_eq!(c, Cancelled::RearmDropped { id: d.lease.id });
+        let store = f.store.clone();
+        let ack = tokio::spawn(async move {
+            if batched {
+                store.ack_batch(&[d.lease]).await.map(|v| v[0])
+            } else {
+                store.ack(d.lease).await
+            }
+        });
+        wait_for_lock_wait(&f).await;
+        tx.commit().await.unwrap();
+        assert_eq!(
+            ack.await.unwrap().unwrap(),
+            Completion::Deleted,
+            "batched: {batched}"
+        );
+        assert!(f.rows(Q).await.is_empty(), "batched: {batched}");
+    }
+    f.cleanup().await;
+}
