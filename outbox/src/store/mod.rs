@@ -215,6 +215,10 @@ pub struct NextWakeup {
     pub now: DateTime<Utc>,
     /// Earliest `next_attempt_at` among unleased rows.
     pub deadline: Option<DateTime<Utc>>,
+    /// Earliest `next_attempt_at` among unleased rows that is still in the future. When
+    /// `deadline` is already past yet the claim did not take that row (another
+    /// transaction holds its lock), this is the next moment something new becomes due.
+    pub upcoming: Option<DateTime<Utc>>,
     /// Earliest moment a held lease expires (`acquired_at + lease_ttl`).
     pub lease_expiry: Option<DateTime<Utc>>,
 }

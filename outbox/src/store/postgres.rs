@@ -176,12 +176,16 @@ impl StoreSql {
                          WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at) \
              SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed)"
         );
-        // Both minima come from the partial indexes (one index probe per queue each).
+        // Every minimum comes from a partial index (one index probe per queue each).
         let next_wakeup = format!(
             "SELECT now(), \
                (SELECT min(x.next_attempt_at) FROM unnest($1::text[]) AS q(queue) \
                 CROSS JOIN LATERAL (SELECT next_attempt_at FROM {t} \
                   WHERE queue = q.queue AND acquired_token IS NULL \
+                  ORDER BY next_attempt_at LIMIT 1) x), \
+               (SELECT min(x.next_attempt_at) FROM unnest($1::text[]) AS q(queue) \
+                CROSS JOIN LATERAL (SELECT next_attempt_at FROM {t} \
+                  WHERE queue = q.queue AND acquired_token IS NULL AND next_attempt_at > now() \
                   ORDER BY next_attempt_at LIMIT 1) x), \
                (SELECT min(x.acquired_at) + $2::interval FROM unnest($1::text[]) AS q(queue) \
                 CROSS JOIN LATERAL (SELECT acquired_at FROM {t} \
@@ -428,7 +432,8 @@ impl Store for PgStore {
         Ok(NextWakeup {
             now: row.try_get(0)?,
             deadline: row.try_get(1)?,
-            lease_expiry: row.try_get(2)?,
+            upcoming: row.try_get(2)?,
+            lease_expiry: row.try_get(3)?,
         })
     }
 

@@ -538,9 +538,17 @@ impl State {
             .filter_map(|r| r.acquired_at)
             .min();
         let lease_expiry = oldest_lease.map(|a| plus(a, ttl, "duration")).transpose()?;
+        let upcoming = self
+            .rows
+            .values()
+            .filter(served)
+            .filter(|r| r.acquired_token.is_none() && r.next_attempt_at > self.now)
+            .map(|r| r.next_attempt_at)
+            .min();
         Ok(NextWakeup {
             now: self.now,
             deadline,
+            upcoming,
             lease_expiry,
         })
     }

@@ -605,8 +605,14 @@ async fn claim_loop<S: Store>(
         let mut target = now + ceiling;
         match next.earliest() {
             Some(at) if at <= next.now => {
+                // Due rows we could not claim are locked by another transaction (a claim
+                // in flight, an uncommitted extend). Look again soon, backing off to at
+                // most a second, and never later than the next row that becomes due.
                 target = target.min(now + contention);
-                contention = (contention * 2).min(ceiling);
+                if let Some(upcoming) = next.upcoming {
+                    target = target.min(shared.local(upcoming));
+                }
+                contention = (contention * 2).min(ceiling.min(Duration::from_secs(1)));
             }
             Some(at) => {
                 contention = Duration::from_millis(10);
@@ -696,7 +702,10 @@ async fn process<S: Store>(
     let lease_end = chrono::TimeDelta::from_std(shared.config.lease_ttl)
         .ok()
         .and_then(|ttl| d.claimed_at.checked_add_signed(ttl))
-        .map_or_else(|| Instant::now() + shared.config.lease_ttl, |end| shared.local(end));
+        .map_or_else(
+            || Instant::now() + shared.config.lease_ttl,
+            |end| shared.local(end),
+        );
     let Some(route) = shared.routes.get(&d.queue) else {
         // Unreachable: we only claim queues we serve. Leave the row to lease expiry.
         tracing::error!("outbox: claimed a row of a queue without handler");

@@ -443,3 +443,78 @@ async fn a_lost_listen_connection_is_rebuilt_and_timers_stay_on_time() {
     worker.shutdown().await;
     f.cleanup().await;
 }
+
+/// A due row locked by an open transaction (an uncommitted extend) cannot be claimed; the
+/// worker must not back off past the next timer that becomes due meanwhile.
+#[tokio::test]
+async fn a_locked_due_row_does_not_delay_other_timers() {
+    use sqlx::Connection;
+    let f = Fixture::new().await;
+    let fired: Arc<Mutex<Vec<(String, Duration)>>> = Arc::default();
+    let worker = {
+        let fired = fired.clone();
+        Worker::builder(f.store.clone())
+            .idle_poll(Duration::from_secs(60))
+            .timer::<Job>(move |_: Job, ctx: Context| {
+                let fired = fired.clone();
+                async move {
+                    let late = (ctx.claimed_at() - ctx.deadline())
+                        .to_std()
+                        .unwrap_or_default();
+                    fired
+                        .lock()
+                        .unwrap()
+                        .push((ctx.timer_id().unwrap_or("").to_owned(), late));
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    let mut conn = f.pool.acquire().await.unwrap();
+    publish_job(
+        &mut f.outbox.on(&mut conn),
+        "locked",
+        &Job { n: 1 },
+        Duration::from_millis(200),
+    )
+    .await
+    .unwrap();
+    publish_job(
+        &mut f.outbox.on(&mut conn),
+        "free",
+        &Job { n: 2 },
+        Duration::from_millis(2500),
+    )
+    .await
+    .unwrap();
+    // An extend of `locked` stays uncommitted past both deadlines.
+    let mut other = f.pool.acquire().await.unwrap();
+    let mut tx = other.begin().await.unwrap();
+    extend_job(
+        &mut f.outbox.on(&mut tx),
+        "locked",
+        &Job { n: 3 },
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    eventually(20, "the free timer fires", || async {
+        !fired.lock().unwrap().is_empty()
+    })
+    .await;
+    tx.rollback().await.unwrap();
+    let (id, late) = fired.lock().unwrap()[0].clone();
+    assert_eq!(id, "free");
+    assert!(
+        late < Duration::from_millis(1500),
+        "fired {late:?} after its deadline"
+    );
+    // Once the lock is gone, the locked timer fires too (the contention poll finds it).
+    eventually(10, "the formerly locked timer fires", || async {
+        fired.lock().unwrap().len() == 2
+    })
+    .await;
+    worker.shutdown().await;
+    f.cleanup().await;
+}
