@@ -167,6 +167,27 @@ pub struct Failure<'a> {
 /// a character boundary.
 pub const MAX_LAST_ERROR_BYTES: usize = 16 * 1024;
 
+/// The queues of a claim or wake-up query, each once: a queue named twice would get two
+/// candidate branches whose duplicates eat into the claim's LIMIT.
+pub(crate) fn distinct(queues: &[String]) -> Vec<String> {
+    let mut q = queues.to_vec();
+    q.sort_unstable();
+    q.dedup();
+    q
+}
+
+/// Retry delays longer than [`crate::MAX_DELAY`] are rejected before any SQL: the deadline
+/// would leave the range chrono and Postgres share.
+pub(crate) fn check_retry_delay(delay: Duration) -> Result<()> {
+    if delay > crate::MAX_DELAY {
+        return Err(crate::Error::InvalidArgument {
+            field: "delay",
+            reason: "the retry delay is longer than 10 000 years (overflow)".to_owned(),
+        });
+    }
+    Ok(())
+}
+
 /// Makes an error text storable: Postgres `text` cannot hold NUL, and a runaway error
 /// message should not bloat the dead-letter table.
 pub(crate) fn clean_error_text(s: &str) -> String {

@@ -121,24 +121,27 @@ impl StoreSql {
                          WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at) \
              SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed)"
         );
+        // Outcomes are matched back by (id, token): a stale and a fresh lease of one row in
+        // the same batch must not share one.
         let ack_batch_delete = format!(
             "DELETE FROM {t} t USING unnest($1::bigint[], $2::uuid[]) AS l(id, token) \
              WHERE t.id = l.id AND t.acquired_token = l.token AND t.rearm_at IS NULL \
-             RETURNING t.id"
+             RETURNING t.id, l.token"
         );
         // The batched follow-up, for the ids the DELETE did not return; same reasoning as
         // `ack_settle`. Rows are locked in id order so two batches cannot deadlock.
         let ack_batch_settle = format!(
-            "WITH cur AS (SELECT t.id, t.rearm_at IS NOT NULL AS rearm FROM {t} t \
+            "WITH cur AS (SELECT t.id, l.token, t.rearm_at IS NOT NULL AS rearm FROM {t} t \
                           JOIN unnest($1::bigint[], $2::uuid[]) AS l(id, token) \
                             ON t.id = l.id AND t.acquired_token = l.token \
                           ORDER BY t.id FOR UPDATE OF t), \
              deleted AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm \
-                         RETURNING t.id), \
+                         RETURNING cur.id, cur.token), \
              rearmed AS (UPDATE {t} t SET {APPLY_REARM} FROM cur \
-                         WHERE t.id = cur.id AND cur.rearm RETURNING t.id, t.next_attempt_at) \
-             SELECT id, NULL::timestamptz FROM deleted \
-             UNION ALL SELECT id, next_attempt_at FROM rearmed"
+                         WHERE t.id = cur.id AND cur.rearm \
+                         RETURNING cur.id, cur.token, t.next_attempt_at) \
+             SELECT id, token, NULL::timestamptz FROM deleted \
+             UNION ALL SELECT id, token, next_attempt_at FROM rearmed"
         );
         // One statement (SPEC §5.2). The locking CTE reads whether a rearm is queued on the
         // latest row version (after any lock wait), only to report which case happened; the
@@ -348,17 +351,24 @@ impl Store for PgStore {
         }
         let ids: Vec<i64> = leases.iter().map(|l| l.id).collect();
         let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
-        let deleted: Vec<i64> = sqlx::query_scalar(&self.sql().ack_batch_delete)
+        let deleted: HashSet<Lease> = sqlx::query(&self.sql().ack_batch_delete)
             .bind(&ids)
             .bind(&tokens)
             .fetch_all(&self.pool)
-            .await?;
-        let deleted: HashSet<i64> = deleted.into_iter().collect();
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(Lease {
+                    id: r.try_get(0)?,
+                    token: r.try_get(1)?,
+                })
+            })
+            .collect::<Result<_>>()?;
         let mut out = vec![Completion::LeaseLost; leases.len()];
         let mut rest_ids = Vec::new();
         let mut rest_tokens = Vec::new();
         for (i, l) in leases.iter().enumerate() {
-            if deleted.contains(&l.id) {
+            if deleted.contains(l) {
                 out[i] = Completion::Deleted;
             } else {
                 rest_ids.push(l.id);
@@ -374,13 +384,21 @@ impl Store for PgStore {
                 .await?;
             let mut settled = HashMap::new();
             for r in rows {
-                let at: Option<DateTime<Utc>> = r.try_get(1)?;
-                let done = at.map_or(Completion::Deleted, |at| Completion::Rearmed { at });
-                settled.insert(r.try_get::<i64, _>(0)?, done);
+                let lease = Lease {
+                    id: r.try_get(0)?,
+                    token: r.try_get(1)?,
+                };
+                let at: Option<DateTime<Utc>> = r.try_get(2)?;
+                settled.insert(
+                    lease,
+                    at.map_or(Completion::Deleted, |at| Completion::Rearmed { at }),
+                );
             }
             for (i, l) in leases.iter().enumerate() {
-                if let Some(&done) = settled.get(&l.id) {
-                    out[i] = done;
+                if !deleted.contains(l) {
+                    if let Some(&done) = settled.get(l) {
+                        out[i] = done;
+                    }
                 }
             }
         }
@@ -388,6 +406,7 @@ impl Store for PgStore {
     }
 
     async fn retry(&self, lease: Lease, delay: Duration) -> Result<Completion> {
+        super::check_retry_delay(delay)?;
         let row = sqlx::query(&self.sql().retry)
             .bind(lease.id)
             .bind(lease.token)
@@ -424,6 +443,9 @@ impl Store for PgStore {
     }
 
     async fn next_wakeup(&self, queues: &[String], lease_ttl: Duration) -> Result<NextWakeup> {
+        for q in queues {
+            crate::publish::validate_queue(q)?;
+        }
         let row = sqlx::query(&self.sql().next_wakeup)
             .bind(queues)
             .bind(interval(micros(lease_ttl)?))
@@ -611,6 +633,7 @@ impl Outbox {
         if queues.is_empty() || limit == 0 {
             return Ok(Vec::new());
         }
+        let queues = &super::distinct(queues);
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = sqlx::query(&self.sql().store.claim)
             .bind(queues)

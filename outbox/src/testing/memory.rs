@@ -342,11 +342,11 @@ impl State {
         }
         let now = self.now;
         let expired_before = plus(now, -ttl, "lease_ttl")?;
-        // Two branches per entry of `queues` (a queue named twice gets two of each, as
-        // `unnest` does), each with its own LIMIT; then the best `limit` candidates by
-        // (deadline, id).
+        // Two branches per queue (named twice or not), each with its own LIMIT; then the
+        // best `limit` candidates by (deadline, id).
+        let queues = crate::store::distinct(queues);
         let mut candidates: Vec<(DateTime<Utc>, i64)> = Vec::new();
-        for q in queues {
+        for q in &queues {
             let mut due: Vec<&StoredRow> = self
                 .rows
                 .values()
@@ -423,25 +423,27 @@ impl State {
         if leases.is_empty() {
             return Vec::new();
         }
+        // Keyed by the whole lease, not the id: a stale and a fresh lease of one row in
+        // the same batch must not share an outcome.
         let mut deleted = HashSet::new();
         for l in leases {
             if self.leased(*l).is_some_and(|r| r.rearm_at.is_none()) {
                 self.rows.remove(&l.id);
-                deleted.insert(l.id);
+                deleted.insert(*l);
             }
         }
         let mut rearmed = HashMap::new();
-        for l in leases.iter().filter(|l| !deleted.contains(&l.id)) {
+        for l in leases.iter().filter(|l| !deleted.contains(l)) {
             if let Some(row) = self.leased(*l).filter(|r| r.rearm_at.is_some()) {
-                rearmed.insert(l.id, apply_rearm(row));
+                rearmed.insert(*l, apply_rearm(row));
             }
         }
         leases
             .iter()
             .map(|l| {
-                if deleted.contains(&l.id) {
+                if deleted.contains(l) {
                     Completion::Deleted
-                } else if let Some(&at) = rearmed.get(&l.id) {
+                } else if let Some(&at) = rearmed.get(l) {
                     Completion::Rearmed { at }
                 } else {
                     Completion::LeaseLost
@@ -453,6 +455,7 @@ impl State {
     /// The retry statement: the rearm, if queued, replaces the retry; history is updated
     /// either way and `deliveries_count` is kept.
     fn retry(&mut self, lease: Lease, delay: Duration) -> Result<Completion> {
+        crate::store::check_retry_delay(delay)?;
         let delay = micros(delay)?;
         let now = self.now;
         let Some(row) = self.leased(lease) else {
@@ -521,6 +524,9 @@ impl State {
     }
 
     fn next_wakeup(&self, queues: &[String], lease_ttl: Duration) -> Result<NextWakeup> {
+        for q in queues {
+            validate_queue(q)?;
+        }
         let ttl = micros(lease_ttl)?;
         let served = |r: &&StoredRow| queues.contains(&r.queue);
         let deadline = self

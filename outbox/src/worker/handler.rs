@@ -103,8 +103,9 @@ impl Context {
 pub enum Outcome {
     /// Success: the row is deleted (or its queued rearm applied).
     Ack,
-    /// Failed, try again after this delay (database clock), regardless of the strategy's
-    /// delay; `max_attempts` of the strategy still applies.
+    /// Failed, try again after this delay (database clock, capped at
+    /// [`MAX_RETRY_DELAY`](crate::MAX_RETRY_DELAY)), regardless of the strategy's delay;
+    /// `max_attempts` of the strategy still applies.
     RetryAfter(Duration),
     /// Terminal failure now, reason `rejected`, with this error text.
     Reject(String),
@@ -354,6 +355,7 @@ pub(crate) async fn decide(route: &Route, delivery: &Delivery) -> Decision {
             }
         }
         HandlerResult::RetryAfter(delay) => {
+            let delay = delay.min(super::retry::MAX_RETRY_DELAY);
             // An explicit delay replaces the strategy's, but its attempt limit still holds.
             if route.retry.allows_another(failures) {
                 Decision::Retry {

@@ -612,7 +612,13 @@ async fn retry_with_the_right_token_a_wrong_token_and_an_unleased_row<H: Harness
     );
     assert_eq!(rows(h, Q).await, before);
     let e = h.store().retry(d.lease, Duration::MAX).await.unwrap_err();
-    assert_eq!(invalid_field(e), "duration");
+    assert_eq!(invalid_field(e), "delay");
+    let e = h
+        .store()
+        .retry(d.lease, outbox::MAX_DELAY + secs(1))
+        .await
+        .unwrap_err();
+    assert_eq!(invalid_field(e), "delay");
 
     assert_eq!(
         h.store().retry(d.lease, secs(5)).await.unwrap(),
@@ -1364,6 +1370,74 @@ async fn invalid_input_is_rejected_before_anything_is_written<H: Harness>(h: &H)
 // ---------------------------------------------------------------------------------------
 
 /// Runs each scenario against both stores: `postgres::<name>` and `memory::<name>`.
+/// A stale and a fresh lease of the same row in one batch: only the fresh one succeeds.
+async fn a_stale_and_a_fresh_lease_of_one_row_in_one_batch<H: Harness>(h: &H) {
+    for with_rearm in [false, true] {
+        publish(h, extend("k", b"a", Duration::ZERO)).await;
+        let stale = claim_one(h).await;
+        h.advance(TTL + Duration::from_micros(1)).await;
+        let fresh = claim_one(h).await;
+        assert_eq!(fresh.lease.id, stale.lease.id);
+        if with_rearm {
+            publish(h, extend("k", b"b", secs(3600))).await;
+        }
+        let out = h
+            .store()
+            .ack_batch(&[stale.lease, fresh.lease])
+            .await
+            .unwrap();
+        let want = if with_rearm {
+            Completion::Rearmed {
+                at: h.store().now().await.unwrap() + TimeDelta::seconds(3600),
+            }
+        } else {
+            Completion::Deleted
+        };
+        assert_eq!(
+            out,
+            vec![Completion::LeaseLost, want],
+            "{}: rearm {with_rearm}",
+            H::NAME
+        );
+        if with_rearm {
+            let c = h.store().cancel(Q, "k").await.unwrap();
+            assert!(matches!(c, Cancelled::Deleted { .. }), "{c:?}");
+        }
+        assert!(rows(h, Q).await.is_empty());
+    }
+}
+
+/// A queue named twice is served once: duplicates do not eat into the limit.
+async fn a_queue_named_twice_does_not_shrink_the_claim<H: Harness>(h: &H) {
+    for p in [b"a", b"b", b"c"] {
+        publish(h, plain(p, 0)).await;
+    }
+    let got = claim(h, &[Q, Q], 2).await;
+    assert_eq!(ids(&got), vec![1, 2], "{}", H::NAME);
+    let next = h
+        .store()
+        .next_wakeup(&[Q.to_owned(), Q.to_owned()], TTL)
+        .await
+        .unwrap();
+    assert_eq!(next.deadline, Some(at(0)));
+}
+
+/// Bad queue names are rejected by next_wakeup before any SQL.
+async fn next_wakeup_validates_queue_names<H: Harness>(h: &H) {
+    for bad in ["", "a\0b"] {
+        let err = h
+            .store()
+            .next_wakeup(&[bad.to_owned()], TTL)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { field: "queue", .. }),
+            "{}: {err:?}",
+            H::NAME
+        );
+    }
+}
+
 macro_rules! contract {
     ($($name:ident(dead_letter = $dlq:expr);)*) => {
         mod postgres {
@@ -1423,4 +1497,7 @@ contract! {
     a_batch_inserts_rows_in_item_order(dead_letter = true);
     typed_functions_publish_through_the_store(dead_letter = true);
     invalid_input_is_rejected_before_anything_is_written(dead_letter = true);
+    a_stale_and_a_fresh_lease_of_one_row_in_one_batch(dead_letter = true);
+    a_queue_named_twice_does_not_shrink_the_claim(dead_letter = true);
+    next_wakeup_validates_queue_names(dead_letter = true);
 }
