@@ -74,8 +74,10 @@ impl Cluster {
         self.port
     }
 
-    /// Creates and starts a cluster. `mirror` is the DSN of a server whose settings to copy.
-    pub async fn start(mirror: Option<&str>) -> Result<Cluster, BoxError> {
+    /// Creates and starts a cluster. `mirror` is the DSN of a server whose settings to copy;
+    /// `extra` are `name=value` settings applied last (for diagnostics, such as
+    /// `synchronous_commit=off` to see what commit flushes cost).
+    pub async fn start(mirror: Option<&str>, extra: &[String]) -> Result<Cluster, BoxError> {
         sweep_stale();
         let bin = server_bin()?;
         let as_postgres = running_as_root();
@@ -146,7 +148,10 @@ impl Cluster {
                 // a TLS backend); both sides pay the same.
                 ("ssl", "off".to_owned()),
                 ("max_connections", "100".to_owned()),
-                ("shared_preload_libraries", "'pg_stat_statements'".to_owned()),
+                (
+                    "shared_preload_libraries",
+                    "'pg_stat_statements'".to_owned(),
+                ),
                 ("pg_stat_statements.max", "10000".to_owned()),
                 ("pg_stat_statements.track", "top".to_owned()),
                 // BEGIN/COMMIT/LISTEN are round trips too; count them.
@@ -159,6 +164,16 @@ impl Cluster {
             .into_iter()
             .map(|(k, v)| (k.to_owned(), v)),
         );
+        for kv in extra {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| format!("--pg-set wants name=value, got `{kv}`"))?;
+            conf.retain(|(name, _)| name != k.trim());
+            conf.push((
+                k.trim().to_owned(),
+                format!("'{}'", v.trim().replace('\'', "''")),
+            ));
+        }
         let mut text = String::from("\n# outbox-bench\n");
         for (k, v) in &conf {
             text.push_str(&format!("{k} = {v}\n"));
@@ -203,6 +218,19 @@ impl Cluster {
             .await?
             .try_get(0)?;
         Ok(cluster)
+    }
+
+    /// `pg_waldump --stats=record` between two LSNs: which WAL records a run wrote.
+    pub fn waldump(&self, start: &str, end: &str) -> Result<String, BoxError> {
+        let out = Command::new(self.bin.join("pg_waldump"))
+            .args(["--stats=record", "-p"])
+            .arg(self.data().join("pg_wal"))
+            .args(["-s", start, "-e", end])
+            .output()?;
+        if !out.status.success() {
+            return Err(format!("pg_waldump: {}", String::from_utf8_lossy(&out.stderr)).into());
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     fn data(&self) -> PathBuf {

@@ -33,7 +33,10 @@ use crate::scenarios::{Env, Measurement, Scenario};
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 #[derive(Parser)]
-#[command(name = "outbox-bench", about = "Benchmark harness and regression gate for outbox (SPEC §12)")]
+#[command(
+    name = "outbox-bench",
+    about = "Benchmark harness and regression gate for outbox (SPEC §12)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -70,6 +73,13 @@ struct Common {
     /// Print every statement of every scenario.
     #[arg(short, long)]
     verbose: bool,
+    /// Print `pg_waldump --stats=record` for each run (throwaway cluster only).
+    #[arg(long)]
+    waldump: bool,
+    /// Extra `name=value` server setting for the throwaway cluster (repeatable), for
+    /// diagnostics such as `--pg-set synchronous_commit=off`. Never for baselines.
+    #[arg(long, value_name = "NAME=VALUE")]
+    pg_set: Vec<String>,
     /// Baseline file.
     #[arg(long, default_value = default_baseline())]
     baseline: PathBuf,
@@ -141,22 +151,36 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
         None
     };
 
-    let cluster;
+    if let Cmd::Run(a) = &cli.cmd {
+        if a.write_baseline && !common.pg_set.is_empty() {
+            return Err("--write-baseline records the mirrored settings; drop --pg-set".into());
+        }
+    }
+    let mut cluster = None;
     let (dsn, server) = match &common.dsn {
         Some(d) => (d.clone(), "given server".to_owned()),
         None => {
             eprintln!("starting a throwaway Postgres cluster with pg_stat_statements …");
-            cluster = cluster::Cluster::start(Some(&common.mirror)).await?;
-            let settings: Vec<String> = cluster
+            let c = cluster
+                .insert(cluster::Cluster::start(Some(&common.mirror), &common.pg_set).await?);
+            let settings: Vec<String> = c
                 .settings
                 .iter()
                 .filter(|(k, _)| {
-                    !matches!(k.as_str(), "listen_addresses" | "port" | "unix_socket_directories")
+                    !matches!(
+                        k.as_str(),
+                        "listen_addresses" | "port" | "unix_socket_directories"
+                    )
                 })
                 .map(|(k, v)| format!("{k}={}", v.trim_matches('\'')))
                 .collect();
-            eprintln!("cluster on port {}: {}", cluster.port(), settings.join(" "));
-            (cluster.dsn(), "throwaway cluster".to_owned())
+            eprintln!("cluster on port {}: {}", c.port(), settings.join(" "));
+            let server = if common.pg_set.is_empty() {
+                "throwaway cluster".to_owned()
+            } else {
+                format!("throwaway cluster with {}", common.pg_set.join(" "))
+            };
+            (c.dsn(), server)
         }
     };
     let opts: PgConnectOptions = dsn.parse()?;
@@ -165,9 +189,12 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
         .application_name("outbox-bench-probe")
         .connect()
         .await?;
-    if let Err(e) = sqlx::query(&format!("{} SELECT 1 FROM pg_stat_statements LIMIT 1", probe::TAG))
-        .execute(&mut probe_conn)
-        .await
+    if let Err(e) = sqlx::query(&format!(
+        "{} SELECT 1 FROM pg_stat_statements LIMIT 1",
+        probe::TAG
+    ))
+    .execute(&mut probe_conn)
+    .await
     {
         return Err(format!(
             "pg_stat_statements is not usable on {dsn}: {e} (it needs shared_preload_libraries; omit --dsn for a throwaway cluster)"
@@ -203,11 +230,26 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
     for sc in &selected {
         let mut runs = Vec::new();
         for r in 0..repeat {
-            let (m, statements) = scenarios::run(&mut env, sc).await?;
+            let out = scenarios::run(&mut env, sc).await?;
             if repeat > 1 {
-                eprintln!("  {} run {}: {:.0} msg/s", sc.name, r + 1, m.msgs_per_second);
+                eprintln!(
+                    "  {} run {}: {:.0} msg/s",
+                    sc.name,
+                    r + 1,
+                    out.m.msgs_per_second
+                );
             }
-            runs.push((m, statements));
+            if common.waldump {
+                if let Some(c) = &cluster {
+                    println!(
+                        "{} run {}: {}",
+                        sc.name,
+                        r + 1,
+                        c.waldump(&out.lsn.0, &out.lsn.1)?
+                    );
+                }
+            }
+            runs.push((out.m, out.statements));
         }
         for (m, _) in &runs[1..] {
             let first = &runs[0].0;
@@ -231,7 +273,10 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
                         p.scenario,
                         match (p.msgs_per_second, p.lateness_ms) {
                             (Some(t), _) => format!("{t:.0} msg/s"),
-                            (None, Some(l)) => format!("lateness p50 {:.0} p99 {:.0} max {:.0} ms", l.p50, l.p99, l.max),
+                            (None, Some(l)) => format!(
+                                "lateness p50 {:.0} p99 {:.0} max {:.0} ms",
+                                l.p50, l.p99, l.max
+                            ),
                             _ => "no figure".to_owned(),
                         }
                     );
@@ -269,7 +314,11 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
         }
         Cmd::Check(_) => {
             let baseline = baseline.ok_or("no baseline")?;
-            println!("check against {} (recorded {})", common.baseline.display(), baseline.machine.date);
+            println!(
+                "check against {} (recorded {})",
+                common.baseline.display(),
+                baseline.machine.date
+            );
             let regressions = report::compare(&baseline, &results);
             if regressions.is_empty() {
                 println!("check: ok ({} scenarios)", results.len());

@@ -106,10 +106,11 @@ pub async fn run(
     let mut results = parse(&text);
     if let (Some(sc), Some(wal0)) = (sc, wal0) {
         // Its connections' statistics are flushed when their backends exit.
-        probe::wait_backends_gone(&mut env.probe, "application_name NOT LIKE 'outbox-bench%'").await?;
+        probe::wait_backends_gone(&mut env.probe, "application_name NOT LIKE 'outbox-bench%'")
+            .await?;
         let statements = probe::statements(&mut env.probe).await?;
         let wal1 = probe::wal(&mut env.probe).await?;
-        let total = scenarios::wal_diff(wal0, wal1);
+        let total = scenarios::wal_diff(&wal0, &wal1);
         let (phase, setup): (Vec<&Statement>, Vec<&Statement>) =
             statements.iter().partition(|s| !is_setup(sc, s));
         let mut wal = total;
@@ -189,7 +190,11 @@ fn parse(stdout: &str) -> Vec<PeerResult> {
             continue;
         };
         let f = |k: &str| v.get(k).and_then(Value::as_f64);
-        let lateness = match (f("lateness_ms_p50"), f("lateness_ms_p99"), f("lateness_ms_max")) {
+        let lateness = match (
+            f("lateness_ms_p50"),
+            f("lateness_ms_p99"),
+            f("lateness_ms_max"),
+        ) {
             (Some(p50), Some(p99), Some(max)) => Some(scenarios::Lateness {
                 p50,
                 p99,

@@ -25,12 +25,13 @@ pub const TAG: &str = "/* outbox-bench probe */";
 pub const WORK_APP: &str = "outbox-bench-work";
 
 /// WAL counters (`pg_stat_wal`) and the insert position.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Wal {
     pub records: i64,
     pub fpi: i64,
     pub bytes: i64,
-    pub lsn_bytes: i64,
+    /// `pg_current_wal_insert_lsn()`, for `pg_waldump`.
+    pub lsn: String,
 }
 
 /// Tuple counters of one table (`pg_stat_user_tables`).
@@ -77,7 +78,7 @@ pub async fn wal(conn: &mut PgConnection) -> Result<Wal, BoxError> {
     flush_own(conn).await?;
     let r = sqlx::query(&format!(
         "{TAG} SELECT wal_records, wal_fpi, wal_bytes::bigint, \
-           pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint FROM pg_stat_wal"
+           pg_current_wal_insert_lsn()::text FROM pg_stat_wal"
     ))
     .fetch_one(&mut *conn)
     .await?;
@@ -85,7 +86,7 @@ pub async fn wal(conn: &mut PgConnection) -> Result<Wal, BoxError> {
         records: r.try_get(0)?,
         fpi: r.try_get(1)?,
         bytes: r.try_get(2)?,
-        lsn_bytes: r.try_get(3)?,
+        lsn: r.try_get(3)?,
     })
 }
 
@@ -202,7 +203,11 @@ pub async fn wait_backends_gone(conn: &mut PgConnection, filter: &str) -> Result
             ))
             .fetch_all(&mut *conn)
             .await?;
-            return Err(format!("{n} backends ({filter}) still there after 30 s: {}", who.join("; ")).into());
+            return Err(format!(
+                "{n} backends ({filter}) still there after 30 s: {}",
+                who.join("; ")
+            )
+            .into());
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -225,7 +230,10 @@ pub fn keyword(query: &str) -> String {
             continue;
         }
         let w = word.to_ascii_uppercase();
-        if matches!(w.as_str(), "SELECT" | "INSERT" | "UPDATE" | "DELETE" | "MERGE") {
+        if matches!(
+            w.as_str(),
+            "SELECT" | "INSERT" | "UPDATE" | "DELETE" | "MERGE"
+        ) {
             return format!("WITH…{w}");
         }
     }

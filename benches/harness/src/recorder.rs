@@ -20,7 +20,6 @@ use tokio::sync::Notify;
 #[derive(Default)]
 pub struct Watch {
     acked: AtomicU64,
-    claims: AtomicU64,
     short_claims: AtomicU64,
     limit: AtomicU64,
     changed: Notify,
@@ -31,7 +30,6 @@ impl Watch {
     /// rows is short).
     pub fn reset(&self, limit: usize) {
         self.acked.store(0, Ordering::SeqCst);
-        self.claims.store(0, Ordering::SeqCst);
         self.short_claims.store(0, Ordering::SeqCst);
         self.limit.store(limit as u64, Ordering::SeqCst);
     }
@@ -42,10 +40,6 @@ impl Watch {
 
     pub fn short_claims(&self) -> u64 {
         self.short_claims.load(Ordering::SeqCst)
-    }
-
-    pub fn claims(&self) -> u64 {
-        self.claims.load(Ordering::SeqCst)
     }
 
     /// Waits until at least `n` completions have been written.
@@ -78,7 +72,6 @@ struct ClaimSize(Arc<Watch>);
 
 impl HistogramFn for ClaimSize {
     fn record(&self, value: f64) {
-        self.0.claims.fetch_add(1, Ordering::SeqCst);
         if (value as u64) < self.0.limit.load(Ordering::SeqCst) {
             self.0.short_claims.fetch_add(1, Ordering::SeqCst);
         }

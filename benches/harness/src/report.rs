@@ -31,7 +31,10 @@ impl Machine {
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
         let cpu = cpuinfo
             .lines()
-            .find_map(|l| l.strip_prefix("model name").map(|r| r.trim_start_matches([' ', '\t', ':']).to_owned()))
+            .find_map(|l| {
+                l.strip_prefix("model name")
+                    .map(|r| r.trim_start_matches([' ', '\t', ':']).to_owned())
+            })
             .unwrap_or_default();
         let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
         let memory = meminfo
@@ -70,8 +73,11 @@ fn gated_figures(sc: &Scenario) -> Vec<String> {
         Some(skip) => g.push(format!("statements except {} (exact)", skip.join(", "))),
     }
     if sc.gates_tuples_and_wal() {
-        g.push(format!("tuples {} (exact)", scenarios::GATED_TUPLES.join("/")));
-        g.push(format!("wal.records (+{:.0} %)", WAL_RECORDS_TOLERANCE * 100.0));
+        g.push(format!("tuples {} (exact)", sc.gated_tuples().join("/")));
+        g.push(format!(
+            "wal.records (+{:.0} %)",
+            WAL_RECORDS_TOLERANCE * 100.0
+        ));
     }
     g
 }
@@ -95,17 +101,20 @@ pub struct Baseline {
 impl Baseline {
     pub fn new(machine: Machine, results: &[Measurement]) -> Baseline {
         Baseline {
-            about: "outbox-bench baseline (SPEC §12). `cargo run --release -p outbox-bench -- check` \
+            about:
+                "outbox-bench baseline (SPEC §12). `cargo run --release -p outbox-bench -- check` \
                     compares statement and tuple counts exactly and WAL records within +10 %; \
                     msgs_per_second, WAL bytes/FPI and lateness are informational. Re-record with \
                     `cargo run --release -p outbox-bench -- run --write-baseline`."
-                .to_owned(),
+                    .to_owned(),
             machine,
             scenarios: results
                 .iter()
                 .map(|m| BaselineEntry {
                     m: m.clone(),
-                    gated: scenarios::find(&m.scenario).map(gated_figures).unwrap_or_default(),
+                    gated: scenarios::find(&m.scenario)
+                        .map(gated_figures)
+                        .unwrap_or_default(),
                 })
                 .collect(),
         }
@@ -141,9 +150,18 @@ pub struct Regression {
 pub fn compare(baseline: &Baseline, current: &[Measurement]) -> Vec<Regression> {
     let mut out = Vec::new();
     for cur in current {
-        let Some(sc) = scenarios::find(&cur.scenario) else { continue };
-        let Some(base) = baseline.scenarios.iter().find(|b| b.m.scenario == cur.scenario) else {
-            println!("  new  {:<26} not in the baseline; record it with run --write-baseline", cur.scenario);
+        let Some(sc) = scenarios::find(&cur.scenario) else {
+            continue;
+        };
+        let Some(base) = baseline
+            .scenarios
+            .iter()
+            .find(|b| b.m.scenario == cur.scenario)
+        else {
+            println!(
+                "  new  {:<26} not in the baseline; record it with run --write-baseline",
+                cur.scenario
+            );
             continue;
         };
         let base = &base.m;
@@ -158,10 +176,19 @@ pub fn compare(baseline: &Baseline, current: &[Measurement]) -> Vec<Regression> 
             })
         };
         if base.messages != cur.messages {
-            push("messages".into(), base.messages.to_string(), cur.messages.to_string(), "different workload");
+            push(
+                "messages".into(),
+                base.messages.to_string(),
+                cur.messages.to_string(),
+                "different workload",
+            );
         }
         if let Some(skip) = sc.ungated_statements() {
-            let kinds: BTreeSet<&String> = base.statements.keys().chain(cur.statements.keys()).collect();
+            let kinds: BTreeSet<&String> = base
+                .statements
+                .keys()
+                .chain(cur.statements.keys())
+                .collect();
             for k in kinds {
                 if skip.contains(&k.as_str()) {
                     continue;
@@ -174,15 +201,25 @@ pub fn compare(baseline: &Baseline, current: &[Measurement]) -> Vec<Regression> 
                     } else {
                         "fewer statements: an improvement; re-record the baseline"
                     };
-                    push(format!("statements[{k}]"), b.to_string(), c.to_string(), why);
+                    push(
+                        format!("statements[{k}]"),
+                        b.to_string(),
+                        c.to_string(),
+                        why,
+                    );
                 }
             }
         }
         if sc.gates_tuples_and_wal() {
-            for f in scenarios::GATED_TUPLES {
+            for f in sc.gated_tuples() {
                 let (b, c) = (tuple_field(&base.tuples, f), tuple_field(&cur.tuples, f));
                 if b != c {
-                    push(format!("tuples.{f}"), b.to_string(), c.to_string(), "tuple counts must match exactly");
+                    push(
+                        format!("tuples.{f}"),
+                        b.to_string(),
+                        c.to_string(),
+                        "tuple counts must match exactly",
+                    );
                 }
             }
             let limit = base.wal.records as f64 * (1.0 + WAL_RECORDS_TOLERANCE);
@@ -249,7 +286,10 @@ pub fn print_block(m: &Measurement, statements: &[Statement], verbose: bool) {
     let n = m.messages as f64;
     let sc = scenarios::find(&m.scenario);
     if sc.is_some_and(|s| !s.has_throughput()) {
-        println!("{}  {} timers  ({:.2} s window)", m.scenario, m.messages, m.wall_seconds);
+        println!(
+            "{}  {} timers  ({:.2} s window)",
+            m.scenario, m.messages, m.wall_seconds
+        );
     } else {
         println!(
             "{}  {} msgs  {:.0} msg/s  ({:.3} s)",
@@ -320,7 +360,10 @@ pub fn summary_table(results: &[Measurement]) -> String {
             .iter()
             .map(|(k, c)| format!("{k} {}", trim(*c as f64 / n)))
             .collect();
-        let tput = match (scenarios::find(&m.scenario).is_some_and(|s| s.has_throughput()), m.lateness_ms) {
+        let tput = match (
+            scenarios::find(&m.scenario).is_some_and(|s| s.has_throughput()),
+            m.lateness_ms,
+        ) {
             (true, _) => format!("{:.0}", m.msgs_per_second),
             (false, Some(l)) => format!("p50/p99/max {:.0}/{:.0}/{:.0} ms", l.p50, l.p99, l.max),
             (false, None) => "–".to_owned(),
@@ -358,10 +401,15 @@ pub fn peer_table(ours: &[Measurement], peers: &[PeerResult]) -> String {
          |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for p in peers {
-        let Some(sc) = scenarios::ALL.iter().find(|s| s.peer.contains(&p.scenario.as_str())) else {
+        let Some(sc) = scenarios::ALL
+            .iter()
+            .find(|s| s.peer.contains(&p.scenario.as_str()))
+        else {
             continue;
         };
-        let Some(m) = ours.iter().find(|m| m.scenario == sc.name) else { continue };
+        let Some(m) = ours.iter().find(|m| m.scenario == sc.name) else {
+            continue;
+        };
         let n = m.messages as f64;
         if let (Some(l), Some(pl)) = (m.lateness_ms, p.lateness_ms) {
             s.push_str(&format!(
@@ -371,14 +419,16 @@ pub fn peer_table(ours: &[Measurement], peers: &[PeerResult]) -> String {
             ));
             continue;
         }
-        let Some(pt) = p.msgs_per_second else { continue };
+        let Some(pt) = p.msgs_per_second else {
+            continue;
+        };
         let our_wal = m.wal.bytes as f64 / n;
         let (peer_stmts, peer_wal, wal_ratio) = match (&p.phase, p.messages) {
             (Some(ph), pn) if pn > 0 => {
                 let pn = pn as f64;
                 let w = ph.wal.bytes as f64 / pn;
                 (
-                    format!("{}", trim(ph.statements_total() as f64 / pn)),
+                    trim(ph.statements_total() as f64 / pn),
                     format!("{w:.0}"),
                     format!("{:.2}", our_wal / w),
                 )
@@ -399,4 +449,85 @@ pub fn peer_table(ours: &[Measurement], peers: &[PeerResult]) -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probe::Tuples;
+    use crate::scenarios::WalTotals;
+
+    fn m(delete: i64, wal_records: i64, tput: f64) -> Measurement {
+        Measurement {
+            scenario: "consumer/w1/b10".to_owned(),
+            messages: 5000,
+            wall_seconds: 1.0,
+            msgs_per_second: tput,
+            statements: [
+                ("DELETE".to_owned(), delete),
+                ("WITH…UPDATE".to_owned(), 501),
+            ]
+            .into_iter()
+            .collect(),
+            wal: WalTotals {
+                records: wal_records,
+                bytes: 1,
+                fpi: 0,
+            },
+            tuples: Tuples {
+                ins: 0,
+                upd: 5000,
+                del: 5000,
+                hot_upd: 0,
+                dead: 10000,
+            },
+            lateness_ms: None,
+        }
+    }
+
+    fn baseline() -> Baseline {
+        Baseline::new(Machine::default(), &[m(5000, 30000, 2000.0)])
+    }
+
+    #[test]
+    fn same_counts_slower_pass() {
+        assert!(compare(&baseline(), &[m(5000, 32900, 900.0)]).is_empty());
+    }
+
+    #[test]
+    fn one_more_statement_fails_naming_everything() {
+        let r = compare(&baseline(), &[m(5001, 30000, 2000.0)]);
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].scenario, "consumer/w1/b10");
+        assert_eq!(r[0].metric, "statements[DELETE]");
+        assert_eq!(
+            (r[0].baseline.as_str(), r[0].current.as_str()),
+            ("5000", "5001")
+        );
+    }
+
+    #[test]
+    fn wal_records_beyond_ten_percent_fail() {
+        let r = compare(&baseline(), &[m(5000, 33001, 2000.0)]);
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].metric, "wal.records");
+    }
+
+    #[test]
+    fn tuple_counts_are_exact() {
+        let mut cur = m(5000, 30000, 2000.0);
+        cur.tuples.dead += 1;
+        let r = compare(&baseline(), &[cur]);
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].metric, "tuples.dead");
+    }
+
+    #[test]
+    fn baseline_round_trips() {
+        let b = baseline();
+        let text = serde_json::to_string(&b).unwrap();
+        let back: Baseline = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.scenarios[0].m, b.scenarios[0].m);
+        assert!(text.contains("statements (exact)"));
+    }
 }
