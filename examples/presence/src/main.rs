@@ -77,7 +77,8 @@ struct LoadArgs {
     /// Simulated users.
     #[arg(long, default_value_t = 2000)]
     users: usize,
-    /// How long users ping (default: 60 for load, 30 for demo); the final check follows.
+    /// How long users ping, at least 2 × (timeout + allowed lateness + 1 s) (default: 90 for
+    /// load, which fits the 30 s timeout of serve; 30 for demo); the final check follows.
     #[arg(long)]
     seconds: Option<f64>,
     /// Share of users whose pings land while the expiry handler runs, then go silent.
@@ -230,7 +231,7 @@ async fn run(command: Command) -> Result<bool, String> {
             Ok(true)
         }
         Command::Load { url, load } => {
-            let config = load.config(url, 60.0)?;
+            let config = load.config(url, 90.0)?;
             let report = load::run(config).await.map_err(|e| e.to_string())?;
             print!("{}", report.summary());
             Ok(report.ok())
