@@ -134,6 +134,7 @@ pub use store::{
 pub use timer::{cancel_timer, extend_timer, publish_timer, Bound, Publisher, Timer};
 pub use validate::validate_schema;
 pub use worker::{
-    Context, Handler, HandlerOptions, HandlerResult, IntoOutcome, Outcome, RetryStrategy,
-    RunningWorker, ShutdownReport, Worker, WorkerBuilder, DEFAULT_MAX_DELIVERIES, MAX_RETRY_DELAY,
+    Context, Decision, Dispatched, Handler, HandlerOptions, HandlerResult, IntoOutcome, Outcome,
+    RetryStrategy, RunningWorker, ShutdownReport, Worker, WorkerBuilder, DEFAULT_MAX_DELIVERIES,
+    MAX_RETRY_DELAY, RUN_DUE_LIMIT,
 };

@@ -40,6 +40,76 @@
 //! # Ok::<(), outbox::Error>(())
 //! # }).unwrap();
 //! ```
+//!
+//! ## Testing a handler with virtual time
+//!
+//! Register handlers on a [`Worker`](crate::Worker) over a `MemoryStore` exactly as in
+//! production, then drive it with [`Worker::run_due`](crate::Worker::run_due): it runs every
+//! row due at the store's current (virtual) time to completion and returns what happened.
+//! Move time with [`MemoryStore::advance`]; nothing sleeps, every run is the same.
+//!
+//! ```
+//! use std::sync::{Arc, Mutex};
+//! use std::time::Duration;
+//! use outbox::testing::MemoryStore;
+//! use outbox::{Completion, Context, Decision, Store, Worker};
+//!
+//! #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
+//! #[derive(Debug, serde::Serialize, serde::Deserialize)]
+//! pub struct PresenceExpiry {
+//!     pub user_id: i64,
+//! }
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+//! let store = MemoryStore::new();
+//! let offline: Arc<Mutex<Vec<i64>>> = Arc::default();
+//!
+//! // The handler under test: user 1 "pinged" during the expiry, so it extends its own
+//! // timer by 30 s instead of going offline; everyone else goes offline.
+//! let worker = {
+//!     let (store, offline) = (store.clone(), offline.clone());
+//!     Worker::builder(store.clone())
+//!         .timer::<PresenceExpiry>(move |t: PresenceExpiry, _ctx: Context| {
+//!             let (mut store, offline) = (store.clone(), offline.clone());
+//!             async move {
+//!                 if t.user_id == 1 {
+//!                     let id = t.user_id.to_string();
+//!                     extend_presence_expiry(&mut store, &id, &t, Duration::from_secs(30)).await?;
+//!                 } else {
+//!                     offline.lock().unwrap().push(t.user_id);
+//!                 }
+//!                 Ok::<(), outbox::Error>(())
+//!             }
+//!         })
+//!         .build()?
+//! };
+//!
+//! for user_id in [1, 2] {
+//!     let t = PresenceExpiry { user_id };
+//!     publish_presence_expiry(&mut store.clone(), &user_id.to_string(), &t, Duration::from_secs(60)).await?;
+//! }
+//! assert!(worker.run_due().await?.is_empty(), "nothing is due before 60 s");
+//!
+//! store.advance(Duration::from_secs(60));
+//! let ran = worker.run_due().await?;
+//! assert_eq!(ran.len(), 2);
+//! assert!(ran.iter().all(|r| r.decision == Decision::Ack));
+//! assert_eq!(*offline.lock().unwrap(), vec![2]);
+//! // User 1's extend during its own run queued a rearm: the row is pending again at
+//! // 60 s + 30 s, and run_due did not dispatch it a second time.
+//! let user_1 = ran.iter().find(|r| r.delivery.timer_id.as_deref() == Some("1")).unwrap();
+//! assert!(matches!(user_1.completion, Completion::Rearmed { .. }));
+//! assert_eq!(store.rows().len(), 1);
+//! assert!(worker.run_due().await?.is_empty());
+//!
+//! store.advance(Duration::from_secs(30));
+//! assert_eq!(worker.run_due().await?.len(), 1, "fires again at its new deadline");
+//! # Ok::<(), outbox::Error>(())
+//! # }).unwrap();
+//! ```
+//!
+//! The same worker can also [`start`](crate::Worker::start) over a `MemoryStore` (it
+//! sleeps on the real clock between wake-ups, so prefer `run_due` in tests).
 
 mod memory;
 

@@ -14,6 +14,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 
 use super::retry::RetryStrategy;
+use super::Decision;
 use crate::publish::Headers;
 use crate::store::{Delivery, FailureReason};
 use crate::timer::Timer;
@@ -286,20 +287,6 @@ impl Route {
             retry: options.retry,
         }
     }
-}
-
-/// What to do with a delivery once its handler (or the checks before it) are done.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Decision {
-    Ack,
-    Retry {
-        delay: Duration,
-        error: String,
-    },
-    Fail {
-        reason: FailureReason,
-        error: Option<String>,
-    },
 }
 
 /// Runs one delivery through its route: the `max_deliveries` check, decoding, the handler

@@ -14,7 +14,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-pub(crate) use handler::{decide, Decision, Route};
+pub(crate) use handler::{decide, Route};
 pub use handler::{
     Context, Handler, HandlerOptions, HandlerResult, IntoOutcome, Outcome, DEFAULT_MAX_DELIVERIES,
 };
@@ -312,6 +312,44 @@ impl<S> std::fmt::Debug for Worker<S> {
     }
 }
 
+/// The most deliveries one [`Worker::run_due`] call runs.
+pub const RUN_DUE_LIMIT: usize = 10_000;
+
+/// One delivery run by [`Worker::run_due`]: the claimed row, what the handler decided,
+/// and how the fenced completion ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dispatched {
+    /// The claimed row.
+    pub delivery: Delivery,
+    /// What the run decided.
+    pub decision: Decision,
+    /// How the completion ended (for example [`Completion::Rearmed`] when the timer was
+    /// extended during the run).
+    pub completion: Completion,
+}
+
+/// What to do with a delivery once its handler, or the checks before it, are done.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Decision {
+    /// Success.
+    Ack,
+    /// A failed run, retried after `delay`.
+    Retry {
+        /// The delay chosen by the strategy or the handler.
+        delay: Duration,
+        /// The handler's error text.
+        error: String,
+    },
+    /// A terminal failure.
+    Fail {
+        /// Why.
+        reason: crate::FailureReason,
+        /// The error text, if any.
+        error: Option<String>,
+    },
+}
+
 /// What [`RunningWorker::shutdown`] observed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShutdownReport {
@@ -407,6 +445,59 @@ impl<S: Store> Worker<S> {
     /// The queues this worker serves, sorted.
     pub fn queues(&self) -> &[String] {
         &self.queues
+    }
+
+    /// Runs every row that is due **now**, one at a time and to completion, in claim order,
+    /// and returns what happened to each: the synchronous "run everything due" mode of the
+    /// test harness (SPEC §10). It claims in rounds until a claim comes back empty, so rows
+    /// that become due during the run (a zero-delay retry) run too; a row whose handler
+    /// extended its own timer is pending at its new deadline and does not run again until
+    /// the store's clock reaches it. No batching, no sleeping, no notifications.
+    ///
+    /// With [`crate::testing::MemoryStore`] and its virtual clock this is deterministic:
+    /// publish, [`advance`](crate::testing::MemoryStore::advance), `run_due`, inspect. It
+    /// works on [`PgStore`](crate::PgStore) too (for a drain in a script or a test).
+    ///
+    /// Stops after [`RUN_DUE_LIMIT`] deliveries, so a handler that keeps making itself due
+    /// at once cannot loop forever.
+    ///
+    /// # Errors
+    /// The first storage error; deliveries before it have been completed.
+    pub async fn run_due(&self) -> Result<Vec<Dispatched>> {
+        let mut out = Vec::new();
+        while out.len() < RUN_DUE_LIMIT {
+            let limit = self.config.fetch_batch_size.min(RUN_DUE_LIMIT - out.len());
+            let batch = self
+                .store
+                .claim(&self.queues, limit, self.config.lease_ttl)
+                .await?;
+            if batch.is_empty() {
+                break;
+            }
+            for d in batch {
+                let Some(route) = self.routes.get(&d.queue) else {
+                    continue;
+                };
+                let decision = decide(route, &d).await;
+                let completion = match &decision {
+                    Decision::Ack => self.store.ack(d.lease).await?,
+                    Decision::Retry { delay, .. } => self.store.retry(d.lease, *delay).await?,
+                    Decision::Fail { reason, error } => {
+                        let failure = Failure {
+                            reason: *reason,
+                            last_error: error.as_deref(),
+                        };
+                        self.store.fail(d.lease, failure).await?
+                    }
+                };
+                out.push(Dispatched {
+                    delivery: d,
+                    decision,
+                    completion,
+                });
+            }
+        }
+        Ok(out)
     }
 
     /// Spawns the worker on the current Tokio runtime.
