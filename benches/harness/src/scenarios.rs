@@ -355,7 +355,7 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
         Kind::ProducerPerTx => run_producer_per_tx(&work, &outbox).await?,
         Kind::ExtendPending => run_extend_pending(&work, &outbox).await?,
         Kind::ExtendRearm => run_extend_rearm(env, &work, &outbox).await?,
-        Kind::Lateness => run_lateness(&work, &outbox).await?,
+        Kind::Lateness => run_lateness(&work, &outbox, env.verbose).await?,
     };
 
     work.close().await;
@@ -778,7 +778,7 @@ async fn run_extend_rearm(env: &mut Env, pool: &PgPool, outbox: &Outbox) -> Resu
     })
 }
 
-async fn run_lateness(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxError> {
+async fn run_lateness(pool: &PgPool, outbox: &Outbox, verbose: bool) -> Result<Ran, BoxError> {
     let watch = recorder::watch();
     watch.reset(10);
     let late = Arc::new(std::sync::Mutex::new(Vec::<(f64, f64)>::new()));
@@ -824,6 +824,19 @@ async fn run_lateness(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxError> {
     v.sort_by(|a, b| a.0.total_cmp(&b.0));
     claim.sort_by(|a, b| a.total_cmp(b));
     let start: Vec<f64> = v.iter().map(|x| x.0).collect();
+    if verbose {
+        let deciles: Vec<String> = (1..10)
+            .map(|d| format!("{:.1}", percentile(&start, d as f64 / 10.0)))
+            .collect();
+        let over = |ms: f64| start.iter().filter(|&&x| x > ms).count();
+        println!(
+            "  lateness deciles (ms): {}; over 5 ms: {}, over 10 ms: {}, over 20 ms: {}",
+            deciles.join(" "),
+            over(5.0),
+            over(10.0),
+            over(20.0)
+        );
+    }
     Ok(Ran {
         wall,
         lateness: Some(Lateness {
