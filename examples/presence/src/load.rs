@@ -71,10 +71,9 @@ pub struct LoadConfig {
     /// Print a summary line every second.
     pub live: bool,
     /// A quarter of the logout users ping while their expiry handler runs and log out
-    /// right after, so the logout's cancel drops the queued rearm. Off by default: the
-    /// runtime can then report the run's completion as a lost lease and leave the row
-    /// leased until `lease_ttl` (reproduced in `tests/runtime_repro.rs`), which the final
-    /// timer-row audit flags.
+    /// right after, so the logout's cancel drops the queued rearm while the run's
+    /// completion is on its way (on by default; the run must still end with its row
+    /// deleted, which the final timer-row audit checks).
     pub logout_after_rearm: bool,
 }
 
@@ -97,7 +96,7 @@ impl LoadConfig {
             margin: Duration::from_millis(50),
             seed: rng.random(),
             live: true,
-            logout_after_rearm: false,
+            logout_after_rearm: true,
         }
     }
 }

@@ -102,11 +102,10 @@ struct LoadArgs {
     /// Seed of the users' random choices (default: random; printed at the end).
     #[arg(long)]
     seed: Option<u64>,
-    /// Some logout users ping while their expiry handler runs and log out right after,
-    /// so the cancel drops a queued rearm (exposes a known runtime race; see
-    /// examples/presence/tests/runtime_repro.rs).
+    /// Turn off the logout users who ping while their expiry handler runs and log out
+    /// right after (so the cancel drops a queued rearm while the run completes).
     #[arg(long)]
-    logout_after_rearm: bool,
+    no_logout_after_rearm: bool,
 }
 
 impl LoadArgs {
@@ -125,7 +124,7 @@ impl LoadArgs {
         if let Some(seed) = self.seed {
             c.seed = seed;
         }
-        c.logout_after_rearm = self.logout_after_rearm;
+        c.logout_after_rearm = !self.no_logout_after_rearm;
         Ok(c)
     }
 }
