@@ -15,7 +15,8 @@ use sqlx::{ConnectOptions, PgPool};
 
 /// The database URL the tests use.
 pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
 }
 
 /// A pool of at most `max` connections; panics with instructions when Postgres is down.
@@ -47,7 +48,10 @@ pub async fn pool() -> PgPool {
 
 /// A unique, valid table name for one test.
 pub fn unique_table(prefix: &str) -> String {
-    format!("{prefix}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+    format!(
+        "{prefix}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
 }
 
 /// One test's outbox: fresh tables, a pool, a store.
@@ -74,19 +78,30 @@ impl Fixture {
             .expect("valid test names");
         outbox.migrate(&pool).await.expect("migrations apply");
         let store = PgStore::new(pool.clone(), outbox.clone());
-        Fixture { pool, outbox, store }
+        Fixture {
+            pool,
+            outbox,
+            store,
+        }
     }
 
     /// Every live row of `queue`, ordered by deadline then id.
     pub async fn rows(&self, queue: &str) -> Vec<StoredRow> {
         let mut conn = self.pool.acquire().await.expect("connection");
-        self.outbox.pending(&mut conn, queue, 100_000).await.expect("pending")
+        self.outbox
+            .pending(&mut conn, queue, 100_000)
+            .await
+            .expect("pending")
     }
 
     /// The one live row of `queue`; panics unless there is exactly one.
     pub async fn only_row(&self, queue: &str) -> StoredRow {
         let mut rows = self.rows(queue).await;
-        assert_eq!(rows.len(), 1, "expected exactly one row in {queue}: {rows:#?}");
+        assert_eq!(
+            rows.len(),
+            1,
+            "expected exactly one row in {queue}: {rows:#?}"
+        );
         rows.remove(0)
     }
 
@@ -97,6 +112,9 @@ impl Fixture {
             self.outbox.table(),
             self.outbox.dead_letter_table()
         );
-        sqlx::raw_sql(&sql).execute(&self.pool).await.expect("drop tables");
+        sqlx::raw_sql(&sql)
+            .execute(&self.pool)
+            .await
+            .expect("drop tables");
     }
 }
