@@ -75,56 +75,33 @@ pub trait Publisher: Send {
     ) -> impl Future<Output = Result<Cancelled>> + Send + 'a;
 }
 
-impl Publisher for PgConnection {
-    fn publish_message<'a>(
-        &'a mut self,
-        message: Message<'a>,
-    ) -> impl Future<Output = Result<Published>> + Send + 'a {
-        Outbox::global().publish(self, message)
-    }
+/// Connections and transactions publish into [`Outbox::global`]'s tables.
+macro_rules! publish_via_global {
+    ($($conn:ty),*) => {$(
+        impl Publisher for $conn {
+            fn publish_message<'a>(
+                &'a mut self,
+                message: Message<'a>,
+            ) -> impl Future<Output = Result<Published>> + Send + 'a {
+                Outbox::global().publish(self, message)
+            }
 
-    fn cancel_timer<'a>(
-        &'a mut self,
-        queue: &'a str,
-        timer_id: &'a str,
-    ) -> impl Future<Output = Result<Cancelled>> + Send + 'a {
-        Outbox::global().cancel(self, queue, timer_id)
-    }
+            fn cancel_timer<'a>(
+                &'a mut self,
+                queue: &'a str,
+                timer_id: &'a str,
+            ) -> impl Future<Output = Result<Cancelled>> + Send + 'a {
+                Outbox::global().cancel(self, queue, timer_id)
+            }
+        }
+    )*};
 }
 
-impl Publisher for PoolConnection<Postgres> {
-    fn publish_message<'a>(
-        &'a mut self,
-        message: Message<'a>,
-    ) -> impl Future<Output = Result<Published>> + Send + 'a {
-        Outbox::global().publish(self, message)
-    }
-
-    fn cancel_timer<'a>(
-        &'a mut self,
-        queue: &'a str,
-        timer_id: &'a str,
-    ) -> impl Future<Output = Result<Cancelled>> + Send + 'a {
-        Outbox::global().cancel(self, queue, timer_id)
-    }
-}
-
-impl Publisher for Transaction<'_, Postgres> {
-    fn publish_message<'a>(
-        &'a mut self,
-        message: Message<'a>,
-    ) -> impl Future<Output = Result<Published>> + Send + 'a {
-        Outbox::global().publish(self, message)
-    }
-
-    fn cancel_timer<'a>(
-        &'a mut self,
-        queue: &'a str,
-        timer_id: &'a str,
-    ) -> impl Future<Output = Result<Cancelled>> + Send + 'a {
-        Outbox::global().cancel(self, queue, timer_id)
-    }
-}
+publish_via_global!(
+    PgConnection,
+    PoolConnection<Postgres>,
+    Transaction<'_, Postgres>
+);
 
 /// An [`Outbox`] bound to a connection or transaction, so typed functions publish into
 /// its tables instead of [`Outbox::global`]'s. Made by [`Outbox::on`].
