@@ -372,6 +372,20 @@ async fn mirrored_settings(dsn: Option<&str>) -> Option<(Vec<(String, String)>, 
     Some((out, checksums == "on"))
 }
 
+/// Whether `pid` is a running (not zombie) outbox-bench process.
+fn harness_alive(pid: &str) -> bool {
+    if pid.is_empty() {
+        return false;
+    }
+    let stat =
+        std::fs::read_to_string(Path::new("/proc").join(pid).join("stat")).unwrap_or_default();
+    // `pid (comm) state …`
+    let Some((comm, rest)) = stat.split_once(") ") else {
+        return false;
+    };
+    comm.contains("outbox-bench") && !rest.starts_with('Z')
+}
+
 /// Removes clusters left behind by a harness that was killed (its pid is gone).
 fn sweep_stale() {
     let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
@@ -385,7 +399,7 @@ fn sweep_stale() {
         }
         let dir = e.path();
         let owner = std::fs::read_to_string(dir.join("harness.pid")).unwrap_or_default();
-        if !owner.is_empty() && Path::new("/proc").join(owner.trim()).exists() {
+        if harness_alive(owner.trim()) {
             continue;
         }
         eprintln!("removing a stale throwaway cluster: {}", dir.display());

@@ -80,6 +80,10 @@ struct Common {
     /// diagnostics such as `--pg-set synchronous_commit=off`. Never for baselines.
     #[arg(long, value_name = "NAME=VALUE")]
     pg_set: Vec<String>,
+    /// Extra storage parameter for each scenario table (repeatable), for diagnostics such
+    /// as `--table-set fillfactor=70`. Never for baselines.
+    #[arg(long, value_name = "NAME=VALUE")]
+    table_set: Vec<String>,
     /// Baseline file.
     #[arg(long, default_value = default_baseline())]
     baseline: PathBuf,
@@ -152,8 +156,10 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
     };
 
     if let Cmd::Run(a) = &cli.cmd {
-        if a.write_baseline && !common.pg_set.is_empty() {
-            return Err("--write-baseline records the mirrored settings; drop --pg-set".into());
+        if a.write_baseline && !(common.pg_set.is_empty() && common.table_set.is_empty()) {
+            return Err(
+                "--write-baseline records the product as shipped; drop --pg-set/--table-set".into(),
+            );
         }
     }
     let mut cluster = None;
@@ -213,6 +219,7 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
         ping_on_acquire: common.pool_ping == "on",
         keep_tables: common.keep_tables,
         verbose: common.verbose,
+        table_set: common.table_set.clone(),
     };
     let target = peer::Target {
         host: opts.get_host().to_owned(),

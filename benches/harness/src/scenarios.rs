@@ -250,6 +250,9 @@ pub struct Env {
     pub ping_on_acquire: bool,
     pub keep_tables: bool,
     pub verbose: bool,
+    /// Storage parameters set on each scenario table after it is created (diagnostics,
+    /// e.g. `fillfactor=70`); empty for baselines.
+    pub table_set: Vec<String>,
 }
 
 impl Env {
@@ -320,9 +323,12 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
     // Set-up: create, seed, checkpoint; its connections are gone before the window opens.
     let setup = env.pool("outbox-bench-setup", 2).await?;
     outbox.migrate(&setup).await?;
+    let mut params = vec!["autovacuum_enabled = off".to_owned()];
+    params.extend(env.table_set.iter().cloned());
     env.exec(&format!(
-        "ALTER TABLE {} SET (autovacuum_enabled = off)",
-        outbox.table()
+        "ALTER TABLE {} SET ({})",
+        outbox.table(),
+        params.join(", ")
     ))
     .await?;
     if !sc.checkpoint_after_seed() {
