@@ -235,16 +235,14 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
     let mut results: Vec<Measurement> = Vec::new();
     let mut peers = Vec::new();
     for sc in &selected {
+        // Ours and the reference alternate, so a burst of load elsewhere on the machine
+        // hits both sides alike; each side reports its median run.
         let mut runs = Vec::new();
+        let mut peer_runs: Vec<Vec<peer::PeerResult>> = Vec::new();
         for r in 0..repeat {
             let out = scenarios::run(&mut env, sc).await?;
             if repeat > 1 {
-                eprintln!(
-                    "  {} run {}: {:.0} msg/s",
-                    sc.name,
-                    r + 1,
-                    out.m.msgs_per_second
-                );
+                eprintln!("  {} run {}: {}", sc.name, r + 1, headline(&out.m));
             }
             if common.waldump {
                 if let Some(c) = &cluster {
@@ -257,6 +255,13 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
                 }
             }
             runs.push((out.m, out.statements));
+            if let Some(cmd) = per_scenario_peer.filter(|_| !sc.peer.is_empty()) {
+                let got = peer::run(&mut env, cmd, &target, Some(sc), common.verbose).await?;
+                for p in &got {
+                    eprintln!("  reference {} run {}: {}", p.scenario, r + 1, p.headline());
+                }
+                peer_runs.push(got);
+            }
         }
         for (m, _) in &runs[1..] {
             let first = &runs[0].0;
@@ -267,29 +272,24 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
                 );
             }
         }
-        runs.sort_by(|a, b| a.0.msgs_per_second.total_cmp(&b.0.msgs_per_second));
+        runs.sort_by(|a, b| rank(&a.0).total_cmp(&rank(&b.0)));
         let (m, statements) = runs.swap_remove(runs.len() / 2);
         report::print_block(&m, &statements, env.verbose);
         results.push(m);
-        if let Some(cmd) = per_scenario_peer {
-            if !sc.peer.is_empty() {
-                let got = peer::run(&mut env, cmd, &target, Some(sc), common.verbose).await?;
-                for p in &got {
-                    println!(
-                        "  reference {}: {}",
-                        p.scenario,
-                        match (p.msgs_per_second, p.lateness_ms) {
-                            (Some(t), _) => format!("{t:.0} msg/s"),
-                            (None, Some(l)) => format!(
-                                "lateness p50 {:.0} p99 {:.0} max {:.0} ms",
-                                l.p50, l.p99, l.max
-                            ),
-                            _ => "no figure".to_owned(),
-                        }
-                    );
-                }
-                peers.extend(got);
+        for name in sc.peer {
+            let mut same: Vec<peer::PeerResult> = peer_runs
+                .iter()
+                .flatten()
+                .filter(|p| p.scenario == *name)
+                .cloned()
+                .collect();
+            if same.is_empty() {
+                continue;
             }
+            same.sort_by(|a, b| a.rank().total_cmp(&b.rank()));
+            let p = same.swap_remove(same.len() / 2);
+            println!("  reference {}: {}", p.scenario, p.headline());
+            peers.push(p);
         }
     }
     if let Some(cmd) = vs_peer.as_deref().filter(|c| !c.contains("{only}")) {
@@ -315,7 +315,12 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
             }
             if a.write_baseline {
                 Baseline::new(machine, &results).save(&common.baseline)?;
-                println!("baseline written to {}", common.baseline.display());
+                println!(
+                    "baseline written to {}",
+                    std::fs::canonicalize(&common.baseline)
+                        .unwrap_or_else(|_| common.baseline.clone())
+                        .display()
+                );
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -341,6 +346,21 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
                 Ok(ExitCode::FAILURE)
             }
         }
+    }
+}
+
+/// What a run is ranked by when picking the median: throughput, or lateness p99.
+fn rank(m: &Measurement) -> f64 {
+    m.lateness_ms.map_or(m.msgs_per_second, |l| l.p99)
+}
+
+fn headline(m: &Measurement) -> String {
+    match m.lateness_ms {
+        Some(l) => format!(
+            "lateness p50 {:.1} p99 {:.1} max {:.1} ms",
+            l.p50, l.p99, l.max
+        ),
+        None => format!("{:.0} msg/s", m.msgs_per_second),
     }
 }
 

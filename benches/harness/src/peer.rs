@@ -37,6 +37,28 @@ pub struct PeerResult {
     pub phase: Option<Phase>,
 }
 
+impl PeerResult {
+    /// What runs are ranked by when picking the median.
+    pub fn rank(&self) -> f64 {
+        match (self.msgs_per_second, self.lateness_ms) {
+            (Some(t), _) => t,
+            (None, Some(l)) => l.p99,
+            _ => 0.0,
+        }
+    }
+
+    pub fn headline(&self) -> String {
+        match (self.msgs_per_second, self.lateness_ms) {
+            (Some(t), _) => format!("{t:.0} msg/s"),
+            (None, Some(l)) => format!(
+                "lateness p50 {:.0} p99 {:.0} max {:.0} ms",
+                l.p50, l.p99, l.max
+            ),
+            _ => "no figure".to_owned(),
+        }
+    }
+}
+
 /// The reference's measured phase, as seen by the server.
 #[derive(Debug, Clone)]
 pub struct Phase {
