@@ -114,6 +114,13 @@ struct CheckArgs {
     common: Common,
 }
 
+fn shown(p: &std::path::Path) -> String {
+    std::fs::canonicalize(p)
+        .unwrap_or_else(|_| p.to_owned())
+        .display()
+        .to_string()
+}
+
 fn default_baseline() -> &'static str {
     concat!(env!("CARGO_MANIFEST_DIR"), "/../baseline.json")
 }
@@ -315,12 +322,7 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
             }
             if a.write_baseline {
                 Baseline::new(machine, &results).save(&common.baseline)?;
-                println!(
-                    "baseline written to {}",
-                    std::fs::canonicalize(&common.baseline)
-                        .unwrap_or_else(|_| common.baseline.clone())
-                        .display()
-                );
+                println!("baseline written to {}", shown(&common.baseline));
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -328,7 +330,7 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
             let baseline = baseline.ok_or("no baseline")?;
             println!(
                 "check against {} (recorded {})",
-                common.baseline.display(),
+                shown(&common.baseline),
                 baseline.machine.date
             );
             let regressions = report::compare(&baseline, &results);
