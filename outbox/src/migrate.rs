@@ -8,7 +8,7 @@
 //! [`migrate`] is safe to run at every start-up, concurrently from several processes, and
 //! after a user applied the same files with another tool.
 
-use sqlx::PgPool;
+use sqlx::{Executor, PgPool};
 
 use crate::error::Result;
 use crate::schema::{quote_ident, quote_literal, Names, Outbox};
@@ -174,7 +174,10 @@ impl Outbox {
                 .bind(&key)
                 .execute(&mut *tx)
                 .await?;
-            sqlx::raw_sql(&step.sql).execute(&mut *tx).await?;
+            // Executor::execute with a plain &str runs the simple query protocol (several
+            // statements in one string), and unlike `raw_sql` its future is Send, so
+            // `migrate` works inside `tokio::spawn`.
+            (&mut *tx).execute(step.sql.as_str()).await?;
             tx.commit().await?;
         }
         Ok(())

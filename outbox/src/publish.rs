@@ -131,9 +131,15 @@ impl From<Duration> for Schedule {
 
 impl From<TimeDelta> for Schedule {
     fn from(d: TimeDelta) -> Self {
-        // `num_microseconds` is None only beyond ±292 000 years: an overflow either way.
+        // `num_microseconds` is None only beyond ±292 000 years: keep the sign, so a huge
+        // negative delay is reported as negative and a huge positive one as an overflow.
+        let overflow = if d < TimeDelta::zero() {
+            i128::MIN
+        } else {
+            i128::MAX
+        };
         Schedule(ScheduleKind::In(
-            d.num_microseconds().map_or(i128::MAX, i128::from),
+            d.num_microseconds().map_or(overflow, i128::from),
         ))
     }
 }
@@ -361,7 +367,7 @@ pub(crate) struct Sql {
 
 /// The NOTIFY payload: `<deadline as epoch milliseconds>:<queue>` (SPEC §2.4). Never
 /// payload data. `row` is the alias whose columns are read.
-fn notify_expr(n: &Names, row: &str) -> String {
+pub(crate) fn notify_expr(n: &Names, row: &str) -> String {
     format!(
         "pg_notify({}, floor(extract(epoch FROM {row}.next_attempt_at) * 1000)::bigint::text || ':' || {row}.queue)::text",
         quote_literal(&n.channel)

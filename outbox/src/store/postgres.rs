@@ -73,6 +73,11 @@ impl StoreSql {
     fn new(n: &Names) -> Self {
         let t = &n.qtable;
         let d = &n.qdlq;
+        // A row made due again by a completion (a rearm applied, a retry scheduled) is
+        // announced like a publish, so every worker on the queue can move its wake-up, not
+        // only the one that wrote it (it may be busy, or shutting down). The common delete
+        // path notifies nothing.
+        let notify = |row: &str| crate::publish::notify_expr(n, row);
         // $1 queues, $2 limit, $3 lease ttl, $4 the claim's token.
         // Each queue gets two LATERAL branches with their own LIMIT, each carrying the
         // predicate of its partial index (`acquired_token IS NULL` → <t>_pending_idx,
@@ -118,8 +123,10 @@ impl StoreSql {
                           WHERE id = $1 AND acquired_token = $2 FOR UPDATE), \
              deleted AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm), \
              rearmed AS (UPDATE {t} t SET {APPLY_REARM} FROM cur \
-                         WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at) \
-             SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed)"
+                         WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at, t.queue) \
+             SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed), \
+                    (SELECT {notify} FROM rearmed)",
+            notify = notify("rearmed")
         );
         // Outcomes are matched back by (id, token): a stale and a fresh lease of one row in
         // the same batch must not share one.
@@ -139,9 +146,10 @@ impl StoreSql {
                          RETURNING cur.id, cur.token), \
              rearmed AS (UPDATE {t} t SET {APPLY_REARM} FROM cur \
                          WHERE t.id = cur.id AND cur.rearm \
-                         RETURNING cur.id, cur.token, t.next_attempt_at) \
-             SELECT id, token, NULL::timestamptz FROM deleted \
-             UNION ALL SELECT id, token, next_attempt_at FROM rearmed"
+                         RETURNING cur.id, cur.token, t.next_attempt_at, t.queue) \
+             SELECT id, token, NULL::timestamptz, NULL::text FROM deleted \
+             UNION ALL SELECT id, token, next_attempt_at, {notify} FROM rearmed",
+            notify = notify("rearmed")
         );
         // One statement (SPEC §5.2). The locking CTE reads whether a rearm is queued on the
         // latest row version (after any lock wait), only to report which case happened; the
@@ -150,8 +158,8 @@ impl StoreSql {
         // stops a handler that fails on every run (SPEC §5.1).
         let retry = format!(
             "WITH cur AS (SELECT id, rearm_at IS NOT NULL AS rearm FROM {t} \
-                          WHERE id = $1 AND acquired_token = $2 FOR UPDATE) \
-             UPDATE {t} t SET \
+                          WHERE id = $1 AND acquired_token = $2 FOR UPDATE), \
+             up AS (UPDATE {t} t SET \
                next_attempt_at = CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_at ELSE now() + $3::interval END, \
                payload = CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_payload ELSE t.payload END, \
                headers = CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_headers ELSE t.headers END, \
@@ -161,7 +169,9 @@ impl StoreSql {
                rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL, \
                acquired_token = NULL, acquired_at = NULL \
              FROM cur WHERE t.id = cur.id \
-             RETURNING t.next_attempt_at, cur.rearm"
+             RETURNING t.next_attempt_at, cur.rearm, t.queue) \
+             SELECT up.next_attempt_at, up.rearm, {notify} FROM up",
+            notify = notify("up")
         );
         // Terminal failure with the dead-letter queue: archive the failed run (its own
         // payload) and delete the row or apply its rearm, in one statement (SPEC §5.1).
@@ -176,8 +186,10 @@ impl StoreSql {
                                  deliveries_count, created_at, $3, $4 FROM cur), \
              deleted AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm), \
              rearmed AS (UPDATE {t} t SET {APPLY_REARM} FROM cur \
-                         WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at) \
-             SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed)"
+                         WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at, t.queue) \
+             SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed), \
+                    (SELECT {notify} FROM rearmed)",
+            notify = notify("rearmed")
         );
         // Every minimum comes from a partial index (one index probe per queue each).
         let next_wakeup = format!(

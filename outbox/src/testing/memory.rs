@@ -209,6 +209,16 @@ impl State {
         });
     }
 
+    /// A completion that made the row due again (a rearm applied, a retry scheduled) is
+    /// announced like a publish, as the Postgres statements do.
+    fn announce(&mut self, id: i64, done: Completion) {
+        if let Completion::Rearmed { at } | Completion::RetryScheduled { at } = done {
+            if let Some(queue) = self.rows.get(&id).map(|r| r.queue.clone()) {
+                self.notify(&queue, at);
+            }
+        }
+    }
+
     fn next_id(&mut self) -> i64 {
         self.last_id += 1;
         self.last_id
@@ -750,11 +760,19 @@ impl Store for MemoryStore {
     }
 
     fn ack(&self, lease: Lease) -> impl Future<Output = Result<Completion>> + Send {
-        ready(Ok(self.lock().ack(lease)))
+        let mut st = self.lock();
+        let done = st.ack(lease);
+        st.announce(lease.id, done);
+        ready(Ok(done))
     }
 
     fn ack_batch(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<Completion>>> + Send {
-        ready(Ok(self.lock().ack_batch(leases)))
+        let mut st = self.lock();
+        let done = st.ack_batch(leases);
+        for (l, c) in leases.iter().zip(&done) {
+            st.announce(l.id, *c);
+        }
+        ready(Ok(done))
     }
 
     fn retry(
@@ -762,7 +780,12 @@ impl Store for MemoryStore {
         lease: Lease,
         delay: Duration,
     ) -> impl Future<Output = Result<Completion>> + Send {
-        ready(self.lock().retry(lease, delay))
+        let mut st = self.lock();
+        let done = st.retry(lease, delay);
+        if let Ok(c) = done {
+            st.announce(lease.id, c);
+        }
+        ready(done)
     }
 
     fn fail(
@@ -770,7 +793,10 @@ impl Store for MemoryStore {
         lease: Lease,
         failure: Failure<'_>,
     ) -> impl Future<Output = Result<Completion>> + Send {
-        ready(Ok(self.lock().fail(lease, failure)))
+        let mut st = self.lock();
+        let done = st.fail(lease, failure);
+        st.announce(lease.id, done);
+        ready(Ok(done))
     }
 
     fn next_wakeup(

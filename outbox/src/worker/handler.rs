@@ -303,18 +303,27 @@ pub(crate) async fn decide(route: &Route, delivery: &Delivery) -> Decision {
         };
     }
     let ctx = Context::new(delivery);
-    let fut = match route.handler.dispatch(&delivery.payload, ctx) {
-        Ok(fut) => fut,
-        Err(e) => {
+    // A panic is a failed run wherever it happens: while decoding (a hand-written
+    // Deserialize), in the synchronous part of a handler closure, or in its future. None
+    // may take the worker's handler task down.
+    let panicked = |p: Box<dyn std::any::Any + Send>| {
+        HandlerResult::Error(format!("handler panicked: {}", panic_text(&*p)))
+    };
+    let dispatched = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        route.handler.dispatch(&delivery.payload, ctx)
+    }));
+    let result = match dispatched {
+        Ok(Ok(fut)) => AssertUnwindSafe(fut)
+            .catch_unwind()
+            .await
+            .unwrap_or_else(panicked),
+        Ok(Err(e)) => {
             return Decision::Fail {
                 reason: FailureReason::DecodeError,
                 error: Some(e),
             }
         }
-    };
-    let result = match AssertUnwindSafe(fut).catch_unwind().await {
-        Ok(r) => r,
-        Err(panic) => HandlerResult::Error(format!("handler panicked: {}", panic_text(&panic))),
+        Err(p) => panicked(p),
     };
     let failures = u32::try_from(delivery.attempts_count)
         .unwrap_or(0)

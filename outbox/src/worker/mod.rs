@@ -628,10 +628,10 @@ async fn claim_loop<S: Store>(
             p = deliveries.reserve_many(limit) => match p { Ok(p) => p, Err(_) => return },
             _ = stopped.changed() => return,
         };
-        let claimed = tokio::select! {
-            r = shared.store.claim(queues, limit, config.lease_ttl) => r,
-            _ = stopped.changed() => return,
-        };
+        // Not raced against the stop signal: once Postgres commits a claim its rows are
+        // ours, and dropping the future then would strand them until their lease expires.
+        // The claim is one short statement; shutdown runs what it returns.
+        let claimed = shared.store.claim(queues, limit, config.lease_ttl).await;
         let batch = match claimed {
             Ok(b) => b,
             Err(e) => {

@@ -518,3 +518,208 @@ async fn a_locked_due_row_does_not_delay_other_timers() {
     worker.shutdown().await;
     f.cleanup().await;
 }
+
+/// A panic in the synchronous part of a handler closure (before its future exists) is a
+/// failed run like any other, with its message kept; the worker's handler task survives.
+#[tokio::test]
+async fn a_panic_before_the_future_is_a_failed_run_with_its_message() {
+    let f = Fixture::new().await;
+    let ok = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let ok = ok.clone();
+        Worker::builder(f.store.clone())
+            .idle_poll(Duration::from_millis(100))
+            .concurrency(1)
+            .queue_with(
+                "sync",
+                move |body: Vec<u8>, _: Context| {
+                    if body == b"boom" {
+                        panic!("sync panic {}", 41);
+                    }
+                    let ok = ok.clone();
+                    async move {
+                        if body == b"later" {
+                            panic!("async panic {}", 42);
+                        }
+                        ok.fetch_add(1, Ordering::SeqCst);
+                    }
+                },
+                outbox::HandlerOptions::new().retry(outbox::RetryStrategy::none()),
+            )
+            .build()
+            .unwrap()
+            .start()
+    };
+    let mut conn = f.pool.acquire().await.unwrap();
+    for body in [&b"boom"[..], b"later", b"ok", b"ok", b"ok"] {
+        f.outbox
+            .publish(&mut conn, Message::new("sync", body))
+            .await
+            .unwrap();
+    }
+    eventually(10, "every row finished", || async {
+        f.rows("sync").await.is_empty()
+    })
+    .await;
+    assert_eq!(ok.load(Ordering::SeqCst), 3, "the worker kept going");
+    let dlq = f.store.dead_letters("sync", 10).await.unwrap();
+    let errors: Vec<_> = dlq.iter().filter_map(|d| d.last_error.clone()).collect();
+    assert_eq!(
+        errors,
+        [
+            "handler panicked: sync panic 41",
+            "handler panicked: async panic 42"
+        ]
+    );
+    worker.shutdown().await;
+    f.cleanup().await;
+}
+
+/// Shutting down while a claim is in flight never strands claimed rows: after a graceful
+/// shutdown no row is left leased, whenever the stop lands.
+#[tokio::test]
+async fn shutdown_during_a_claim_leaves_no_row_leased() {
+    let f = Fixture::new().await;
+    let payloads: Vec<Vec<u8>> = (0..600)
+        .map(|n| serde_json::to_vec(&Job { n }).unwrap())
+        .collect();
+    let items: Vec<_> = payloads.iter().map(|p| outbox::BatchItem::new(p)).collect();
+    let mut conn = f.pool.acquire().await.unwrap();
+    f.outbox
+        .publish_batch(&mut conn, "jobs", &items, Duration::ZERO)
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    for i in 0..25u64 {
+        let runs2 = runs.clone();
+        let worker = Worker::builder(f.store.clone())
+            .fetch_batch_size(20)
+            .timer::<Job>(move |_: Job, _: Context| {
+                let runs = runs2.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+            .build()
+            .unwrap()
+            .start();
+        tokio::time::sleep(Duration::from_micros(700 * (i % 12))).await;
+        let report = worker.shutdown().await;
+        assert!(report.graceful);
+        let leased: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {} WHERE acquired_token IS NOT NULL",
+            f.outbox.table()
+        ))
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            leased, 0,
+            "round {i}: claimed rows were stranded by the shutdown"
+        );
+    }
+    let left = f.rows("jobs").await.len();
+    assert_eq!(
+        runs.load(Ordering::SeqCst) + left,
+        600,
+        "every row ran once or is still pending"
+    );
+    f.cleanup().await;
+}
+
+/// A rearm applied by a worker that then shuts down is announced: an idle second worker
+/// (60 s ceiling) fires it on time.
+#[tokio::test]
+async fn a_rearm_applied_by_another_worker_wakes_an_idle_one() {
+    let f = Fixture::new().await;
+    let fired: Arc<Mutex<Vec<(u32, Duration)>>> = Arc::default();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Notify::new());
+    let a = {
+        let (started, release) = (started.clone(), release.clone());
+        Worker::builder(f.store.clone())
+            .idle_poll(Duration::from_secs(60))
+            .timer::<Job>(move |_: Job, _: Context| {
+                let (started, release) = (started.clone(), release.clone());
+                async move {
+                    started.notify_one();
+                    release.notified().await;
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    let mut conn = f.pool.acquire().await.unwrap();
+    publish_job(
+        &mut f.outbox.on(&mut conn),
+        "x",
+        &Job { n: 1 },
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    started.notified().await;
+    let p = extend_job(
+        &mut f.outbox.on(&mut conn),
+        "x",
+        &Job { n: 2 },
+        Duration::from_millis(1500),
+    )
+    .await
+    .unwrap();
+    assert!(matches!(p, Published::RearmQueued { .. }), "{p:?}");
+    // B starts idle now: it has scanned and sleeps towards its 60 s ceiling.
+    let b = {
+        let fired = fired.clone();
+        Worker::builder(f.store.clone())
+            .idle_poll(Duration::from_secs(60))
+            .timer::<Job>(move |j: Job, ctx: Context| {
+                let fired = fired.clone();
+                async move {
+                    let late = (ctx.claimed_at() - ctx.deadline())
+                        .to_std()
+                        .unwrap_or_default();
+                    fired.lock().unwrap().push((j.n, late));
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    release.notify_one();
+    a.shutdown().await;
+    eventually(20, "B fires the rearmed timer", || async {
+        !fired.lock().unwrap().is_empty()
+    })
+    .await;
+    let (n, late) = fired.lock().unwrap()[0];
+    assert_eq!(n, 2);
+    assert!(
+        late < Duration::from_secs(5),
+        "fired {late:?} late, not at B's 60 s ceiling"
+    );
+    b.shutdown().await;
+    f.cleanup().await;
+}
+
+/// `migrate` and the other entry points can run inside `tokio::spawn`: their futures are
+/// Send. A compile-time check; the futures are built and dropped, never run.
+#[tokio::test]
+async fn public_futures_are_send() {
+    fn send<T: Send>(_: T) {}
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .connect_lazy(&outbox_tests::database_url())
+        .unwrap();
+    let outbox = outbox::Outbox::default();
+    send(outbox::migrate(&pool));
+    send(outbox.migrate(&pool));
+    send(outbox.migrate_base_only(&pool));
+    send(outbox::validate_schema(&pool));
+    send(outbox.validate_schema(&pool));
+    let store = PgStore::new(pool.clone(), outbox.clone());
+    send(store.claim(&[], 1, Duration::from_secs(1)));
+    send(store.next_wakeup(&[], Duration::from_secs(1)));
+    send(store.wakeups());
+}
