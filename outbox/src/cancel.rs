@@ -22,7 +22,9 @@ pub enum Cancelled {
         id: i64,
     },
     /// The timer's handler is running and nothing is queued behind it; nothing changed and
-    /// the run completes normally. A running row is never deleted by cancel.
+    /// the run completes normally. A running row is never deleted by cancel. If the running
+    /// worker dies instead of completing, the lease expires and the row is redelivered, so
+    /// the handler runs once more; cancel again after that run if it must not.
     Running {
         /// The running row.
         id: i64,

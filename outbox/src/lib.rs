@@ -10,7 +10,8 @@
 //! **rearm** on the running row, applied atomically when the run ends, so the extension is
 //! never lost.
 //!
-//! The contract is the project's `SPEC.md`; section numbers (§) in these docs refer to it.
+//! The contract is `docs/SPEC.md` in the repository; section numbers (§) in these docs refer
+//! to it.
 //!
 //! ## Quick start
 //!

@@ -273,7 +273,11 @@ impl OutboxBuilder {
     }
 
     /// The queue table name (default `outbox`). Any characters are allowed: every statement
-    /// quotes it.
+    /// quotes it, so `"jobs.outbox"` is a table with a dot in its name (use
+    /// [`OutboxBuilder::schema`] for a schema). Names derived from it must fit Postgres'
+    /// 63-byte identifiers; the longest is the dead-letter index
+    /// `<table>_dlq_queue_failed_at_idx`, so in practice the table name holds at most 39
+    /// bytes (with the default dead-letter table name).
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use outbox::{Outbox, OutboxBuilder, PgStore, StoredRow};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool};
+use sqlx::{ConnectOptions, Connection, PgPool};
 
 /// The database URL the tests use.
 pub fn database_url() -> String {
@@ -26,12 +26,20 @@ pub async fn pool_with(max: u32) -> PgPool {
         .parse::<PgConnectOptions>()
         .unwrap_or_else(|e| panic!("DATABASE_URL {url:?} is not a Postgres URL: {e}"))
         .disable_statement_logging();
-    match PgPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_with(opts)
-        .await
-    {
+    // One direct connection first: it fails at once with the real cause ("connection
+    // refused", "role does not exist"), where a pool would retry until its timeout.
+    let probe = sqlx::PgConnection::connect_with(&opts).await.map(drop);
+    let pool = match probe {
+        Ok(()) => {
+            PgPoolOptions::new()
+                .max_connections(max)
+                .acquire_timeout(Duration::from_secs(30))
+                .connect_with(opts)
+                .await
+        }
+        Err(e) => Err(e),
+    };
+    match pool {
         Ok(pool) => pool,
         Err(e) => panic!(
             "cannot reach Postgres at {url}: {e}\n\
