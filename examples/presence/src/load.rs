@@ -78,6 +78,27 @@ pub struct LoadConfig {
 }
 
 impl LoadConfig {
+    /// Checks the settings that do not depend on the server.
+    ///
+    /// # Errors
+    /// [`LoadError::Config`] naming the setting.
+    pub fn validate(&self) -> Result<(), LoadError> {
+        if self.users == 0 {
+            return Err(LoadError::Config("--users must be at least 1".into()));
+        }
+        if self.duration.is_zero() {
+            return Err(LoadError::Config("--seconds must be more than 0".into()));
+        }
+        let shares = [self.edge, self.silent, self.logout];
+        if shares.iter().any(|s| !(0.0..=1.0).contains(s)) || shares.iter().sum::<f64>() > 1.0 {
+            return Err(LoadError::Config(
+                "the shares of edge, silent and logout users must be within 0..=1 and sum to at most 1"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// 2000 users for 30 s, 15 % edge, 12.5 % silent, 12.5 % logout, 200 reads/s, 1 s
     /// allowed lateness, a random seed and random user ids.
     pub fn new(url: impl Into<String>) -> Self {
@@ -284,9 +305,9 @@ impl Report {
             }
         }
         s += if self.ok() {
-            "  result           OK\n"
+            "  load result      OK\n"
         } else {
-            "  result           FAILED\n"
+            "  load result      FAILED\n"
         };
         s
     }
@@ -681,16 +702,7 @@ async fn fetch_stats(
 /// settings that cannot work with the server's timeout (the duration must leave time for
 /// silent users to expire).
 pub async fn run(config: LoadConfig) -> Result<Report, LoadError> {
-    if config.users == 0 {
-        return Err(LoadError::Config("--users must be at least 1".into()));
-    }
-    let shares = [config.edge, config.silent, config.logout];
-    if shares.iter().any(|s| !(0.0..=1.0).contains(s)) || shares.iter().sum::<f64>() > 1.0 {
-        return Err(LoadError::Config(
-            "the shares of edge, silent and logout users must be within 0..=1 and sum to at most 1"
-                .into(),
-        ));
-    }
+    config.validate()?;
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .pool_max_idle_per_host(1024)

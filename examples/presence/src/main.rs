@@ -242,6 +242,10 @@ async fn run(command: Command) -> Result<bool, String> {
                 // Any free port: the demo talks to itself.
                 config.listen = SocketAddr::from(([127, 0, 0, 1], 0));
             }
+            // Check the load settings before starting anything.
+            load.config(String::new(), 30.0)?
+                .validate()
+                .map_err(|e| e.to_string())?;
             let server = Server::start(config.clone())
                 .await
                 .map_err(|e| e.to_string())?;
@@ -281,7 +285,9 @@ async fn run(command: Command) -> Result<bool, String> {
                     false
                 }
             };
-            Ok(report.ok() && audit_ok)
+            let ok = report.ok() && audit_ok;
+            println!("  overall          {}", if ok { "OK" } else { "FAILED" });
+            Ok(ok)
         }
     }
 }

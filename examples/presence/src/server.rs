@@ -70,15 +70,31 @@ pub enum Error {
 impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            // The server answered (a missing database, a refused login): no cluster to start.
+            // The server answered: no cluster to start. A missing database (3D000) is
+            // created; a refused login (28000, 28P01) is a user or password to fix.
+            Error::Unreachable {
+                url,
+                source: source @ sqlx::Error::Database(db),
+            } if db.code().as_deref() == Some("3D000") => write!(
+                f,
+                "Postgres at {url} refused the connection: {source}\n\
+                 create the database (for example `createdb -h 127.0.0.1 -U postgres <name>`) \
+                 or set DATABASE_URL to one that exists (default {DEFAULT_DATABASE_URL})"
+            ),
             Error::Unreachable {
                 url,
                 source: source @ sqlx::Error::Database(_),
             } => write!(
                 f,
                 "Postgres at {url} refused the connection: {source}\n\
-                 create the database (for example `createdb -h 127.0.0.1 -U postgres <name>`) \
-                 or set DATABASE_URL to one that exists (default {DEFAULT_DATABASE_URL})"
+                 check the user and password in DATABASE_URL (default {DEFAULT_DATABASE_URL})"
+            ),
+            // Not local: starting the local cluster would not help.
+            Error::Unreachable { url, source } if !is_local(url) => write!(
+                f,
+                "cannot reach Postgres at {url}: {source}\n\
+                 check the host and port in DATABASE_URL, or unset it to use the local default \
+                 ({DEFAULT_DATABASE_URL})"
             ),
             Error::Unreachable { url, source } => write!(
                 f,
@@ -96,6 +112,15 @@ impl std::fmt::Display for Error {
 }
 
 impl std::error::Error for Error {}
+
+/// Whether a (redacted) database URL points at this machine.
+fn is_local(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let host_port = rest.rsplit_once('@').map_or(rest, |(_, h)| h);
+    let host = host_port.split(['/', '?']).next().unwrap_or("");
+    let host = host.rsplit_once(':').map_or(host, |(h, _)| h);
+    matches!(host, "" | "localhost" | "127.0.0.1" | "[::1]" | "::1")
+}
 
 impl From<outbox::Error> for Error {
     fn from(e: outbox::Error) -> Self {
