@@ -94,6 +94,12 @@ pub async fn run(
         .replace("{only}", &only);
     let measure = sc.is_some();
     let mut wal0 = None;
+    // Backends the command opens start after this; on a shared server (--dsn) they are
+    // the only ones waited for.
+    let started: String =
+        sqlx::query_scalar(&format!("{} SELECT clock_timestamp()::text", probe::TAG))
+            .fetch_one(&mut env.probe)
+            .await?;
     if measure {
         sqlx::raw_sql(&format!("{} CHECKPOINT", probe::TAG))
             .execute(&mut env.probe)
@@ -128,8 +134,15 @@ pub async fn run(
     let mut results = parse(&text);
     if let (Some(sc), Some(wal0)) = (sc, wal0) {
         // Its connections' statistics are flushed when their backends exit.
-        probe::wait_backends_gone(&mut env.probe, "application_name NOT LIKE 'outbox-bench%'")
-            .await?;
+        probe::wait_backends_gone(
+            &mut env.probe,
+            &format!(
+                "datname = current_database() AND application_name NOT LIKE 'outbox-bench%' \
+                 AND backend_start >= '{started}'::timestamptz"
+            ),
+            false,
+        )
+        .await?;
         let statements = probe::statements(&mut env.probe).await?;
         let wal1 = probe::wal(&mut env.probe).await?;
         let total = scenarios::wal_diff(&wal0, &wal1);

@@ -148,7 +148,8 @@ pub async fn statements(conn: &mut PgConnection) -> Result<Vec<Statement>, BoxEr
 pub async fn total_calls(conn: &mut PgConnection) -> Result<i64, BoxError> {
     let n: Option<i64> = sqlx::query_scalar(&format!(
         "{TAG} SELECT sum(calls)::bigint FROM pg_stat_statements \
-         WHERE query NOT LIKE '%outbox-bench probe%'"
+         WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+           AND query NOT LIKE '%outbox-bench probe%'"
     ))
     .fetch_one(&mut *conn)
     .await?;
@@ -168,10 +169,15 @@ pub fn by_keyword(statements: &[Statement]) -> BTreeMap<String, i64> {
 /// `pg_stat_activity`), so their statistics have been flushed by their exit.
 ///
 /// `sqlx::Pool::close` can return while a connection released at the same moment sits
-/// idle in the pool, still open (a race in sqlx 0.8's close loop). Such a straggler is
-/// idle, so after a grace period it is terminated; a terminated backend flushes its
-/// statistics on exit like any other.
-pub async fn wait_backends_gone(conn: &mut PgConnection, filter: &str) -> Result<(), BoxError> {
+/// idle in the pool, still open (a race in sqlx 0.8's close loop). With `terminate_idle`
+/// such a straggler is terminated after a grace period (a terminated backend flushes its
+/// statistics on exit like any other); only ever pass it for the harness's own
+/// connections (`application_name` `outbox-bench-…`), never for someone else's.
+pub async fn wait_backends_gone(
+    conn: &mut PgConnection,
+    filter: &str,
+    terminate_idle: bool,
+) -> Result<(), BoxError> {
     let start = Instant::now();
     let deadline = start + Duration::from_secs(30);
     let mut terminated = false;
@@ -185,7 +191,7 @@ pub async fn wait_backends_gone(conn: &mut PgConnection, filter: &str) -> Result
         if n == 0 {
             return Ok(());
         }
-        if !terminated && start.elapsed() > Duration::from_millis(500) {
+        if terminate_idle && !terminated && start.elapsed() > Duration::from_millis(500) {
             sqlx::query(&format!(
                 "{TAG} SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                  WHERE pid <> pg_backend_pid() AND backend_type = 'client backend' \

@@ -336,7 +336,12 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
     }
     seed(sc, &setup, &outbox).await?;
     setup.close().await;
-    probe::wait_backends_gone(&mut env.probe, "application_name = 'outbox-bench-setup'").await?;
+    probe::wait_backends_gone(
+        &mut env.probe,
+        "application_name = 'outbox-bench-setup'",
+        true,
+    )
+    .await?;
     if sc.checkpoint_after_seed() {
         env.exec("CHECKPOINT").await?;
     }
@@ -365,7 +370,12 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
     };
 
     work.close().await;
-    probe::wait_backends_gone(&mut env.probe, &format!("application_name = '{WORK_APP}'")).await?;
+    probe::wait_backends_gone(
+        &mut env.probe,
+        &format!("application_name = '{WORK_APP}'"),
+        true,
+    )
+    .await?;
     let statements = probe::statements(&mut env.probe).await?;
     let wal1 = probe::wal(&mut env.probe).await?;
     let tup1 = probe::tuples(&mut env.probe, outbox.table()).await?;
