@@ -297,6 +297,37 @@ fn micros(d: Duration) -> Result<i64> {
 /// transaction. Publishing inside your own transaction goes through [`Outbox::publish`] or
 /// the functions `#[timer]` generates; [`Store::publish`] here is a convenience that runs on
 /// a pool connection.
+///
+/// # The worker's pool
+///
+/// Give a worker a pool of its own, sized `concurrency + 2` (plus one LISTEN connection the
+/// store opens itself), so that application traffic cannot delay timers. Two settings of
+/// that pool are worth knowing:
+///
+/// - `PgPoolOptions::test_before_acquire(false)` saves a round trip per statement: sqlx
+///   otherwise pings every connection it checks out. The worker does not need the ping: a
+///   claim that fails on a dead connection backs off and runs again, and a completion that
+///   does is retried while its lease lasts (SPEC §7.4). Measured in `docs/performance.md`.
+/// - `synchronous_commit = off` for the worker's connections
+///   (`PgConnectOptions::options([("synchronous_commit", "off")])`) removes the WAL flush
+///   from every claim and ack. A crash of the database can then forget the last
+///   completions (and claims) of the moment: their rows are delivered again, which
+///   at-least-once delivery allows; nothing is lost, and publishes stay exactly as durable
+///   as the transactions of your application that make them. Leave it on if a second run
+///   of a handler after a database crash is not acceptable to you.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), sqlx::Error> {
+/// use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+/// let opts: PgConnectOptions = "postgres://postgres@127.0.0.1/app".parse()?;
+/// let worker_pool = PgPoolOptions::new()
+///     .max_connections(4 + 2)
+///     .test_before_acquire(false)
+///     .connect_with(opts)
+///     .await?;
+/// let store = outbox::PgStore::new(worker_pool, outbox::Outbox::default());
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
