@@ -95,13 +95,11 @@ impl Cluster {
         };
         eprintln!("cluster settings {settings_from}");
 
-        let dir = std::env::temp_dir().join(format!(
-            "{DIR_PREFIX}{}-{}",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        std::fs::create_dir_all(&dir)?;
-        std::fs::write(dir.join("harness.pid"), std::process::id().to_string())?;
+        if as_postgres {
+            postgres_user_usable()?;
+        }
+        let dir = make_dir(as_postgres)?;
+        eprintln!("cluster directory {}", dir.display());
         let port = free_port()?;
         // From here on, Drop cleans up whatever exists.
         let mut cluster = Cluster {
@@ -112,9 +110,6 @@ impl Cluster {
             settings: Vec::new(),
             version: String::new(),
         };
-        if as_postgres {
-            chown_postgres(&cluster.dir)?;
-        }
         let data = cluster.data();
         let mut initdb = vec![
             "-D".to_owned(),
@@ -249,12 +244,20 @@ impl Cluster {
             Command::new(&exe)
         };
         cmd.args(args).current_dir(&self.dir);
-        let out = cmd.output()?;
+        let out = cmd
+            .output()
+            .map_err(|e| format!("running {}: {e}", exe.display()))?;
         if !out.status.success() {
             let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
             return Err(format!(
-                "{tool} failed ({}): {}{}\n{}",
+                "{tool} failed ({}{}) in {}: {}{}\n{}",
                 out.status,
+                if self.as_postgres {
+                    ", run as the postgres OS user"
+                } else {
+                    ""
+                },
+                self.dir.display(),
                 String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr),
                 log
@@ -328,6 +331,91 @@ fn running_as_root() -> bool {
         .unwrap_or(false)
 }
 
+/// As root the server binaries run as the `postgres` OS user (initdb and the server
+/// refuse root): it must exist, and `runuser` must be there to switch to it.
+fn postgres_user_usable() -> Result<(), BoxError> {
+    let user = Command::new("id").args(["-u", "postgres"]).output();
+    if !user.is_ok_and(|o| o.status.success()) {
+        return Err(
+            "running as root, the throwaway cluster runs as the `postgres` OS user, \
+             which does not exist here; install the postgresql package (it creates the user), \
+             run as an ordinary user, or pass --dsn with a server that preloads pg_stat_statements"
+                .into(),
+        );
+    }
+    match Command::new("runuser").arg("--version").output() {
+        Ok(o) if o.status.success() => Ok(()),
+        _ => Err(
+            "running as root, the throwaway cluster needs `runuser` (util-linux) to run \
+             initdb and pg_ctl as the `postgres` OS user; it is not usable here"
+                .into(),
+        ),
+    }
+}
+
+/// Where throwaway clusters live: the temporary directory, and `/tmp` besides it when that
+/// is another one (as root, the `postgres` user may not reach a private `$TMPDIR`).
+fn parents() -> Vec<PathBuf> {
+    let mut v = vec![std::env::temp_dir()];
+    let tmp = PathBuf::from("/tmp");
+    if !v.contains(&tmp) && tmp.is_dir() {
+        v.push(tmp);
+    }
+    v
+}
+
+/// Creates the cluster's directory, owned by the `postgres` user when `as_postgres`, in the
+/// first of [`parents`] that user can reach (every directory above it must let it through).
+fn make_dir(as_postgres: bool) -> Result<PathBuf, BoxError> {
+    let mut tried = Vec::new();
+    for parent in parents() {
+        let dir = parent.join(format!(
+            "{DIR_PREFIX}{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            tried.push(format!("{}: {e}", dir.display()));
+            continue;
+        }
+        let made = (|| -> Result<(), BoxError> {
+            std::fs::write(dir.join("harness.pid"), std::process::id().to_string())?;
+            if as_postgres {
+                chown_postgres(&dir)?;
+                let reach = Command::new("runuser")
+                    .args(["-u", "postgres", "--", "test", "-w"])
+                    .arg(&dir)
+                    .status()?;
+                if !reach.success() {
+                    return Err(
+                        "the postgres user cannot write there (a directory above it \
+                                is closed to it)"
+                            .into(),
+                    );
+                }
+            }
+            Ok(())
+        })();
+        match made {
+            Ok(()) => return Ok(dir),
+            Err(e) => {
+                tried.push(format!("{}: {e}", dir.display()));
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+    Err(format!(
+        "no directory for the throwaway cluster ({}); set TMPDIR to a directory{} can write",
+        tried.join("; "),
+        if as_postgres {
+            " the postgres user"
+        } else {
+            " you"
+        }
+    )
+    .into())
+}
+
 fn chown_postgres(path: &Path) -> Result<(), BoxError> {
     let st = Command::new("chown")
         .args(["-R", "postgres:postgres"])
@@ -388,9 +476,10 @@ fn harness_alive(pid: &str) -> bool {
 
 /// Removes clusters left behind by a harness that was killed (its pid is gone).
 fn sweep_stale() {
-    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-        return;
-    };
+    let entries = parents()
+        .into_iter()
+        .filter_map(|p| std::fs::read_dir(p).ok())
+        .flatten();
     for e in entries.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };

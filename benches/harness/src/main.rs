@@ -63,10 +63,16 @@ struct Common {
     /// Comma-separated scenario names (default: all for `run`, all with a gated figure for `check`).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
-    /// sqlx's `test_before_acquire` on the worker's pool: on is sqlx's default (one extra
-    /// round trip per pool checkout, invisible to pg_stat_statements).
-    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    /// sqlx's `test_before_acquire` on the worker's pool. Off by default, as the `PgStore`
+    /// docs recommend; `on` (sqlx's own default: one more round trip per pool checkout,
+    /// invisible to pg_stat_statements) is a diagnostic, never for baselines.
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
     pool_ping: String,
+    /// sqlx's `test_before_acquire` on the application's pool (publishes, extends, the
+    /// caller's transactions). On by default, sqlx's default as an application has it;
+    /// `off` is a diagnostic, never for baselines.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    app_pool_ping: String,
     /// Keep the scenario tables afterwards (for inspection).
     #[arg(long)]
     keep_tables: bool,
@@ -163,9 +169,15 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
     };
 
     if let Cmd::Run(a) = &cli.cmd {
-        if a.write_baseline && !(common.pg_set.is_empty() && common.table_set.is_empty()) {
+        let diagnostics = !common.pg_set.is_empty()
+            || !common.table_set.is_empty()
+            || common.pool_ping != "off"
+            || common.app_pool_ping != "on";
+        if a.write_baseline && diagnostics {
             return Err(
-                "--write-baseline records the product as shipped; drop --pg-set/--table-set".into(),
+                "--write-baseline records the product as shipped and configured as \
+                 documented; drop --pg-set/--table-set/--pool-ping/--app-pool-ping"
+                    .into(),
             );
         }
     }
@@ -174,8 +186,15 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
         Some(d) => (d.clone(), "given server".to_owned()),
         None => {
             eprintln!("starting a throwaway Postgres cluster with pg_stat_statements …");
-            let c = cluster
-                .insert(cluster::Cluster::start(Some(&common.mirror), &common.pg_set).await?);
+            let started = cluster::Cluster::start(Some(&common.mirror), &common.pg_set)
+                .await
+                .map_err(|e| {
+                    format!(
+                        "could not start the throwaway Postgres cluster (docs/performance.md, \
+                         \"The throwaway cluster\"): {e}"
+                    )
+                })?;
+            let c = cluster.insert(started);
             let settings: Vec<String> = c
                 .settings
                 .iter()
@@ -219,11 +238,28 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
         .await?;
     let machine = Machine::read(&format!("PostgreSQL {version}"), &server);
     println!("{}", machine.describe());
+    println!(
+        "pools: worker test_before_acquire({}){}, application test_before_acquire({}){}; \
+         …/async scenarios: synchronous_commit=off on the worker's and the extending connections",
+        common.pool_ping == "on",
+        if common.pool_ping == "on" {
+            " [diagnostic]"
+        } else {
+            ""
+        },
+        common.app_pool_ping == "on",
+        if common.app_pool_ping == "on" {
+            ""
+        } else {
+            " [diagnostic]"
+        },
+    );
 
     let mut env = Env {
         opts: opts.clone(),
         probe: probe_conn,
-        ping_on_acquire: common.pool_ping == "on",
+        worker_ping: common.pool_ping == "on",
+        app_ping: common.app_pool_ping == "on",
         keep_tables: common.keep_tables,
         verbose: common.verbose,
         table_set: common.table_set.clone(),

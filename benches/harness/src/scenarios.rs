@@ -69,6 +69,10 @@ pub struct Scenario {
     pub kind: Kind,
     /// The reference's name for the same workload, when it has one.
     pub peer: &'static [&'static str],
+    /// `synchronous_commit = off` on the connections whose commits the scenario measures
+    /// (the worker's, and the ones doing the extends): an informational variant, never
+    /// gated, showing what the WAL flush of each commit costs.
+    pub async_commit: bool,
 }
 
 impl Scenario {
@@ -91,6 +95,9 @@ impl Scenario {
     /// Statement kinds whose count depends on timing and so is reported, not gated.
     /// `None` means none of this scenario's statement counts is gated.
     pub fn ungated_statements(&self) -> Option<&'static [&'static str]> {
+        if self.async_commit {
+            return None;
+        }
         match self.kind {
             // How many successes the acker finds waiting when it flushes depends on how
             // the handler and acker tasks interleave: between N/ack_batch and N DELETEs.
@@ -101,9 +108,11 @@ impl Scenario {
         }
     }
 
-    /// Whether tuple and WAL figures are gated (not for the clock-driven lateness run).
+    /// Whether tuple and WAL figures are gated (not for the clock-driven lateness run, nor
+    /// for the informational `synchronous_commit = off` variants, whose counts are their
+    /// durable twin's).
     pub fn gates_tuples_and_wal(&self) -> bool {
-        self.kind != Kind::Lateness
+        self.kind != Kind::Lateness && !self.async_commit
     }
 
     /// The tuple counters gated exactly. Inserted, updated and deleted tuples follow from
@@ -114,6 +123,9 @@ impl Scenario {
     /// and lowers the dead count — both depend on when pruning ran, so `extend/rearm`
     /// reports them without gating them.
     pub fn gated_tuples(&self) -> &'static [&'static str] {
+        if self.async_commit {
+            return &[];
+        }
         match self.kind {
             Kind::Lateness => &[],
             Kind::ExtendRearm => &GATED_TUPLES[..3],
@@ -147,58 +159,101 @@ const fn consumer(
             ack_batch,
         },
         peer,
+        async_commit: false,
     }
 }
 
-/// Every scenario, in run order.
+/// The informational `synchronous_commit = off` variant of `base`, named `<base>/async`.
+const fn async_commit(name: &'static str, base: Scenario) -> Scenario {
+    Scenario {
+        name,
+        peer: &[],
+        async_commit: true,
+        ..base
+    }
+}
+
+const CONSUMER_W1_B10: Scenario = consumer("consumer/w1/b10", 1, 10, 1, &["consumer/w1/b10"]);
+const CONSUMER_W1_B100: Scenario = consumer("consumer/w1/b100", 1, 100, 1, &["consumer/w1/b100"]);
+const CONSUMER_W2_B10: Scenario = consumer("consumer/w2/b10", 2, 10, 1, &["consumer/w2/b10"]);
+const CONSUMER_W2_B100: Scenario = consumer("consumer/w2/b100", 2, 100, 1, &[]);
+const CONSUMER_W4_B10: Scenario = consumer("consumer/w4/b10", 4, 10, 1, &[]);
+const CONSUMER_W4_B100: Scenario = consumer("consumer/w4/b100", 4, 100, 1, &["consumer/w4/b100"]);
+const CONSUMER_TFBS100: Scenario = consumer(
+    "consumer/w1/b100/tfbs100",
+    1,
+    100,
+    100,
+    &["consumer/w1/b100/tfbs100"],
+);
+const EXTEND_PENDING: Scenario = Scenario {
+    name: "extend/pending",
+    kind: Kind::ExtendPending,
+    peer: &["extend/pending"],
+    async_commit: false,
+};
+const EXTEND_REARM: Scenario = Scenario {
+    name: "extend/rearm",
+    kind: Kind::ExtendRearm,
+    peer: &[],
+    async_commit: false,
+};
+
+/// Every scenario, in run order. Each `…/async` variant runs right after its durable twin
+/// (and the reference's run of it), so both see the machine in the same state.
 pub const ALL: &[Scenario] = &[
-    consumer("consumer/w1/b10", 1, 10, 1, &["consumer/w1/b10"]),
-    consumer("consumer/w1/b100", 1, 100, 1, &["consumer/w1/b100"]),
-    consumer("consumer/w2/b10", 2, 10, 1, &["consumer/w2/b10"]),
-    consumer("consumer/w2/b100", 2, 100, 1, &[]),
-    consumer("consumer/w4/b10", 4, 10, 1, &[]),
-    consumer("consumer/w4/b100", 4, 100, 1, &["consumer/w4/b100"]),
-    consumer(
-        "consumer/w1/b100/tfbs100",
-        1,
-        100,
-        100,
-        &["consumer/w1/b100/tfbs100"],
-    ),
+    CONSUMER_W1_B10,
+    async_commit("consumer/w1/b10/async", CONSUMER_W1_B10),
+    CONSUMER_W1_B100,
+    async_commit("consumer/w1/b100/async", CONSUMER_W1_B100),
+    CONSUMER_W2_B10,
+    async_commit("consumer/w2/b10/async", CONSUMER_W2_B10),
+    CONSUMER_W2_B100,
+    async_commit("consumer/w2/b100/async", CONSUMER_W2_B100),
+    CONSUMER_W4_B10,
+    async_commit("consumer/w4/b10/async", CONSUMER_W4_B10),
+    CONSUMER_W4_B100,
+    async_commit("consumer/w4/b100/async", CONSUMER_W4_B100),
+    CONSUMER_TFBS100,
+    async_commit("consumer/w1/b100/tfbs100/async", CONSUMER_TFBS100),
     Scenario {
         name: "producer/w1/b100",
         kind: Kind::ProducerOneTx,
         peer: &["producer/w1/b100"],
+        async_commit: false,
     },
     Scenario {
         name: "producer/batch100",
         kind: Kind::ProducerBatch { batch: 100 },
         peer: &[],
+        async_commit: false,
     },
     Scenario {
         name: "producer/ppt1",
         kind: Kind::ProducerPerTx,
         peer: &["producer/ppt1"],
+        async_commit: false,
     },
-    Scenario {
-        name: "extend/pending",
-        kind: Kind::ExtendPending,
-        peer: &["extend/pending"],
-    },
-    Scenario {
-        name: "extend/rearm",
-        kind: Kind::ExtendRearm,
-        peer: &[],
-    },
+    EXTEND_PENDING,
+    async_commit("extend/pending/async", EXTEND_PENDING),
+    EXTEND_REARM,
+    async_commit("extend/rearm/async", EXTEND_REARM),
     Scenario {
         name: "timers/lateness",
         kind: Kind::Lateness,
         peer: &["timers/lateness/poll1s", "timers/lateness/poll10s"],
+        async_commit: false,
     },
 ];
 
 pub fn find(name: &str) -> Option<&'static Scenario> {
     ALL.iter().find(|s| s.name == name)
+}
+
+/// The `synchronous_commit = off` variant of the scenario named `name`, if it has one.
+pub fn async_variant(name: &str) -> Option<&'static Scenario> {
+    ALL.iter()
+        .find(|s| s.async_commit && s.name.strip_suffix("/async") == Some(name))
 }
 
 /// Firing lateness of the lateness run, in milliseconds.
@@ -246,8 +301,12 @@ pub struct Env {
     pub opts: PgConnectOptions,
     /// The harness's own connection: DDL, CHECKPOINT, statistics. Tagged statements only.
     pub probe: PgConnection,
-    /// sqlx's `test_before_acquire` for the work pool (default true, as users get it).
-    pub ping_on_acquire: bool,
+    /// sqlx's `test_before_acquire` for the worker's pool: off by default, as the
+    /// `PgStore` docs recommend (on: `--pool-ping on`, a diagnostic).
+    pub worker_ping: bool,
+    /// sqlx's `test_before_acquire` for the application's pool (publishes, extends): on by
+    /// default, sqlx's default, as an application's pool has it (off: `--app-pool-ping off`).
+    pub app_ping: bool,
     pub keep_tables: bool,
     pub verbose: bool,
     /// Storage parameters set on each scenario table after it is created (diagnostics,
@@ -255,18 +314,34 @@ pub struct Env {
     pub table_set: Vec<String>,
 }
 
-impl Env {
-    fn pool_options(&self, max: u32) -> PgPoolOptions {
-        PgPoolOptions::new()
-            .max_connections(max)
-            .test_before_acquire(self.ping_on_acquire)
-            .acquire_timeout(Duration::from_secs(30))
-    }
+/// Which pool: the worker's (claims, completions) or the application's (publishes,
+/// extends), each with its own `test_before_acquire`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Setup,
+    Worker,
+    App,
+}
 
-    async fn pool(&self, app: &str, max: u32) -> Result<PgPool, BoxError> {
-        let pool = self
-            .pool_options(max)
-            .connect_lazy_with(self.opts.clone().application_name(app));
+impl Env {
+    /// A pool of `max` connections, opened before the window, as a long-running service has
+    /// them. `async_commit` sets `synchronous_commit = off` on its connections (in the
+    /// startup packet, as `PgConnectOptions::options` does for a user: no statement).
+    async fn pool(&self, role: Role, max: u32, async_commit: bool) -> Result<PgPool, BoxError> {
+        let (app, ping) = match role {
+            Role::Setup => ("outbox-bench-setup", true),
+            Role::Worker => (WORK_APP, self.worker_ping),
+            Role::App => (WORK_APP, self.app_ping),
+        };
+        let mut opts = self.opts.clone().application_name(app);
+        if async_commit {
+            opts = opts.options([("synchronous_commit", "off")]);
+        }
+        let pool = PgPoolOptions::new()
+            .max_connections(max)
+            .test_before_acquire(ping)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_lazy_with(opts);
         // Open the connections before the window, as a long-running service has them.
         let mut held = Vec::new();
         for _ in 0..max.saturating_sub(1) {
@@ -321,7 +396,7 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
     drop_tables(env, &outbox).await?;
 
     // Set-up: create, seed, checkpoint; its connections are gone before the window opens.
-    let setup = env.pool("outbox-bench-setup", 2).await?;
+    let setup = env.pool(Role::Setup, 2, false).await?;
     outbox.migrate(&setup).await?;
     let mut params = vec!["autovacuum_enabled = off".to_owned()];
     params.extend(env.table_set.iter().cloned());
@@ -346,30 +421,53 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
         env.exec("CHECKPOINT").await?;
     }
 
-    let max = match sc.kind {
-        Kind::Consumer { workers, .. } => workers as u32 + 3,
-        _ => 4,
+    // The worker gets a pool of its own, sized as the README says (concurrency + 2, plus
+    // one spare); publishes and extends run on the application's pool. Only the pools a
+    // scenario uses are opened.
+    let workers = match sc.kind {
+        Kind::Consumer { workers, .. } => Some(workers),
+        Kind::ExtendRearm | Kind::Lateness => Some(1),
+        _ => None,
     };
-    let work = env.pool(WORK_APP, max).await?;
+    let worker_pool = match workers {
+        Some(w) => Some(
+            env.pool(Role::Worker, w as u32 + 3, sc.async_commit)
+                .await?,
+        ),
+        None => None,
+    };
+    let app_pool = match sc.kind {
+        Kind::Consumer { .. } => None,
+        _ => Some(env.pool(Role::App, 4, sc.async_commit).await?),
+    };
     let wal0 = probe::wal(&mut env.probe).await?;
     let tup0 = probe::tuples(&mut env.probe, outbox.table()).await?;
     probe::reset_statements(&mut env.probe).await?;
 
-    let ran = match sc.kind {
-        Kind::Consumer {
-            workers,
-            batch,
-            ack_batch,
-        } => run_consumer(env, &work, &outbox, workers, batch, ack_batch).await?,
-        Kind::ProducerOneTx => run_producer_one_tx(&work, &outbox).await?,
-        Kind::ProducerBatch { batch } => run_producer_batch(&work, &outbox, batch).await?,
-        Kind::ProducerPerTx => run_producer_per_tx(&work, &outbox).await?,
-        Kind::ExtendPending => run_extend_pending(&work, &outbox).await?,
-        Kind::ExtendRearm => run_extend_rearm(env, &work, &outbox).await?,
-        Kind::Lateness => run_lateness(&work, &outbox, env.verbose).await?,
+    let pools = (worker_pool.as_ref(), app_pool.as_ref());
+    let ran = match (sc.kind, pools) {
+        (
+            Kind::Consumer {
+                workers,
+                batch,
+                ack_batch,
+            },
+            (Some(w), _),
+        ) => run_consumer(env, w, &outbox, workers, batch, ack_batch).await?,
+        (Kind::ProducerOneTx, (_, Some(a))) => run_producer_one_tx(a, &outbox).await?,
+        (Kind::ProducerBatch { batch }, (_, Some(a))) => {
+            run_producer_batch(a, &outbox, batch).await?
+        }
+        (Kind::ProducerPerTx, (_, Some(a))) => run_producer_per_tx(a, &outbox).await?,
+        (Kind::ExtendPending, (_, Some(a))) => run_extend_pending(a, &outbox).await?,
+        (Kind::ExtendRearm, (Some(w), Some(a))) => run_extend_rearm(env, w, a, &outbox).await?,
+        (Kind::Lateness, (Some(w), Some(a))) => run_lateness(w, a, &outbox, env.verbose).await?,
+        _ => unreachable!("every kind gets the pools it uses"),
     };
 
-    work.close().await;
+    for pool in [worker_pool, app_pool].into_iter().flatten() {
+        pool.close().await;
+    }
     probe::wait_backends_gone(
         &mut env.probe,
         &format!("application_name = '{WORK_APP}'"),
@@ -725,7 +823,12 @@ async fn run_extend_pending(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxEr
 /// Each handler announces its timer and waits while the driver lands
 /// `MESSAGES / TIMERS` extends on the running row, one transaction each; each must come
 /// back `RearmQueued`, and the completion then applies the last one.
-async fn run_extend_rearm(env: &mut Env, pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxError> {
+async fn run_extend_rearm(
+    env: &mut Env,
+    pool: &PgPool,
+    app: &PgPool,
+    outbox: &Outbox,
+) -> Result<Ran, BoxError> {
     let per_run = MESSAGES / TIMERS;
     let watch = recorder::watch();
     let batch = 10;
@@ -744,7 +847,7 @@ async fn run_extend_rearm(env: &mut Env, pool: &PgPool, outbox: &Outbox) -> Resu
         })
         .fetch_batch_size(batch)
         .build()?;
-    let driver_pool = pool.clone();
+    let driver_pool = app.clone();
     let driver_outbox = outbox.clone();
     let t0 = Instant::now();
     let running = worker.start();
@@ -794,7 +897,12 @@ async fn run_extend_rearm(env: &mut Env, pool: &PgPool, outbox: &Outbox) -> Resu
     })
 }
 
-async fn run_lateness(pool: &PgPool, outbox: &Outbox, verbose: bool) -> Result<Ran, BoxError> {
+async fn run_lateness(
+    pool: &PgPool,
+    app: &PgPool,
+    outbox: &Outbox,
+    verbose: bool,
+) -> Result<Ran, BoxError> {
     let watch = recorder::watch();
     watch.reset(10);
     let late = Arc::new(std::sync::Mutex::new(Vec::<(f64, f64)>::new()));
@@ -818,7 +926,7 @@ async fn run_lateness(pool: &PgPool, outbox: &Outbox, verbose: bool) -> Result<R
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let t0 = Instant::now();
-    let mut tx = pool.begin().await?;
+    let mut tx = app.begin().await?;
     for i in 0..LATENESS_TIMERS {
         let due =
             Utc::now() + chrono::TimeDelta::microseconds(rng.random_range(1_000_000..=3_000_000));
@@ -879,4 +987,28 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
         };
     }
     sorted[(q * (sorted.len() - 1) as f64) as usize]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_async_variant_follows_its_durable_twin_and_is_not_gated() {
+        for (i, sc) in ALL.iter().enumerate() {
+            if !sc.async_commit {
+                continue;
+            }
+            let twin = &ALL[i - 1];
+            assert_eq!(sc.name, format!("{}/async", twin.name));
+            assert_eq!(sc.kind, twin.kind);
+            assert!(sc.peer.is_empty(), "{} runs no reference", sc.name);
+            assert!(!sc.gates_tuples_and_wal() && sc.ungated_statements().is_none());
+            assert!(sc.gated_tuples().is_empty());
+            assert_eq!(async_variant(twin.name).map(|v| v.name), Some(sc.name));
+            // Every name of an outbox table derived from the scenario's fits Postgres.
+            Outbox::builder().table(sc.table()).build().expect(sc.name);
+        }
+        assert!(async_variant("producer/ppt1").is_none());
+    }
 }
