@@ -308,10 +308,12 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
         }
         for (m, _) in &runs[1..] {
             let first = &runs[0].0;
-            if m.statements != first.statements || m.tuples != first.tuples {
+            let differ = report::gated_counts_differ(sc, first, m);
+            if !differ.is_empty() {
                 println!(
-                    "  note: {} counts differ between repeats: {:?} {:?} vs {:?} {:?}",
-                    sc.name, first.statements, first.tuples, m.statements, m.tuples
+                    "  note: {} gated counts differ between repeats (they must not): {}",
+                    sc.name,
+                    differ.join(", ")
                 );
             }
         }

@@ -263,6 +263,31 @@ pub fn compare(baseline: &Baseline, current: &[Measurement]) -> Vec<Regression> 
     out
 }
 
+/// The gated counts (statements by kind, tuples) in which two runs of `sc` differ, as
+/// `name a → b`; timing-dependent counts, which are not gated, are left out.
+pub fn gated_counts_differ(sc: &Scenario, a: &Measurement, b: &Measurement) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(skip) = sc.ungated_statements() {
+        let kinds: BTreeSet<&String> = a.statements.keys().chain(b.statements.keys()).collect();
+        for k in kinds.into_iter().filter(|k| !skip.contains(&k.as_str())) {
+            let (x, y) = (
+                a.statements.get(k).copied().unwrap_or(0),
+                b.statements.get(k).copied().unwrap_or(0),
+            );
+            if x != y {
+                out.push(format!("statements[{k}] {x} → {y}"));
+            }
+        }
+    }
+    for f in sc.gated_tuples() {
+        let (x, y) = (tuple_field(&a.tuples, f), tuple_field(&b.tuples, f));
+        if x != y {
+            out.push(format!("tuples.{f} {x} → {y}"));
+        }
+    }
+    out
+}
+
 fn pct(base: f64, cur: f64) -> f64 {
     if base == 0.0 {
         0.0
