@@ -1,4 +1,6 @@
 -- outbox: the base shape (SPEC §1.1, §1.2), without the rearm columns.
+-- Every row is updated once by its claim; free space on its page (fillfactor 70) keeps the
+-- new version on the same page, which logs a small diff instead of the whole row.
 CREATE TABLE IF NOT EXISTS "outbox" (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     queue varchar(255) NOT NULL,
@@ -14,7 +16,7 @@ CREATE TABLE IF NOT EXISTS "outbox" (
     acquired_token uuid,
     timer_id varchar(255),
     CONSTRAINT "outbox_lease_ck" CHECK ((acquired_token IS NULL) = (acquired_at IS NULL))
-);
+) WITH (fillfactor = 70);
 -- The claim of due rows.
 CREATE INDEX IF NOT EXISTS "outbox_pending_idx" ON "outbox" (queue, next_attempt_at) WHERE acquired_token IS NULL;
 -- The reclaim of expired leases.
