@@ -2,7 +2,6 @@
 //! run, redelivery after a lost lease, wake-ups, database failures, shutdown.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -11,7 +10,7 @@ use outbox::{
     Context, Error, HandlerOptions, Message, Outcome, PgStore, Published, RetryStrategy, Store,
     Worker,
 };
-use outbox_tests::Fixture;
+use outbox_tests::{eventually, Fixture};
 use tokio::sync::Notify;
 
 #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
@@ -29,22 +28,6 @@ struct SameQueue;
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Job {
     n: u32,
-}
-
-/// Polls `cond` every 20 ms until it holds, failing after `secs` seconds.
-async fn eventually<F, Fut>(secs: u64, what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let end = tokio::time::Instant::now() + Duration::from_secs(secs);
-    while tokio::time::Instant::now() < end {
-        if cond().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("timed out waiting for: {what}");
 }
 
 fn fast(store: PgStore) -> outbox::WorkerBuilder<PgStore> {

@@ -2,7 +2,6 @@
 //! (SPEC §7.3), no queries while idle, recovery from killed connections (SPEC §7.4).
 
 use std::collections::{HashMap, HashSet};
-use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -12,7 +11,7 @@ use outbox::{
     Cancelled, Completion, Context, Delivery, Failure, Lease, Message, NextWakeup, PgStore,
     Published, Store, StoredRow, Wakeup, Worker,
 };
-use outbox_tests::Fixture;
+use outbox_tests::{eventually, Fixture};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 #[outbox::timer(queue = "jobs", max_deliveries = 10)]
@@ -99,21 +98,6 @@ impl Store for Counting {
         self.hit("now");
         self.inner.now().await
     }
-}
-
-async fn eventually<F, Fut>(secs: u64, what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let end = Instant::now() + Duration::from_secs(secs);
-    while Instant::now() < end {
-        if cond().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("timed out waiting for: {what}");
 }
 
 /// With a 60 s idle ceiling, a timer published for now + 2 s while the worker sleeps
