@@ -142,3 +142,14 @@ where
     }
     panic!("timed out waiting for: {what}");
 }
+
+/// A handler that only counts its runs in `runs` (for any payload type).
+pub fn count_runs<T>(
+    runs: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> impl Fn(T, outbox::Context) -> std::future::Ready<()> + Send + Sync + 'static {
+    let runs = runs.clone();
+    move |_: T, _: outbox::Context| {
+        runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        std::future::ready(())
+    }
+}

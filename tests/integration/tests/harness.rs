@@ -10,7 +10,7 @@ use outbox::{
     Completion, Context, Decision, FailureReason, HandlerOptions, Message, RetryStrategy, Store,
     Worker,
 };
-use outbox_tests::Fixture;
+use outbox_tests::{count_runs, Fixture};
 
 #[outbox::timer(queue = "reminders", max_deliveries = 3)]
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -110,19 +110,11 @@ async fn run_due_runs_exactly_what_is_due_at_the_virtual_time() {
 async fn run_due_drains_a_postgres_store() {
     let f = Fixture::new().await;
     let runs = Arc::new(AtomicUsize::new(0));
-    let worker = {
-        let runs = runs.clone();
-        Worker::builder(f.store.clone())
-            .fetch_batch_size(7)
-            .timer::<Reminder>(move |_: Reminder, _: Context| {
-                let runs = runs.clone();
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                }
-            })
-            .build()
-            .unwrap()
-    };
+    let worker = Worker::builder(f.store.clone())
+        .fetch_batch_size(7)
+        .timer::<Reminder>(count_runs::<Reminder>(&runs))
+        .build()
+        .unwrap();
     let mut conn = f.pool.acquire().await.unwrap();
     for n in 0..20 {
         publish_reminder(

@@ -10,7 +10,7 @@ use outbox::{
     Context, Error, HandlerOptions, Message, Outcome, PgStore, Published, RetryStrategy, Store,
     Worker,
 };
-use outbox_tests::{eventually, Fixture};
+use outbox_tests::{count_runs, eventually, Fixture};
 use tokio::sync::Notify;
 
 #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
@@ -485,19 +485,11 @@ async fn max_deliveries_is_enforced_before_the_handler_runs() {
     .execute(&f.pool)
     .await
     .unwrap();
-    let worker = {
-        let runs = runs.clone();
-        fast(f.store.clone())
-            .timer::<Job>(move |_: Job, _: Context| {
-                let runs = runs.clone();
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                }
-            })
-            .build()
-            .unwrap()
-            .start()
-    };
+    let worker = fast(f.store.clone())
+        .timer::<Job>(count_runs::<Job>(&runs))
+        .build()
+        .unwrap()
+        .start();
     eventually(10, "the row is gone", || async {
         f.rows("jobs").await.is_empty()
     })
@@ -516,22 +508,14 @@ async fn max_deliveries_is_enforced_before_the_handler_runs() {
 async fn batched_acks_flush_when_idle_and_on_shutdown() {
     let f = Fixture::new().await;
     let runs = Arc::new(AtomicUsize::new(0));
-    let worker = {
-        let runs = runs.clone();
-        fast(f.store.clone())
-            .concurrency(2)
-            .fetch_batch_size(20)
-            .ack_batch_size(16)
-            .timer::<Job>(move |_: Job, _: Context| {
-                let runs = runs.clone();
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                }
-            })
-            .build()
-            .unwrap()
-            .start()
-    };
+    let worker = fast(f.store.clone())
+        .concurrency(2)
+        .fetch_batch_size(20)
+        .ack_batch_size(16)
+        .timer::<Job>(count_runs::<Job>(&runs))
+        .build()
+        .unwrap()
+        .start();
     for n in 0..50 {
         seed_job(&f, n).await;
     }

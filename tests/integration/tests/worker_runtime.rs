@@ -11,7 +11,7 @@ use outbox::{
     Cancelled, Completion, Context, Delivery, Failure, Lease, Message, NextWakeup, PgStore,
     Published, Store, StoredRow, Wakeup, Worker,
 };
-use outbox_tests::{eventually, Fixture};
+use outbox_tests::{count_runs, eventually, Fixture};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 #[outbox::timer(queue = "jobs", max_deliveries = 10)]
@@ -289,26 +289,13 @@ async fn a_poison_row_is_isolated() {
     let f = Fixture::new().await;
     let ok = Arc::new(AtomicUsize::new(0));
     let raw = Arc::new(AtomicUsize::new(0));
-    let worker = {
-        let (ok, raw) = (ok.clone(), raw.clone());
-        Worker::builder(f.store.clone())
-            .idle_poll(Duration::from_millis(200))
-            .timer::<Job>(move |_: Job, _: Context| {
-                let ok = ok.clone();
-                async move {
-                    ok.fetch_add(1, Ordering::SeqCst);
-                }
-            })
-            .queue("other", move |_: Vec<u8>, _: Context| {
-                let raw = raw.clone();
-                async move {
-                    raw.fetch_add(1, Ordering::SeqCst);
-                }
-            })
-            .build()
-            .unwrap()
-            .start()
-    };
+    let worker = Worker::builder(f.store.clone())
+        .idle_poll(Duration::from_millis(200))
+        .timer::<Job>(count_runs::<Job>(&ok))
+        .queue("other", count_runs::<Vec<u8>>(&raw))
+        .build()
+        .unwrap()
+        .start();
     let mut conn = f.pool.acquire().await.unwrap();
     f.outbox
         .publish(&mut conn, Message::new("jobs", b"\x00\x01 not json"))
@@ -357,20 +344,12 @@ async fn a_lost_listen_connection_is_rebuilt_and_timers_stay_on_time() {
     );
     let store = PgStore::new(named_pool(&app).await, f.outbox.clone());
     let fired = Arc::new(AtomicUsize::new(0));
-    let worker = {
-        let fired = fired.clone();
-        Worker::builder(store)
-            .idle_poll(Duration::from_secs(60))
-            .timer::<Job>(move |_: Job, _: Context| {
-                let fired = fired.clone();
-                async move {
-                    fired.fetch_add(1, Ordering::SeqCst);
-                }
-            })
-            .build()
-            .unwrap()
-            .start()
-    };
+    let worker = Worker::builder(store)
+        .idle_poll(Duration::from_secs(60))
+        .timer::<Job>(count_runs::<Job>(&fired))
+        .build()
+        .unwrap()
+        .start();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let killed: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
