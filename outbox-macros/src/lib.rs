@@ -46,32 +46,32 @@
 //! }
 //!
 //! /// Schedules the timer; if a live timer holds the key, nothing changes (`Skipped`).
-//! pub async fn publish_presence_expiry<P: ?Sized + outbox::Publisher>(
-//!     conn: &mut P,
+//! pub async fn publish_presence_expiry(
+//!     conn: impl outbox::Publisher,
 //!     timer_id: &str,
 //!     payload: &PresenceExpiry,
 //!     schedule: impl Into<outbox::Schedule>,
 //! ) -> Result<outbox::Published, outbox::Error> {
-//!     outbox::publish_timer::<PresenceExpiry, P>(conn, timer_id, payload, schedule).await
+//!     outbox::publish_timer::<PresenceExpiry>(conn, timer_id, payload, schedule).await
 //! }
 //!
 //! /// Schedules the timer or moves it later: `Inserted`, `Extended`, `RearmQueued` (its
 //! /// handler is running) or `Unchanged`.
-//! pub async fn extend_presence_expiry<P: ?Sized + outbox::Publisher>(
-//!     conn: &mut P,
+//! pub async fn extend_presence_expiry(
+//!     conn: impl outbox::Publisher,
 //!     timer_id: &str,
 //!     payload: &PresenceExpiry,
 //!     schedule: impl Into<outbox::Schedule>,
 //! ) -> Result<outbox::Published, outbox::Error> {
-//!     outbox::extend_timer::<PresenceExpiry, P>(conn, timer_id, payload, schedule).await
+//!     outbox::extend_timer::<PresenceExpiry>(conn, timer_id, payload, schedule).await
 //! }
 //!
 //! /// Cancels the timer: `Deleted`, `RearmDropped`, `Running` or `NotFound`.
-//! pub async fn cancel_presence_expiry<P: ?Sized + outbox::Publisher>(
-//!     conn: &mut P,
+//! pub async fn cancel_presence_expiry(
+//!     conn: impl outbox::Publisher,
 //!     timer_id: &str,
 //! ) -> Result<outbox::Cancelled, outbox::Error> {
-//!     outbox::cancel_timer::<PresenceExpiry, P>(conn, timer_id).await
+//!     outbox::cancel_timer::<PresenceExpiry>(conn, timer_id).await
 //! }
 //! ```
 //!
@@ -79,8 +79,8 @@
 //! (`::outbox::…`, and `::outbox::__private::Result` for `Result`, `Into`, `str`, …), so a
 //! `Result` alias or any other name in your module cannot change its meaning, and the
 //! code compiles under `#![deny(unused_qualifications)]`; its parameters are called
-//! `__conn`, `__timer_id`, `__payload` and `__schedule`, and the generic `__P`, so they
-//! cannot collide with your names; the impl sits inside `const _: () = { … };` and its
+//! `__conn`, `__timer_id`, `__payload` and `__schedule`, so they cannot collide with your
+//! names; the impl sits inside `const _: () = { … };` and its
 //! header is spanned at the struct's name, so a payload that is not `Serialize`,
 //! `DeserializeOwned`, `Send` or `Sync` is reported once, at the struct. Each function
 //! carries a doc comment (with an
@@ -91,10 +91,13 @@
 //!   visibility (`pub`, `pub(crate)`, private, …). Their outcomes are SPEC §2.2's
 //!   [`Published`](https://docs.rs/outbox/latest/outbox/enum.Published.html) and §3's
 //!   [`Cancelled`](https://docs.rs/outbox/latest/outbox/enum.Cancelled.html).
-//! - `conn` is anything implementing `outbox::Publisher`: `&mut *tx` for a
-//!   `sqlx::Transaction` (or `&mut tx`), a `PgConnection` or pool connection (tables of
-//!   `Outbox::global()`), or `&mut outbox.on(&mut *tx)` for an `Outbox` with its own
-//!   table names. The library never begins, commits or rolls back your transaction.
+//! - `conn` is anything implementing `outbox::Publisher`, passed by value: `&mut *tx` for
+//!   a `sqlx::Transaction` (or `&mut tx`), `&mut *conn` for a connection from
+//!   `pool.acquire()`, `&pool` (a `&PgPool`: autocommit, so not in your transaction), all
+//!   into the tables of `Outbox::global()`; `outbox.on(&mut *tx)` for an `Outbox` with its
+//!   own table names; `&store` for a `PgStore` or the in-memory `MemoryStore`. Anything
+//!   else is a compile error that lists these forms. The library never begins, commits or
+//!   rolls back your transaction.
 //! - `schedule` is a `std::time::Duration` (relative to the **database** clock), a
 //!   `chrono::DateTime<Utc>` or `SystemTime` (absolute), or `outbox::Schedule::now()`.
 //! - Handlers are registered on a worker by type (`T: outbox::Timer`), which is all the

@@ -105,11 +105,17 @@
 #![deny(missing_docs)]
 #![warn(unreachable_pub)]
 
+// Modules from the leaves up: names → sql → publish, cancel, read, migrate, validate →
+// outbox (the handle) → timer (the typed layer) → store → worker, testing. Each imports
+// only modules before it.
 mod cancel;
 mod error;
 mod migrate;
+mod names;
+mod outbox;
 mod publish;
-mod schema;
+mod read;
+mod sql;
 pub mod store;
 pub mod testing;
 mod timer;
@@ -121,21 +127,24 @@ pub mod __private; // Not public API.
 
 pub use cancel::Cancelled;
 pub use error::{Error, Result, SchemaProblem, UPGRADE_GUIDE};
-pub use migrate::{migrate, migration_steps, MigrationStep};
+pub use migrate::MigrationStep;
+pub use names::DEFAULT_TABLE;
+pub use outbox::{migrate, migration_steps, validate_schema, Bound, Outbox, OutboxBuilder};
 pub use outbox_macros::timer;
 pub use publish::{
     BatchItem, Headers, Message, OnConflict, Published, Schedule, MAX_DELAY, MAX_NAME_BYTES,
     MAX_PAYLOAD_BYTES,
 };
-pub use schema::{Outbox, OutboxBuilder, DEFAULT_TABLE};
+pub use read::{DeadLetter, StoredRow};
+pub use store::postgres::PgStore;
 pub use store::{
-    Completion, DeadLetter, Delivery, Failure, FailureReason, Lease, NextWakeup, PgStore, Store,
-    StoredRow, Wakeup,
+    ClaimRequest, Completion, Delivery, Failure, FailureReason, Lease, NextWakeup, Store, Wakeup,
 };
-pub use timer::{cancel_timer, extend_timer, publish_timer, Bound, Publisher, Timer};
-pub use validate::validate_schema;
-pub use worker::{
-    Context, Decision, Dispatched, Handler, HandlerOptions, HandlerResult, IntoOutcome, Outcome,
-    RetryStrategy, RunningWorker, ShutdownReport, Worker, WorkerBuilder, DEFAULT_MAX_DELIVERIES,
-    MAX_RETRY_DELAY, RUN_DUE_LIMIT,
+pub use timer::{cancel_timer, extend_timer, publish_timer, Publisher, Timer};
+pub use worker::builder::WorkerBuilder;
+pub use worker::handler::{
+    Context, Decision, Handler, HandlerOptions, HandlerResult, IntoOutcome, Outcome,
+    DEFAULT_MAX_DELIVERIES,
 };
+pub use worker::retry::{RetryStrategy, MAX_RETRY_DELAY};
+pub use worker::{Dispatched, RunningWorker, ShutdownReport, Worker, RUN_DUE_LIMIT};

@@ -13,7 +13,7 @@ use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 
 use crate::error::{Error, Result};
-use crate::schema::{quote_literal, Names, Outbox};
+use crate::sql;
 
 /// Message headers: a string-to-string map stored as `jsonb` (content type, correlation id,
 /// user headers). Keys and values may not contain NUL (`jsonb` cannot store `\u0000`).
@@ -113,6 +113,12 @@ impl Resolved {
             Resolved::At(at) => (interval(0), Some(at)),
         }
     }
+}
+
+/// A duration as whole microseconds, for an `interval` parameter.
+pub(crate) fn micros(d: Duration) -> Result<i64> {
+    i64::try_from(d.as_micros())
+        .map_err(|_| Error::invalid("duration", "overflows 64-bit microseconds"))
 }
 
 pub(crate) fn interval(microseconds: i64) -> PgInterval {
@@ -357,212 +363,100 @@ impl<'a> BatchItem<'a> {
     }
 }
 
-/// The publish statements for one set of names.
-#[derive(Debug)]
-pub(crate) struct Sql {
-    plain: String,
-    insert: String,
-    extend: String,
-    batch: String,
-}
-
-/// The NOTIFY payload: `<deadline as epoch milliseconds>:<queue>` (SPEC §2.4). Never
-/// payload data. `row` is the alias whose columns are read.
-pub(crate) fn notify_expr(n: &Names, row: &str) -> String {
-    format!(
-        "pg_notify({}, floor(extract(epoch FROM {row}.next_attempt_at) * 1000)::bigint::text || ':' || {row}.queue)::text",
-        quote_literal(&n.channel)
-    )
-}
-
-impl Sql {
-    pub(crate) fn new(n: &Names) -> Self {
-        let t = &n.qtable;
-        // $1 queue, $2 payload, $3 headers, $4 delay interval, $5 absolute deadline,
-        // $6 timer id. The deadline is computed by the database clock (SPEC §2.1).
-        let values = "VALUES ($1, $2, $3, coalesce($5::timestamptz, now() + $4::interval), $6)";
-        let columns = "(queue, payload, headers, next_attempt_at, timer_id)";
-        // The notification is folded into each statement: no extra round trip, and it is
-        // sent only if the caller's transaction commits. A plain message (NULL timer_id)
-        // can never conflict, so it skips ON CONFLICT: a speculative insert costs an extra
-        // WAL record per row.
-        let plain = format!(
-            "WITH ins AS (\
-               INSERT INTO {t} {columns} {values} \
-               RETURNING id, queue, next_attempt_at) \
-             SELECT ins.id, {notify} FROM ins",
-            notify = notify_expr(n, "ins"),
-        );
-        let insert = format!(
-            "WITH ins AS (\
-               INSERT INTO {t} {columns} {values} \
-               ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO NOTHING \
-               RETURNING id, queue, next_attempt_at) \
-             SELECT ins.id, {notify} FROM ins",
-            notify = notify_expr(n, "ins"),
-        );
-        // One statement for the whole extend path (SPEC §4, §5). The row found decides:
-        // pending → move the deadline and reset retry history; leased → queue the rearm.
-        // Either only when the new deadline is later (for a leased row, later than both
-        // the claimed deadline and any queued rearm). ON CONFLICT DO UPDATE waits on a
-        // claim's row lock and then sees the leased row, so a claim racing an extend
-        // always ends with a queued rearm (SPEC §5.3). `xmax = 0` marks a fresh insert.
-        let pending = "t.acquired_token IS NULL";
-        let extend = format!(
-            "WITH up AS (\
-               INSERT INTO {t} AS t {columns} {values} \
-               ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO UPDATE SET \
-                 next_attempt_at  = CASE WHEN {pending} THEN excluded.next_attempt_at ELSE t.next_attempt_at END, \
-                 payload          = CASE WHEN {pending} THEN excluded.payload ELSE t.payload END, \
-                 headers          = CASE WHEN {pending} THEN excluded.headers ELSE t.headers END, \
-                 attempts_count   = CASE WHEN {pending} THEN 0 ELSE t.attempts_count END, \
-                 first_attempt_at = CASE WHEN {pending} THEN NULL ELSE t.first_attempt_at END, \
-                 last_attempt_at  = CASE WHEN {pending} THEN NULL ELSE t.last_attempt_at END, \
-                 rearm_at         = CASE WHEN {pending} THEN t.rearm_at ELSE excluded.next_attempt_at END, \
-                 rearm_payload    = CASE WHEN {pending} THEN t.rearm_payload ELSE excluded.payload END, \
-                 rearm_headers    = CASE WHEN {pending} THEN t.rearm_headers ELSE excluded.headers END \
-               WHERE excluded.next_attempt_at > CASE WHEN {pending} THEN t.next_attempt_at \
-                                                     ELSE greatest(t.next_attempt_at, t.rearm_at) END \
-               RETURNING t.id, t.queue, t.next_attempt_at, (t.xmax = 0) AS inserted, \
-                         (t.acquired_token IS NOT NULL) AS leased) \
-             SELECT up.id, up.inserted, up.leased, \
-                    CASE WHEN up.inserted THEN {notify} END \
-             FROM up",
-            notify = notify_expr(n, "up"),
-        );
-        // All or nothing, one statement, one notification for the batch (SPEC §2.3).
-        let batch = format!(
-            "WITH ins AS (\
-               INSERT INTO {t} (queue, payload, headers, next_attempt_at) \
-               SELECT $1, u.payload, u.headers, coalesce($5::timestamptz, now() + $4::interval) \
-               FROM unnest($2::bytea[], $3::jsonb[]) WITH ORDINALITY AS u(payload, headers, ord) \
-               ORDER BY u.ord \
-               RETURNING id, queue, next_attempt_at) \
-             SELECT array_agg(ins.id ORDER BY ins.id), \
-                    (SELECT {notify} FROM ins LIMIT 1) \
-             FROM ins",
-            notify = notify_expr(n, "ins"),
-        );
-        Sql {
-            plain,
-            insert,
-            extend,
-            batch,
-        }
-    }
-}
-
-impl Outbox {
-    /// Publishes one message on the caller's connection or transaction (SPEC §2).
-    ///
-    /// Pass a transaction as `&mut *tx`: the row and its wake-up notification exist only if
-    /// that transaction commits. With [`OnConflict::Extend`] this is the extend of SPEC §4
-    /// (pending row) and §5 (running row → rearm), in one statement.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for input that breaks SPEC §2.1 (nothing is sent to the
-    /// database); [`Error::UpgradeRequired`] if the table predates the rearm upgrade and the
-    /// call extends; [`Error::Database`] otherwise.
-    pub async fn publish(
-        &self,
-        conn: &mut PgConnection,
-        message: Message<'_>,
-    ) -> Result<Published> {
-        let resolved = message.validate()?;
-        let (delay, at) = resolved.binds();
-        let sql = &self.sql().publish;
-        let headers = message.headers.map(Json);
-        match message.on_conflict {
-            OnConflict::Ignore => {
-                let statement = if message.timer_id.is_some() {
-                    &sql.insert
-                } else {
-                    &sql.plain
-                };
-                let row = sqlx::query(statement)
-                    .bind(message.queue)
-                    .bind(message.payload)
-                    .bind(headers)
-                    .bind(delay)
-                    .bind(at)
-                    .bind(message.timer_id)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-                Ok(match row {
-                    Some(r) => {
-                        metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned()).increment(1);
-                        Published::Inserted { id: r.try_get(0)? }
-                    }
-                    None => Published::Skipped,
-                })
-            }
-            OnConflict::Extend => {
-                let row = sqlx::query(&sql.extend)
-                    .bind(message.queue)
-                    .bind(message.payload)
-                    .bind(headers)
-                    .bind(delay)
-                    .bind(at)
-                    .bind(message.timer_id)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-                let Some(r) = row else {
-                    return Ok(Published::Unchanged);
-                };
-                let id: i64 = r.try_get(0)?;
-                let inserted: bool = r.try_get(1)?;
-                let leased: bool = r.try_get(2)?;
-                Ok(if inserted {
+/// Publishes one message on `conn` ([`crate::Outbox::publish`]).
+pub(crate) async fn publish(
+    sql: &sql::publish::Publish,
+    conn: &mut PgConnection,
+    message: Message<'_>,
+) -> Result<Published> {
+    let resolved = message.validate()?;
+    let (delay, at) = resolved.binds();
+    let headers = message.headers.map(Json);
+    match message.on_conflict {
+        OnConflict::Ignore => {
+            let statement = if message.timer_id.is_some() {
+                &sql.insert
+            } else {
+                &sql.plain
+            };
+            let row = sqlx::query(statement.clone())
+                .bind(message.queue)
+                .bind(message.payload)
+                .bind(headers)
+                .bind(delay)
+                .bind(at)
+                .bind(message.timer_id)
+                .fetch_optional(&mut *conn)
+                .await?;
+            Ok(match row {
+                Some(r) => {
                     metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned()).increment(1);
-                    Published::Inserted { id }
-                } else if leased {
-                    Published::RearmQueued { id }
-                } else {
-                    Published::Extended { id }
-                })
-            }
+                    Published::Inserted { id: r.try_get(0)? }
+                }
+                None => Published::Skipped,
+            })
+        }
+        OnConflict::Extend => {
+            let row = sqlx::query(sql.extend.clone())
+                .bind(message.queue)
+                .bind(message.payload)
+                .bind(headers)
+                .bind(delay)
+                .bind(at)
+                .bind(message.timer_id)
+                .fetch_optional(&mut *conn)
+                .await?;
+            let Some(r) = row else {
+                return Ok(Published::Unchanged);
+            };
+            let id: i64 = r.try_get(0)?;
+            let inserted: bool = r.try_get(1)?;
+            let leased: bool = r.try_get(2)?;
+            Ok(if inserted {
+                metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned())
+                    .increment(1);
+                Published::Inserted { id }
+            } else if leased {
+                Published::RearmQueued { id }
+            } else {
+                Published::Extended { id }
+            })
         }
     }
+}
 
-    /// Publishes many messages to one queue in **one statement** (SPEC §2.3): all rows are
-    /// inserted or none is. Timer ids are not allowed in a batch. Returns the new ids in the
-    /// order of `items`. An empty batch returns an empty list without touching the database.
-    ///
-    /// # Errors
-    /// As [`Outbox::publish`].
-    pub async fn publish_batch(
-        &self,
-        conn: &mut PgConnection,
-        queue: &str,
-        items: &[BatchItem<'_>],
-        schedule: impl Into<Schedule>,
-    ) -> Result<Vec<i64>> {
-        validate_queue(queue)?;
-        let resolved = schedule.into().resolve()?;
-        for item in items {
-            validate_payload(item.payload)?;
-            if let Some(h) = item.headers {
-                validate_headers(h)?;
-            }
+/// Publishes a batch on `conn` ([`crate::Outbox::publish_batch`]).
+pub(crate) async fn publish_batch(
+    sql: &sql::publish::Publish,
+    conn: &mut PgConnection,
+    queue: &str,
+    items: &[BatchItem<'_>],
+    schedule: Schedule,
+) -> Result<Vec<i64>> {
+    validate_queue(queue)?;
+    let resolved = schedule.resolve()?;
+    for item in items {
+        validate_payload(item.payload)?;
+        if let Some(h) = item.headers {
+            validate_headers(h)?;
         }
-        if items.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (delay, at) = resolved.binds();
-        let payloads: Vec<&[u8]> = items.iter().map(|i| i.payload).collect();
-        let headers: Vec<Option<Json<&Headers>>> =
-            items.iter().map(|i| i.headers.map(Json)).collect();
-        let row = sqlx::query(&self.sql().publish.batch)
-            .bind(queue)
-            .bind(payloads)
-            .bind(headers)
-            .bind(delay)
-            .bind(at)
-            .fetch_one(&mut *conn)
-            .await?;
-        let ids: Vec<i64> = row.try_get::<Option<Vec<i64>>, _>(0)?.unwrap_or_default();
-        metrics::counter!("outbox_published_total", "queue" => queue.to_owned())
-            .increment(ids.len() as u64);
-        Ok(ids)
     }
+    if items.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (delay, at) = resolved.binds();
+    let payloads: Vec<&[u8]> = items.iter().map(|i| i.payload).collect();
+    let headers: Vec<Option<Json<&Headers>>> = items.iter().map(|i| i.headers.map(Json)).collect();
+    let row = sqlx::query(sql.batch.clone())
+        .bind(queue)
+        .bind(payloads)
+        .bind(headers)
+        .bind(delay)
+        .bind(at)
+        .fetch_one(&mut *conn)
+        .await?;
+    let ids: Vec<i64> = row.try_get::<Option<Vec<i64>>, _>(0)?.unwrap_or_default();
+    metrics::counter!("outbox_published_total", "queue" => queue.to_owned())
+        .increment(ids.len() as u64);
+    Ok(ids)
 }

@@ -6,12 +6,12 @@ use std::future::Future;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sqlx::pool::PoolConnection;
-use sqlx::{PgConnection, Postgres, Transaction};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 use crate::cancel::Cancelled;
 use crate::error::{Error, Result};
-use crate::publish::{Message, OnConflict, Published, Schedule};
-use crate::schema::Outbox;
+use crate::outbox::{Bound, Outbox};
+use crate::publish::{validate_queue, validate_timer_id, Message, OnConflict, Published, Schedule};
 
 /// A typed timer payload bound to a queue.
 ///
@@ -55,42 +55,58 @@ pub trait Timer: Serialize + DeserializeOwned + Send + Sync + 'static {
     }
 }
 
-/// Something typed functions can publish and cancel through: a Postgres connection or
-/// transaction (using [`Outbox::global`]'s tables), an [`Outbox`] bound to a connection
-/// ([`Outbox::on`]), or the in-memory store of [`crate::testing`].
+/// Something typed functions publish and cancel through, passed by value:
 ///
-/// Pass a sqlx transaction as `&mut *tx` (a `&mut PgConnection`) or as `&mut tx`.
+/// | pass | publishes into | transactional |
+/// |---|---|---|
+/// | `&mut *tx` (a `&mut PgConnection` from a `sqlx::Transaction`) or `&mut tx` | [`Outbox::global`]'s tables | yes: the row exists only if `tx` commits |
+/// | `&mut *conn` or `&mut conn` (a connection from `pool.acquire()`) | [`Outbox::global`]'s tables | no (autocommit) |
+/// | `&pool` (a `&PgPool`) | [`Outbox::global`]'s tables, on a pool connection | no (autocommit) |
+/// | `outbox.on(&mut *tx)` ([`Outbox::on`]) | that outbox's tables | as the connection it binds |
+/// | `&store` ([`PgStore`](crate::PgStore)) | the store's outbox, on its pool | no (autocommit) |
+/// | `&store` ([`MemoryStore`](crate::testing::MemoryStore)) | the in-memory store | each call atomic |
+///
+/// Publishing in the same transaction as your domain writes is the point of an outbox:
+/// prefer `&mut *tx`. With the autocommit forms a publish commits on its own, even if your
+/// other writes later roll back. Without a transaction, a cancel runs its lock-then-write in
+/// a short transaction of its own (pool and store forms) or repeats the write's expected
+/// state on the bare connection, so it is safe either way.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not something outbox can publish through",
+    label = "expected a connection, a transaction, a pool or a store",
+    note = "pass your transaction as `&mut *tx`, a pooled connection from `pool.acquire()` as `&mut *conn`, `&pool` (autocommit, not transactional), `outbox.on(&mut *tx)` for another outbox, or `&store`"
+)]
 pub trait Publisher: Send {
     /// Publishes one message.
-    fn publish_message<'a>(
-        &'a mut self,
-        message: Message<'a>,
-    ) -> impl Future<Output = Result<Published>> + Send + 'a;
+    fn publish_message<'m>(
+        self,
+        message: Message<'m>,
+    ) -> impl Future<Output = Result<Published>> + Send;
 
     /// Cancels a timer (SPEC §3).
-    fn cancel_timer<'a>(
-        &'a mut self,
-        queue: &'a str,
-        timer_id: &'a str,
-    ) -> impl Future<Output = Result<Cancelled>> + Send + 'a;
+    fn cancel_timer(
+        self,
+        queue: &str,
+        timer_id: &str,
+    ) -> impl Future<Output = Result<Cancelled>> + Send;
 }
 
-/// Connections and transactions publish into [`Outbox::global`]'s tables.
+/// Connections and transactions publish into [`Outbox::global`]'s tables, on themselves.
 macro_rules! publish_via_global {
     ($($conn:ty),*) => {$(
         impl Publisher for $conn {
-            fn publish_message<'a>(
-                &'a mut self,
-                message: Message<'a>,
-            ) -> impl Future<Output = Result<Published>> + Send + 'a {
+            fn publish_message<'m>(
+                self,
+                message: Message<'m>,
+            ) -> impl Future<Output = Result<Published>> + Send {
                 Outbox::global().publish(self, message)
             }
 
-            fn cancel_timer<'a>(
-                &'a mut self,
-                queue: &'a str,
-                timer_id: &'a str,
-            ) -> impl Future<Output = Result<Cancelled>> + Send + 'a {
+            fn cancel_timer(
+                self,
+                queue: &str,
+                timer_id: &str,
+            ) -> impl Future<Output = Result<Cancelled>> + Send {
                 Outbox::global().cancel(self, queue, timer_id)
             }
         }
@@ -98,52 +114,88 @@ macro_rules! publish_via_global {
 }
 
 publish_via_global!(
-    PgConnection,
-    PoolConnection<Postgres>,
-    Transaction<'_, Postgres>
+    &mut PgConnection,
+    &mut PoolConnection<Postgres>,
+    &mut Transaction<'_, Postgres>
 );
 
-/// An [`Outbox`] bound to a connection or transaction, so typed functions publish into
-/// its tables instead of [`Outbox::global`]'s. Made by [`Outbox::on`].
-#[derive(Debug)]
-pub struct Bound<'c> {
-    outbox: &'c Outbox,
-    conn: &'c mut PgConnection,
-}
+impl Publisher for &PgPool {
+    fn publish_message<'m>(
+        self,
+        message: Message<'m>,
+    ) -> impl Future<Output = Result<Published>> + Send {
+        publish_autocommit(self, Outbox::global(), message)
+    }
 
-impl Outbox {
-    /// Binds this outbox to a connection or transaction (`&mut *tx`) for the typed
-    /// functions:
-    ///
-    /// ```no_run
-    /// # async fn f(pool: sqlx::PgPool, outbox: outbox::Outbox) -> Result<(), outbox::Error> {
-    /// # #[derive(serde::Serialize, serde::Deserialize)] struct Ping;
-    /// # impl outbox::Timer for Ping { const QUEUE: &'static str = "ping"; const MAX_DELIVERIES: u32 = 3; }
-    /// let mut tx = pool.begin().await?;
-    /// outbox::publish_timer(&mut outbox.on(&mut tx), "id-1", &Ping, std::time::Duration::from_secs(5)).await?;
-    /// tx.commit().await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn on<'c>(&'c self, conn: &'c mut PgConnection) -> Bound<'c> {
-        Bound { outbox: self, conn }
+    fn cancel_timer(
+        self,
+        queue: &str,
+        timer_id: &str,
+    ) -> impl Future<Output = Result<Cancelled>> + Send {
+        cancel_in_own_transaction(self, Outbox::global(), queue, timer_id)
     }
 }
 
 impl Publisher for Bound<'_> {
-    fn publish_message<'a>(
-        &'a mut self,
-        message: Message<'a>,
-    ) -> impl Future<Output = Result<Published>> + Send + 'a {
+    fn publish_message<'m>(
+        self,
+        message: Message<'m>,
+    ) -> impl Future<Output = Result<Published>> + Send {
         self.outbox.publish(self.conn, message)
     }
 
-    fn cancel_timer<'a>(
-        &'a mut self,
-        queue: &'a str,
-        timer_id: &'a str,
-    ) -> impl Future<Output = Result<Cancelled>> + Send + 'a {
+    fn cancel_timer(
+        self,
+        queue: &str,
+        timer_id: &str,
+    ) -> impl Future<Output = Result<Cancelled>> + Send {
         self.outbox.cancel(self.conn, queue, timer_id)
     }
+}
+
+impl Publisher for &mut Bound<'_> {
+    fn publish_message<'m>(
+        self,
+        message: Message<'m>,
+    ) -> impl Future<Output = Result<Published>> + Send {
+        self.outbox.publish(self.conn, message)
+    }
+
+    fn cancel_timer(
+        self,
+        queue: &str,
+        timer_id: &str,
+    ) -> impl Future<Output = Result<Cancelled>> + Send {
+        self.outbox.cancel(self.conn, queue, timer_id)
+    }
+}
+
+/// A publish on a pool connection, outside any transaction (the `&pool` and `&store` forms).
+/// The message is checked before a connection is taken, so bad input never waits for one.
+pub(crate) async fn publish_autocommit(
+    pool: &PgPool,
+    outbox: &Outbox,
+    message: Message<'_>,
+) -> Result<Published> {
+    message.validate()?;
+    let mut conn = pool.acquire().await?;
+    outbox.publish(&mut conn, message).await
+}
+
+/// A cancel in a short transaction of its own, so its lock-then-write holds the row lock
+/// from the look to the write (the `&pool` and `&store` forms).
+pub(crate) async fn cancel_in_own_transaction(
+    pool: &PgPool,
+    outbox: &Outbox,
+    queue: &str,
+    timer_id: &str,
+) -> Result<Cancelled> {
+    validate_queue(queue)?;
+    validate_timer_id(timer_id)?;
+    let mut tx = pool.begin().await?;
+    let out = outbox.cancel(&mut tx, queue, timer_id).await?;
+    tx.commit().await?;
+    Ok(out)
 }
 
 /// Schedules the timer `(T::QUEUE, timer_id)` with `payload`; if a live row holds the key,
@@ -152,8 +204,8 @@ impl Publisher for Bound<'_> {
 ///
 /// # Errors
 /// [`Error::Encode`], [`Error::InvalidArgument`] (before any SQL), [`Error::Database`].
-pub async fn publish_timer<T: Timer, P: Publisher + ?Sized>(
-    conn: &mut P,
+pub async fn publish_timer<T: Timer>(
+    conn: impl Publisher,
     timer_id: &str,
     payload: &T,
     schedule: impl Into<Schedule>,
@@ -167,8 +219,8 @@ pub async fn publish_timer<T: Timer, P: Publisher + ?Sized>(
 ///
 /// # Errors
 /// As [`publish_timer`].
-pub async fn extend_timer<T: Timer, P: Publisher + ?Sized>(
-    conn: &mut P,
+pub async fn extend_timer<T: Timer>(
+    conn: impl Publisher,
     timer_id: &str,
     payload: &T,
     schedule: impl Into<Schedule>,
@@ -180,15 +232,12 @@ pub async fn extend_timer<T: Timer, P: Publisher + ?Sized>(
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] (before any SQL), [`Error::Database`].
-pub async fn cancel_timer<T: Timer, P: Publisher + ?Sized>(
-    conn: &mut P,
-    timer_id: &str,
-) -> Result<Cancelled> {
+pub async fn cancel_timer<T: Timer>(conn: impl Publisher, timer_id: &str) -> Result<Cancelled> {
     conn.cancel_timer(T::QUEUE, timer_id).await
 }
 
-async fn send_timer<T: Timer, P: Publisher + ?Sized>(
-    conn: &mut P,
+async fn send_timer<T: Timer>(
+    conn: impl Publisher,
     timer_id: &str,
     payload: &T,
     schedule: Schedule,

@@ -1,4 +1,4 @@
-//! `validate_schema` (SPEC §8): compares the live database with what this version needs and
+//! Schema validation (SPEC §8): compares the live database with what this version needs and
 //! reports every problem at once. Extra columns and indexes are fine.
 
 use std::collections::HashMap;
@@ -6,7 +6,8 @@ use std::collections::HashMap;
 use sqlx::{PgPool, Row};
 
 use crate::error::{Error, Result, SchemaProblem};
-use crate::schema::{Names, Outbox};
+use crate::names::Names;
+use crate::sql::catalog;
 
 /// `(column, format_type output, NOT NULL, belongs to the rearm upgrade)`.
 const QUEUE_COLUMNS: &[(&str, &str, bool, bool)] = &[
@@ -68,58 +69,38 @@ fn normalise(expr: &str) -> String {
         .collect()
 }
 
-impl Outbox {
-    /// Checks the live schema against this version's needs (SPEC §8) and returns **every**
-    /// problem at once: missing tables or columns, wrong types or nullability, missing
-    /// indexes or ones with the wrong columns, uniqueness or partial predicate, missing or
-    /// drifted `<t>_lease_ck` / `<t>_rearm_ck` (matched by definition, not by name), and
-    /// dead-letter table drift when the dead-letter queue is on. Missing rearm columns or
-    /// `<t>_rearm_ck` are flagged as needing the rearm upgrade (`docs/upgrading.md`).
-    ///
-    /// # Errors
-    /// [`Error::SchemaMismatch`] listing the problems; [`Error::Database`] if the catalog
-    /// cannot be read.
-    pub async fn validate_schema(&self, pool: &PgPool) -> Result<()> {
-        let n = self.names();
-        let mut problems = Vec::new();
-        let table_exists =
-            check_columns(pool, &n.qtable, &n.table_name, QUEUE_COLUMNS, &mut problems).await?;
-        if table_exists {
-            check_queue_indexes(pool, n, &mut problems).await?;
-            check_queue_constraints(pool, n, &mut problems).await?;
-        }
-        if self.dead_letter_enabled() {
-            let dlq_exists =
-                check_columns(pool, &n.qdlq, &n.dlq_name, DLQ_COLUMNS, &mut problems).await?;
-            if dlq_exists {
-                let live = live_indexes(pool, &n.qdlq).await?;
-                check_index(
-                    &n.dlq_name,
-                    &WantedIndex {
-                        name: &n.dlq_idx,
-                        columns: &["queue", "failed_at"],
-                        unique: false,
-                        predicate: None,
-                    },
-                    &live,
-                    &mut problems,
-                );
-            }
-        }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::SchemaMismatch { problems })
+/// Compares the live schema with what this version needs ([`crate::Outbox::validate_schema`]).
+pub(crate) async fn validate(n: &Names, dead_letter: bool, pool: &PgPool) -> Result<()> {
+    let mut problems = Vec::new();
+    let table_exists =
+        check_columns(pool, &n.qtable, &n.table_name, QUEUE_COLUMNS, &mut problems).await?;
+    if table_exists {
+        check_queue_indexes(pool, n, &mut problems).await?;
+        check_queue_constraints(pool, n, &mut problems).await?;
+    }
+    if dead_letter {
+        let dlq_exists =
+            check_columns(pool, &n.qdlq, &n.dlq_name, DLQ_COLUMNS, &mut problems).await?;
+        if dlq_exists {
+            let live = live_indexes(pool, &n.qdlq).await?;
+            check_index(
+                &n.dlq_name,
+                &WantedIndex {
+                    name: &n.dlq_idx,
+                    columns: &["queue", "failed_at"],
+                    unique: false,
+                    predicate: None,
+                },
+                &live,
+                &mut problems,
+            );
         }
     }
-}
-
-/// Validates the default outbox ([`Outbox::default`]); see [`Outbox::validate_schema`].
-///
-/// # Errors
-/// As [`Outbox::validate_schema`].
-pub async fn validate_schema(pool: &PgPool) -> Result<()> {
-    Outbox::default().validate_schema(pool).await
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::SchemaMismatch { problems })
+    }
 }
 
 fn problem(
@@ -142,7 +123,7 @@ async fn check_columns(
     wanted: &[(&str, &str, bool, bool)],
     problems: &mut Vec<SchemaProblem>,
 ) -> Result<bool> {
-    let oid: Option<i64> = sqlx::query_scalar("SELECT to_regclass($1)::oid::bigint")
+    let oid: Option<i64> = sqlx::query_scalar(catalog::TABLE_OID)
         .bind(qualified)
         .fetch_one(pool)
         .await?;
@@ -154,13 +135,10 @@ async fn check_columns(
         ));
         return Ok(false);
     };
-    let rows = sqlx::query(
-        "SELECT attname::text, format_type(atttypid, atttypmod), attnotnull \
-         FROM pg_attribute WHERE attrelid = $1::bigint::oid AND attnum > 0 AND NOT attisdropped",
-    )
-    .bind(oid)
-    .fetch_all(pool)
-    .await?;
+    let rows = sqlx::query(catalog::COLUMNS)
+        .bind(oid)
+        .fetch_all(pool)
+        .await?;
     let mut live: HashMap<String, (String, bool)> = HashMap::new();
     for r in rows {
         live.insert(r.try_get(0)?, (r.try_get(1)?, r.try_get(2)?));
@@ -188,16 +166,10 @@ async fn check_columns(
 }
 
 async fn live_indexes(pool: &PgPool, qualified: &str) -> Result<Vec<LiveIndex>> {
-    let rows = sqlx::query(
-        "SELECT array(SELECT a.attname::text FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
-                      JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
-                      ORDER BY k.ord), \
-                i.indisunique, pg_get_expr(i.indpred, i.indrelid) \
-         FROM pg_index i WHERE i.indrelid = to_regclass($1) AND i.indisvalid",
-    )
-    .bind(qualified)
-    .fetch_all(pool)
-    .await?;
+    let rows = sqlx::query(catalog::INDEXES)
+        .bind(qualified)
+        .fetch_all(pool)
+        .await?;
     rows.iter()
         .map(|r| {
             Ok(LiveIndex {
@@ -290,13 +262,10 @@ async fn check_queue_constraints(
     n: &Names,
     problems: &mut Vec<SchemaProblem>,
 ) -> Result<()> {
-    let rows = sqlx::query(
-        "SELECT pg_get_constraintdef(oid), convalidated FROM pg_constraint \
-         WHERE conrelid = to_regclass($1) AND contype = 'c'",
-    )
-    .bind(&n.qtable)
-    .fetch_all(pool)
-    .await?;
+    let rows = sqlx::query(catalog::CHECKS)
+        .bind(&n.qtable)
+        .fetch_all(pool)
+        .await?;
     let mut live = Vec::new();
     for r in rows {
         let def: String = r.try_get(0)?;

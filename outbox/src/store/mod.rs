@@ -1,6 +1,39 @@
-//! The storage contract (SPEC §5, §6, §8) that the worker drives, with two implementations:
-//! [`PgStore`] (Postgres, the product) and [`crate::testing::MemoryStore`] (in memory, for
-//! users' tests). The contract suite in `tests/` runs every scenario against both.
+//! The storage contract the worker drives (SPEC §5, §6, §7), with two implementations:
+//! [`PgStore`](crate::PgStore) (Postgres, the product) and
+//! [`MemoryStore`](crate::testing::MemoryStore) (in memory, for tests). The project's
+//! contract suite runs every scenario against both.
+//!
+//! # Design
+//!
+//! [`Store`] holds **only what a worker needs**, grouped by job:
+//!
+//! | group | methods | rule |
+//! |---|---|---|
+//! | claiming | [`Store::claim`] | due rows and rows whose lease expired, `FOR UPDATE SKIP LOCKED`, one new lease token per claim |
+//! | completing | [`Store::ack`], [`Store::ack_batch`], [`Store::retry`], [`Store::fail`] | every write matches the row id **and** the lease token; a queued rearm is applied by the same write |
+//! | waking up | [`Store::next_wakeup`], [`Store::wakeups`] | sleep until the earliest deadline or a notification, never poll in a loop |
+//! | clock and settings | [`Store::now`], [`Store::dead_letter_enabled`] | deadlines and lease ages come from the store's clock |
+//!
+//! Everything else lives outside the trait, so a store is small to implement and the worker
+//! cannot reach what it should not:
+//!
+//! - **Publishing and cancelling** go through [`Publisher`](crate::Publisher), which both
+//!   stores implement for `&Store` (and Postgres connections and transactions implement for
+//!   your own transaction).
+//! - **Inspection** (live rows, dead letters) is inherent on each store
+//!   ([`PgStore::pending`](crate::PgStore::pending),
+//!   [`MemoryStore::rows`](crate::testing::MemoryStore::rows), …): what an operator or a
+//!   test reads is not part of what a worker does.
+//! - **Capabilities only a database has** — a handler doing its own writes in the same
+//!   transaction as its row's completion — belong in traits of their own that only
+//!   `PgStore` implements, so asking for one on a store that cannot offer it fails to
+//!   compile instead of pretending to work.
+//!
+//! The contract grows by groups: keeping a running handler's lease alive and giving rows
+//! back at shutdown belong with completing (fenced by the same token), and registering a
+//! recurring schedule belongs with claiming (it writes the row a claim will find). Requests
+//! that may gain options are structs ([`ClaimRequest`]), so adding one is not a breaking
+//! change.
 
 use std::future::Future;
 use std::time::Duration;
@@ -8,13 +41,12 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::cancel::Cancelled;
 use crate::error::Result;
-use crate::publish::{Headers, Message, Published};
+use crate::publish::Headers;
 
+pub(crate) mod listen;
 pub mod postgres;
-
-pub use postgres::PgStore;
+pub(crate) mod rows;
 
 /// The fence of every write after a claim: the row id and the lease token of the claim
 /// (SPEC §5.1). A write whose token no longer matches changes nothing and reports
@@ -53,43 +85,6 @@ pub struct Delivery {
     /// When the lease was taken (database clock). `claimed_at - deadline` is the firing
     /// lateness.
     pub claimed_at: DateTime<Utc>,
-}
-
-/// A live row as stored, read without leasing it ([`Store::pending`], SPEC §8).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredRow {
-    /// Primary key.
-    pub id: i64,
-    /// Queue name.
-    pub queue: String,
-    /// Encoded message.
-    pub payload: Vec<u8>,
-    /// Headers.
-    pub headers: Option<Headers>,
-    /// Failed handler runs so far.
-    pub attempts_count: i32,
-    /// Claims so far.
-    pub deliveries_count: i32,
-    /// Publish time.
-    pub created_at: DateTime<Utc>,
-    /// The deadline.
-    pub next_attempt_at: DateTime<Utc>,
-    /// First failed run.
-    pub first_attempt_at: Option<DateTime<Utc>>,
-    /// Latest failed run.
-    pub last_attempt_at: Option<DateTime<Utc>>,
-    /// Lease start; `None` when pending.
-    pub acquired_at: Option<DateTime<Utc>>,
-    /// Lease token; `None` when pending.
-    pub acquired_token: Option<Uuid>,
-    /// Timer key.
-    pub timer_id: Option<String>,
-    /// Queued rearm deadline (only on a leased row).
-    pub rearm_at: Option<DateTime<Utc>>,
-    /// Payload the rearm will install.
-    pub rearm_payload: Option<Vec<u8>>,
-    /// Headers the rearm will install.
-    pub rearm_headers: Option<Headers>,
 }
 
 /// How a fenced completion ended (SPEC §5.1).
@@ -198,35 +193,6 @@ pub(crate) fn clean_error_text(s: &str) -> String {
     s[..end].replace('\0', "\\0")
 }
 
-/// A row archived in the dead-letter table (SPEC §1.2).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeadLetter {
-    /// The dead-letter row's own id.
-    pub id: i64,
-    /// The queue row's id.
-    pub original_id: i64,
-    /// Queue name.
-    pub queue: String,
-    /// The failed run's payload (the original bytes, even when they did not decode).
-    pub payload: Vec<u8>,
-    /// Headers.
-    pub headers: Option<Headers>,
-    /// Timer key.
-    pub timer_id: Option<String>,
-    /// Failed handler runs, the last one included when the handler ran.
-    pub attempts_count: i32,
-    /// Claims.
-    pub deliveries_count: i32,
-    /// The original row's publish time.
-    pub created_at: DateTime<Utc>,
-    /// When it was archived.
-    pub failed_at: DateTime<Utc>,
-    /// One of `max_deliveries`, `retry_exhausted`, `rejected`, `decode_error`.
-    pub failure_reason: String,
-    /// The last error text.
-    pub last_error: Option<String>,
-}
-
 /// When a worker should next look: the earliest pending deadline and the earliest lease
 /// expiry of its queues.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -273,21 +239,52 @@ pub enum Wakeup {
     Listening,
 }
 
-/// The storage operations the worker needs. Both stores implement them with the same
-/// observable behaviour; the project's contract suite checks that.
+/// What a claim asks for (SPEC §6): up to `limit` due rows of `queues`, counting a leased
+/// row as due again once its lease is older than `lease_ttl`.
+///
+/// ```
+/// use std::time::Duration;
+/// let queues = ["presence.expiry".to_owned()];
+/// let request = outbox::ClaimRequest::new(&queues, 10, Duration::from_secs(60));
+/// assert_eq!(request.limit, 10);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClaimRequest<'a> {
+    /// The queues to claim from (1..=255 bytes each, no NUL). Named twice counts once.
+    pub queues: &'a [String],
+    /// The most rows to claim.
+    pub limit: usize,
+    /// How old a lease must be before its row may be claimed again.
+    pub lease_ttl: Duration,
+}
+
+impl<'a> ClaimRequest<'a> {
+    /// Up to `limit` due rows of `queues`, with leases older than `lease_ttl` counted as
+    /// expired.
+    pub fn new(queues: &'a [String], limit: usize, lease_ttl: Duration) -> Self {
+        ClaimRequest {
+            queues,
+            limit,
+            lease_ttl,
+        }
+    }
+}
+
+/// The storage operations a worker needs (see the [module docs](self) for what is
+/// deliberately not here). Both stores implement them with the same observable behaviour;
+/// the project's contract suite checks that.
 ///
 /// Every completion is fenced by the [`Lease`] (SPEC §5.1) and treats a queued rearm as
 /// SPEC §5.1's table says.
 pub trait Store: Clone + Send + Sync + 'static {
-    /// Claims up to `limit` due rows of `queues` (SPEC §6): unleased rows whose deadline
-    /// has passed, and leased rows whose lease is older than `lease_ttl`. Each claimed row
-    /// gets one new token for this claim, `acquired_at = now`, `deliveries_count + 1`.
-    /// Ordered by deadline, then id.
+    /// Claims up to `request.limit` due rows of `request.queues` (SPEC §6): unleased rows
+    /// whose deadline has passed, and leased rows whose lease is older than
+    /// `request.lease_ttl`. Each claimed row gets one new token for this claim,
+    /// `acquired_at = now`, `deliveries_count + 1`. Ordered by deadline, then id.
     fn claim(
         &self,
-        queues: &[String],
-        limit: usize,
-        lease_ttl: Duration,
+        request: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Delivery>>> + Send;
 
     /// Success: deletes the row, or applies its queued rearm (SPEC §5.1, §5.2).
@@ -319,31 +316,6 @@ pub trait Store: Clone + Send + Sync + 'static {
         lease_ttl: Duration,
     ) -> impl Future<Output = Result<NextWakeup>> + Send;
 
-    /// Publishes one message in its own transaction.
-    fn publish(&self, message: Message<'_>) -> impl Future<Output = Result<Published>> + Send;
-
-    /// Cancels a timer in its own transaction (SPEC §3).
-    fn cancel(&self, queue: &str, timer_id: &str)
-        -> impl Future<Output = Result<Cancelled>> + Send;
-
-    /// Live rows of `queue` (pending and leased), ordered by deadline then id, at most
-    /// `limit` (SPEC §8).
-    fn pending(
-        &self,
-        queue: &str,
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<StoredRow>>> + Send;
-
-    /// Rows of the dead-letter table for `queue`, oldest first.
-    fn dead_letters(
-        &self,
-        queue: &str,
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<DeadLetter>>> + Send;
-
-    /// Whether terminal failures are archived.
-    fn dead_letter_enabled(&self) -> bool;
-
     /// Starts pushing [`Wakeup`] hints. The stream is listening when this returns (so a
     /// scan after it misses nothing). `None` means the store has no push channel and
     /// workers rely on deadlines and the idle poll alone (the default).
@@ -355,4 +327,7 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// The store's clock (the database clock for Postgres, the virtual clock in memory).
     fn now(&self) -> impl Future<Output = Result<DateTime<Utc>>> + Send;
+
+    /// Whether terminal failures are archived.
+    fn dead_letter_enabled(&self) -> bool;
 }

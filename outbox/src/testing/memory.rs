@@ -1,8 +1,7 @@
 //! [`MemoryStore`]: the storage contract of [`PgStore`](crate::PgStore) in memory, on a
 //! virtual clock.
 //!
-//! Every operation mirrors one statement of `store/postgres.rs`, `publish.rs` or
-//! `cancel.rs`; the comments name the SQL detail each branch reproduces. The project's
+//! Every operation mirrors one statement of `sql/`; the comments name the SQL detail each branch reproduces. The project's
 //! contract suite and model-based test (`tests/integration/tests/{contract,model}.rs`) run
 //! the same scenarios against both stores and compare the rows.
 
@@ -21,9 +20,9 @@ use crate::publish::{
     validate_headers, validate_payload, validate_queue, validate_timer_id, BatchItem, Message,
     OnConflict, Published, Resolved, Schedule,
 };
+use crate::read::{DeadLetter, StoredRow};
 use crate::store::{
-    clean_error_text, Completion, DeadLetter, Delivery, Failure, Lease, NextWakeup, Store,
-    StoredRow, Wakeup,
+    clean_error_text, ClaimRequest, Completion, Delivery, Failure, Lease, NextWakeup, Store, Wakeup,
 };
 use crate::timer::Publisher;
 
@@ -53,7 +52,7 @@ use crate::timer::Publisher;
 /// Cheap to clone: clones share the same rows and clock (an `Arc<Mutex<…>>`), so one clone
 /// can sit in a worker while the test publishes and inspects through another. It also
 /// implements [`Publisher`], so the `publish_*`, `extend_*` and `cancel_*` functions that
-/// `#[timer]` generates run against it: `publish_presence_expiry(&mut store.clone(), …)`.
+/// `#[timer]` generates run against it: `publish_presence_expiry(&store, …)`.
 ///
 /// # Differences from Postgres
 ///
@@ -74,7 +73,7 @@ use crate::timer::Publisher;
 /// ```
 /// use std::time::Duration;
 /// use outbox::testing::MemoryStore;
-/// use outbox::{Completion, Message, OnConflict, Published, Store};
+/// use outbox::{ClaimRequest, Completion, Message, OnConflict, Published, Publisher, Store};
 ///
 /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 /// let store = MemoryStore::new();
@@ -85,16 +84,17 @@ use crate::timer::Publisher;
 ///         .schedule(Duration::from_secs(60))
 ///         .on_conflict(OnConflict::Extend)
 /// };
-/// assert_eq!(store.publish(ping(b"{}")).await?, Published::Inserted { id: 1 });
+/// assert_eq!(store.publish_message(ping(b"{}")).await?, Published::Inserted { id: 1 });
 ///
 /// // Not due yet.
-/// assert!(store.claim(&queues, 10, Duration::from_secs(30)).await?.is_empty());
+/// let due = ClaimRequest::new(&queues, 10, Duration::from_secs(30));
+/// assert!(store.claim(due).await?.is_empty());
 /// store.advance(Duration::from_secs(60));
-/// let d = store.claim(&queues, 10, Duration::from_secs(30)).await?.remove(0);
+/// let d = store.claim(due).await?.remove(0);
 ///
 /// // A ping while the handler runs queues a rearm; the ack applies it.
 /// store.advance(Duration::from_secs(1));
-/// assert_eq!(store.publish(ping(b"{}")).await?, Published::RearmQueued { id: 1 });
+/// assert_eq!(store.publish_message(ping(b"{}")).await?, Published::RearmQueued { id: 1 });
 /// let Completion::Rearmed { at } = store.ack(d.lease).await? else { panic!() };
 /// assert_eq!(at, store.time() + Duration::from_secs(60));
 /// # Ok::<(), outbox::Error>(())
@@ -733,6 +733,24 @@ impl MemoryStore {
         self.lock().dlq.clone()
     }
 
+    /// Live rows of `queue` (pending and leased), ordered by deadline then id, at most
+    /// `limit`: what [`PgStore::pending`](crate::PgStore::pending) reads.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad queue name.
+    pub fn pending(&self, queue: &str, limit: usize) -> Result<Vec<StoredRow>> {
+        self.lock().pending(queue, limit)
+    }
+
+    /// Dead letters of `queue`, oldest first, at most `limit`: what
+    /// [`PgStore::dead_letters`](crate::PgStore::dead_letters) reads.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad queue name.
+    pub fn dead_letters(&self, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
+        self.lock().dead_letters(queue, limit)
+    }
+
     /// Publishes many messages to one queue at once, like
     /// [`Outbox::publish_batch`](crate::Outbox::publish_batch): all or nothing, no timer
     /// ids, new ids in the order of `items`.
@@ -752,11 +770,12 @@ impl MemoryStore {
 impl Store for MemoryStore {
     fn claim(
         &self,
-        queues: &[String],
-        limit: usize,
-        lease_ttl: Duration,
+        request: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Delivery>>> + Send {
-        ready(self.lock().claim(queues, limit, lease_ttl))
+        ready(
+            self.lock()
+                .claim(request.queues, request.limit, request.lease_ttl),
+        )
     }
 
     fn ack(&self, lease: Lease) -> impl Future<Output = Result<Completion>> + Send {
@@ -807,34 +826,6 @@ impl Store for MemoryStore {
         ready(self.lock().next_wakeup(queues, lease_ttl))
     }
 
-    fn publish(&self, message: Message<'_>) -> impl Future<Output = Result<Published>> + Send {
-        ready(self.lock().publish(message))
-    }
-
-    fn cancel(
-        &self,
-        queue: &str,
-        timer_id: &str,
-    ) -> impl Future<Output = Result<Cancelled>> + Send {
-        ready(self.lock().cancel(queue, timer_id))
-    }
-
-    fn pending(
-        &self,
-        queue: &str,
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<StoredRow>>> + Send {
-        ready(self.lock().pending(queue, limit))
-    }
-
-    fn dead_letters(
-        &self,
-        queue: &str,
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<DeadLetter>>> + Send {
-        ready(self.lock().dead_letters(queue, limit))
-    }
-
     fn dead_letter_enabled(&self) -> bool {
         self.lock().dead_letter
     }
@@ -856,20 +847,21 @@ impl Store for MemoryStore {
 }
 
 /// Lets the functions `#[timer]` generates publish into the store:
-/// `extend_presence_expiry(&mut store.clone(), "7", &payload, Duration::from_secs(60))`.
-impl Publisher for MemoryStore {
-    fn publish_message<'a>(
-        &'a mut self,
-        message: Message<'a>,
-    ) -> impl Future<Output = Result<Published>> + Send + 'a {
+/// `extend_presence_expiry(&store, "7", &payload, Duration::from_secs(60))`. Each call is
+/// atomic on its own.
+impl Publisher for &MemoryStore {
+    fn publish_message<'m>(
+        self,
+        message: Message<'m>,
+    ) -> impl Future<Output = Result<Published>> + Send {
         ready(self.lock().publish(message))
     }
 
-    fn cancel_timer<'a>(
-        &'a mut self,
-        queue: &'a str,
-        timer_id: &'a str,
-    ) -> impl Future<Output = Result<Cancelled>> + Send + 'a {
+    fn cancel_timer(
+        self,
+        queue: &str,
+        timer_id: &str,
+    ) -> impl Future<Output = Result<Cancelled>> + Send {
         ready(self.lock().cancel(queue, timer_id))
     }
 }

@@ -12,7 +12,7 @@
 //! ```
 //! use std::time::Duration;
 //! use outbox::testing::MemoryStore;
-//! use outbox::{Published, Store};
+//! use outbox::{ClaimRequest, Published, Store};
 //!
 //! #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
 //! #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -23,20 +23,20 @@
 //! # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 //! let store = MemoryStore::new();
 //! let expiry = PresenceExpiry { user_id: 7 };
-//! let first = extend_presence_expiry(&mut store.clone(), "7", &expiry, Duration::from_secs(60)).await?;
+//! let first = extend_presence_expiry(&store, "7", &expiry, Duration::from_secs(60)).await?;
 //! assert!(matches!(first, Published::Inserted { .. }));
 //!
 //! // A ping 30 s later moves the deadline to 90 s after the start.
 //! store.advance(Duration::from_secs(30));
-//! let second = extend_presence_expiry(&mut store.clone(), "7", &expiry, Duration::from_secs(60)).await?;
+//! let second = extend_presence_expiry(&store, "7", &expiry, Duration::from_secs(60)).await?;
 //! assert_eq!(second, Published::Extended { id: first.id().unwrap() });
 //!
 //! let queues = ["presence.expiry".to_owned()];
 //! store.advance(Duration::from_secs(59));
-//! assert!(store.claim(&queues, 10, Duration::from_secs(30)).await?.is_empty(), "not due yet");
+//! let due = ClaimRequest::new(&queues, 10, Duration::from_secs(30));
+//! assert!(store.claim(due).await?.is_empty(), "not due yet");
 //! store.advance(Duration::from_secs(1));
-//! let due = store.claim(&queues, 10, Duration::from_secs(30)).await?;
-//! assert_eq!(due.len(), 1);
+//! assert_eq!(store.claim(due).await?.len(), 1);
 //! # Ok::<(), outbox::Error>(())
 //! # }).unwrap();
 //! ```
@@ -70,11 +70,11 @@
 //!     let (store, offline) = (store.clone(), offline.clone());
 //!     Worker::builder(store.clone())
 //!         .timer::<PresenceExpiry>(move |t: PresenceExpiry, _ctx: Context| {
-//!             let (mut store, offline) = (store.clone(), offline.clone());
+//!             let (store, offline) = (store.clone(), offline.clone());
 //!             async move {
 //!                 if t.user_id == 1 {
 //!                     let id = t.user_id.to_string();
-//!                     extend_presence_expiry(&mut store, &id, &t, Duration::from_secs(30)).await?;
+//!                     extend_presence_expiry(&store, &id, &t, Duration::from_secs(30)).await?;
 //!                 } else {
 //!                     offline.lock().unwrap().push(t.user_id);
 //!                 }
@@ -86,7 +86,7 @@
 //!
 //! for user_id in [1, 2] {
 //!     let t = PresenceExpiry { user_id };
-//!     publish_presence_expiry(&mut store.clone(), &user_id.to_string(), &t, Duration::from_secs(60)).await?;
+//!     publish_presence_expiry(&store, &user_id.to_string(), &t, Duration::from_secs(60)).await?;
 //! }
 //! assert!(worker.run_due().await?.is_empty(), "nothing is due before 60 s");
 //!

@@ -14,7 +14,6 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 
 use super::retry::RetryStrategy;
-use super::Decision;
 use crate::publish::Headers;
 use crate::store::{Delivery, FailureReason};
 use crate::timer::Timer;
@@ -207,6 +206,28 @@ impl HandlerOptions {
         self.max_deliveries = Some(max);
         self
     }
+}
+
+/// What to do with a delivery once its handler, or the checks before it, are done.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Decision {
+    /// Success.
+    Ack,
+    /// A failed run, retried after `delay`.
+    Retry {
+        /// The delay chosen by the strategy or the handler.
+        delay: Duration,
+        /// The handler's error text.
+        error: String,
+    },
+    /// A terminal failure.
+    Fail {
+        /// Why.
+        reason: FailureReason,
+        /// The error text, if any.
+        error: Option<String>,
+    },
 }
 
 /// Decodes and calls, type-erased.

@@ -1,0 +1,181 @@
+//! Identifiers (SPEC §1): the configured schema, table and dead-letter table, every name
+//! derived from them, quoting, and Postgres' 63-byte rule. The leaf every statement is
+//! rendered from.
+
+use crate::error::{Error, Result};
+
+/// Postgres truncates identifiers longer than `NAMEDATALEN - 1` bytes; we reject them instead,
+/// because a silently truncated index name would make two tables collide.
+pub(crate) const MAX_IDENTIFIER_BYTES: usize = 63;
+
+/// The default queue table name (SPEC §1).
+pub const DEFAULT_TABLE: &str = "outbox";
+
+/// Quotes an identifier for SQL text: `my "t"` becomes `"my ""t"""`.
+pub(crate) fn quote_ident(name: &str) -> String {
+    let mut s = String::with_capacity(name.len() + 2);
+    s.push('"');
+    for c in name.chars() {
+        if c == '"' {
+            s.push('"');
+        }
+        s.push(c);
+    }
+    s.push('"');
+    s
+}
+
+/// Quotes a string literal for SQL text (standard_conforming_strings is on since 9.1).
+pub(crate) fn quote_literal(value: &str) -> String {
+    let mut s = String::with_capacity(value.len() + 2);
+    s.push('\'');
+    for c in value.chars() {
+        if c == '\'' {
+            s.push('\'');
+        }
+        s.push(c);
+    }
+    s.push('\'');
+    s
+}
+
+/// Every identifier the product uses for one configuration, unquoted, plus their quoted
+/// forms ready to paste into SQL text.
+#[derive(Debug, Clone)]
+pub(crate) struct Names {
+    pub table_name: String,
+    pub dlq_name: String,
+    /// `"schema"."table"` or `"table"`.
+    pub qtable: String,
+    /// `"schema"."dlq"` or `"dlq"`.
+    pub qdlq: String,
+    pub pending_idx: String,
+    pub lease_idx: String,
+    pub timer_uq: String,
+    pub lease_ck: String,
+    pub rearm_ck: String,
+    pub dlq_idx: String,
+    /// The LISTEN/NOTIFY channel (SPEC §2.4).
+    pub channel: String,
+}
+
+impl Names {
+    pub(crate) fn new(
+        schema: Option<String>,
+        table: String,
+        dlq_table: Option<String>,
+    ) -> Result<Self> {
+        let dlq_table = dlq_table.unwrap_or_else(|| format!("{table}_dlq"));
+        if let Some(s) = &schema {
+            check_identifier(s)?;
+        }
+        check_identifier(&table)?;
+        check_identifier(&dlq_table)?;
+        let qualify = |n: &str| match &schema {
+            Some(s) => format!("{}.{}", quote_ident(s), quote_ident(n)),
+            None => quote_ident(n),
+        };
+        // The channel carries the schema when one is configured, so two tables of the same
+        // name in different schemas do not wake each other's workers.
+        let channel = match &schema {
+            Some(s) => format!("{s}.{table}_wakeup"),
+            None => format!("{table}_wakeup"),
+        };
+        let names = Names {
+            qtable: qualify(&table),
+            qdlq: qualify(&dlq_table),
+            pending_idx: format!("{table}_pending_idx"),
+            lease_idx: format!("{table}_lease_idx"),
+            timer_uq: format!("{table}_timer_id_uq"),
+            lease_ck: format!("{table}_lease_ck"),
+            rearm_ck: format!("{table}_rearm_ck"),
+            dlq_idx: format!("{dlq_table}_queue_failed_at_idx"),
+            channel,
+            table_name: table,
+            dlq_name: dlq_table,
+        };
+        // The sequences and primary keys Postgres names for us would be truncated silently;
+        // check them together with ours.
+        let implicit = [
+            format!("{}_id_seq", names.table_name),
+            format!("{}_pkey", names.table_name),
+            format!("{}_id_seq", names.dlq_name),
+            format!("{}_pkey", names.dlq_name),
+        ];
+        for id in [
+            &names.pending_idx,
+            &names.lease_idx,
+            &names.timer_uq,
+            &names.lease_ck,
+            &names.rearm_ck,
+            &names.dlq_idx,
+            &names.channel,
+        ]
+        .into_iter()
+        .chain(implicit.iter())
+        {
+            check_identifier(id)?;
+        }
+        Ok(names)
+    }
+
+    /// The qualified table name as a SQL string literal, for `'...'::regclass`.
+    pub(crate) fn table_literal(&self) -> String {
+        quote_literal(&self.qtable)
+    }
+}
+
+fn check_identifier(id: &str) -> Result<()> {
+    let bad = |reason: String| {
+        Err(Error::InvalidName {
+            identifier: id.to_owned(),
+            reason,
+        })
+    };
+    if id.is_empty() {
+        return bad("is empty".into());
+    }
+    if id.len() > MAX_IDENTIFIER_BYTES {
+        return bad(format!(
+            "is {} bytes long; postgres identifiers hold at most {MAX_IDENTIFIER_BYTES} bytes",
+            id.len()
+        ));
+    }
+    if id.contains('\0') {
+        return bad("contains a NUL byte".into());
+    }
+    // The migrations wrap statements in a dollar-quoted DO block with this tag.
+    if id.contains("$outbox$") {
+        return bad("contains `$outbox$`, which the migrations use as a quote tag".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoting() {
+        assert_eq!(quote_ident("a\"b"), "\"a\"\"b\"");
+        assert_eq!(quote_literal("it's"), "'it''s'");
+    }
+
+    #[test]
+    fn derived_identifier_overflow_is_named() {
+        // 55 bytes: the table fits, `<t>_pending_idx` (67 bytes) does not.
+        let t = "t".repeat(55);
+        let err = Names::new(None, t.clone(), None).unwrap_err();
+        match err {
+            Error::InvalidName { identifier, .. } => {
+                assert_eq!(identifier, format!("{t}_pending_idx"))
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        let long = "x".repeat(64);
+        let err = Names::new(None, long.clone(), None).unwrap_err();
+        assert!(matches!(err, Error::InvalidName { identifier, .. } if identifier == long));
+        assert!(Names::new(None, String::new(), None).is_err());
+        assert!(Names::new(Some("a\0b".into()), DEFAULT_TABLE.into(), None).is_err());
+    }
+}

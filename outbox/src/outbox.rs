@@ -1,0 +1,377 @@
+//! The [`Outbox`] handle: the configured names, every statement rendered once for them,
+//! and the operations that run on the caller's own connection or pool (publish, cancel,
+//! read, migrate, validate). The modules that do the work take the rendered statements, not
+//! the handle, so nothing below this file imports it.
+
+use std::sync::{Arc, OnceLock};
+
+use sqlx::{PgConnection, PgPool};
+
+use crate::cancel::Cancelled;
+use crate::error::Result;
+use crate::migrate::MigrationStep;
+use crate::names::{Names, DEFAULT_TABLE};
+use crate::publish::{BatchItem, Message, Published, Schedule};
+use crate::read::StoredRow;
+use crate::sql::Statements;
+
+/// A configured outbox: which schema, table and dead-letter table to use, with every SQL
+/// statement rendered once for those names.
+///
+/// Cheap to clone (an `Arc`). Build one with [`Outbox::builder`] or take the defaults with
+/// [`Outbox::default`] (table `outbox`, dead-letter table `outbox_dlq`, both in the
+/// connection's `search_path`, dead-letter queue off).
+///
+/// ```
+/// let outbox = outbox::Outbox::builder()
+///     .schema("jobs")
+///     .table("Presence Timers")
+///     .dead_letter(true)
+///     .build()?;
+/// # Ok::<(), outbox::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Outbox {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    names: Names,
+    dead_letter: bool,
+    sql: Statements,
+}
+
+impl std::fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox")
+            .field("table", &self.inner.names.qtable)
+            .field("dead_letter_table", &self.inner.names.qdlq)
+            .field("dead_letter", &self.inner.dead_letter)
+            .finish()
+    }
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        // The defaults are valid names, so this cannot fail; a test keeps it that way.
+        OutboxBuilder::default()
+            .build()
+            .expect("the default outbox names are valid")
+    }
+}
+
+static GLOBAL: OnceLock<Outbox> = OnceLock::new();
+
+impl Outbox {
+    /// Starts a configuration with the defaults of SPEC §1.
+    pub fn builder() -> OutboxBuilder {
+        OutboxBuilder::default()
+    }
+
+    /// The outbox used by the functions `#[timer]` generates when they are handed a plain
+    /// connection, transaction or pool: the one given to [`Outbox::set_global`], or
+    /// [`Outbox::default`] if none was.
+    pub fn global() -> &'static Outbox {
+        GLOBAL.get_or_init(Outbox::default)
+    }
+
+    /// Makes this outbox the process-wide one (see [`Outbox::global`]). Call it once, at
+    /// start-up, before the first publish. Returns the outbox back as an error if a global
+    /// outbox was already in use.
+    pub fn set_global(self) -> std::result::Result<(), Outbox> {
+        GLOBAL.set(self)
+    }
+
+    /// The quoted, schema-qualified queue table, as it appears in SQL text.
+    pub fn table(&self) -> &str {
+        &self.inner.names.qtable
+    }
+
+    /// The quoted, schema-qualified dead-letter table, as it appears in SQL text.
+    pub fn dead_letter_table(&self) -> &str {
+        &self.inner.names.qdlq
+    }
+
+    /// Whether terminal failures are archived to the dead-letter table.
+    pub fn dead_letter_enabled(&self) -> bool {
+        self.inner.dead_letter
+    }
+
+    /// The channel workers `LISTEN` on and publishes notify (SPEC §2.4).
+    pub fn channel(&self) -> &str {
+        &self.inner.names.channel
+    }
+
+    /// The claim statement's SQL text, for operators who want to `EXPLAIN` it. Parameters:
+    /// `$1 text[]` queues, `$2 bigint` limit, `$3 interval` lease TTL, `$4 uuid` token.
+    pub fn claim_sql(&self) -> &str {
+        self.inner.sql.claim.claim.as_str()
+    }
+
+    pub(crate) fn sql(&self) -> &Statements {
+        &self.inner.sql
+    }
+
+    /// Publishes one message on the caller's connection or transaction (SPEC §2).
+    ///
+    /// Pass a transaction as `&mut *tx`: the row and its wake-up notification exist only if
+    /// that transaction commits. With [`OnConflict::Extend`](crate::OnConflict::Extend) this
+    /// is the extend of SPEC §4 (pending row) and §5 (running row → rearm), in one
+    /// statement.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for input that breaks SPEC
+    /// §2.1 (nothing is sent to the database);
+    /// [`Error::UpgradeRequired`](crate::Error::UpgradeRequired) if the table predates the
+    /// rearm upgrade and the call extends; [`Error::Database`](crate::Error::Database)
+    /// otherwise.
+    pub async fn publish(
+        &self,
+        conn: &mut PgConnection,
+        message: Message<'_>,
+    ) -> Result<Published> {
+        crate::publish::publish(&self.inner.sql.publish, conn, message).await
+    }
+
+    /// Publishes many messages to one queue in **one statement** (SPEC §2.3): all rows are
+    /// inserted or none is. Timer ids are not allowed in a batch. Returns the new ids in the
+    /// order of `items`. An empty batch returns an empty list without touching the database.
+    ///
+    /// # Errors
+    /// As [`Outbox::publish`].
+    pub async fn publish_batch(
+        &self,
+        conn: &mut PgConnection,
+        queue: &str,
+        items: &[BatchItem<'_>],
+        schedule: impl Into<Schedule>,
+    ) -> Result<Vec<i64>> {
+        let schedule = schedule.into();
+        crate::publish::publish_batch(&self.inner.sql.publish, conn, queue, items, schedule).await
+    }
+
+    /// Cancels the timer `(queue, timer_id)` on the caller's connection or transaction
+    /// (SPEC §3): locks the row, then deletes a pending row, drops a queued rearm of a
+    /// running row, or leaves a running row alone. Two statements.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an empty, over-long
+    /// (more than 255 bytes) or NUL-containing queue or timer id, before any SQL runs;
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn cancel(
+        &self,
+        conn: &mut PgConnection,
+        queue: &str,
+        timer_id: &str,
+    ) -> Result<Cancelled> {
+        crate::cancel::cancel(&self.inner.sql.cancel, conn, queue, timer_id).await
+    }
+
+    /// Reads live rows of `queue` without leasing them (SPEC §8), pending and leased alike,
+    /// ordered by deadline then id, at most `limit`. For operators and tests.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad queue name;
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn pending(
+        &self,
+        conn: &mut PgConnection,
+        queue: &str,
+        limit: usize,
+    ) -> Result<Vec<StoredRow>> {
+        crate::read::pending(&self.inner.sql.read, conn, queue, limit).await
+    }
+
+    /// Binds this outbox to a connection or transaction (`&mut *tx`) for the typed
+    /// functions, so they publish into its tables instead of [`Outbox::global`]'s:
+    ///
+    /// ```no_run
+    /// # async fn f(pool: sqlx::PgPool, outbox: outbox::Outbox) -> Result<(), outbox::Error> {
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct Ping;
+    /// # impl outbox::Timer for Ping { const QUEUE: &'static str = "ping"; const MAX_DELIVERIES: u32 = 3; }
+    /// let mut tx = pool.begin().await?;
+    /// outbox::publish_timer(outbox.on(&mut tx), "id-1", &Ping, std::time::Duration::from_secs(5)).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn on<'c>(&'c self, conn: &'c mut PgConnection) -> Bound<'c> {
+        Bound { outbox: self, conn }
+    }
+
+    /// The migration steps for this outbox's names, in order. Each runs in its own
+    /// transaction. Useful for users with their own migration tooling and non-default names.
+    pub fn migration_steps(&self) -> Vec<MigrationStep> {
+        crate::migrate::steps(&self.inner.sql.ddl)
+    }
+
+    /// Applies every migration step for this outbox's names, each in its own transaction,
+    /// serialised against concurrent migrators by a transaction-scoped advisory lock.
+    /// Idempotent. The schema named by [`OutboxBuilder::schema`] must exist.
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database) if a statement fails (for example a
+    /// missing schema or missing privileges); the steps already committed stay.
+    pub async fn migrate(&self, pool: &PgPool) -> Result<()> {
+        crate::migrate::run(&self.inner.sql.ddl, &self.inner.names, pool, usize::MAX).await
+    }
+
+    /// Applies only the base shape (SPEC §1.3 step 1), as a deployment that predates rearm
+    /// would have. For upgrade tests and for reproducing old deployments.
+    ///
+    /// # Errors
+    /// As [`Outbox::migrate`].
+    pub async fn migrate_base_only(&self, pool: &PgPool) -> Result<()> {
+        crate::migrate::run(&self.inner.sql.ddl, &self.inner.names, pool, 1).await
+    }
+
+    /// Checks the live schema against this version's needs (SPEC §8) and returns **every**
+    /// problem at once: missing tables or columns, wrong types or nullability, missing
+    /// indexes or ones with the wrong columns, uniqueness or partial predicate, missing or
+    /// drifted `<t>_lease_ck` / `<t>_rearm_ck` (matched by definition, not by name), and
+    /// dead-letter table drift when the dead-letter queue is on. Missing rearm columns or
+    /// `<t>_rearm_ck` are flagged as needing the rearm upgrade (`docs/upgrading.md`).
+    ///
+    /// # Errors
+    /// [`Error::SchemaMismatch`](crate::Error::SchemaMismatch) listing the problems;
+    /// [`Error::Database`](crate::Error::Database) if the catalog cannot be read.
+    pub async fn validate_schema(&self, pool: &PgPool) -> Result<()> {
+        crate::validate::validate(&self.inner.names, self.inner.dead_letter, pool).await
+    }
+}
+
+/// An [`Outbox`] bound to a connection or transaction, so typed functions publish into
+/// its tables instead of [`Outbox::global`]'s. Made by [`Outbox::on`]; pass it (or
+/// `&mut` it) wherever a [`Publisher`](crate::Publisher) is asked for.
+#[derive(Debug)]
+pub struct Bound<'c> {
+    pub(crate) outbox: &'c Outbox,
+    pub(crate) conn: &'c mut PgConnection,
+}
+
+/// Builder for [`Outbox`]; see there.
+#[derive(Debug, Clone)]
+pub struct OutboxBuilder {
+    schema: Option<String>,
+    table: String,
+    dlq_table: Option<String>,
+    dead_letter: bool,
+}
+
+impl Default for OutboxBuilder {
+    fn default() -> Self {
+        OutboxBuilder {
+            schema: None,
+            table: DEFAULT_TABLE.to_owned(),
+            dlq_table: None,
+            dead_letter: false,
+        }
+    }
+}
+
+impl OutboxBuilder {
+    /// Puts both tables in this schema instead of the connection's `search_path`.
+    /// The schema must exist (see [`crate::migrate`]'s notes).
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = Some(schema.into());
+        self
+    }
+
+    /// The queue table name (default `outbox`). Any characters are allowed: every statement
+    /// quotes it, so `"jobs.outbox"` is a table with a dot in its name (use
+    /// [`OutboxBuilder::schema`] for a schema). Names derived from it must fit Postgres'
+    /// 63-byte identifiers; the longest is the dead-letter index
+    /// `<table>_dlq_queue_failed_at_idx`, so in practice the table name holds at most 39
+    /// bytes (with the default dead-letter table name).
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The dead-letter table name (default `<table>_dlq`). Setting it turns the
+    /// dead-letter queue on.
+    pub fn dead_letter_table(mut self, table: impl Into<String>) -> Self {
+        self.dlq_table = Some(table.into());
+        self.dead_letter = true;
+        self
+    }
+
+    /// Turns archiving of terminal failures to the dead-letter table on or off (default off:
+    /// SPEC §1.2 makes the dead-letter queue opt-in). Off, a terminal failure deletes the row.
+    pub fn dead_letter(mut self, on: bool) -> Self {
+        self.dead_letter = on;
+        self
+    }
+
+    /// Checks the names and renders every statement.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`](crate::Error::InvalidName) naming the first identifier that
+    /// is empty, holds a NUL byte or would exceed 63 bytes (the table name itself, or a
+    /// derived index, constraint or channel name such as `<table>_timer_id_uq`).
+    pub fn build(self) -> Result<Outbox> {
+        let names = Names::new(self.schema, self.table, self.dlq_table)?;
+        let sql = Statements::render(&names);
+        Ok(Outbox {
+            inner: Arc::new(Inner {
+                names,
+                dead_letter: self.dead_letter,
+                sql,
+            }),
+        })
+    }
+}
+
+/// Applies the migrations for the default names ([`Outbox::default`]); see
+/// [`Outbox::migrate`].
+///
+/// # Errors
+/// As [`Outbox::migrate`].
+pub async fn migrate(pool: &PgPool) -> Result<()> {
+    Outbox::default().migrate(pool).await
+}
+
+/// The migration steps for `outbox`'s names; see [`Outbox::migration_steps`].
+pub fn migration_steps(outbox: &Outbox) -> Vec<MigrationStep> {
+    outbox.migration_steps()
+}
+
+/// Validates the default outbox ([`Outbox::default`]); see [`Outbox::validate_schema`].
+///
+/// # Errors
+/// As [`Outbox::validate_schema`].
+pub async fn validate_schema(pool: &PgPool) -> Result<()> {
+    Outbox::default().validate_schema(pool).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        let o = Outbox::default();
+        assert_eq!(o.table(), "\"outbox\"");
+        assert_eq!(o.dead_letter_table(), "\"outbox_dlq\"");
+        assert_eq!(o.channel(), "outbox_wakeup");
+        assert!(!o.dead_letter_enabled());
+    }
+
+    #[test]
+    fn schema_and_odd_names_are_quoted() {
+        let o = Outbox::builder()
+            .schema("My Schema")
+            .table("Presence \"T\"")
+            .build()
+            .unwrap();
+        assert_eq!(o.table(), "\"My Schema\".\"Presence \"\"T\"\"\"");
+        assert_eq!(o.channel(), "My Schema.Presence \"T\"_wakeup");
+    }
+
+    #[test]
+    fn builder_rejects_bad_names() {
+        let t = "t".repeat(55);
+        assert!(Outbox::builder().table(t).build().is_err());
+        assert!(Outbox::builder().table("").build().is_err());
+        assert!(Outbox::builder().schema("a\0b").build().is_err());
+    }
+}

@@ -1,0 +1,158 @@
+//! Reading rows without leasing them (SPEC §8): live rows and dead letters, decoded from
+//! the columns `sql::read` selects.
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgRow;
+use sqlx::types::Json;
+use sqlx::{PgConnection, PgExecutor, Row};
+use uuid::Uuid;
+
+use crate::error::Result;
+use crate::publish::{validate_queue, Headers};
+use crate::sql;
+
+/// A live row as stored, read without leasing it (SPEC §8).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredRow {
+    /// Primary key.
+    pub id: i64,
+    /// Queue name.
+    pub queue: String,
+    /// Encoded message.
+    pub payload: Vec<u8>,
+    /// Headers.
+    pub headers: Option<Headers>,
+    /// Failed handler runs so far.
+    pub attempts_count: i32,
+    /// Claims so far.
+    pub deliveries_count: i32,
+    /// Publish time.
+    pub created_at: DateTime<Utc>,
+    /// The deadline.
+    pub next_attempt_at: DateTime<Utc>,
+    /// First failed run.
+    pub first_attempt_at: Option<DateTime<Utc>>,
+    /// Latest failed run.
+    pub last_attempt_at: Option<DateTime<Utc>>,
+    /// Lease start; `None` when pending.
+    pub acquired_at: Option<DateTime<Utc>>,
+    /// Lease token; `None` when pending.
+    pub acquired_token: Option<Uuid>,
+    /// Timer key.
+    pub timer_id: Option<String>,
+    /// Queued rearm deadline (only on a leased row).
+    pub rearm_at: Option<DateTime<Utc>>,
+    /// Payload the rearm will install.
+    pub rearm_payload: Option<Vec<u8>>,
+    /// Headers the rearm will install.
+    pub rearm_headers: Option<Headers>,
+}
+
+/// A row archived in the dead-letter table (SPEC §1.2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// The dead-letter row's own id.
+    pub id: i64,
+    /// The queue row's id.
+    pub original_id: i64,
+    /// Queue name.
+    pub queue: String,
+    /// The failed run's payload (the original bytes, even when they did not decode).
+    pub payload: Vec<u8>,
+    /// Headers.
+    pub headers: Option<Headers>,
+    /// Timer key.
+    pub timer_id: Option<String>,
+    /// Failed handler runs, the last one included when the handler ran.
+    pub attempts_count: i32,
+    /// Claims.
+    pub deliveries_count: i32,
+    /// The original row's publish time.
+    pub created_at: DateTime<Utc>,
+    /// When it was archived.
+    pub failed_at: DateTime<Utc>,
+    /// One of `max_deliveries`, `retry_exhausted`, `rejected`, `decode_error`.
+    pub failure_reason: String,
+    /// The last error text.
+    pub last_error: Option<String>,
+}
+
+/// Live rows of `queue` on `conn` ([`crate::Outbox::pending`]).
+pub(crate) async fn pending(
+    sql: &sql::read::Read,
+    conn: &mut PgConnection,
+    queue: &str,
+    limit: usize,
+) -> Result<Vec<StoredRow>> {
+    validate_queue(queue)?;
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let rows = sqlx::query(sql.pending.clone())
+        .bind(queue)
+        .bind(limit)
+        .fetch_all(conn)
+        .await?;
+    rows.iter().map(stored_from_row).collect()
+}
+
+/// Dead letters of `queue`, oldest first.
+pub(crate) async fn dead_letters(
+    sql: &sql::read::Read,
+    db: impl PgExecutor<'_>,
+    queue: &str,
+    limit: usize,
+) -> Result<Vec<DeadLetter>> {
+    validate_queue(queue)?;
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let rows = sqlx::query(sql.dead_letters.clone())
+        .bind(queue)
+        .bind(limit)
+        .fetch_all(db)
+        .await?;
+    rows.iter().map(dead_letter_from_row).collect()
+}
+
+/// A `headers` column: a string map or NULL.
+pub(crate) fn headers_from(row: &PgRow, idx: usize) -> Result<Option<Headers>> {
+    let h: Option<Json<Headers>> = row.try_get(idx)?;
+    Ok(h.map(|j| j.0))
+}
+
+/// Decodes the columns of `sql::read::ROW_COLUMNS`, in order.
+fn stored_from_row(row: &PgRow) -> Result<StoredRow> {
+    Ok(StoredRow {
+        id: row.try_get(0)?,
+        queue: row.try_get(1)?,
+        payload: row.try_get(2)?,
+        headers: headers_from(row, 3)?,
+        attempts_count: row.try_get(4)?,
+        deliveries_count: row.try_get(5)?,
+        created_at: row.try_get(6)?,
+        next_attempt_at: row.try_get(7)?,
+        first_attempt_at: row.try_get(8)?,
+        last_attempt_at: row.try_get(9)?,
+        acquired_at: row.try_get(10)?,
+        acquired_token: row.try_get(11)?,
+        timer_id: row.try_get(12)?,
+        rearm_at: row.try_get(13)?,
+        rearm_payload: row.try_get(14)?,
+        rearm_headers: headers_from(row, 15)?,
+    })
+}
+
+/// Decodes the columns of `sql::read::DEAD_LETTER_COLUMNS`, in order.
+fn dead_letter_from_row(r: &PgRow) -> Result<DeadLetter> {
+    Ok(DeadLetter {
+        id: r.try_get(0)?,
+        original_id: r.try_get(1)?,
+        queue: r.try_get(2)?,
+        payload: r.try_get(3)?,
+        headers: headers_from(r, 4)?,
+        timer_id: r.try_get(5)?,
+        attempts_count: r.try_get(6)?,
+        deliveries_count: r.try_get(7)?,
+        created_at: r.try_get(8)?,
+        failed_at: r.try_get(9)?,
+        failure_reason: r.try_get(10)?,
+        last_error: r.try_get(11)?,
+    })
+}

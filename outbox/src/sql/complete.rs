@@ -1,0 +1,163 @@
+//! Fenced completions (SPEC §5.1, §5.2): every write after a claim matches the row id and
+//! the claim's lease token, and treats a queued rearm as SPEC §5.1's table says.
+
+use sqlx::SqlStr;
+
+use super::{notify, query};
+use crate::names::Names;
+
+/// The SET list that turns a leased row with a queued rearm into a fresh pending timer at
+/// `rearm_at` (SPEC §5.1: success and terminal failure): new payload, lease cleared, retry
+/// history and `deliveries_count` reset.
+const APPLY_REARM: &str = "next_attempt_at = t.rearm_at, payload = t.rearm_payload, \
+     headers = t.rearm_headers, rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL, \
+     acquired_token = NULL, acquired_at = NULL, \
+     attempts_count = 0, first_attempt_at = NULL, last_attempt_at = NULL, deliveries_count = 0";
+
+#[derive(Debug)]
+pub(crate) struct Complete {
+    /// Success, the common path: `$1` id, `$2` token.
+    pub ack_delete: SqlStr,
+    /// Success, the follow-up when `ack_delete` matched nothing: `$1` id, `$2` token →
+    /// `(rows locked, rearm deadline, notify)`.
+    pub ack_settle: SqlStr,
+    /// Success for many rows: `$1 bigint[]` ids, `$2 uuid[]` tokens → `(id, token)` deleted.
+    pub ack_batch_delete: SqlStr,
+    /// The batched follow-up: `(id, token, rearm deadline or NULL, notify)` per row settled.
+    pub ack_batch_settle: SqlStr,
+    /// A failed run: `$1` id, `$2` token, `$3` delay → `(deadline, rearmed, notify)`.
+    pub retry: SqlStr,
+    /// A terminal failure with the dead-letter queue: `$1` id, `$2` token, `$3` reason,
+    /// `$4` last error, `$5` 1 if the handler ran → `(rows locked, rearm deadline, notify)`.
+    pub fail_archive: SqlStr,
+}
+
+impl Complete {
+    pub(crate) fn render(n: &Names) -> Self {
+        let t = &n.qtable;
+        let d = &n.qdlq;
+        // A row made due again by a completion (a rearm applied, a retry scheduled) is
+        // announced like a publish, so every worker on the queue can move its wake-up, not
+        // only the one that wrote it (it may be busy, or shutting down). The common delete
+        // path notifies nothing.
+        //
+        // SPEC §5.2: the common success path is this one DELETE. If an extend holds the row
+        // lock, the DELETE waits, and Postgres re-evaluates the WHERE on the committed row
+        // (READ COMMITTED), so a freshly queued rearm makes it match nothing and we fall
+        // through to the settle statement below.
+        let ack_delete =
+            format!("DELETE FROM {t} WHERE id = $1 AND acquired_token = $2 AND rearm_at IS NULL");
+        // The follow-up, run only when the DELETE matched nothing. It locks the row first and
+        // decides under the lock: a cancel may have dropped the rearm between our two
+        // statements (the DELETE skipped the row for a rearm that is gone now), and then the
+        // row must still be deleted, not reported as a lost lease and left leased. Zero rows
+        // locked is the lost lease.
+        let ack_settle = format!(
+            r#"
+WITH cur AS (
+    SELECT id, rearm_at IS NOT NULL AS rearm FROM {t}
+    WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
+deleted AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm),
+rearmed AS (
+    UPDATE {t} t SET {APPLY_REARM} FROM cur
+    WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at, t.queue)
+SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
+       (SELECT {notify} FROM rearmed)"#,
+            notify = notify(n, "rearmed")
+        );
+        // Outcomes are matched back by (id, token): a stale and a fresh lease of one row in
+        // the same batch must not share one.
+        let ack_batch_delete = format!(
+            r#"
+DELETE FROM {t} t USING unnest($1::bigint[], $2::uuid[]) AS l(id, token)
+WHERE t.id = l.id AND t.acquired_token = l.token AND t.rearm_at IS NULL
+RETURNING t.id, l.token"#
+        );
+        // The batched follow-up, for the ids the DELETE did not return; same reasoning as
+        // `ack_settle`. Rows are locked in id order so two batches cannot deadlock.
+        let ack_batch_settle = format!(
+            r#"
+WITH cur AS (
+    SELECT t.id, l.token, t.rearm_at IS NOT NULL AS rearm FROM {t} t
+    JOIN unnest($1::bigint[], $2::uuid[]) AS l(id, token)
+      ON t.id = l.id AND t.acquired_token = l.token
+    ORDER BY t.id FOR UPDATE OF t),
+deleted AS (
+    DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm
+    RETURNING cur.id, cur.token),
+rearmed AS (
+    UPDATE {t} t SET {APPLY_REARM} FROM cur
+    WHERE t.id = cur.id AND cur.rearm
+    RETURNING cur.id, cur.token, t.next_attempt_at, t.queue)
+SELECT id, token, NULL::timestamptz, NULL::text FROM deleted
+UNION ALL SELECT id, token, next_attempt_at, {notify} FROM rearmed"#,
+            notify = notify(n, "rearmed")
+        );
+        // One statement (SPEC §5.2). The locking CTE reads whether a rearm is queued on the
+        // latest row version (after any lock wait), only to report which case happened; the
+        // UPDATE decides on the same version because we hold its lock.
+        // A rearm replaces the retry but keeps deliveries_count, so max_deliveries still
+        // stops a handler that fails on every run (SPEC §5.1).
+        let retry = format!(
+            r#"
+WITH cur AS (
+    SELECT id, rearm_at IS NOT NULL AS rearm FROM {t}
+    WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
+up AS (
+    UPDATE {t} t SET
+        next_attempt_at = CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_at ELSE now() + $3::interval END,
+        payload = CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_payload ELSE t.payload END,
+        headers = CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_headers ELSE t.headers END,
+        attempts_count = t.attempts_count + 1,
+        first_attempt_at = coalesce(t.first_attempt_at, now()),
+        last_attempt_at = now(),
+        rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
+        acquired_token = NULL, acquired_at = NULL
+    FROM cur WHERE t.id = cur.id
+    RETURNING t.next_attempt_at, cur.rearm, t.queue)
+SELECT up.next_attempt_at, up.rearm, {notify} FROM up"#,
+            notify = notify(n, "up")
+        );
+        // Terminal failure with the dead-letter queue: archive the failed run (its own
+        // payload) and delete the row or apply its rearm, in one statement (SPEC §5.1).
+        let fail_archive = format!(
+            r#"
+WITH cur AS (
+    SELECT id, queue, payload, headers, timer_id, attempts_count, deliveries_count,
+           created_at, rearm_at IS NOT NULL AS rearm
+    FROM {t} WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
+archived AS (
+    INSERT INTO {d} (original_id, queue, payload, headers, timer_id, attempts_count,
+                     deliveries_count, created_at, failure_reason, last_error)
+    SELECT id, queue, payload, headers, timer_id, attempts_count + $5,
+           deliveries_count, created_at, $3, $4 FROM cur),
+deleted AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm),
+rearmed AS (
+    UPDATE {t} t SET {APPLY_REARM} FROM cur
+    WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at, t.queue)
+SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
+       (SELECT {notify} FROM rearmed)"#,
+            notify = notify(n, "rearmed")
+        );
+        Complete {
+            ack_delete: query(ack_delete),
+            ack_settle: query(ack_settle),
+            ack_batch_delete: query(ack_batch_delete),
+            ack_batch_settle: query(ack_batch_settle),
+            retry: query(retry),
+            fail_archive: query(fail_archive),
+        }
+    }
+
+    #[cfg(test)]
+    pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
+        vec![
+            ("complete.ack_delete", self.ack_delete.as_str()),
+            ("complete.ack_settle", self.ack_settle.as_str()),
+            ("complete.ack_batch_delete", self.ack_batch_delete.as_str()),
+            ("complete.ack_batch_settle", self.ack_batch_settle.as_str()),
+            ("complete.retry", self.retry.as_str()),
+            ("complete.fail_archive", self.fail_archive.as_str()),
+        ]
+    }
+}

@@ -1,0 +1,104 @@
+//! The text of every statement the runtime sends, rendered once per [`Outbox`] for its
+//! names and executed elsewhere: `publish.rs`, `cancel.rs`, `migrate.rs`, `validate.rs`,
+//! `store/postgres.rs` and `store/listen.rs` run what is rendered here.
+//!
+//! This module is a leaf over [`crate::names`]: it renders text and executes nothing. Every
+//! value a statement needs travels as a bind parameter; the only text pasted in is quoted
+//! identifiers and literals from [`Names`], which is why [`statement`] may assert the
+//! rendered text safe for sqlx.
+//!
+//! A statement's comment names the index, lock or race it relies on.
+//!
+//! [`Outbox`]: crate::Outbox
+
+use std::sync::Arc;
+
+use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
+
+use crate::names::Names;
+
+pub(crate) mod cancel;
+pub(crate) mod catalog;
+pub(crate) mod claim;
+pub(crate) mod complete;
+pub(crate) mod ddl;
+pub(crate) mod publish;
+pub(crate) mod read;
+
+/// The one place rendered text becomes an executable statement (sqlx 0.9 refuses a
+/// `String` that was not asserted safe). Safe: the text holds only our own SQL and
+/// identifiers quoted by [`crate::names`]; values are bound, never pasted. Kept as an
+/// `Arc<str>`, so executing it clones a pointer, not the text.
+fn statement(text: &str) -> SqlStr {
+    AssertSqlSafe(Arc::<str>::from(text)).into_sql_str()
+}
+
+/// A query rendered from a raw string that starts on its own line.
+fn query(text: String) -> SqlStr {
+    statement(text.trim())
+}
+
+/// Every statement of one [`crate::Outbox`], rendered once when it is built.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub publish: publish::Publish,
+    pub cancel: cancel::Cancel,
+    pub claim: claim::Claim,
+    pub complete: complete::Complete,
+    pub read: read::Read,
+    pub ddl: ddl::Ddl,
+}
+
+impl Statements {
+    pub(crate) fn render(n: &Names) -> Self {
+        Statements {
+            publish: publish::Publish::render(n),
+            cancel: cancel::Cancel::render(n),
+            claim: claim::Claim::render(n),
+            complete: complete::Complete::render(n),
+            read: read::Read::render(n),
+            ddl: ddl::Ddl::render(n),
+        }
+    }
+
+    /// Every statement with a name, for the snapshot test.
+    #[cfg(test)]
+    fn all(&self) -> Vec<(&'static str, &str)> {
+        let mut out = Vec::new();
+        out.extend(self.publish.all());
+        out.extend(self.cancel.all());
+        out.extend(self.claim.all());
+        out.extend(self.complete.all());
+        out.extend(self.read.all());
+        out.extend(self.ddl.all());
+        out
+    }
+}
+
+/// The NOTIFY payload of SPEC §2.4, `<deadline as epoch milliseconds>:<queue>`, as an
+/// expression over the row alias `row`. Never payload data.
+fn notify(n: &Names, row: &str) -> String {
+    format!(
+        "pg_notify({channel}, floor(extract(epoch FROM {row}.next_attempt_at) * 1000)::bigint::text || ':' || {row}.queue)::text",
+        channel = crate::names::quote_literal(&n.channel)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rendered text for the default names, so a change to any statement shows up in
+    /// review as a diff of `snapshots/`.
+    #[test]
+    fn statements_for_the_default_names() {
+        let names = Names::new(None, crate::names::DEFAULT_TABLE.to_owned(), None)
+            .expect("default names are valid");
+        let rendered = Statements::render(&names);
+        let mut text = String::new();
+        for (name, sql) in rendered.all() {
+            text.push_str(&format!("-- {name}\n{sql}\n\n"));
+        }
+        insta::assert_snapshot!("statements_default_names", text);
+    }
+}

@@ -1,0 +1,99 @@
+//! Wake-up notifications (SPEC §2.4, §7.3): a dedicated LISTEN connection that forwards
+//! `<deadline as epoch milliseconds>:<queue>` payloads to the worker as [`Wakeup`] hints,
+//! and re-LISTENs after a lost connection.
+
+use std::time::Duration;
+
+use chrono::DateTime;
+use sqlx::postgres::{PgListener, PgPool};
+
+use super::Wakeup;
+use crate::error::Result;
+
+/// Starts listening on `channel` and forwards hints until the receiver is dropped. LISTEN
+/// is in place when this returns (so a scan after it misses nothing); if it fails, the
+/// first hint is [`Wakeup::Lost`] and the loop keeps trying.
+pub(crate) async fn start(pool: &PgPool, channel: &str) -> tokio::sync::mpsc::Receiver<Wakeup> {
+    let (tx, rx) = tokio::sync::mpsc::channel(256);
+    let first = match listen(pool, channel).await {
+        Ok(l) => Some(l),
+        Err(e) => {
+            tracing::warn!(error = %e, "outbox: LISTEN failed; polling until it is back");
+            let _ = tx.try_send(Wakeup::Lost);
+            None
+        }
+    };
+    tokio::spawn(listen_loop(pool.clone(), channel.to_owned(), first, tx));
+    rx
+}
+
+async fn listen(pool: &PgPool, channel: &str) -> Result<PgListener> {
+    let mut l = PgListener::connect_with(pool).await?;
+    l.listen(channel).await?;
+    Ok(l)
+}
+
+/// Parses a notification of SPEC §2.4: `<deadline as epoch milliseconds>:<queue>`.
+fn parse_notification(payload: &str) -> Option<Wakeup> {
+    let (ms, queue) = payload.split_once(':')?;
+    let at = DateTime::from_timestamp_millis(ms.parse().ok()?)?;
+    Some(Wakeup::Published {
+        queue: queue.to_owned(),
+        at,
+    })
+}
+
+/// Forwards notifications until the worker drops the receiver. After a lost connection it
+/// reports [`Wakeup::Lost`], re-LISTENs with capped exponential back-off, and reports
+/// [`Wakeup::Listening`] only once LISTEN is back, so the worker re-scans after, not
+/// before, it can hear new publishes (SPEC §7.3).
+async fn listen_loop(
+    pool: PgPool,
+    channel: String,
+    mut listener: Option<PgListener>,
+    tx: tokio::sync::mpsc::Sender<Wakeup>,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let Some(l) = listener.as_mut() else {
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                () = tx.closed() => return,
+            }
+            match listen(&pool, &channel).await {
+                Ok(l) => {
+                    listener = Some(l);
+                    backoff = Duration::from_millis(100);
+                    if tx.send(Wakeup::Listening).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "outbox: re-LISTEN failed");
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+            continue;
+        };
+        let got = tokio::select! {
+            got = l.try_recv() => got,
+            () = tx.closed() => return,
+        };
+        match got {
+            Ok(Some(n)) => {
+                if let Some(w) = parse_notification(n.payload()) {
+                    if tx.send(w).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            Ok(None) | Err(_) => {
+                tracing::warn!("outbox: the LISTEN connection was lost; polling until it is back");
+                listener = None;
+                if tx.send(Wakeup::Lost).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}

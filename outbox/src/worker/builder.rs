@@ -1,0 +1,155 @@
+//! [`WorkerBuilder`]: handlers and knobs, all checked by [`WorkerBuilder::build`].
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::config::Config;
+use super::handler::{Handler, HandlerOptions, Route};
+use super::Worker;
+use crate::error::{Error, Result};
+use crate::publish::validate_queue;
+use crate::store::Store;
+use crate::timer::Timer;
+
+impl<S: Store> Worker<S> {
+    /// Starts building a worker over `store`.
+    pub fn builder(store: S) -> WorkerBuilder<S> {
+        WorkerBuilder {
+            store,
+            routes: Vec::new(),
+            config: Config::default(),
+            invalid_queue: None,
+        }
+    }
+}
+
+/// Builds a [`Worker`]; see there. Setters never fail: every value is
+/// checked by [`WorkerBuilder::build`].
+pub struct WorkerBuilder<S> {
+    store: S,
+    routes: Vec<Route>,
+    config: Config,
+    invalid_queue: Option<Error>,
+}
+
+impl<S: Store> WorkerBuilder<S> {
+    /// Handles the `#[timer]` type `T` (its queue is `T::QUEUE`, its `max_deliveries`
+    /// `T::MAX_DELIVERIES`) with `handler`: an `async fn(T, Context) -> R` where `R` is
+    /// `()`, [`Outcome`] or a `Result` of those with a displayable error. A handler for
+    /// another payload type does not compile. Retries use [`RetryStrategy::default`].
+    pub fn timer<T: Timer>(self, handler: impl Handler<T>) -> Self {
+        self.timer_with::<T>(handler, HandlerOptions::default())
+    }
+
+    /// As [`WorkerBuilder::timer`], with a retry strategy or a `max_deliveries` override.
+    pub fn timer_with<T: Timer>(
+        mut self,
+        handler: impl Handler<T>,
+        options: HandlerOptions,
+    ) -> Self {
+        self.routes.push(Route::typed::<T, _>(handler, options));
+        self
+    }
+
+    /// Handles the raw queue `queue` with `handler`: an `async fn(Vec<u8>, Context) -> R`
+    /// over the stored bytes. `max_deliveries` is [`DEFAULT_MAX_DELIVERIES`].
+    pub fn queue(self, queue: impl Into<String>, handler: impl Handler<Vec<u8>>) -> Self {
+        self.queue_with(queue, handler, HandlerOptions::default())
+    }
+
+    /// As [`WorkerBuilder::queue`], with options.
+    pub fn queue_with(
+        mut self,
+        queue: impl Into<String>,
+        handler: impl Handler<Vec<u8>>,
+        options: HandlerOptions,
+    ) -> Self {
+        let queue = queue.into();
+        if let Err(e) = validate_queue(&queue) {
+            self.invalid_queue.get_or_insert(e);
+        }
+        self.routes.push(Route::raw(queue, handler, options));
+        self
+    }
+
+    /// Handler tasks running at once (default 1, range 1..=10 000).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.config.concurrency = n;
+        self
+    }
+
+    /// Rows claimed per claim statement (default 10, range 1..=10 000). The claim loop
+    /// claims again when all claimed rows have been handed to handlers.
+    pub fn fetch_batch_size(mut self, n: usize) -> Self {
+        self.config.fetch_batch_size = n;
+        self
+    }
+
+    /// How long a claim is exclusive (default 60 s, range 100 ms..=7 days). After it, other
+    /// workers may reclaim the row (SPEC §6).
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.config.lease_ttl = ttl;
+        self
+    }
+
+    /// The longest an idle worker sleeps before looking again, which also bounds how late
+    /// an expired lease of a dead worker is picked up when nothing else wakes it (default
+    /// 30 s, range 10 ms..=24 h). Timers do not wait for it: the worker sleeps until the
+    /// earliest deadline and wakes on notifications (SPEC §7.3).
+    pub fn idle_poll(mut self, ceiling: Duration) -> Self {
+        self.config.idle_poll = ceiling;
+        self
+    }
+
+    /// Successful completions per batched statement (default 1: one `DELETE` per row,
+    /// range 1..=10 000). Above 1, successes are collected and flushed when the batch is
+    /// full, whenever no more are waiting (idle), and at shutdown.
+    pub fn ack_batch_size(mut self, n: usize) -> Self {
+        self.config.ack_batch_size = n;
+        self
+    }
+
+    /// How long [`RunningWorker::shutdown`] waits for running handlers and pending
+    /// completions (default 15 s, range 0..=1 h).
+    pub fn graceful_timeout(mut self, timeout: Duration) -> Self {
+        self.config.graceful_timeout = timeout;
+        self
+    }
+
+    /// Checks everything and builds the worker.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the knob whose value is out of range (or `handlers`
+    /// when none is registered, `retry` for a bad strategy, `max_deliveries` for 0);
+    /// [`Error::InvalidArgument`] for a bad raw queue name; [`Error::DuplicateHandler`]
+    /// naming both handlers when two serve one queue.
+    pub fn build(self) -> Result<Worker<S>> {
+        if let Some(e) = self.invalid_queue {
+            return Err(e);
+        }
+        self.config.validate()?;
+        if self.routes.is_empty() {
+            return Err(Error::config("handlers", "register at least one handler"));
+        }
+        let mut routes: HashMap<String, Route> = HashMap::new();
+        for route in self.routes {
+            validate_queue(&route.queue)?;
+            route.retry.validate("retry")?;
+            if route.max_deliveries == 0 {
+                return Err(Error::config(
+                    "max_deliveries",
+                    format!("must be at least 1 for queue `{}`", route.queue),
+                ));
+            }
+            if let Some(first) = routes.get(&route.queue) {
+                return Err(Error::DuplicateHandler {
+                    queue: route.queue.clone(),
+                    first: first.name.clone(),
+                    second: route.name,
+                });
+            }
+            routes.insert(route.queue.clone(), route);
+        }
+        Ok(Worker::new(self.store, routes, self.config))
+    }
+}

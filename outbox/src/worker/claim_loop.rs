@@ -1,0 +1,171 @@
+//! The claim loop (SPEC §6, §7.3): claims when every buffered row has a handler, hands
+//! rows to the handler tasks, and when idle sleeps until the earliest deadline, a
+//! notification, a completion's hint or the idle ceiling. It backs off after failures.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use super::shared::{backoff, Shared};
+use crate::store::{ClaimRequest, Delivery, Store, Wakeup};
+
+pub(crate) async fn claim_loop<S: Store>(
+    shared: &Arc<Shared<S>>,
+    queues: &[String],
+    mut wakeups: Option<mpsc::Receiver<Wakeup>>,
+    deliveries: &mpsc::Sender<Delivery>,
+    stopped: &mut watch::Receiver<bool>,
+) {
+    let config = shared.config;
+    let limit = config.fetch_batch_size;
+    let mut failures = 0u32;
+    // Rows due but not claimable (locked by another worker's claim in flight) make the
+    // earliest deadline lie in the past; wait a little, growing, instead of spinning.
+    let mut contention = Duration::from_millis(10);
+    // True while the LISTEN connection is down: poll at least every second (SPEC §7.3).
+    let mut degraded = false;
+    loop {
+        if *stopped.borrow() {
+            return;
+        }
+        // Claim only when every buffered row has been taken by a handler, so the leases we
+        // hold stay within fetch_batch_size + concurrency × ack_batch_size (SPEC §7.7).
+        let permits = tokio::select! {
+            p = deliveries.reserve_many(limit) => match p { Ok(p) => p, Err(_) => return },
+            _ = stopped.changed() => return,
+        };
+        // Not raced against the stop signal: once Postgres commits a claim its rows are
+        // ours, and dropping the future then would strand them until their lease expires.
+        // The claim is one short statement; shutdown runs what it returns.
+        let claimed = shared
+            .store
+            .claim(ClaimRequest::new(queues, limit, config.lease_ttl))
+            .await;
+        let batch = match claimed {
+            Ok(b) => b,
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %e, attempt = failures, "outbox: claim failed; backing off");
+                metrics::counter!("outbox_claim_errors_total").increment(1);
+                drop(permits);
+                if sleep_or_stop(backoff(failures - 1), stopped).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        failures = 0;
+        let got = batch.len();
+        metrics::histogram!("outbox_claim_batch_size").record(got as f64);
+        for (permit, d) in permits.zip(batch) {
+            permit.send(d);
+        }
+        // Hints that arrived while we were busy are covered by this claim or by the
+        // next_wakeup below.
+        if let Some(w) = wakeups.as_mut() {
+            while let Ok(ev) = w.try_recv() {
+                match ev {
+                    Wakeup::Lost => degraded = true,
+                    Wakeup::Listening => degraded = false,
+                    Wakeup::Published { .. } => {}
+                }
+            }
+        }
+        if got == limit {
+            contention = Duration::from_millis(10);
+            continue;
+        }
+        // Idle: sleep until the earliest deadline, a notification, a completion's hint or
+        // the idle ceiling (SPEC §7.3). One index-backed query; none while asleep.
+        let next = tokio::select! {
+            r = shared.store.next_wakeup(queues, config.lease_ttl) => r,
+            _ = stopped.changed() => return,
+        };
+        let next = match next {
+            Ok(n) => n,
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %e, "outbox: reading the next deadline failed; backing off");
+                if sleep_or_stop(backoff(failures - 1), stopped).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        shared.observe_clock(next.now);
+        let now = Instant::now();
+        let ceiling = if degraded {
+            config.idle_poll.min(Duration::from_secs(1))
+        } else {
+            config.idle_poll
+        };
+        let mut target = now + ceiling;
+        match next.earliest() {
+            Some(at) if at <= next.now => {
+                // Due rows we could not claim are locked by another transaction (a claim
+                // in flight, an uncommitted extend). Look again soon, backing off to at
+                // most a second, and never later than the next row that becomes due.
+                target = target.min(now + contention);
+                if let Some(upcoming) = next.upcoming {
+                    target = target.min(shared.local(upcoming));
+                }
+                contention = (contention * 2).min(ceiling.min(Duration::from_secs(1)));
+            }
+            Some(at) => {
+                contention = Duration::from_millis(10);
+                target = target.min(shared.local(at));
+            }
+            None => contention = Duration::from_millis(10),
+        }
+        loop {
+            if let Some(h) = shared.take_hint() {
+                target = target.min(h);
+            }
+            if target <= Instant::now() {
+                break;
+            }
+            tokio::select! {
+                () = tokio::time::sleep_until(target) => break,
+                () = shared.hint_changed.notified() => {}
+                ev = recv_wakeup(&mut wakeups) => match ev {
+                    Some(Wakeup::Published { queue, at }) => {
+                        if queues.binary_search(&queue).is_ok() {
+                            target = target.min(shared.local(at));
+                        }
+                    }
+                    Some(Wakeup::Lost) => {
+                        degraded = true;
+                        target = target.min(Instant::now() + Duration::from_secs(1));
+                    }
+                    Some(Wakeup::Listening) => {
+                        // Re-LISTEN done; now re-scan what we may have missed.
+                        degraded = false;
+                        break;
+                    }
+                    None => {
+                        wakeups = None;
+                    }
+                },
+                _ = stopped.changed() => return,
+            }
+        }
+    }
+}
+
+/// Receives the next hint, or waits forever when there is no hint channel.
+async fn recv_wakeup(wakeups: &mut Option<mpsc::Receiver<Wakeup>>) -> Option<Wakeup> {
+    match wakeups {
+        Some(w) => w.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sleeps, returning true if the worker was stopped meanwhile.
+pub(crate) async fn sleep_or_stop(d: Duration, stopped: &mut watch::Receiver<bool>) -> bool {
+    tokio::select! {
+        () = tokio::time::sleep(d) => *stopped.borrow(),
+        _ = stopped.changed() => true,
+    }
+}

@@ -1,0 +1,126 @@
+//! The worker's knobs (SPEC §7.1): their defaults and allowed ranges.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Worker knobs (SPEC §7.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Config {
+    pub(crate) concurrency: usize,
+    pub(crate) fetch_batch_size: usize,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) idle_poll: Duration,
+    pub(crate) ack_batch_size: usize,
+    pub(crate) graceful_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            concurrency: 1,
+            fetch_batch_size: 10,
+            lease_ttl: Duration::from_secs(60),
+            idle_poll: Duration::from_secs(30),
+            ack_batch_size: 1,
+            graceful_timeout: Duration::from_secs(15),
+        }
+    }
+}
+
+fn check_range<T: PartialOrd + std::fmt::Debug>(
+    knob: &'static str,
+    v: T,
+    min: T,
+    max: T,
+    unit: &str,
+) -> Result<()> {
+    if v < min || v > max {
+        return Err(Error::config(
+            knob,
+            format!("must be within {min:?}..={max:?}{unit}, got {v:?}"),
+        ));
+    }
+    Ok(())
+}
+
+impl Config {
+    pub(crate) fn validate(&self) -> Result<()> {
+        check_range("concurrency", self.concurrency, 1, 10_000, "")?;
+        check_range("fetch_batch_size", self.fetch_batch_size, 1, 10_000, "")?;
+        check_range("ack_batch_size", self.ack_batch_size, 1, 10_000, "")?;
+        check_range(
+            "lease_ttl",
+            self.lease_ttl,
+            Duration::from_millis(100),
+            Duration::from_secs(7 * 24 * 3600),
+            "",
+        )?;
+        check_range(
+            "idle_poll",
+            self.idle_poll,
+            Duration::from_millis(10),
+            Duration::from_secs(24 * 3600),
+            "",
+        )?;
+        check_range(
+            "graceful_timeout",
+            self.graceful_timeout,
+            Duration::ZERO,
+            Duration::from_secs(3600),
+            "",
+        )?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn knob_ranges_name_the_knob() {
+        let bad = [
+            Config {
+                concurrency: 0,
+                ..Config::default()
+            },
+            Config {
+                fetch_batch_size: 0,
+                ..Config::default()
+            },
+            Config {
+                ack_batch_size: 10_001,
+                ..Config::default()
+            },
+            Config {
+                lease_ttl: Duration::from_millis(1),
+                ..Config::default()
+            },
+            Config {
+                idle_poll: Duration::ZERO,
+                ..Config::default()
+            },
+            Config {
+                graceful_timeout: Duration::from_secs(7200),
+                ..Config::default()
+            },
+        ];
+        let knobs = [
+            "concurrency",
+            "fetch_batch_size",
+            "ack_batch_size",
+            "lease_ttl",
+            "idle_poll",
+            "graceful_timeout",
+        ];
+        for (c, knob) in bad.iter().zip(knobs) {
+            let e = c.validate().unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidConfig { knob: k, .. } if k == knob),
+                "{e}"
+            );
+        }
+        assert!(Config::default().validate().is_ok());
+    }
+}
