@@ -161,7 +161,10 @@ use crate::validate::Checked;
 /// assert_eq!(PresenceExpiry::QUEUE, "presence.expiry");
 /// assert_eq!(PresenceExpiry::MAX_DELIVERIES, 5);
 /// // `publish_presence_expiry`, `extend_presence_expiry` and `cancel_presence_expiry` exist.
-/// let _ = cancel_presence_expiry::<sqlx::PgConnection>;
+/// async fn logout(pool: &sqlx::PgPool) -> Result<(), outbox::Error> {
+///     cancel_presence_expiry(pool, "42").await?;
+///     Ok(())
+/// }
 /// ```
 ///
 /// Keeps the struct as written and generates, with the struct's visibility:
@@ -174,8 +177,9 @@ use crate::validate::Checked;
 /// - `cancel_presence_expiry(conn, timer_id)`: `Deleted`, `RearmDropped`, `Running` or
 ///   `NotFound`.
 ///
-/// `conn` is `&mut *tx` (a sqlx transaction), a connection, or `&mut outbox.on(&mut *tx)`;
-/// `schedule` a `Duration` (database clock), an absolute time or `Schedule::now()`.
+/// `conn` is `&mut *tx` (a sqlx transaction), `&mut *conn` (a pooled connection), `&pool`
+/// (autocommit), `outbox.on(&mut *tx)` or `&store`; `schedule` a `Duration` (database
+/// clock), an absolute time or `Schedule::now()`.
 ///
 /// Arguments: `queue = "..."` (required; 1..=255 bytes of `[A-Za-z0-9._:-]`),
 /// `max_deliveries = N` (required; 1..=`u32::MAX` claims before a terminal failure) and

@@ -344,7 +344,7 @@ impl Published {
     }
 }
 
-/// One item of [`Outbox::publish_batch`].
+/// One item of [`Outbox::publish_batch`](crate::Outbox::publish_batch).
 #[derive(Debug, Clone, Copy)]
 pub struct BatchItem<'a> {
     /// The encoded message.

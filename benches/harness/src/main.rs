@@ -20,6 +20,7 @@ mod recorder;
 mod report;
 mod scenarios;
 
+use sqlx::AssertSqlSafe;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -221,10 +222,10 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
         .application_name("outbox-bench-probe")
         .connect()
         .await?;
-    if let Err(e) = sqlx::query(&format!(
+    if let Err(e) = sqlx::query(AssertSqlSafe(format!(
         "{} SELECT 1 FROM pg_stat_statements LIMIT 1",
         probe::TAG
-    ))
+    )))
     .execute(&mut probe_conn)
     .await
     {

@@ -15,6 +15,7 @@
 //! `pg_stat_statements` reports with their WAL; what is left is its measured phase plus a
 //! handful of set-up commit records (a few hundred bytes in a run of 5000 messages).
 
+use sqlx::AssertSqlSafe;
 use std::collections::BTreeMap;
 use std::process::Stdio;
 use std::time::Duration;
@@ -96,12 +97,14 @@ pub async fn run(
     let mut wal0 = None;
     // Backends the command opens start after this; on a shared server (--dsn) they are
     // the only ones waited for.
-    let started: String =
-        sqlx::query_scalar(&format!("{} SELECT clock_timestamp()::text", probe::TAG))
-            .fetch_one(&mut env.probe)
-            .await?;
+    let started: String = sqlx::query_scalar(AssertSqlSafe(format!(
+        "{} SELECT clock_timestamp()::text",
+        probe::TAG
+    )))
+    .fetch_one(&mut env.probe)
+    .await?;
     if measure {
-        sqlx::raw_sql(&format!("{} CHECKPOINT", probe::TAG))
+        sqlx::raw_sql(AssertSqlSafe(format!("{} CHECKPOINT", probe::TAG)))
             .execute(&mut env.probe)
             .await?;
         wal0 = Some(probe::wal(&mut env.probe).await?);

@@ -9,6 +9,7 @@
 //! the work and waits until their backends are gone (exit flushes them) before reading, and
 //! asks for an immediate flush of its own backend with `pg_stat_force_next_flush()`.
 
+use sqlx::AssertSqlSafe;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -66,9 +67,11 @@ impl Statement {
 }
 
 pub async fn flush_own(conn: &mut PgConnection) -> Result<(), BoxError> {
-    sqlx::query(&format!("{TAG} SELECT pg_stat_force_next_flush()"))
-        .execute(&mut *conn)
-        .await?;
+    sqlx::query(AssertSqlSafe(format!(
+        "{TAG} SELECT pg_stat_force_next_flush()"
+    )))
+    .execute(&mut *conn)
+    .await?;
     // The flush happens when the transaction above ends; stats views read afterwards (in a
     // new transaction, so no cached snapshot) see it.
     Ok(())
@@ -76,10 +79,10 @@ pub async fn flush_own(conn: &mut PgConnection) -> Result<(), BoxError> {
 
 pub async fn wal(conn: &mut PgConnection) -> Result<Wal, BoxError> {
     flush_own(conn).await?;
-    let r = sqlx::query(&format!(
+    let r = sqlx::query(AssertSqlSafe(format!(
         "{TAG} SELECT wal_records, wal_fpi, wal_bytes::bigint, \
            pg_current_wal_insert_lsn()::text FROM pg_stat_wal"
-    ))
+    )))
     .fetch_one(&mut *conn)
     .await?;
     Ok(Wal {
@@ -92,10 +95,10 @@ pub async fn wal(conn: &mut PgConnection) -> Result<Wal, BoxError> {
 
 pub async fn tuples(conn: &mut PgConnection, table: &str) -> Result<Tuples, BoxError> {
     flush_own(conn).await?;
-    let r = sqlx::query(&format!(
+    let r = sqlx::query(AssertSqlSafe(format!(
         "{TAG} SELECT n_tup_ins, n_tup_upd, n_tup_del, n_tup_hot_upd, n_dead_tup \
          FROM pg_stat_user_tables WHERE relid = to_regclass($1)"
-    ))
+    )))
     .bind(table)
     .fetch_optional(&mut *conn)
     .await?;
@@ -112,21 +115,23 @@ pub async fn tuples(conn: &mut PgConnection, table: &str) -> Result<Tuples, BoxE
 }
 
 pub async fn reset_statements(conn: &mut PgConnection) -> Result<(), BoxError> {
-    sqlx::query(&format!("{TAG} SELECT pg_stat_statements_reset()"))
-        .execute(&mut *conn)
-        .await?;
+    sqlx::query(AssertSqlSafe(format!(
+        "{TAG} SELECT pg_stat_statements_reset()"
+    )))
+    .execute(&mut *conn)
+    .await?;
     Ok(())
 }
 
 /// Every statement of the current database since the last reset, without the harness's.
 pub async fn statements(conn: &mut PgConnection) -> Result<Vec<Statement>, BoxError> {
-    let rows = sqlx::query(&format!(
+    let rows = sqlx::query(AssertSqlSafe(format!(
         "{TAG} SELECT query, calls, rows, total_exec_time, wal_records, wal_fpi, wal_bytes::bigint \
          FROM pg_stat_statements \
          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
            AND query NOT LIKE '%outbox-bench probe%' \
          ORDER BY calls DESC, query"
-    ))
+    )))
     .fetch_all(&mut *conn)
     .await?;
     rows.iter()
@@ -146,11 +151,11 @@ pub async fn statements(conn: &mut PgConnection) -> Result<Vec<Statement>, BoxEr
 
 /// Sum of calls of the statements above; used to see that a worker has gone quiet.
 pub async fn total_calls(conn: &mut PgConnection) -> Result<i64, BoxError> {
-    let n: Option<i64> = sqlx::query_scalar(&format!(
+    let n: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
         "{TAG} SELECT sum(calls)::bigint FROM pg_stat_statements \
          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
            AND query NOT LIKE '%outbox-bench probe%'"
-    ))
+    )))
     .fetch_one(&mut *conn)
     .await?;
     Ok(n.unwrap_or(0))
@@ -182,31 +187,31 @@ pub async fn wait_backends_gone(
     let deadline = start + Duration::from_secs(30);
     let mut terminated = false;
     loop {
-        let n: i64 = sqlx::query_scalar(&format!(
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
             "{TAG} SELECT count(*) FROM pg_stat_activity \
              WHERE pid <> pg_backend_pid() AND backend_type = 'client backend' AND ({filter})"
-        ))
+        )))
         .fetch_one(&mut *conn)
         .await?;
         if n == 0 {
             return Ok(());
         }
         if terminate_idle && !terminated && start.elapsed() > Duration::from_millis(500) {
-            sqlx::query(&format!(
+            sqlx::query(AssertSqlSafe(format!(
                 "{TAG} SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                  WHERE pid <> pg_backend_pid() AND backend_type = 'client backend' \
                    AND state = 'idle' AND ({filter})"
-            ))
+            )))
             .execute(&mut *conn)
             .await?;
             terminated = true;
         }
         if Instant::now() > deadline {
-            let who: Vec<String> = sqlx::query_scalar(&format!(
+            let who: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
                 "{TAG} SELECT format('pid %s app %s state %s wait %s/%s query %s', pid, application_name, \
                    state, wait_event_type, wait_event, left(query, 80)) FROM pg_stat_activity \
                  WHERE pid <> pg_backend_pid() AND backend_type = 'client backend' AND ({filter})"
-            ))
+            )))
             .fetch_all(&mut *conn)
             .await?;
             return Err(format!(

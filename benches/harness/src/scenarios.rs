@@ -9,6 +9,7 @@
 //! `content-type` header, autovacuum off on the table, `CHECKPOINT` after seeding a consumer
 //! scenario, time from start to the last message handled.
 
+use sqlx::AssertSqlSafe;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -352,14 +353,14 @@ impl Env {
     }
 
     async fn exec(&mut self, sql: &str) -> Result<(), BoxError> {
-        sqlx::raw_sql(&format!("{TAG} {sql}"))
+        sqlx::raw_sql(AssertSqlSafe(format!("{TAG} {sql}")))
             .execute(&mut self.probe)
             .await?;
         Ok(())
     }
 
     async fn count(&mut self, sql: &str) -> Result<i64, BoxError> {
-        Ok(sqlx::query_scalar(&format!("{TAG} {sql}"))
+        Ok(sqlx::query_scalar(AssertSqlSafe(format!("{TAG} {sql}")))
             .fetch_one(&mut self.probe)
             .await?)
     }

@@ -12,6 +12,7 @@
 //!   handler did, so the handler must re-check).
 //! - `GET /stats` and `GET /metrics` report what the service and the worker did.
 
+use sqlx::AssertSqlSafe;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -388,10 +389,14 @@ impl Server {
         config.outbox.migrate(&pool).await?;
         config.outbox.validate_schema(&pool).await?;
         let sql = UserSql::new(&config.users_table, &config.outbox);
-        sqlx::query(&sql.create).execute(&pool).await?;
+        sqlx::query(AssertSqlSafe(&*sql.create))
+            .execute(&pool)
+            .await?;
         if config.reset {
-            sqlx::query(&sql.reset_users).execute(&pool).await?;
-            sqlx::query(&sql.reset_timers)
+            sqlx::query(AssertSqlSafe(&*sql.reset_users))
+                .execute(&pool)
+                .await?;
+            sqlx::query(AssertSqlSafe(&*sql.reset_timers))
                 .bind(<PresenceExpiry as outbox::Timer>::QUEUE)
                 .execute(&pool)
                 .await?;
@@ -471,12 +476,13 @@ impl Server {
     /// # Errors
     /// The database error.
     pub async fn audit(&self, first: i64, count: i64) -> Result<Audit, sqlx::Error> {
-        let rows: Vec<(i64, bool, Option<String>, bool)> = sqlx::query_as(&self.app.sql.audit)
-            .bind(first)
-            .bind(first + count - 1)
-            .bind(<PresenceExpiry as outbox::Timer>::QUEUE)
-            .fetch_all(&self.app.pool)
-            .await?;
+        let rows: Vec<(i64, bool, Option<String>, bool)> =
+            sqlx::query_as(AssertSqlSafe(&*self.app.sql.audit))
+                .bind(first)
+                .bind(first + count - 1)
+                .bind(<PresenceExpiry as outbox::Timer>::QUEUE)
+                .fetch_all(&self.app.pool)
+                .await?;
         let mut audit = Audit::default();
         for (id, online, reason, timer) in rows {
             audit.users += 1;
@@ -541,14 +547,14 @@ async fn expire(app: Arc<App>, t: PresenceExpiry, ctx: Context) -> Result<(), sq
     }
     let result = async {
         let mut tx = app.pool.begin().await?;
-        let row: Option<(bool, bool)> = sqlx::query_as(&app.sql.lock_for_expiry)
+        let row: Option<(bool, bool)> = sqlx::query_as(AssertSqlSafe(&*app.sql.lock_for_expiry))
             .bind(t.user_id)
             .bind(app.timeout.as_micros() as i64)
             .fetch_optional(&mut *tx)
             .await?;
         match row {
             Some((true, true)) => {
-                sqlx::query(&app.sql.go_offline)
+                sqlx::query(AssertSqlSafe(&*app.sql.go_offline))
                     .bind(t.user_id)
                     .execute(&mut *tx)
                     .await?;
@@ -615,7 +621,7 @@ async fn ping(
     Path(user_id): Path<i64>,
 ) -> Result<Json<PingReply>, AppError> {
     let mut tx = app.pool.begin().await?;
-    let last_seen: DateTime<Utc> = sqlx::query_scalar(&app.sql.ping)
+    let last_seen: DateTime<Utc> = sqlx::query_scalar(AssertSqlSafe(&*app.sql.ping))
         .bind(user_id)
         .fetch_one(&mut *tx)
         .await?;
@@ -673,7 +679,7 @@ async fn logout(
     let mut tx = app.pool.begin().await?;
     // The user row first, as a ping does, so the two never wait on each other's locks in
     // opposite orders.
-    let found = sqlx::query(&app.sql.logout)
+    let found = sqlx::query(AssertSqlSafe(&*app.sql.logout))
         .bind(user_id)
         .execute(&mut *tx)
         .await?
@@ -728,7 +734,7 @@ async fn get_user(
     State(app): State<Arc<App>>,
     Path(user_id): Path<i64>,
 ) -> Result<Response, AppError> {
-    let row = sqlx::query(&app.sql.get)
+    let row = sqlx::query(AssertSqlSafe(&*app.sql.get))
         .bind(user_id)
         .fetch_optional(&app.pool)
         .await?;
@@ -815,7 +821,7 @@ pub struct Stats {
 impl App {
     async fn stats(&self, range: Option<(i64, i64)>) -> Result<Stats, sqlx::Error> {
         let (first, last) = range.unwrap_or((i64::MIN, i64::MAX));
-        let (online, offline): (i64, i64) = sqlx::query_as(&self.sql.count)
+        let (online, offline): (i64, i64) = sqlx::query_as(AssertSqlSafe(&*self.sql.count))
             .bind(first)
             .bind(last)
             .fetch_one(&self.pool)

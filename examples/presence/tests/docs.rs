@@ -5,6 +5,7 @@
 //! Postgres comes from `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`);
 //! the table has a unique name.
 
+use sqlx::AssertSqlSafe;
 use std::path::Path;
 use std::time::Duration;
 
@@ -123,7 +124,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
     // still reports it (and only it).
     let steps = migration_steps(&outbox);
     let mut tx = pool.begin().await.unwrap();
-    sqlx::raw_sql(&steps[1].sql)
+    sqlx::raw_sql(AssertSqlSafe(&*steps[1].sql))
         .execute(&mut *tx)
         .await
         .unwrap();
@@ -139,7 +140,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
 
     // Step 2 in its own transaction: valid, and the extend works on the old row.
     let mut tx = pool.begin().await.unwrap();
-    sqlx::raw_sql(&steps[2].sql)
+    sqlx::raw_sql(AssertSqlSafe(&*steps[2].sql))
         .execute(&mut *tx)
         .await
         .unwrap();
@@ -161,11 +162,11 @@ async fn following_the_upgrade_guide_on_a_base_table() {
         "{done:?}"
     );
 
-    sqlx::raw_sql(&format!(
+    sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP TABLE {}; DROP TABLE {}",
         outbox.table(),
         outbox.dead_letter_table()
-    ))
+    )))
     .execute(&pool)
     .await
     .unwrap();
@@ -186,13 +187,16 @@ async fn not_valid_rearm_check_is_reported_as_not_valid() {
     let outbox = Outbox::builder().table(&table).build().unwrap();
     outbox.migrate_base_only(&pool).await.unwrap();
     let step1 = &migration_steps(&outbox)[1];
-    sqlx::raw_sql(&step1.sql).execute(&pool).await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(&*step1.sql))
+        .execute(&pool)
+        .await
+        .unwrap();
     let result = outbox.validate_schema(&pool).await;
-    sqlx::raw_sql(&format!(
+    sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP TABLE {}; DROP TABLE {}",
         outbox.table(),
         outbox.dead_letter_table()
-    ))
+    )))
     .execute(&pool)
     .await
     .unwrap();

@@ -6,6 +6,7 @@
 //! The tables have unique names, so this runs next to the other test suites. If Postgres
 //! cannot be reached the test fails with a message saying how to start it.
 
+use sqlx::AssertSqlSafe;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -59,11 +60,11 @@ async fn no_wrong_transitions_under_load_with_pings_during_expiry() {
     let cleanup = connect(&database_url(), 1)
         .await
         .expect("cleanup connection");
-    sqlx::raw_sql(&format!(
+    sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP TABLE IF EXISTS \"{users_table}\"; DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {}",
         outbox.table(),
         outbox.dead_letter_table()
-    ))
+    )))
     .execute(&cleanup)
     .await
     .expect("drop the test's tables");

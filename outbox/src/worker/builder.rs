@@ -35,8 +35,8 @@ pub struct WorkerBuilder<S> {
 impl<S: Store> WorkerBuilder<S> {
     /// Handles the `#[timer]` type `T` (its queue is `T::QUEUE`, its `max_deliveries`
     /// `T::MAX_DELIVERIES`) with `handler`: an `async fn(T, Context) -> R` where `R` is
-    /// `()`, [`Outcome`] or a `Result` of those with a displayable error. A handler for
-    /// another payload type does not compile. Retries use [`RetryStrategy::default`].
+    /// `()`, [`Outcome`](crate::Outcome) or a `Result` of those with a displayable error. A handler for
+    /// another payload type does not compile. Retries use [`RetryStrategy::default`](crate::RetryStrategy::default).
     pub fn timer<T: Timer>(self, handler: impl Handler<T>) -> Self {
         self.timer_with::<T>(handler, HandlerOptions::default())
     }
@@ -52,7 +52,7 @@ impl<S: Store> WorkerBuilder<S> {
     }
 
     /// Handles the raw queue `queue` with `handler`: an `async fn(Vec<u8>, Context) -> R`
-    /// over the stored bytes. `max_deliveries` is [`DEFAULT_MAX_DELIVERIES`].
+    /// over the stored bytes. `max_deliveries` is [`DEFAULT_MAX_DELIVERIES`](crate::DEFAULT_MAX_DELIVERIES).
     pub fn queue(self, queue: impl Into<String>, handler: impl Handler<Vec<u8>>) -> Self {
         self.queue_with(queue, handler, HandlerOptions::default())
     }
@@ -109,7 +109,7 @@ impl<S: Store> WorkerBuilder<S> {
         self
     }
 
-    /// How long [`RunningWorker::shutdown`] waits for running handlers and pending
+    /// How long [`RunningWorker::shutdown`](crate::RunningWorker::shutdown) waits for running handlers and pending
     /// completions (default 15 s, range 0..=1 h).
     pub fn graceful_timeout(mut self, timeout: Duration) -> Self {
         self.config.graceful_timeout = timeout;

@@ -25,10 +25,13 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox::testing::MemoryStore;
-use outbox::{BatchItem, Cancelled, Outbox, PgStore, Published, Result, Schedule, Store, Timer};
+use outbox::{
+    BatchItem, Cancelled, DeadLetter, Message, Outbox, PgStore, Published, Publisher, Result,
+    Schedule, Store, StoredRow, Timer,
+};
 use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool};
+use sqlx::{AssertSqlSafe, ConnectOptions, PgPool};
 
 use crate::{database_url, unique_table};
 
@@ -81,6 +84,22 @@ pub trait Harness: Sized {
     /// `outbox::cancel_timer` through this store's [`outbox::Publisher`].
     fn cancel_typed<T: Timer>(&self, timer_id: &str) -> impl Future<Output = Result<Cancelled>>;
 
+    /// Publishes one message through this store's [`Publisher`].
+    fn publish(&self, message: Message<'_>) -> impl Future<Output = Result<Published>>;
+
+    /// Cancels a timer through this store's [`Publisher`].
+    fn cancel(&self, queue: &str, timer_id: &str) -> impl Future<Output = Result<Cancelled>>;
+
+    /// Live rows of `queue`: the store's inherent `pending`.
+    fn pending(&self, queue: &str, limit: usize) -> impl Future<Output = Result<Vec<StoredRow>>>;
+
+    /// Dead letters of `queue`: the store's inherent `dead_letters`.
+    fn dead_letters(
+        &self,
+        queue: &str,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<DeadLetter>>>;
+
     /// Releases what the harness holds (the Postgres schema).
     fn finish(self) -> impl Future<Output = ()>;
 }
@@ -125,7 +144,7 @@ impl Harness for MemHarness {
         payload: &T,
         schedule: Schedule,
     ) -> Result<Published> {
-        outbox::extend_timer(&mut self.store.clone(), timer_id, payload, schedule).await
+        outbox::extend_timer(&self.store, timer_id, payload, schedule).await
     }
 
     async fn publish_typed<T: Timer>(
@@ -134,11 +153,27 @@ impl Harness for MemHarness {
         payload: &T,
         schedule: Schedule,
     ) -> Result<Published> {
-        outbox::publish_timer(&mut self.store.clone(), timer_id, payload, schedule).await
+        outbox::publish_timer(&self.store, timer_id, payload, schedule).await
     }
 
     async fn cancel_typed<T: Timer>(&self, timer_id: &str) -> Result<Cancelled> {
-        outbox::cancel_timer::<T, _>(&mut self.store.clone(), timer_id).await
+        outbox::cancel_timer::<T>(&self.store, timer_id).await
+    }
+
+    async fn publish(&self, message: Message<'_>) -> Result<Published> {
+        self.store.publish_message(message).await
+    }
+
+    async fn cancel(&self, queue: &str, timer_id: &str) -> Result<Cancelled> {
+        self.store.cancel_timer(queue, timer_id).await
+    }
+
+    async fn pending(&self, queue: &str, limit: usize) -> Result<Vec<StoredRow>> {
+        self.store.pending(queue, limit)
+    }
+
+    async fn dead_letters(&self, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
+        self.store.dead_letters(queue, limit)
     }
 
     async fn finish(self) {}
@@ -171,7 +206,7 @@ impl PgHarness {
             self.schema(),
             start().to_rfc3339()
         );
-        sqlx::raw_sql(&sql)
+        sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&self.pool)
             .await
             .expect("reset");
@@ -200,15 +235,17 @@ impl Harness for PgHarness {
              CREATE FUNCTION \"{schema}\".now() RETURNS timestamptz LANGUAGE sql STABLE \
                AS 'SELECT t FROM \"{schema}\".clock';"
         );
-        sqlx::raw_sql(&setup)
+        sqlx::raw_sql(AssertSqlSafe(setup))
             .execute(&admin)
             .await
             .expect("create the clock schema");
-        sqlx::query(&format!("INSERT INTO \"{schema}\".clock VALUES ($1)"))
-            .bind(start())
-            .execute(&admin)
-            .await
-            .expect("set the clock");
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO \"{schema}\".clock VALUES ($1)"
+        )))
+        .bind(start())
+        .execute(&admin)
+        .await
+        .expect("set the clock");
         admin.close().await;
 
         let url = database_url();
@@ -250,11 +287,14 @@ impl Harness for PgHarness {
     }
 
     async fn advance(&self, by: Duration) {
-        sqlx::query(&format!("UPDATE {}.clock SET t = t + $1", self.schema()))
-            .bind(interval(by))
-            .execute(&self.pool)
-            .await
-            .expect("advance the clock");
+        sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {}.clock SET t = t + $1",
+            self.schema()
+        )))
+        .bind(interval(by))
+        .execute(&self.pool)
+        .await
+        .expect("advance the clock");
     }
 
     async fn publish_batch(
@@ -276,7 +316,7 @@ impl Harness for PgHarness {
         schedule: Schedule,
     ) -> Result<Published> {
         let mut conn = self.pool.acquire().await?;
-        outbox::extend_timer(&mut self.outbox.on(&mut conn), timer_id, payload, schedule).await
+        outbox::extend_timer(self.outbox.on(&mut conn), timer_id, payload, schedule).await
     }
 
     async fn publish_typed<T: Timer>(
@@ -286,21 +326,37 @@ impl Harness for PgHarness {
         schedule: Schedule,
     ) -> Result<Published> {
         let mut conn = self.pool.acquire().await?;
-        outbox::publish_timer(&mut self.outbox.on(&mut conn), timer_id, payload, schedule).await
+        outbox::publish_timer(self.outbox.on(&mut conn), timer_id, payload, schedule).await
     }
 
     async fn cancel_typed<T: Timer>(&self, timer_id: &str) -> Result<Cancelled> {
         let mut conn = self.pool.acquire().await?;
-        outbox::cancel_timer::<T, _>(&mut self.outbox.on(&mut conn), timer_id).await
+        outbox::cancel_timer::<T>(self.outbox.on(&mut conn), timer_id).await
+    }
+
+    async fn publish(&self, message: Message<'_>) -> Result<Published> {
+        self.store.publish_message(message).await
+    }
+
+    async fn cancel(&self, queue: &str, timer_id: &str) -> Result<Cancelled> {
+        self.store.cancel_timer(queue, timer_id).await
+    }
+
+    async fn pending(&self, queue: &str, limit: usize) -> Result<Vec<StoredRow>> {
+        self.store.pending(queue, limit).await
+    }
+
+    async fn dead_letters(&self, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
+        self.store.dead_letters(queue, limit).await
     }
 
     async fn finish(self) {
         self.pool.close().await;
         let admin = crate::pool_with(1).await;
-        sqlx::raw_sql(&format!(
+        sqlx::raw_sql(AssertSqlSafe(format!(
             "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
             self.schema
-        ))
+        )))
         .execute(&admin)
         .await
         .expect("drop the test schema");

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use outbox::{Outbox, OutboxBuilder, PgStore, StoredRow};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgPool};
+use sqlx::{AssertSqlSafe, ConnectOptions, Connection, PgPool};
 
 /// The database URL the tests use.
 pub fn database_url() -> String {
@@ -120,7 +120,7 @@ impl Fixture {
             self.outbox.table(),
             self.outbox.dead_letter_table()
         );
-        sqlx::raw_sql(&sql)
+        sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&self.pool)
             .await
             .expect("drop tables");

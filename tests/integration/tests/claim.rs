@@ -1,9 +1,10 @@
 //! Claiming (SPEC §6): one statement, both partial indexes, ordering, limit, reclaim.
 
+use sqlx::AssertSqlSafe;
 use std::time::Duration;
 
 use chrono::{TimeDelta, Utc};
-use outbox::{Message, Store};
+use outbox::{ClaimRequest, Message, Store};
 use outbox_tests::Fixture;
 
 const TTL: Duration = Duration::from_secs(60);
@@ -25,11 +26,19 @@ async fn claim_orders_limits_filters_and_reclaims() {
     }
     let qs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     assert!(
-        f.store.claim(&[], 10, TTL).await.unwrap().is_empty(),
+        f.store
+            .claim(ClaimRequest::new(&[], 10, TTL))
+            .await
+            .unwrap()
+            .is_empty(),
         "empty queue list"
     );
 
-    let got = f.store.claim(&qs(&["a", "b"]), 2, TTL).await.unwrap();
+    let got = f
+        .store
+        .claim(ClaimRequest::new(&qs(&["a", "b"]), 2, TTL))
+        .await
+        .unwrap();
     let bodies: Vec<_> = got
         .iter()
         .map(|d| String::from_utf8(d.payload.clone()).unwrap())
@@ -47,9 +56,17 @@ async fn claim_orders_limits_filters_and_reclaims() {
         .iter()
         .all(|d| d.deliveries_count == 1 && d.attempts_count == 0));
 
-    let got = f.store.claim(&qs(&["b"]), 10, TTL).await.unwrap();
+    let got = f
+        .store
+        .claim(ClaimRequest::new(&qs(&["b"]), 10, TTL))
+        .await
+        .unwrap();
     assert!(got.is_empty(), "queue filter: b has nothing left");
-    let got = f.store.claim(&qs(&["a", "b"]), 10, TTL).await.unwrap();
+    let got = f
+        .store
+        .claim(ClaimRequest::new(&qs(&["a", "b"]), 10, TTL))
+        .await
+        .unwrap();
     assert_eq!(
         got.len(),
         1,
@@ -62,8 +79,15 @@ async fn claim_orders_limits_filters_and_reclaims() {
         "UPDATE {} SET acquired_at = acquired_at - interval '2 minutes' WHERE payload = 'a3'",
         f.outbox.table()
     );
-    sqlx::query(&sql).execute(&f.pool).await.unwrap();
-    let again = f.store.claim(&qs(&["a"]), 10, TTL).await.unwrap();
+    sqlx::query(AssertSqlSafe(&*sql))
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let again = f
+        .store
+        .claim(ClaimRequest::new(&qs(&["a"]), 10, TTL))
+        .await
+        .unwrap();
     assert_eq!(again.len(), 1);
     assert_eq!(
         (again[0].payload.as_slice(), again[0].deliveries_count),
@@ -93,10 +117,13 @@ async fn claim_plan_uses_both_partial_indexes_on_a_large_backlog() {
            SELECT 'q' || (i % 4), 'y', now() - interval '1 hour', gen_random_uuid() FROM generate_series(1, 5000) i; \
          ANALYZE {t}"
     );
-    sqlx::raw_sql(&seed).execute(&f.pool).await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(&*seed))
+        .execute(&f.pool)
+        .await
+        .unwrap();
     let explain = format!("EXPLAIN {}", f.outbox.claim_sql());
     let queues = vec!["q0".to_owned(), "q1".to_owned()];
-    let plan: Vec<String> = sqlx::query_scalar(&explain)
+    let plan: Vec<String> = sqlx::query_scalar(AssertSqlSafe(&*explain))
         .bind(&queues)
         .bind(10i64)
         .bind(sqlx::postgres::types::PgInterval {
@@ -124,7 +151,11 @@ async fn claim_plan_uses_both_partial_indexes_on_a_large_backlog() {
     );
 
     // And it claims the right rows: the oldest pending ones (i = 100000 is the oldest).
-    let got = f.store.claim(&queues, 10, TTL).await.unwrap();
+    let got = f
+        .store
+        .claim(ClaimRequest::new(&queues, 10, TTL))
+        .await
+        .unwrap();
     assert_eq!(got.len(), 10);
     assert!(got
         .windows(2)

@@ -11,8 +11,9 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use outbox::store::MAX_LAST_ERROR_BYTES;
 use outbox::{
-    BatchItem, Cancelled, Completion, DeadLetter, Delivery, Error, Failure, FailureReason, Headers,
-    Lease, Message, OnConflict, Published, Schedule, Store, StoredRow, Wakeup,
+    BatchItem, Cancelled, ClaimRequest, Completion, DeadLetter, Delivery, Error, Failure,
+    FailureReason, Headers, Lease, Message, OnConflict, Published, Schedule, Store, StoredRow,
+    Wakeup,
 };
 use outbox_tests::contract::{start, Harness, MemHarness, PgHarness};
 use uuid::Uuid;
@@ -116,12 +117,15 @@ fn headers(pairs: &[(&str, &str)]) -> Headers {
 }
 
 async fn publish<H: Harness>(h: &H, m: Message<'_>) -> Published {
-    h.store().publish(m).await.expect("publish")
+    h.publish(m).await.expect("publish")
 }
 
 async fn claim<H: Harness>(h: &H, queues: &[&str], limit: usize) -> Vec<Delivery> {
     let queues: Vec<String> = queues.iter().map(|q| (*q).to_owned()).collect();
-    h.store().claim(&queues, limit, TTL).await.expect("claim")
+    h.store()
+        .claim(ClaimRequest::new(&queues, limit, TTL))
+        .await
+        .expect("claim")
 }
 
 async fn claim_one<H: Harness>(h: &H) -> Delivery {
@@ -140,7 +144,7 @@ fn ids(ds: &[Delivery]) -> Vec<i64> {
 }
 
 async fn rows<H: Harness>(h: &H, queue: &str) -> Vec<StoredRow> {
-    h.store().pending(queue, 1000).await.expect("pending")
+    h.pending(queue, 1000).await.expect("pending")
 }
 
 async fn only_row<H: Harness>(h: &H) -> StoredRow {
@@ -155,7 +159,7 @@ async fn only_row<H: Harness>(h: &H) -> StoredRow {
 }
 
 async fn dead_letters<H: Harness>(h: &H) -> Vec<DeadLetter> {
-    h.store().dead_letters(Q, 1000).await.expect("dead letters")
+    h.dead_letters(Q, 1000).await.expect("dead letters")
 }
 
 fn wrong(lease: Lease) -> Lease {
@@ -366,7 +370,11 @@ async fn an_empty_queue_list_and_bad_arguments<H: Harness>(h: &H) {
     assert!(claim(h, &[], 10).await.is_empty());
     assert_eq!(only_row(h).await, row(1, Q, b"a", at(0)), "nothing leased");
     let bad = [String::new()];
-    let e = h.store().claim(&bad, 0, TTL).await.unwrap_err();
+    let e = h
+        .store()
+        .claim(ClaimRequest::new(&bad, 0, TTL))
+        .await
+        .unwrap_err();
     assert_eq!(
         invalid_field(e),
         "queue",
@@ -374,12 +382,17 @@ async fn an_empty_queue_list_and_bad_arguments<H: Harness>(h: &H) {
     );
     let long = ["q".repeat(256)];
     assert_eq!(
-        invalid_field(h.store().claim(&long, 10, TTL).await.unwrap_err()),
+        invalid_field(
+            h.store()
+                .claim(ClaimRequest::new(&long, 10, TTL))
+                .await
+                .unwrap_err()
+        ),
         "queue"
     );
     let e = h
         .store()
-        .claim(&[Q.to_owned()], 10, Duration::MAX)
+        .claim(ClaimRequest::new(&[Q.to_owned()], 10, Duration::MAX))
         .await
         .unwrap_err();
     assert_eq!(invalid_field(e), "duration");
@@ -531,14 +544,10 @@ async fn dead_letter_archive_contents<H: Harness>(h: &H) {
         (1, "retry_exhausted")
     );
     assert!(
-        h.store().dead_letters(Q2, 10).await.unwrap().is_empty(),
+        h.dead_letters(Q2, 10).await.unwrap().is_empty(),
         "per queue"
     );
-    assert_eq!(
-        h.store().dead_letters(Q, 2).await.unwrap().len(),
-        2,
-        "limit"
-    );
+    assert_eq!(h.dead_letters(Q, 2).await.unwrap().len(), 2, "limit");
 }
 
 async fn terminal_failure_without_the_dead_letter_queue<H: Harness>(h: &H) {
@@ -686,7 +695,7 @@ async fn publish_outcomes_use_up_ids_like_an_identity_column<H: Harness>(h: &H) 
         Published::Inserted { id: 4 }
     );
     // Rejected input uses up nothing.
-    let e = h.store().publish(Message::new("", b"x")).await.unwrap_err();
+    let e = h.publish(Message::new("", b"x")).await.unwrap_err();
     assert_eq!(invalid_field(e), "queue");
     assert_eq!(
         publish(h, extend("other", b"o", secs(5))).await,
@@ -1030,35 +1039,32 @@ async fn a_rearm_replaces_a_retry_and_keeps_deliveries<H: Harness>(h: &H) {
 }
 
 async fn cancel_deletes_pending_drops_rearm_and_never_deletes_a_running_row<H: Harness>(h: &H) {
-    assert_eq!(
-        h.store().cancel(Q, "nobody").await.unwrap(),
-        Cancelled::NotFound
-    );
+    assert_eq!(h.cancel(Q, "nobody").await.unwrap(), Cancelled::NotFound);
     publish(h, extend("p", b"x", secs(60))).await; // 1
     assert_eq!(
-        h.store().cancel(Q2, "p").await.unwrap(),
+        h.cancel(Q2, "p").await.unwrap(),
         Cancelled::NotFound,
         "keys are per queue"
     );
     assert_eq!(
-        h.store().cancel(Q, "p").await.unwrap(),
+        h.cancel(Q, "p").await.unwrap(),
         Cancelled::Deleted { id: 1 }
     );
     assert!(rows(h, Q).await.is_empty());
-    assert_eq!(h.store().cancel(Q, "p").await.unwrap(), Cancelled::NotFound);
+    assert_eq!(h.cancel(Q, "p").await.unwrap(), Cancelled::NotFound);
 
     publish(h, extend("r", b"p0", at(0))).await; // 2
     let d = claim_one(h).await;
     let running = leased(timer_row(2, "r", b"p0", at(0)), &d, at(0), 1);
     assert_eq!(
-        h.store().cancel(Q, "r").await.unwrap(),
+        h.cancel(Q, "r").await.unwrap(),
         Cancelled::Running { id: 2 }
     );
     assert_eq!(only_row(h).await, running, "a running row is never deleted");
 
     publish(h, extend("r", b"p1", secs(60))).await; // rearm (uses id 3)
     assert_eq!(
-        h.store().cancel(Q, "r").await.unwrap(),
+        h.cancel(Q, "r").await.unwrap(),
         Cancelled::RearmDropped { id: 2 }
     );
     assert_eq!(
@@ -1067,7 +1073,7 @@ async fn cancel_deletes_pending_drops_rearm_and_never_deletes_a_running_row<H: H
         "the rearm columns are cleared, the run untouched"
     );
     assert_eq!(
-        h.store().cancel(Q, "r").await.unwrap(),
+        h.cancel(Q, "r").await.unwrap(),
         Cancelled::Running { id: 2 }
     );
 
@@ -1075,7 +1081,7 @@ async fn cancel_deletes_pending_drops_rearm_and_never_deletes_a_running_row<H: H
     publish(h, extend("r", b"p2", secs(60))).await; // 4
     h.advance(TTL + secs(1)).await;
     assert_eq!(
-        h.store().cancel(Q, "r").await.unwrap(),
+        h.cancel(Q, "r").await.unwrap(),
         Cancelled::RearmDropped { id: 2 }
     );
     assert_eq!(only_row(h).await, running);
@@ -1086,9 +1092,9 @@ async fn cancel_deletes_pending_drops_rearm_and_never_deletes_a_running_row<H: H
     );
     assert!(rows(h, Q).await.is_empty());
 
-    let e = h.store().cancel(Q, "").await.unwrap_err();
+    let e = h.cancel(Q, "").await.unwrap_err();
     assert_eq!(invalid_field(e), "timer_id");
-    let e = h.store().cancel("", "r").await.unwrap_err();
+    let e = h.cancel("", "r").await.unwrap_err();
     assert_eq!(invalid_field(e), "queue");
 }
 
@@ -1222,16 +1228,13 @@ async fn pending_reads_live_rows_by_deadline_with_a_limit<H: Harness>(h: &H) {
         vec![2, 3, 1],
         "leased rows included"
     );
-    let two = h.store().pending(Q, 2).await.unwrap();
+    let two = h.pending(Q, 2).await.unwrap();
     assert_eq!(two, all[..2].to_vec());
-    assert!(h.store().pending(Q, 0).await.unwrap().is_empty());
-    assert!(h.store().pending("nobody", 10).await.unwrap().is_empty());
+    assert!(h.pending(Q, 0).await.unwrap().is_empty());
+    assert!(h.pending("nobody", 10).await.unwrap().is_empty());
+    assert_eq!(invalid_field(h.pending("", 10).await.unwrap_err()), "queue");
     assert_eq!(
-        invalid_field(h.store().pending("", 10).await.unwrap_err()),
-        "queue"
-    );
-    assert_eq!(
-        invalid_field(h.store().dead_letters("", 10).await.unwrap_err()),
+        invalid_field(h.dead_letters("", 10).await.unwrap_err()),
         "queue"
     );
 }
@@ -1352,7 +1355,7 @@ async fn invalid_input_is_rejected_before_anything_is_written<H: Harness>(h: &H)
         ),
     ];
     for (m, field) in cases {
-        let e = h.store().publish(m).await.unwrap_err();
+        let e = h.publish(m).await.unwrap_err();
         assert_eq!(invalid_field(e), field, "{m:?}");
     }
     // Absolute deadlines are kept to whole microseconds, far past and far future alike.
@@ -1403,7 +1406,7 @@ async fn a_stale_and_a_fresh_lease_of_one_row_in_one_batch<H: Harness>(h: &H) {
             H::NAME
         );
         if with_rearm {
-            let c = h.store().cancel(Q, "k").await.unwrap();
+            let c = h.cancel(Q, "k").await.unwrap();
             assert!(matches!(c, Cancelled::Deleted { .. }), "{c:?}");
         }
         assert!(rows(h, Q).await.is_empty());

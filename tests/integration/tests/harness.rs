@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use outbox::testing::MemoryStore;
 use outbox::{
-    Completion, Context, Decision, FailureReason, HandlerOptions, Message, RetryStrategy, Store,
-    Worker,
+    Completion, Context, Decision, FailureReason, HandlerOptions, Message, Publisher,
+    RetryStrategy, Worker,
 };
 use outbox_tests::{count_runs, Fixture};
 
@@ -27,14 +27,14 @@ async fn run_due_runs_exactly_what_is_due_at_the_virtual_time() {
         Worker::builder(store.clone())
             .timer_with::<Reminder>(
                 move |r: Reminder, ctx: Context| {
-                    let (runs, mut store) = (runs.clone(), store.clone());
+                    let (runs, store) = (runs.clone(), store.clone());
                     async move {
                         runs.fetch_add(1, Ordering::SeqCst);
                         match r.n {
                             // Extends itself once, by 10 s, on its first run.
                             0 => {
                                 let next = Reminder { n: 100 };
-                                extend_reminder(&mut store, "self", &next, Duration::from_secs(10))
+                                extend_reminder(&store, "self", &next, Duration::from_secs(10))
                                     .await?;
                                 Ok(())
                             }
@@ -52,14 +52,14 @@ async fn run_due_runs_exactly_what_is_due_at_the_virtual_time() {
             .build()
             .unwrap()
     };
-    let mut s = store.clone();
-    publish_reminder(&mut s, "self", &Reminder { n: 0 }, Duration::from_secs(5))
+    publish_reminder(&store, "self", &Reminder { n: 0 }, Duration::from_secs(5))
         .await
         .unwrap();
-    publish_reminder(&mut s, "flaky", &Reminder { n: 1 }, Duration::from_secs(5))
+    publish_reminder(&store, "flaky", &Reminder { n: 1 }, Duration::from_secs(5))
         .await
         .unwrap();
-    s.publish(Message::new("reminders", b"not json").schedule(Duration::from_secs(5)))
+    store
+        .publish_message(Message::new("reminders", b"not json").schedule(Duration::from_secs(5)))
         .await
         .unwrap();
 

@@ -1,5 +1,6 @@
 //! The metrics of SPEC §11 move (its own test binary: it installs the global recorder).
 
+use sqlx::AssertSqlSafe;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -68,7 +69,7 @@ async fn counters_and_histograms_move() {
                             ("steal", _) => {
                                 // Another worker "reclaims" the row under our feet.
                                 let sql = format!("UPDATE {} SET acquired_token = gen_random_uuid() WHERE id = $1", outbox.table());
-                                sqlx::query(&sql).bind(ctx.id()).execute(&pool).await.map_err(|e| e.to_string())?;
+                                sqlx::query(AssertSqlSafe(&*sql)).bind(ctx.id()).execute(&pool).await.map_err(|e| e.to_string())?;
                                 Ok(Outcome::Ack)
                             }
                             _ => Ok(Outcome::Ack),

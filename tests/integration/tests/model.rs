@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use outbox::{
-    BatchItem, Completion, DeadLetter, Delivery, Error, Failure, FailureReason, Headers, Lease,
-    Message, OnConflict, Schedule, Store, StoredRow,
+    BatchItem, ClaimRequest, Completion, DeadLetter, Delivery, Error, Failure, FailureReason,
+    Headers, Lease, Message, OnConflict, Schedule, Store, StoredRow,
 };
 use outbox_tests::contract::{Harness, MemHarness, PgHarness};
 use proptest::prelude::*;
@@ -208,15 +208,14 @@ impl<'h, H: Harness> Side<'h, H> {
     }
 
     async fn state(&self) -> (DateTime<Utc>, Vec<Vec<StoredRow>>, Vec<Vec<DeadLetter>>) {
-        let s = self.h.store();
         let mut rows = Vec::new();
         let mut dlq = Vec::new();
         for q in QUEUES {
-            let live = s.pending(q, 10_000).await.expect("pending");
+            let live = self.h.pending(q, 10_000).await.expect("pending");
             rows.push(live.into_iter().map(|r| self.norm_row(r)).collect());
-            dlq.push(s.dead_letters(q, 10_000).await.expect("dead letters"));
+            dlq.push(self.h.dead_letters(q, 10_000).await.expect("dead letters"));
         }
-        (s.now().await.expect("now"), rows, dlq)
+        (self.h.store().now().await.expect("now"), rows, dlq)
     }
 
     async fn apply(
@@ -265,7 +264,7 @@ impl<'h, H: Harness> Side<'h, H> {
                     }
                     Sched::Negative => m.schedule(TimeDelta::seconds(-1)),
                 };
-                Outcome::Published(s.publish(m).await.map_err(err))
+                Outcome::Published(self.h.publish(m).await.map_err(err))
             }
             Op::Batch { queue, n, delay } => {
                 let bodies: Vec<[u8; 1]> = (0..*n).map(|i| [i]).collect();
@@ -279,11 +278,14 @@ impl<'h, H: Harness> Side<'h, H> {
                 )
             }
             Op::Cancel { queue, key } => {
-                Outcome::Cancelled(s.cancel(QUEUES[*queue], KEYS[*key]).await.map_err(err))
+                Outcome::Cancelled(self.h.cancel(QUEUES[*queue], KEYS[*key]).await.map_err(err))
             }
             Op::Claim { queues, .. } => {
                 let names: Vec<String> = queues.iter().map(|q| QUEUES[*q].to_owned()).collect();
-                let got = s.claim(&names, limit, TTL).await.map_err(err);
+                let got = s
+                    .claim(ClaimRequest::new(&names, limit, TTL))
+                    .await
+                    .map_err(err);
                 self.claims += 1;
                 if let Ok(ds) = &got {
                     if let Some(first) = ds.first() {

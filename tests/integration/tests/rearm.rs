@@ -1,12 +1,13 @@
 //! Extend on running rows (SPEC §5), the fenced completions of §5.1 and cancel (§3), each
 //! checked against the exact row contents afterwards.
 
+use sqlx::AssertSqlSafe;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use outbox::{
-    Cancelled, Completion, Delivery, Failure, FailureReason, Lease, Message, OnConflict, Published,
-    Store, StoredRow,
+    Cancelled, ClaimRequest, Completion, Delivery, Failure, FailureReason, Lease, Message,
+    OnConflict, Published, Store, StoredRow,
 };
 use outbox_tests::Fixture;
 use sqlx::Connection;
@@ -42,7 +43,11 @@ async fn running_timer(f: &Fixture, key: &str, payload: &[u8]) -> Delivery {
 }
 
 async fn claim_one(f: &Fixture) -> Delivery {
-    let mut got = f.store.claim(&[Q.to_owned()], 10, TTL).await.unwrap();
+    let mut got = f
+        .store
+        .claim(ClaimRequest::new(&[Q.to_owned()], 10, TTL))
+        .await
+        .unwrap();
     assert_eq!(got.len(), 1, "expected one claimable row: {got:#?}");
     got.remove(0)
 }
@@ -53,7 +58,10 @@ async fn expire_leases(f: &Fixture) {
         "UPDATE {} SET acquired_at = acquired_at - interval '1 hour' WHERE acquired_token IS NOT NULL",
         f.outbox.table()
     );
-    sqlx::query(&sql).execute(&f.pool).await.unwrap();
+    sqlx::query(AssertSqlSafe(&*sql))
+        .execute(&f.pool)
+        .await
+        .unwrap();
 }
 
 fn assert_pending_timer(row: &StoredRow, at: DateTime<Utc>, payload: &[u8]) {
@@ -202,7 +210,11 @@ async fn batched_ack_deletes_applies_rearm_and_reports_lost_leases() {
         .publish(&mut conn, Message::new(Q, b"other"))
         .await
         .unwrap();
-    let claimed = f.store.claim(&[Q.to_owned()], 10, TTL).await.unwrap();
+    let claimed = f
+        .store
+        .claim(ClaimRequest::new(&[Q.to_owned()], 10, TTL))
+        .await
+        .unwrap();
     assert_eq!(claimed.len(), 3);
     let timer = claimed.iter().find(|d| d.timer_id.is_some()).unwrap();
     let t1 = secs(60);
@@ -291,7 +303,7 @@ async fn terminal_failure_with_dlq_archives_the_run_and_applies_the_rearm() {
         .unwrap();
     let d2 = f
         .store
-        .claim(&[Q.to_owned()], 10, TTL)
+        .claim(ClaimRequest::new(&[Q.to_owned()], 10, TTL))
         .await
         .unwrap()
         .remove(0);
@@ -443,7 +455,10 @@ async fn retry_yields_to_the_rearm_and_keeps_deliveries() {
         "UPDATE {} SET next_attempt_at = now() - interval '1 second'",
         f.outbox.table()
     );
-    sqlx::query(&sql).execute(&f.pool).await.unwrap();
+    sqlx::query(AssertSqlSafe(&*sql))
+        .execute(&f.pool)
+        .await
+        .unwrap();
     let d = claim_one(&f).await;
     let t1 = secs(60);
     publish(&f, extend("u1", b"p1", t1)).await;
@@ -572,7 +587,10 @@ async fn completion_waits_on_an_uncommitted_extend_and_applies_it() {
         "UPDATE {} SET next_attempt_at = now() - interval '1 second'",
         f.outbox.table()
     );
-    sqlx::query(&sql).execute(&f.pool).await.unwrap();
+    sqlx::query(AssertSqlSafe(&*sql))
+        .execute(&f.pool)
+        .await
+        .unwrap();
     let d = claim_one(&f).await;
     let t2 = secs(120);
     let mut tx = extender.begin().await.unwrap();
@@ -601,8 +619,8 @@ async fn an_extend_racing_a_claim_queues_a_rearm() {
     let mut claimer = f.pool.acquire().await.unwrap();
     let mut tx = claimer.begin().await.unwrap();
     let claimed = f
-        .outbox
-        .claim(&mut tx, &[Q.to_owned()], 10, TTL)
+        .store
+        .claim_on(&mut tx, ClaimRequest::new(&[Q.to_owned()], 10, TTL))
         .await
         .unwrap();
     assert_eq!(claimed.len(), 1);

@@ -1,8 +1,11 @@
 //! Migrations (SPEC §1.3), names (SPEC §1) and validate_schema (SPEC §8).
 
+use sqlx::AssertSqlSafe;
 use std::time::Duration;
 
-use outbox::{Completion, Error, Message, OnConflict, Outbox, PgStore, SchemaProblem, Store};
+use outbox::{
+    ClaimRequest, Completion, Error, Message, OnConflict, Outbox, PgStore, SchemaProblem, Store,
+};
 use outbox_tests::{pool, unique_table};
 
 fn problems(e: Error) -> Vec<SchemaProblem> {
@@ -18,7 +21,10 @@ async fn drop_tables(pool: &sqlx::PgPool, outbox: &Outbox) {
         outbox.table(),
         outbox.dead_letter_table()
     );
-    sqlx::raw_sql(&sql).execute(pool).await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(&*sql))
+        .execute(pool)
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -55,7 +61,10 @@ async fn base_shape_with_rows_is_upgraded_in_place() {
            VALUES ('q', 'leased', now(), '00000000-0000-0000-0000-000000000001', 1); \
          INSERT INTO {t} (queue, payload, timer_id, next_attempt_at) VALUES ('q', 'timer', 'k1', now() + interval '1 hour')"
     );
-    sqlx::raw_sql(&seed).execute(&pool).await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(&*seed))
+        .execute(&pool)
+        .await
+        .unwrap();
     let snapshot = format!("SELECT id, queue, payload, headers::text, attempts_count, deliveries_count, created_at, next_attempt_at, acquired_at, acquired_token, timer_id FROM {t} ORDER BY id");
     type Snap = (
         i64,
@@ -70,7 +79,10 @@ async fn base_shape_with_rows_is_upgraded_in_place() {
         Option<uuid::Uuid>,
         Option<String>,
     );
-    let rows_before: Vec<Snap> = sqlx::query_as(&snapshot).fetch_all(&pool).await.unwrap();
+    let rows_before: Vec<Snap> = sqlx::query_as(AssertSqlSafe(&*snapshot))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
 
     // A completion on the old shape names the upgrade guide (SQLSTATE 42703).
     let store = PgStore::new(pool.clone(), outbox.clone());
@@ -83,20 +95,23 @@ async fn base_shape_with_rows_is_upgraded_in_place() {
     assert!(err.to_string().contains("docs/upgrading.md"), "{err}");
 
     outbox.migrate(&pool).await.unwrap();
-    let rows_after: Vec<Snap> = sqlx::query_as(&snapshot).fetch_all(&pool).await.unwrap();
+    let rows_after: Vec<Snap> = sqlx::query_as(AssertSqlSafe(&*snapshot))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
     assert_eq!(rows_before, rows_after, "every row intact");
-    let rearm_set: i64 = sqlx::query_scalar(&format!(
+    let rearm_set: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM {t} WHERE rearm_at IS NOT NULL OR rearm_payload IS NOT NULL OR rearm_headers IS NOT NULL"
-    ))
+    )))
     .fetch_one(&pool)
     .await
     .unwrap();
     assert_eq!(rearm_set, 0, "the new columns start empty");
     outbox.validate_schema(&pool).await.unwrap();
-    let validated: bool = sqlx::query_scalar(&format!(
+    let validated: bool = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT convalidated FROM pg_constraint WHERE conrelid = '{}'::regclass AND contype = 'c' AND pg_get_constraintdef(oid) LIKE '%rearm_at%'",
         t.replace('\'', "''")
-    ))
+    )))
     .fetch_one(&pool)
     .await
     .unwrap();
@@ -133,7 +148,10 @@ async fn validate_reports_every_problem_at_once() {
          ALTER TABLE {t} ADD COLUMN extra int; \
          ALTER TABLE {d} DROP COLUMN last_error"
     );
-    sqlx::raw_sql(&drift).execute(&pool).await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(&*drift))
+        .execute(&pool)
+        .await
+        .unwrap();
     let found = problems(outbox.validate_schema(&pool).await.unwrap_err());
     let has = |object: &str, message: &str| {
         found
@@ -183,10 +201,10 @@ async fn quoted_names_in_a_custom_schema_work_everywhere() {
         "Outbox \"Tests\" {}",
         &uuid::Uuid::new_v4().simple().to_string()[..6]
     );
-    sqlx::raw_sql(&format!(
+    sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE SCHEMA \"{}\"",
         schema.replace('"', "\"\"")
-    ))
+    )))
     .execute(&pool)
     .await
     .unwrap();
@@ -206,7 +224,11 @@ async fn quoted_names_in_a_custom_schema_work_everywhere() {
         .on_conflict(OnConflict::Extend);
     outbox.publish(&mut conn, m).await.unwrap();
     let d = store
-        .claim(&["q".to_owned()], 1, Duration::from_secs(60))
+        .claim(ClaimRequest::new(
+            &["q".to_owned()],
+            1,
+            Duration::from_secs(60),
+        ))
         .await
         .unwrap()
         .remove(0);
@@ -225,7 +247,11 @@ async fn quoted_names_in_a_custom_schema_work_everywhere() {
         .await
         .unwrap();
     let d = store
-        .claim(&["q".to_owned()], 1, Duration::from_secs(60))
+        .claim(ClaimRequest::new(
+            &["q".to_owned()],
+            1,
+            Duration::from_secs(60),
+        ))
         .await
         .unwrap()
         .remove(0);
@@ -249,10 +275,10 @@ async fn quoted_names_in_a_custom_schema_work_everywhere() {
         .await
         .unwrap();
     assert_eq!(tables, 2);
-    sqlx::raw_sql(&format!(
+    sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP SCHEMA \"{}\" CASCADE",
         schema.replace('"', "\"\"")
-    ))
+    )))
     .execute(&pool)
     .await
     .unwrap();

@@ -1,14 +1,14 @@
 //! The worker on real Postgres (SPEC §7): outcomes, retries, dead letters, rearm during a
 //! run, redelivery after a lost lease, wake-ups, database failures, shutdown.
 
+use sqlx::AssertSqlSafe;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox::{
-    Context, Error, HandlerOptions, Message, Outcome, PgStore, Published, RetryStrategy, Store,
-    Worker,
+    Context, Error, HandlerOptions, Message, Outcome, PgStore, Published, RetryStrategy, Worker,
 };
 use outbox_tests::{count_runs, eventually, Fixture};
 use tokio::sync::Notify;
@@ -478,10 +478,10 @@ async fn max_deliveries_is_enforced_before_the_handler_runs() {
     let runs = Arc::new(AtomicUsize::new(0));
     seed_job(&f, 9).await;
     // Three claims already happened (Job::MAX_DELIVERIES = 3): the fourth is terminal.
-    sqlx::query(&format!(
+    sqlx::query(AssertSqlSafe(format!(
         "UPDATE {} SET deliveries_count = 3",
         f.outbox.table()
-    ))
+    )))
     .execute(&f.pool)
     .await
     .unwrap();

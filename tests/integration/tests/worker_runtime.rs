@@ -8,11 +8,12 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use outbox::{
-    Cancelled, Completion, Context, Delivery, Failure, Lease, Message, NextWakeup, PgStore,
-    Published, Store, StoredRow, Wakeup, Worker,
+    ClaimRequest, Completion, Context, Delivery, Failure, Lease, Message, NextWakeup, PgStore,
+    Published, Publisher, Store, Wakeup, Worker,
 };
 use outbox_tests::{count_runs, eventually, Fixture};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::AssertSqlSafe;
 
 #[outbox::timer(queue = "jobs", max_deliveries = 10)]
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -43,14 +44,9 @@ impl Counting {
 }
 
 impl Store for Counting {
-    async fn claim(
-        &self,
-        q: &[String],
-        limit: usize,
-        ttl: Duration,
-    ) -> outbox::Result<Vec<Delivery>> {
+    async fn claim(&self, request: ClaimRequest<'_>) -> outbox::Result<Vec<Delivery>> {
         self.hit("claim");
-        self.inner.claim(q, limit, ttl).await
+        self.inner.claim(request).await
     }
     async fn ack(&self, lease: Lease) -> outbox::Result<Completion> {
         self.hit("ack");
@@ -71,22 +67,6 @@ impl Store for Counting {
     async fn next_wakeup(&self, q: &[String], ttl: Duration) -> outbox::Result<NextWakeup> {
         self.hit("next_wakeup");
         self.inner.next_wakeup(q, ttl).await
-    }
-    async fn publish(&self, m: Message<'_>) -> outbox::Result<Published> {
-        self.hit("publish");
-        self.inner.publish(m).await
-    }
-    async fn cancel(&self, q: &str, id: &str) -> outbox::Result<Cancelled> {
-        self.hit("cancel");
-        self.inner.cancel(q, id).await
-    }
-    async fn pending(&self, q: &str, limit: usize) -> outbox::Result<Vec<StoredRow>> {
-        self.hit("pending");
-        self.inner.pending(q, limit).await
-    }
-    async fn dead_letters(&self, q: &str, limit: usize) -> outbox::Result<Vec<outbox::DeadLetter>> {
-        self.hit("dead_letters");
-        self.inner.dead_letters(q, limit).await
     }
     fn dead_letter_enabled(&self) -> bool {
         self.inner.dead_letter_enabled()
@@ -569,10 +549,10 @@ async fn shutdown_during_a_claim_leaves_no_row_leased() {
         tokio::time::sleep(Duration::from_micros(700 * (i % 12))).await;
         let report = worker.shutdown().await;
         assert!(report.graceful);
-        let leased: i64 = sqlx::query_scalar(&format!(
+        let leased: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT count(*) FROM {} WHERE acquired_token IS NOT NULL",
             f.outbox.table()
-        ))
+        )))
         .fetch_one(&f.pool)
         .await
         .unwrap();
@@ -682,7 +662,14 @@ async fn public_futures_are_send() {
     send(outbox::validate_schema(&pool));
     send(outbox.validate_schema(&pool));
     let store = PgStore::new(pool.clone(), outbox.clone());
-    send(store.claim(&[], 1, Duration::from_secs(1)));
+    send(store.claim(ClaimRequest::new(&[], 1, Duration::from_secs(1))));
+    send(store.pending("q", 1));
+    send(store.dead_letters("q", 1));
+    send((&store).publish_message(Message::new("q", b"x")));
+    send((&store).cancel_timer("q", "k"));
+    send((&pool).publish_message(Message::new("q", b"x")));
+    send(publish_job(&pool, "k", &Job { n: 1 }, Duration::ZERO));
+    send(publish_job(&store, "k", &Job { n: 1 }, Duration::ZERO));
     send(store.next_wakeup(&[], Duration::from_secs(1)));
     send(store.wakeups());
 }

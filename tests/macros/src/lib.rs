@@ -65,12 +65,13 @@ pub fn private_timer_consts() -> [(&'static str, u32); 2] {
 }
 
 /// Publishes the private timers through their generated functions (which are private and
-/// `pub(crate)` too), so the tests can exercise them.
+/// `pub(crate)` too), so the tests can exercise them. `conn` is used twice, so it must be a
+/// shared reference such as `&pool` or `&store`.
 ///
 /// # Errors
 /// What the generated functions return.
-pub async fn publish_private_timers<P: Publisher + ?Sized>(
-    conn: &mut P,
+pub async fn publish_private_timers<P: Publisher + Copy>(
+    conn: P,
     timer_id: &str,
 ) -> Result<[Published; 2], Error> {
     let tick = publish_tick(conn, timer_id, &Tick, Schedule::now()).await?;
@@ -88,8 +89,8 @@ pub async fn publish_private_timers<P: Publisher + ?Sized>(
 ///
 /// # Errors
 /// What the generated functions return.
-pub async fn cancel_private_timers<P: Publisher + ?Sized>(
-    conn: &mut P,
+pub async fn cancel_private_timers<P: Publisher + Copy>(
+    conn: P,
     timer_id: &str,
 ) -> Result<[Cancelled; 2], Error> {
     Ok([
@@ -131,8 +132,8 @@ pub mod caller {
     ///
     /// # Errors
     /// What the generated function returns.
-    pub async fn touch<P: outbox::Publisher + ?Sized>(
-        conn: &mut P,
+    pub async fn touch(
+        conn: impl outbox::Publisher,
         conversation: &str,
         reminders: u32,
     ) -> Result<outbox::Published, outbox::Error> {
@@ -148,8 +149,8 @@ pub mod caller {
     ///
     /// # Errors
     /// What the generated function returns.
-    pub async fn start<P: outbox::Publisher + ?Sized>(
-        conn: &mut P,
+    pub async fn start(
+        conn: impl outbox::Publisher,
         conversation: &str,
     ) -> Result<outbox::Published, outbox::Error> {
         let payload = OperatorTimeout {
@@ -169,8 +170,8 @@ pub mod caller {
     ///
     /// # Errors
     /// What the generated function returns.
-    pub async fn stop<P: outbox::Publisher + ?Sized>(
-        conn: &mut P,
+    pub async fn stop(
+        conn: impl outbox::Publisher,
         conversation: &str,
     ) -> Result<outbox::Cancelled, outbox::Error> {
         cancel_operator_timeout(conn, conversation).await

@@ -51,7 +51,9 @@ fn payloads_are_json() {
     let retry = outbox_macro_tests::BillingRetry { invoice_id: 3 };
     assert_eq!(retry.encode().unwrap(), br#"{"invoiceId":3}"#);
     assert_eq!(outbox_macro_tests::BillingRetry::QUEUE, "billing.retry");
-    let _ = outbox_macro_tests::cancel_billing_retry::<sqlx::PgConnection>;
+    let _ = |pool: &sqlx::PgPool| {
+        drop(outbox_macro_tests::cancel_billing_retry(pool, "1"));
+    };
 }
 
 /// A `Publisher` that records what it is asked to do.
@@ -60,20 +62,20 @@ struct Recorder {
     calls: Mutex<Vec<String>>,
 }
 
-impl Publisher for Recorder {
-    fn publish_message<'a>(
-        &'a mut self,
-        message: Message<'a>,
-    ) -> impl Future<Output = outbox::Result<Published>> + Send + 'a {
+impl Publisher for &Recorder {
+    fn publish_message<'m>(
+        self,
+        message: Message<'m>,
+    ) -> impl Future<Output = outbox::Result<Published>> + Send {
         self.calls.lock().unwrap().push(format!("{message:?}"));
         async { Ok(Published::Inserted { id: 1 }) }
     }
 
-    fn cancel_timer<'a>(
-        &'a mut self,
-        queue: &'a str,
-        timer_id: &'a str,
-    ) -> impl Future<Output = outbox::Result<Cancelled>> + Send + 'a {
+    fn cancel_timer(
+        self,
+        queue: &str,
+        timer_id: &str,
+    ) -> impl Future<Output = outbox::Result<Cancelled>> + Send {
         self.calls
             .lock()
             .unwrap()
@@ -88,12 +90,12 @@ fn assert_send<T: Send>(value: T) -> T {
 
 #[tokio::test]
 async fn functions_pass_queue_key_payload_and_conflict_mode() {
-    let mut rec = Recorder::default();
+    let rec = Recorder::default();
     let payload = PresenceExpiry { user_id: 7 };
 
     // Each generated future is `Send`, so it can be awaited inside a spawned task.
     let published = assert_send(publish_presence_expiry(
-        &mut rec,
+        &rec,
         "7",
         &payload,
         Duration::from_secs(60),
@@ -101,15 +103,10 @@ async fn functions_pass_queue_key_payload_and_conflict_mode() {
     .await
     .unwrap();
     assert_eq!(published, Published::Inserted { id: 1 });
-    assert_send(extend_presence_expiry(
-        &mut rec,
-        "7",
-        &payload,
-        Schedule::now(),
-    ))
-    .await
-    .unwrap();
-    let cancelled = assert_send(cancel_presence_expiry(&mut rec, "7"))
+    assert_send(extend_presence_expiry(&rec, "7", &payload, Schedule::now()))
+        .await
+        .unwrap();
+    let cancelled = assert_send(cancel_presence_expiry(&rec, "7"))
         .await
         .unwrap();
     assert_eq!(cancelled, Cancelled::NotFound);
@@ -133,48 +130,44 @@ async fn functions_pass_queue_key_payload_and_conflict_mode() {
 
 #[tokio::test]
 async fn every_timer_gets_its_own_functions() {
-    let mut rec = Recorder::default();
+    let rec = Recorder::default();
     let timeout = OperatorTimeout {
         conversation: "c1".into(),
         reminders: 0,
     };
-    publish_operator_timeout(&mut rec, "c1", &timeout, SystemTime::now())
+    publish_operator_timeout(&rec, "c1", &timeout, SystemTime::now())
         .await
         .unwrap();
-    extend_operator_timeout(&mut rec, "c1", &timeout, Duration::ZERO)
+    extend_operator_timeout(&rec, "c1", &timeout, Duration::ZERO)
         .await
         .unwrap();
-    cancel_operator_timeout(&mut rec, "c1").await.unwrap();
-    outbox_macro_tests::caller::touch(&mut rec, "c2", 1)
+    cancel_operator_timeout(&rec, "c1").await.unwrap();
+    outbox_macro_tests::caller::touch(&rec, "c2", 1)
         .await
         .unwrap();
-    outbox_macro_tests::caller::start(&mut rec, "c3")
-        .await
-        .unwrap();
-    outbox_macro_tests::caller::stop(&mut rec, "c2")
-        .await
-        .unwrap();
+    outbox_macro_tests::caller::start(&rec, "c3").await.unwrap();
+    outbox_macro_tests::caller::stop(&rec, "c2").await.unwrap();
 
-    publish_p(&mut rec, "p", &P { n: 3 }, Duration::ZERO)
+    publish_p(&rec, "p", &P { n: 3 }, Duration::ZERO)
         .await
         .unwrap();
-    extend_p(&mut rec, "p", &P { n: 4 }, Duration::ZERO)
+    extend_p(&rec, "p", &P { n: 4 }, Duration::ZERO)
         .await
         .unwrap();
-    cancel_p(&mut rec, "p").await.unwrap();
+    cancel_p(&rec, "p").await.unwrap();
 
-    publish_reexported(&mut rec, "r", &Reexported, Duration::ZERO)
+    publish_reexported(&rec, "r", &Reexported, Duration::ZERO)
         .await
         .unwrap();
-    extend_reexported(&mut rec, "r", &Reexported, Duration::ZERO)
+    extend_reexported(&rec, "r", &Reexported, Duration::ZERO)
         .await
         .unwrap();
-    cancel_reexported(&mut rec, "r").await.unwrap();
+    cancel_reexported(&rec, "r").await.unwrap();
 
-    outbox_macro_tests::publish_private_timers(&mut rec, "x")
+    outbox_macro_tests::publish_private_timers(&rec, "x")
         .await
         .unwrap();
-    outbox_macro_tests::cancel_private_timers(&mut rec, "x")
+    outbox_macro_tests::cancel_private_timers(&rec, "x")
         .await
         .unwrap();
 
@@ -224,18 +217,29 @@ async fn accepts_every_connection_kind(
     conn: &mut sqlx::PgConnection,
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     pooled: &mut sqlx::pool::PoolConnection<sqlx::Postgres>,
+    pool: &sqlx::PgPool,
     outbox: &outbox::Outbox,
+    store: &outbox::PgStore,
+    memory: &outbox::testing::MemoryStore,
 ) -> Result<(), outbox::Error> {
     let payload = PresenceExpiry { user_id: 1 };
-    let _: Published = publish_presence_expiry(conn, "1", &payload, Duration::from_secs(1)).await?;
-    let _: Published = publish_presence_expiry(&mut **tx, "1", &payload, Schedule::now()).await?;
-    let _: Published = extend_presence_expiry(tx, "1", &payload, SystemTime::now()).await?;
     let _: Published =
-        extend_presence_expiry(pooled, "1", &payload, Schedule::after(Duration::ZERO)).await?;
-    let _: Cancelled = cancel_presence_expiry(&mut outbox.on(conn), "1").await?;
+        publish_presence_expiry(&mut *conn, "1", &payload, Duration::from_secs(1)).await?;
+    let _: Published = publish_presence_expiry(&mut **tx, "1", &payload, Schedule::now()).await?;
+    let _: Published = extend_presence_expiry(&mut *tx, "1", &payload, SystemTime::now()).await?;
+    let _: Published =
+        extend_presence_expiry(&mut *pooled, "1", &payload, Schedule::after(Duration::ZERO))
+            .await?;
+    let _: Published = extend_presence_expiry(&mut **pooled, "1", &payload, Duration::ZERO).await?;
+    let _: Published = publish_presence_expiry(pool, "1", &payload, Duration::ZERO).await?;
+    let _: Published = publish_presence_expiry(store, "1", &payload, Duration::ZERO).await?;
+    let _: Published = publish_presence_expiry(memory, "1", &payload, Duration::ZERO).await?;
+    let _: Cancelled = cancel_presence_expiry(outbox.on(&mut *conn), "1").await?;
     let _: Cancelled = cancel_presence_expiry(&mut outbox.on(tx), "1").await?;
-    // Through a trait object-free generic, as user code generic over `Publisher` does.
-    async fn generic<C: Publisher + ?Sized>(c: &mut C) -> outbox::Result<Cancelled> {
+    let _: Cancelled = cancel_presence_expiry(pool, "1").await?;
+    let _: Cancelled = cancel_presence_expiry(store, "1").await?;
+    // Through a generic function, as user code generic over `Publisher` does.
+    async fn generic<C: Publisher>(c: C) -> outbox::Result<Cancelled> {
         cancel_presence_expiry(c, "1").await
     }
     let _ = generic(conn).await?;

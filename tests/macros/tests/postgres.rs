@@ -5,10 +5,13 @@
 //! Needs Postgres at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
 //! Each test creates its own uniquely named table and drops it at the end.
 
+use sqlx::AssertSqlSafe;
 use std::future::Future;
 use std::time::Duration;
 
-use outbox::{Cancelled, Completion, Outbox, PgStore, Published, Store, StoredRow, Timer};
+use outbox::{
+    Cancelled, ClaimRequest, Completion, Outbox, PgStore, Published, Store, StoredRow, Timer,
+};
 use outbox_macro_tests::nested::deeper::{
     cancel_operator_timeout, extend_operator_timeout, publish_operator_timeout, OperatorTimeout,
 };
@@ -36,11 +39,11 @@ where
 
     let outcome = tokio::spawn(body(pool.clone(), outbox.clone())).await;
 
-    sqlx::query(&format!(
+    sqlx::query(AssertSqlSafe(format!(
         "DROP TABLE IF EXISTS {}, {}",
         outbox.table(),
         outbox.dead_letter_table()
-    ))
+    )))
     .execute(&pool)
     .await
     .expect("drop the test tables");
@@ -68,16 +71,18 @@ async fn publish_extend_cancel_a_pending_timer() {
         let mut tx = pool.begin().await.unwrap();
         let on = &mut outbox.on(&mut tx);
 
-        let first = publish_operator_timeout(on, "c1", &timeout("c1", 0), Duration::from_secs(60))
-            .await
-            .unwrap();
+        let first =
+            publish_operator_timeout(&mut *on, "c1", &timeout("c1", 0), Duration::from_secs(60))
+                .await
+                .unwrap();
         let Published::Inserted { id } = first else {
             panic!("expected Inserted, got {first:?}");
         };
         // The key is taken: publish leaves the live timer alone.
-        let again = publish_operator_timeout(on, "c1", &timeout("c1", 9), Duration::from_secs(600))
-            .await
-            .unwrap();
+        let again =
+            publish_operator_timeout(&mut *on, "c1", &timeout("c1", 9), Duration::from_secs(600))
+                .await
+                .unwrap();
         assert_eq!(again, Published::Skipped);
         tx.commit().await.unwrap();
 
@@ -218,7 +223,11 @@ async fn extend_and_cancel_while_the_handler_runs() {
             panic!("expected Inserted, got {published:?}");
         };
         let claimed = store
-            .claim(&[queue.to_owned()], 10, Duration::from_secs(60))
+            .claim(ClaimRequest::new(
+                &[queue.to_owned()],
+                10,
+                Duration::from_secs(60),
+            ))
             .await
             .unwrap();
         assert_eq!(claimed.len(), 1);
@@ -336,14 +345,18 @@ async fn typed_handler_on_a_real_worker() {
         };
         let mut conn = pool.acquire().await.unwrap();
         let on = &mut outbox.on(&mut conn);
-        let first =
-            publish_presence_expiry(on, "u", &PresenceExpiry { user_id: 1 }, Duration::ZERO)
-                .await
-                .unwrap();
+        let first = publish_presence_expiry(
+            &mut *on,
+            "u",
+            &PresenceExpiry { user_id: 1 },
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
         assert!(matches!(first, Published::Inserted { .. }), "{first:?}");
         started.notified().await;
         let rearm = extend_presence_expiry(
-            on,
+            &mut *on,
             "u",
             &PresenceExpiry { user_id: 2 },
             Duration::from_millis(300),
@@ -370,7 +383,7 @@ async fn typed_handler_on_a_real_worker() {
         }
         // Scheduled again, then cancelled before its deadline: it never fires.
         let later = extend_presence_expiry(
-            on,
+            &mut *on,
             "u",
             &PresenceExpiry { user_id: 3 },
             Duration::from_millis(400),
@@ -384,7 +397,7 @@ async fn typed_handler_on_a_real_worker() {
             ),
             "{later:?}"
         );
-        let cancelled = outbox_macro_tests::cancel_presence_expiry(on, "u")
+        let cancelled = outbox_macro_tests::cancel_presence_expiry(&mut *on, "u")
             .await
             .unwrap();
         assert!(

@@ -10,8 +10,8 @@ struct PresenceExpiry {
 
 async fn ping(conn: &mut sqlx::PgConnection) -> Result<(), outbox::Error> {
     let payload = PresenceExpiry { user_id: 1 };
-    publish_presence_expiry(conn, "1", &payload, std::time::Duration::from_secs(60)).await?;
-    extend_presence_expiry(conn, "1", &payload, std::time::Duration::from_secs(60)).await?;
+    publish_presence_expiry(&mut *conn, "1", &payload, std::time::Duration::from_secs(60)).await?;
+    extend_presence_expiry(&mut *conn, "1", &payload, std::time::Duration::from_secs(60)).await?;
     cancel_presence_expiry(conn, "1").await?;
     let _queue = PresenceExpiry::QUEUE;
     Ok(())
