@@ -64,7 +64,7 @@ pub(crate) async fn run(ddl: &Ddl, names: &Names, pool: &PgPool, count: usize) -
 
 #[cfg(test)]
 mod tests {
-    use crate::Outbox;
+    use crate::outbox::Outbox;
 
     /// The checked-in files are exactly the default rendering.
     #[test]

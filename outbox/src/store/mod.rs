@@ -41,8 +41,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::error::Result;
-use crate::publish::Headers;
+use crate::error::{Error, Result};
+use crate::publish::{Headers, MAX_DELAY};
 
 pub(crate) mod listen;
 pub mod postgres;
@@ -174,8 +174,8 @@ pub(crate) fn distinct(queues: &[String]) -> Vec<String> {
 /// Retry delays longer than [`crate::MAX_DELAY`] are rejected before any SQL: the deadline
 /// would leave the range chrono and Postgres share.
 pub(crate) fn check_retry_delay(delay: Duration) -> Result<()> {
-    if delay > crate::MAX_DELAY {
-        return Err(crate::Error::InvalidArgument {
+    if delay > MAX_DELAY {
+        return Err(Error::InvalidArgument {
             field: "delay",
             reason: "the retry delay is longer than 10 000 years (overflow)".to_owned(),
         });

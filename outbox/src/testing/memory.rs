@@ -17,8 +17,8 @@ use uuid::Uuid;
 use crate::cancel::Cancelled;
 use crate::error::{Error, Result};
 use crate::publish::{
-    validate_headers, validate_payload, validate_queue, validate_timer_id, BatchItem, Message,
-    OnConflict, Published, Resolved, Schedule,
+    micros, validate_headers, validate_payload, validate_queue, validate_timer_id, BatchItem,
+    Message, OnConflict, Published, Resolved, Schedule,
 };
 use crate::read::{DeadLetter, StoredRow};
 use crate::store::{
@@ -173,12 +173,6 @@ fn to_postgres_precision(t: DateTime<Utc>) -> DateTime<Utc> {
         Some(us) => (epoch + TimeDelta::microseconds(us)).and_utc(),
         None => t,
     }
-}
-
-/// `Duration` → whole microseconds, with the same rule and message as the Postgres store.
-fn micros(d: Duration) -> Result<i64> {
-    i64::try_from(d.as_micros())
-        .map_err(|_| Error::invalid("duration", "overflows 64-bit microseconds"))
 }
 
 /// `t + us` microseconds, as Postgres' `timestamptz + interval`.
