@@ -174,7 +174,7 @@ pub fn by_keyword(statements: &[Statement]) -> BTreeMap<String, i64> {
 /// `pg_stat_activity`), so their statistics have been flushed by their exit.
 ///
 /// `sqlx::Pool::close` can return while a connection released at the same moment sits
-/// idle in the pool, still open (a race in sqlx 0.8's close loop). With `terminate_idle`
+/// idle in the pool, still open (a race seen in sqlx 0.8's close loop, still guarded against). With `terminate_idle`
 /// such a straggler is terminated after a grace period (a terminated backend flushes its
 /// statistics on exit like any other); only ever pass it for the harness's own
 /// connections (`application_name` `outbox-bench-…`), never for someone else's.

@@ -547,7 +547,7 @@ async fn seed(sc: &Scenario, pool: &PgPool, outbox: &Outbox) -> Result<(), BoxEr
         Kind::ExtendPending => {
             for t in 0..TIMERS {
                 let p = publish_body(
-                    &mut outbox.on(&mut tx),
+                    outbox.on(&mut tx),
                     &format!("t{t}"),
                     &Body(body(t)),
                     Duration::from_secs(3600),
@@ -559,7 +559,7 @@ async fn seed(sc: &Scenario, pool: &PgPool, outbox: &Outbox) -> Result<(), BoxEr
         Kind::ExtendRearm => {
             for t in 0..TIMERS {
                 let p = publish_body(
-                    &mut outbox.on(&mut tx),
+                    outbox.on(&mut tx),
                     &format!("r{t}"),
                     &Body(body(t)),
                     Schedule::now(),
@@ -806,7 +806,7 @@ async fn run_extend_pending(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxEr
         let mut tx = pool.begin().await?;
         // Strictly later every time, so every extend moves its timer (SPEC §4).
         let out = extend_body(
-            &mut outbox.on(&mut tx),
+            outbox.on(&mut tx),
             &format!("t{t}"),
             b,
             Duration::from_secs(3600 + i as u64),
@@ -932,7 +932,7 @@ async fn run_lateness(
         let due =
             Utc::now() + chrono::TimeDelta::microseconds(rng.random_range(1_000_000..=3_000_000));
         let out = publish_body(
-            &mut outbox.on(&mut tx),
+            outbox.on(&mut tx),
             &format!("l{i}"),
             &Body(body(i)),
             Schedule::at(due),

@@ -76,7 +76,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
     outbox.migrate_base_only(&pool).await.unwrap();
     let mut conn = pool.acquire().await.unwrap();
     presence::server::publish_presence_expiry(
-        &mut outbox.on(&mut conn),
+        outbox.on(&mut conn),
         "1",
         &PresenceExpiry { user_id: 1 },
         Duration::from_secs(60),
@@ -104,7 +104,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
 
     // The error an extend gets.
     let err = presence::server::extend_presence_expiry(
-        &mut outbox.on(&mut conn),
+        outbox.on(&mut conn),
         "1",
         &PresenceExpiry { user_id: 1 },
         Duration::from_secs(90),
@@ -150,7 +150,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
         .await
         .expect("upgraded table validates");
     let done = presence::server::extend_presence_expiry(
-        &mut outbox.on(&mut conn),
+        outbox.on(&mut conn),
         "1",
         &PresenceExpiry { user_id: 1 },
         Duration::from_secs(90),
