@@ -79,7 +79,7 @@ pub async fn publish_private_timers<P: Publisher + Copy>(
         conn,
         timer_id,
         &Reminder(7, "seven".to_owned()),
-        std::time::Duration::from_secs(3600),
+        std::time::Duration::from_hours(1),
     )
     .await?;
     Ok([tick, reminder])
