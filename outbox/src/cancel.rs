@@ -15,16 +15,18 @@ pub enum Cancelled {
         /// The deleted row.
         id: i64,
     },
-    /// The timer's handler is running and a rearm was queued; the rearm is dropped, so the
-    /// timer will not fire again after this run.
+    /// The timer's handler is running and a rearm was queued; the rearm is dropped and the
+    /// row is marked cancelled, as for [`Cancelled::Running`].
     RearmDropped {
         /// The running row.
         id: i64,
     },
-    /// The timer's handler is running and nothing is queued behind it; nothing changed and
-    /// the run completes normally. A running row is never deleted by cancel. If the running
-    /// worker dies instead of completing, the lease expires and the row is redelivered, so
-    /// the handler runs once more; cancel again after that run if it must not.
+    /// The timer's handler is running; its row is marked cancelled (`cancelled_at`). A
+    /// running row is never deleted by cancel (its handler is still at work), but however
+    /// the run ends — success, a retry, a terminal failure, a crash of its worker — the row
+    /// is then deleted: no retry, no dead letter, no redelivery. The handler learns of the
+    /// cancel at its worker's next lease renewal. An extend after the cancel re-arms the
+    /// timer and clears the mark: the newest intent wins.
     Running {
         /// The running row.
         id: i64,
@@ -53,7 +55,6 @@ pub(crate) async fn cancel(
         };
         let id: i64 = row.try_get(0)?;
         let token: Option<uuid::Uuid> = row.try_get(1)?;
-        let has_rearm: bool = row.try_get(2)?;
         let done = match token {
             None => {
                 let n = sqlx::query(sql.delete.clone())
@@ -62,15 +63,20 @@ pub(crate) async fn cancel(
                     .await?;
                 (n.rows_affected() == 1).then_some(Cancelled::Deleted { id })
             }
-            Some(token) if has_rearm => {
-                let n = sqlx::query(sql.drop_rearm.clone())
+            Some(token) => {
+                let had_rearm: Option<bool> = sqlx::query_scalar(sql.mark.clone())
                     .bind(id)
                     .bind(token)
-                    .execute(&mut *conn)
+                    .fetch_optional(&mut *conn)
                     .await?;
-                (n.rows_affected() == 1).then_some(Cancelled::RearmDropped { id })
+                had_rearm.map(|had| {
+                    if had {
+                        Cancelled::RearmDropped { id }
+                    } else {
+                        Cancelled::Running { id }
+                    }
+                })
             }
-            Some(_) => Some(Cancelled::Running { id }),
         };
         if let Some(outcome) = done {
             return Ok(outcome);

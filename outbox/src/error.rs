@@ -53,8 +53,10 @@ pub enum Error {
         second: String,
     },
 
-    /// The queue table predates the rearm upgrade (SPEC §1.3): a rearm column is missing.
-    #[error("the outbox table has no rearm columns ({detail}); run the rearm upgrade first, see {UPGRADE_GUIDE}")]
+    /// The queue table predates a schema upgrade this version needs (SPEC §1.3): a rearm
+    /// column or the cancel mark `cancelled_at` is missing. Run [`crate::migrate`] (or the
+    /// steps of the upgrade guide) before deploying this version.
+    #[error("the outbox table lacks a column this version needs ({detail}); run the schema upgrade first (`outbox::migrate`), see {UPGRADE_GUIDE}")]
     UpgradeRequired {
         /// What Postgres reported.
         detail: String,
@@ -84,7 +86,7 @@ pub struct SchemaProblem {
     pub object: String,
     /// What is wrong.
     pub message: String,
-    /// True when the fix is the rearm upgrade ([`UPGRADE_GUIDE`]).
+    /// True when the fix is a schema upgrade of an older deployment ([`UPGRADE_GUIDE`]).
     pub needs_upgrade: bool,
 }
 
@@ -92,7 +94,7 @@ impl fmt::Display for SchemaProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.object, self.message)?;
         if self.needs_upgrade {
-            write!(f, " (run the rearm upgrade, see {UPGRADE_GUIDE})")?;
+            write!(f, " (run the schema upgrade, see {UPGRADE_GUIDE})")?;
         }
         Ok(())
     }
@@ -115,9 +117,12 @@ impl fmt::Display for SchemaProblems<'_> {
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
         // SQLSTATE 42703 undefined_column: the only columns this version reads that an
-        // older deployment lacks are the rearm columns (SPEC §1.3).
+        // older deployment lacks are the rearm columns and the cancel mark (SPEC §1.3).
         if let sqlx::Error::Database(db) = &e {
-            if db.code().as_deref() == Some("42703") && db.message().contains("rearm_") {
+            let upgrade_column = ["rearm_", "cancelled_at"]
+                .iter()
+                .any(|c| db.message().contains(c));
+            if db.code().as_deref() == Some("42703") && upgrade_column {
                 return Error::UpgradeRequired {
                     detail: db.message().to_owned(),
                 };

@@ -66,12 +66,17 @@ pub(crate) async fn run(ddl: &Ddl, names: &Names, pool: &PgPool, count: usize) -
 mod tests {
     use crate::outbox::Outbox;
 
-    /// The checked-in files are exactly the default rendering.
+    /// The checked-in files are exactly the default rendering. A new step's file is written
+    /// by running this test once with `OUTBOX_WRITE_NEW_MIGRATIONS=1`; a file that exists is
+    /// never overwritten.
     #[test]
     fn migration_files_match_the_default_rendering() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations");
         for step in Outbox::default().migration_steps() {
             let path = dir.join(step.file_name());
+            if !path.exists() && std::env::var_os("OUTBOX_WRITE_NEW_MIGRATIONS").is_some() {
+                std::fs::write(&path, &step.sql).expect("write the new migration file");
+            }
             let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
             assert_eq!(
                 on_disk,

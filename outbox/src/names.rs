@@ -54,6 +54,7 @@ pub(crate) struct Names {
     pub timer_uq: String,
     pub lease_ck: String,
     pub rearm_ck: String,
+    pub cancel_ck: String,
     pub dlq_idx: String,
     /// The LISTEN/NOTIFY channel (SPEC §2.4).
     pub channel: String,
@@ -89,6 +90,7 @@ impl Names {
             timer_uq: format!("{table}_timer_id_uq"),
             lease_ck: format!("{table}_lease_ck"),
             rearm_ck: format!("{table}_rearm_ck"),
+            cancel_ck: format!("{table}_cancel_ck"),
             dlq_idx: format!("{dlq_table}_queue_failed_at_idx"),
             channel,
             table_name: table,
@@ -108,6 +110,7 @@ impl Names {
             &names.timer_uq,
             &names.lease_ck,
             &names.rearm_ck,
+            &names.cancel_ck,
             &names.dlq_idx,
             &names.channel,
         ]

@@ -46,6 +46,8 @@ pub struct StoredRow {
     pub rearm_payload: Option<Vec<u8>>,
     /// Headers the rearm will install.
     pub rearm_headers: Option<Headers>,
+    /// When a cancel reached the row while it was leased: the run's end deletes the row.
+    pub cancelled_at: Option<DateTime<Utc>>,
 }
 
 /// A row archived in the dead-letter table (SPEC §1.2).
@@ -136,6 +138,7 @@ fn stored_from_row(row: &PgRow) -> Result<StoredRow> {
         rearm_at: row.try_get(13)?,
         rearm_payload: row.try_get(14)?,
         rearm_headers: headers_from(row, 15)?,
+        cancelled_at: row.try_get(16)?,
     })
 }
 

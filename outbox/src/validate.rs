@@ -9,7 +9,7 @@ use crate::error::{Error, Result, SchemaProblem};
 use crate::names::Names;
 use crate::sql::catalog;
 
-/// `(column, format_type output, NOT NULL, belongs to the rearm upgrade)`.
+/// `(column, format_type output, NOT NULL, added by an upgrade of older deployments)`.
 const QUEUE_COLUMNS: &[(&str, &str, bool, bool)] = &[
     ("id", "bigint", true, false),
     ("queue", "character varying(255)", true, false),
@@ -27,6 +27,7 @@ const QUEUE_COLUMNS: &[(&str, &str, bool, bool)] = &[
     ("rearm_at", "timestamp with time zone", false, true),
     ("rearm_payload", "bytea", false, true),
     ("rearm_headers", "jsonb", false, true),
+    ("cancelled_at", "timestamp with time zone", false, true),
 ];
 
 const DLQ_COLUMNS: &[(&str, &str, bool, bool)] = &[
@@ -284,6 +285,10 @@ async fn check_queue_constraints(
         normalise("CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL)"),
         normalise("CHECK (acquired_token IS NOT NULL OR rearm_at IS NULL)"),
     ];
+    let cancel = [
+        normalise("CHECK (cancelled_at IS NULL OR acquired_token IS NOT NULL)"),
+        normalise("CHECK (acquired_token IS NOT NULL OR cancelled_at IS NULL)"),
+    ];
     for (name, forms, upgrade, def) in [
         (
             &n.lease_ck,
@@ -296,6 +301,12 @@ async fn check_queue_constraints(
             &rearm,
             true,
             "CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL)",
+        ),
+        (
+            &n.cancel_ck,
+            &cancel,
+            true,
+            "CHECK (cancelled_at IS NULL OR acquired_token IS NOT NULL)",
         ),
     ] {
         let found: Vec<bool> = live

@@ -1,4 +1,4 @@
-//! The operator docs say what the code does: `docs/upgrading.md` carries the rearm upgrade
+//! The operator docs say what the code does: `docs/upgrading.md` carries the upgrade steps
 //! verbatim, and following it on a base-shape table (with rows in it) gives the errors,
 //! the `validate_schema` reports and the end state it describes.
 //!
@@ -21,7 +21,7 @@ fn read(rel: &str) -> String {
 }
 
 #[test]
-fn upgrade_guide_quotes_the_rearm_migrations_verbatim() {
+fn upgrade_guide_quotes_the_upgrade_migrations_verbatim() {
     let guide = read("docs/upgrading.md");
     let steps = migration_steps(&Outbox::default());
     for step in &steps[1..] {
@@ -90,16 +90,25 @@ async fn following_the_upgrade_guide_on_a_base_table() {
     };
     let text: Vec<String> = problems.iter().map(ToString::to_string).collect();
     println!("{}", text.join("\n"));
-    for col in ["rearm_at", "rearm_payload", "rearm_headers"] {
+    for col in ["rearm_at", "rearm_payload", "rearm_headers", "cancelled_at"] {
         let want = format!(
-            "{table}.{col}: column is missing (run the rearm upgrade, see docs/upgrading.md)"
+            "{table}.{col}: column is missing (run the schema upgrade, see docs/upgrading.md)"
         );
         assert!(text.contains(&want), "{text:#?}");
     }
-    let ck = format!(
-        "{table}: constraint {table}_rearm_ck: `CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL)` is missing (run the rearm upgrade, see docs/upgrading.md)"
-    );
-    assert!(text.contains(&ck), "{text:#?}");
+    for (ck, def) in [
+        ("rearm_ck", "rearm_at IS NULL OR acquired_token IS NOT NULL"),
+        (
+            "cancel_ck",
+            "cancelled_at IS NULL OR acquired_token IS NOT NULL",
+        ),
+    ] {
+        let want = format!(
+            "{table}: constraint {table}_{ck}: `CHECK ({def})` is missing (run the schema upgrade, see docs/upgrading.md)"
+        );
+        assert!(text.contains(&want), "{text:#?}");
+    }
+    assert_eq!(text.len(), 6, "{text:#?}");
     assert!(problems.iter().all(|p| p.needs_upgrade), "{problems:#?}");
 
     // The error an extend gets.
@@ -116,35 +125,41 @@ async fn following_the_upgrade_guide_on_a_base_table() {
     assert!(err.to_string().contains("docs/upgrading.md"), "{err}");
     assert!(
         err.to_string()
-            .starts_with("the outbox table has no rearm columns ("),
+            .starts_with("the outbox table lacks a column this version needs ("),
         "{err}"
     );
 
-    // Step 1 in its own transaction: the CHECK exists but is NOT VALID, so validation
-    // still reports it (and only it).
+    // Each upgrade: step 1 in its own transaction leaves the CHECK NOT VALID, so validation
+    // still reports it (and the other upgrade's pieces); step 2 validates it.
     let steps = migration_steps(&outbox);
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::raw_sql(AssertSqlSafe(&*steps[1].sql))
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    let Err(Error::SchemaMismatch { problems }) = outbox.validate_schema(&pool).await else {
-        panic!("a NOT VALID rearm CHECK must be reported");
+    let run = |sql: String| {
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::raw_sql(AssertSqlSafe(sql))
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+        }
     };
-    assert_eq!(problems.len(), 1, "{problems:#?}");
-    assert!(
-        problems[0].object.ends_with(&format!("{table}_rearm_ck")) && problems[0].needs_upgrade,
-        "{problems:#?}"
-    );
-
-    // Step 2 in its own transaction: valid, and the extend works on the old row.
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::raw_sql(AssertSqlSafe(&*steps[2].sql))
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    for (columns, validate, ck, left_after) in [(1, 2, "rearm_ck", 2), (3, 4, "cancel_ck", 0)] {
+        run(steps[columns].sql.clone()).await;
+        let Err(Error::SchemaMismatch { problems }) = outbox.validate_schema(&pool).await else {
+            panic!("a NOT VALID {ck} must be reported");
+        };
+        let not_valid: Vec<_> = problems
+            .iter()
+            .filter(|p| p.message.contains("NOT VALID"))
+            .collect();
+        assert_eq!(not_valid.len(), 1, "{problems:#?}");
+        assert!(
+            not_valid[0].object.ends_with(&format!("{table}_{ck}")) && not_valid[0].needs_upgrade,
+            "{problems:#?}"
+        );
+        assert_eq!(problems.len(), left_after + 1, "{problems:#?}");
+        run(steps[validate].sql.clone()).await;
+    }
     outbox
         .validate_schema(&pool)
         .await
@@ -203,5 +218,9 @@ async fn not_valid_rearm_check_is_reported_as_not_valid() {
     let Err(Error::SchemaMismatch { problems }) = result else {
         panic!("expected a mismatch");
     };
-    assert!(problems[0].message.contains("NOT VALID"), "{problems:#?}");
+    let rearm_ck = problems
+        .iter()
+        .find(|p| p.object.ends_with("_rearm_ck"))
+        .unwrap_or_else(|| panic!("{problems:#?}"));
+    assert!(rearm_ck.message.contains("NOT VALID"), "{problems:#?}");
 }

@@ -7,12 +7,13 @@ use crate::names::Names;
 
 #[derive(Debug)]
 pub(crate) struct Cancel {
-    /// `$1` queue, `$2` timer id → `(id, acquired_token, has a rearm)`.
+    /// `$1` queue, `$2` timer id → `(id, acquired_token)`.
     pub lock: SqlStr,
     /// `$1` id: deletes a pending row.
     pub delete: SqlStr,
-    /// `$1` id, `$2` token: drops the rearm queued on a running row.
-    pub drop_rearm: SqlStr,
+    /// `$1` id, `$2` token: marks a running row cancelled and drops its queued rearm →
+    /// `(had a rearm)`.
+    pub mark: SqlStr,
 }
 
 impl Cancel {
@@ -22,7 +23,7 @@ impl Cancel {
         // between our look and our write.
         let lock = format!(
             r#"
-SELECT id, acquired_token, rearm_at IS NOT NULL FROM {t}
+SELECT id, acquired_token FROM {t}
 WHERE queue = $1 AND timer_id = $2
 FOR UPDATE"#
         );
@@ -31,15 +32,24 @@ FOR UPDATE"#
         // and the repeated condition turns a lost race into "0 rows" and a retry of the
         // loop instead of a wrong write.
         let delete = format!("DELETE FROM {t} WHERE id = $1 AND acquired_token IS NULL");
-        let drop_rearm = format!(
+        // A running row is never deleted: its handler is still at work. The mark makes every
+        // way the run ends delete the row instead of retrying, re-arming or archiving it; an
+        // earlier mark is kept. The old version of the row says whether a rearm was dropped,
+        // so the outcome is right even without a transaction around the two statements.
+        let mark = format!(
             r#"
-UPDATE {t} SET rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL
-WHERE id = $1 AND acquired_token = $2 AND rearm_at IS NOT NULL"#
+WITH old AS (
+    SELECT id, rearm_at IS NOT NULL AS had_rearm FROM {t}
+    WHERE id = $1 AND acquired_token = $2 FOR UPDATE)
+UPDATE {t} t SET rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
+                 cancelled_at = coalesce(t.cancelled_at, now())
+FROM old WHERE t.id = old.id
+RETURNING old.had_rearm"#
         );
         Cancel {
             lock: query(lock),
             delete: query(delete),
-            drop_rearm: query(drop_rearm),
+            mark: query(mark),
         }
     }
 
@@ -48,7 +58,7 @@ WHERE id = $1 AND acquired_token = $2 AND rearm_at IS NOT NULL"#
         vec![
             ("cancel.lock", self.lock.as_str()),
             ("cancel.delete", self.delete.as_str()),
-            ("cancel.drop_rearm", self.drop_rearm.as_str()),
+            ("cancel.mark", self.mark.as_str()),
         ]
     }
 }

@@ -32,25 +32,32 @@ impl Claim {
         // transaction shares `now()`); ties among equal deadlines are taken in index order
         // and the claimed batch is then ordered by (next_attempt_at, id). Rows locked by the
         // branches but cut by the outer LIMIT are released when the statement ends.
+        //
+        // A reclaimed row (its lease expired) that a cancel reached while it ran, with no
+        // rearm queued after the cancel, is deleted instead of delivered (SPEC §3): the
+        // `gone` branch. Pending rows never carry the mark, so the common path only pays
+        // for a join over the claimed ids.
         let claim = format!(
             r#"
 WITH cand AS (
-    SELECT c.id, c.next_attempt_at FROM unnest($1::text[]) AS q(queue)
+    SELECT c.id, c.next_attempt_at, false AS cancelled FROM unnest($1::text[]) AS q(queue)
     CROSS JOIN LATERAL (
         SELECT id, next_attempt_at FROM {t}
         WHERE queue = q.queue AND acquired_token IS NULL AND next_attempt_at <= now()
         ORDER BY next_attempt_at LIMIT $2 FOR UPDATE SKIP LOCKED) c
     UNION ALL
-    SELECT c.id, c.next_attempt_at FROM unnest($1::text[]) AS q(queue)
+    SELECT c.id, c.next_attempt_at, c.cancelled FROM unnest($1::text[]) AS q(queue)
     CROSS JOIN LATERAL (
-        SELECT id, next_attempt_at FROM {t}
+        SELECT id, next_attempt_at, cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled
+        FROM {t}
         WHERE queue = q.queue AND acquired_token IS NOT NULL
           AND acquired_at < now() - $3::interval AND next_attempt_at <= now()
         ORDER BY acquired_at LIMIT $2 FOR UPDATE SKIP LOCKED) c),
-due AS (SELECT id FROM cand ORDER BY next_attempt_at, id LIMIT $2)
+due AS (SELECT id, cancelled FROM cand ORDER BY next_attempt_at, id LIMIT $2),
+gone AS (DELETE FROM {t} t USING due WHERE t.id = due.id AND due.cancelled)
 UPDATE {t} t SET acquired_token = $4, acquired_at = now(),
                  deliveries_count = t.deliveries_count + 1
-FROM due WHERE t.id = due.id
+FROM due WHERE t.id = due.id AND NOT due.cancelled
 RETURNING {DELIVERY_COLUMNS}"#
         );
         // Every minimum comes from a partial index (one index probe per queue each).

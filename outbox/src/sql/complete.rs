@@ -8,10 +8,12 @@ use crate::names::Names;
 
 /// The SET list that turns a leased row with a queued rearm into a fresh pending timer at
 /// `rearm_at` (SPEC §5.1: success and terminal failure): new payload, lease cleared, retry
-/// history and `deliveries_count` reset.
+/// history and `deliveries_count` reset. A rearm and a cancel mark together can only come
+/// from a publisher that predates the mark; the rearm wins (a ping is never lost) and the
+/// mark goes with the lease.
 const APPLY_REARM: &str = "next_attempt_at = t.rearm_at, payload = t.rearm_payload, \
      headers = t.rearm_headers, rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL, \
-     acquired_token = NULL, acquired_at = NULL, \
+     acquired_token = NULL, acquired_at = NULL, cancelled_at = NULL, \
      attempts_count = 0, first_attempt_at = NULL, last_attempt_at = NULL, deliveries_count = 0";
 
 #[derive(Debug)]
@@ -25,10 +27,12 @@ pub(crate) struct Complete {
     pub ack_batch_delete: SqlStr,
     /// The batched follow-up: `(id, token, rearm deadline or NULL, notify)` per row settled.
     pub ack_batch_settle: SqlStr,
-    /// A failed run: `$1` id, `$2` token, `$3` delay → `(deadline, rearmed, notify)`.
+    /// A failed run: `$1` id, `$2` token, `$3` delay → `(rows locked, deadline or NULL when
+    /// the cancelled row was deleted, rearmed, notify)`.
     pub retry: SqlStr,
     /// A terminal failure with the dead-letter queue: `$1` id, `$2` token, `$3` reason,
-    /// `$4` last error, `$5` 1 if the handler ran → `(rows locked, rearm deadline, notify)`.
+    /// `$4` last error, `$5` 1 if the handler ran → `(rows locked, rearm deadline, notify,
+    /// deleted as cancelled)`.
     pub fail_archive: SqlStr,
 }
 
@@ -93,50 +97,55 @@ SELECT id, token, NULL::timestamptz, NULL::text FROM deleted
 UNION ALL SELECT id, token, next_attempt_at, {notify} FROM rearmed"#,
             notify = notify(n, "rearmed")
         );
-        // One statement (SPEC §5.2). The locking CTE reads whether a rearm is queued on the
-        // latest row version (after any lock wait), only to report which case happened; the
-        // UPDATE decides on the same version because we hold its lock.
-        // A rearm replaces the retry but keeps deliveries_count, so max_deliveries still
-        // stops a handler that fails on every run (SPEC §5.1).
+        // One statement (SPEC §5.2). The locking CTE reads the latest row version (after any
+        // lock wait) and the statement decides on it, since we hold its lock: a queued rearm
+        // replaces the retry and keeps deliveries_count, so max_deliveries still stops a
+        // handler that fails on every run (SPEC §5.1); a row cancelled while it ran, with no
+        // rearm queued after the cancel, is deleted instead of retried (SPEC §3).
         let retry = format!(
             r#"
 WITH cur AS (
-    SELECT id, rearm_at IS NOT NULL AS rearm FROM {t}
-    WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
+    SELECT id, rearm_at IS NOT NULL AS rearm,
+           cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled
+    FROM {t} WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
+gone AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND cur.cancelled),
 up AS (
     UPDATE {t} t SET
-        next_attempt_at = CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_at ELSE now() + $3::interval END,
-        payload = CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_payload ELSE t.payload END,
-        headers = CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_headers ELSE t.headers END,
+        next_attempt_at = CASE WHEN cur.rearm THEN t.rearm_at ELSE now() + $3::interval END,
+        payload = CASE WHEN cur.rearm THEN t.rearm_payload ELSE t.payload END,
+        headers = CASE WHEN cur.rearm THEN t.rearm_headers ELSE t.headers END,
         attempts_count = t.attempts_count + 1,
         first_attempt_at = coalesce(t.first_attempt_at, now()),
         last_attempt_at = now(),
         rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
-        acquired_token = NULL, acquired_at = NULL
-    FROM cur WHERE t.id = cur.id
+        acquired_token = NULL, acquired_at = NULL, cancelled_at = NULL
+    FROM cur WHERE t.id = cur.id AND NOT cur.cancelled
     RETURNING t.next_attempt_at, cur.rearm, t.queue)
-SELECT up.next_attempt_at, up.rearm, {notify} FROM up"#,
+SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM up), (SELECT rearm FROM up),
+       (SELECT {notify} FROM up)"#,
             notify = notify(n, "up")
         );
         // Terminal failure with the dead-letter queue: archive the failed run (its own
-        // payload) and delete the row or apply its rearm, in one statement (SPEC §5.1).
+        // payload) and delete the row or apply its rearm, in one statement (SPEC §5.1). A row
+        // cancelled while it ran is deleted without an archive: nobody wants it any more.
         let fail_archive = format!(
             r#"
 WITH cur AS (
     SELECT id, queue, payload, headers, timer_id, attempts_count, deliveries_count,
-           created_at, rearm_at IS NOT NULL AS rearm
+           created_at, rearm_at IS NOT NULL AS rearm,
+           cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled
     FROM {t} WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
 archived AS (
     INSERT INTO {d} (original_id, queue, payload, headers, timer_id, attempts_count,
                      deliveries_count, created_at, failure_reason, last_error)
     SELECT id, queue, payload, headers, timer_id, attempts_count + $5,
-           deliveries_count, created_at, $3, $4 FROM cur),
+           deliveries_count, created_at, $3, $4 FROM cur WHERE NOT cur.cancelled),
 deleted AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm),
 rearmed AS (
     UPDATE {t} t SET {APPLY_REARM} FROM cur
     WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at, t.queue)
 SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
-       (SELECT {notify} FROM rearmed)"#,
+       (SELECT {notify} FROM rearmed), (SELECT bool_or(cancelled) FROM cur)"#,
             notify = notify(n, "rearmed")
         );
         Complete {

@@ -39,6 +39,8 @@ impl Ddl {
                 step(20240101000001, "outbox_base", base(n)),
                 step(20240101000002, "outbox_rearm_columns", rearm_columns(n)),
                 step(20240101000003, "outbox_rearm_validate", rearm_validate(n)),
+                step(20240101000004, "outbox_cancel_columns", cancel_columns(n)),
+                step(20240101000005, "outbox_cancel_validate", cancel_validate(n)),
             ],
         }
     }
@@ -142,5 +144,44 @@ ALTER TABLE {t} VALIDATE CONSTRAINT {ck};
 "#,
         t = n.qtable,
         ck = quote_ident(&n.rearm_ck),
+    )
+}
+
+fn cancel_columns(n: &Names) -> String {
+    let t = &n.qtable;
+    format!(
+        r#"-- outbox: the cancel mark, step 1 of 2 (SPEC §1.3, §3).
+-- `cancelled_at` records that a cancel reached a row while its handler ran: however that
+-- run ends, the row is deleted, never retried or archived (the cancel dropped any queued
+-- rearm; an extend after it queues a new one and clears the mark). A nullable column
+-- without a default: no table rewrite. The CHECK is added NOT VALID (a catalog change under
+-- a lock held for milliseconds); the next step scans the rows.
+ALTER TABLE {t}
+    ADD COLUMN IF NOT EXISTS cancelled_at timestamptz;
+DO $outbox$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_constraint
+                   WHERE conrelid = {tlit}::regclass AND conname = {ck_lit}) THEN
+        ALTER TABLE {t} ADD CONSTRAINT {ck}
+            CHECK (cancelled_at IS NULL OR acquired_token IS NOT NULL) NOT VALID;
+    END IF;
+END
+$outbox$;
+"#,
+        tlit = n.table_literal(),
+        ck_lit = quote_literal(&n.cancel_ck),
+        ck = quote_ident(&n.cancel_ck),
+    )
+}
+
+fn cancel_validate(n: &Names) -> String {
+    format!(
+        r#"-- outbox: the cancel mark, step 2 of 2 (SPEC §1.3).
+-- Its own transaction: VALIDATE scans the table under SHARE UPDATE EXCLUSIVE, which lets
+-- reads and writes go on.
+ALTER TABLE {t} VALIDATE CONSTRAINT {ck};
+"#,
+        t = n.qtable,
+        ck = quote_ident(&n.cancel_ck),
     )
 }

@@ -52,6 +52,8 @@ SELECT ins.id, {notify} FROM ins"#,
         // the claimed deadline and any queued rearm). ON CONFLICT DO UPDATE waits on a
         // claim's row lock and then sees the leased row, so a claim racing an extend
         // always ends with a queued rearm (SPEC §5.3). `xmax = 0` marks a fresh insert.
+        // The newest intent wins (SPEC §3): an extend that queues a rearm on a running row
+        // clears a cancel mark left by an earlier cancel (a pending row never has one).
         let pending = "t.acquired_token IS NULL";
         let extend = format!(
             r#"
@@ -66,7 +68,8 @@ WITH up AS (
         last_attempt_at  = CASE WHEN {pending} THEN NULL ELSE t.last_attempt_at END,
         rearm_at         = CASE WHEN {pending} THEN t.rearm_at ELSE excluded.next_attempt_at END,
         rearm_payload    = CASE WHEN {pending} THEN t.rearm_payload ELSE excluded.payload END,
-        rearm_headers    = CASE WHEN {pending} THEN t.rearm_headers ELSE excluded.headers END
+        rearm_headers    = CASE WHEN {pending} THEN t.rearm_headers ELSE excluded.headers END,
+        cancelled_at     = NULL
     WHERE excluded.next_attempt_at > CASE WHEN {pending} THEN t.next_attempt_at
                                           ELSE greatest(t.next_attempt_at, t.rearm_at) END
     RETURNING t.id, t.queue, t.next_attempt_at, (t.xmax = 0) AS inserted,

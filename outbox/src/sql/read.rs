@@ -8,7 +8,7 @@ use crate::names::Names;
 /// The columns of a stored row, in the order `read.rs` decodes them.
 pub(crate) const ROW_COLUMNS: &str = "id, queue, payload, headers, attempts_count, \
      deliveries_count, created_at, next_attempt_at, first_attempt_at, last_attempt_at, \
-     acquired_at, acquired_token, timer_id, rearm_at, rearm_payload, rearm_headers";
+     acquired_at, acquired_token, timer_id, rearm_at, rearm_payload, rearm_headers, cancelled_at";
 
 /// The columns of a dead-letter row, in the order `read.rs` decodes them.
 pub(crate) const DEAD_LETTER_COLUMNS: &str = "id, original_id, queue, payload, headers, \

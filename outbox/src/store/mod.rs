@@ -103,6 +103,10 @@ pub enum Completion {
         /// The retry deadline (database clock).
         at: DateTime<Utc>,
     },
+    /// A cancel reached the row while its handler ran, and the run failed: the row is
+    /// deleted instead of being retried or archived (a cancelled timer must not fire again).
+    /// A successful run of a cancelled row reports [`Completion::Deleted`], as usual.
+    Cancelled,
     /// The lease token no longer matches (another worker reclaimed the row after the lease
     /// expired, or the row is gone). Nothing was written.
     LeaseLost,

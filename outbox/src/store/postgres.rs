@@ -241,18 +241,17 @@ impl Store for PgStore {
             .bind(lease.id)
             .bind(lease.token)
             .bind(interval(micros(delay)?))
-            .fetch_optional(&self.pool)
+            .fetch_one(&self.pool)
             .await?;
-        Ok(match row {
-            None => Completion::LeaseLost,
-            Some(r) => {
-                let at: DateTime<Utc> = r.try_get(0)?;
-                if r.try_get::<bool, _>(1)? {
-                    Completion::Rearmed { at }
-                } else {
-                    Completion::RetryScheduled { at }
-                }
-            }
+        let locked: i64 = row.try_get(0)?;
+        let at: Option<DateTime<Utc>> = row.try_get(1)?;
+        let rearmed: Option<bool> = row.try_get(2)?;
+        Ok(match (locked, at, rearmed) {
+            (0, _, _) => Completion::LeaseLost,
+            (_, Some(at), Some(true)) => Completion::Rearmed { at },
+            (_, Some(at), _) => Completion::RetryScheduled { at },
+            // A cancel reached the row while it ran: deleted instead of retried.
+            (_, None, _) => Completion::Cancelled,
         })
     }
 
@@ -269,6 +268,9 @@ impl Store for PgStore {
             .bind(i32::from(failure.reason.handler_ran()))
             .fetch_one(&self.pool)
             .await?;
+        if row.try_get::<Option<bool>, _>(3)? == Some(true) {
+            return Ok(Completion::Cancelled);
+        }
         settled(&row)
     }
 

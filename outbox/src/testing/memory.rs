@@ -270,6 +270,7 @@ impl State {
                     rearm_at: None,
                     rearm_payload: None,
                     rearm_headers: None,
+                    cancelled_at: None,
                 },
             );
             // Only an insert notifies; an extend or a skipped publish does not (SPEC §2.4).
@@ -305,11 +306,14 @@ impl State {
             row.rearm_at = Some(at);
             row.rearm_payload = Some(message.payload.to_vec());
             row.rearm_headers = message.headers.cloned();
+            // The newest intent wins: an extend after a cancel re-arms the timer.
+            row.cancelled_at = None;
             Ok(Published::RearmQueued { id: row.id })
         }
     }
 
-    /// `cancel.rs`: lock, then delete a pending row, drop a rearm, or leave a running row.
+    /// `cancel.rs`: lock, then delete a pending row, or mark a running row cancelled
+    /// (dropping its rearm).
     fn cancel(&mut self, queue: &str, timer_id: &str) -> Result<Cancelled> {
         validate_queue(queue)?;
         validate_timer_id(timer_id)?;
@@ -321,13 +325,16 @@ impl State {
         };
         if row.acquired_token.is_none() {
             self.rows.remove(&id);
-            Ok(Cancelled::Deleted { id })
-        } else if row.rearm_at.is_some() {
-            clear_rearm(row);
-            Ok(Cancelled::RearmDropped { id })
-        } else {
-            Ok(Cancelled::Running { id })
+            return Ok(Cancelled::Deleted { id });
         }
+        let had_rearm = row.rearm_at.is_some();
+        clear_rearm(row);
+        row.cancelled_at = Some(row.cancelled_at.unwrap_or(self.now));
+        Ok(if had_rearm {
+            Cancelled::RearmDropped { id }
+        } else {
+            Cancelled::Running { id }
+        })
     }
 
     /// The claim statement of `store/postgres.rs` (SPEC §6).
@@ -385,6 +392,12 @@ impl State {
             let Some(row) = self.rows.get_mut(&id) else {
                 continue;
             };
+            // The `gone` branch: a reclaimed row that a cancel reached while it ran is
+            // deleted, not delivered.
+            if cancelled(row) {
+                self.rows.remove(&id);
+                continue;
+            }
             row.acquired_token = Some(token);
             row.acquired_at = Some(now);
             row.deliveries_count += 1;
@@ -456,8 +469,8 @@ impl State {
             .collect()
     }
 
-    /// The retry statement: the rearm, if queued, replaces the retry; history is updated
-    /// either way and `deliveries_count` is kept.
+    /// The retry statement: a cancelled row is deleted; the rearm, if queued, replaces the
+    /// retry; history is updated either way and `deliveries_count` is kept.
     fn retry(&mut self, lease: Lease, delay: Duration) -> Result<Completion> {
         crate::store::check_retry_delay(delay)?;
         let delay = micros(delay)?;
@@ -465,6 +478,11 @@ impl State {
         let Some(row) = self.leased(lease) else {
             return Ok(Completion::LeaseLost);
         };
+        if cancelled(row) {
+            self.rows.remove(&lease.id);
+            return Ok(Completion::Cancelled);
+        }
+        row.cancelled_at = None;
         let (at, outcome) = match row.rearm_at.take() {
             Some(at) => {
                 row.payload = row.rearm_payload.take().unwrap_or_default();
@@ -497,6 +515,11 @@ impl State {
         let Some(row) = self.leased(lease) else {
             return Completion::LeaseLost;
         };
+        if cancelled(row) {
+            // Nobody wants a cancelled timer's failure: deleted, not archived.
+            self.rows.remove(&lease.id);
+            return Completion::Cancelled;
+        }
         let archived = DeadLetter {
             id: 0,
             original_id: row.id,
@@ -630,6 +653,7 @@ impl State {
                     rearm_at: None,
                     rearm_payload: None,
                     rearm_headers: None,
+                    cancelled_at: None,
                 },
             );
             ids.push(id);
@@ -638,6 +662,12 @@ impl State {
         self.notify(queue, at);
         Ok(ids)
     }
+}
+
+/// `cancelled_at IS NOT NULL AND rearm_at IS NULL`: a cancel reached the running row and no
+/// extend re-armed it since. Such a row ends deleted however its run ends.
+fn cancelled(row: &StoredRow) -> bool {
+    row.cancelled_at.is_some() && row.rearm_at.is_none()
 }
 
 fn clear_rearm(row: &mut StoredRow) {
@@ -656,6 +686,7 @@ fn apply_rearm(row: &mut StoredRow) -> DateTime<Utc> {
     clear_rearm(row);
     row.acquired_token = None;
     row.acquired_at = None;
+    row.cancelled_at = None;
     row.attempts_count = 0;
     row.first_attempt_at = None;
     row.last_attempt_at = None;

@@ -192,6 +192,14 @@ fn report<S: Store>(shared: &Shared<S>, queue: &str, phase: Phase, done: Option<
         }
         Some(Completion::RetryScheduled { at }) => shared.wake_at(at),
         Some(Completion::Deleted) => {}
+        Some(Completion::Cancelled) => {
+            metrics::counter!("outbox_cancelled_runs_total", "queue" => queue.to_owned())
+                .increment(1);
+            tracing::info!(
+                phase = phase.as_str(),
+                "outbox: the timer was cancelled while it ran; its row is deleted"
+            );
+        }
         Some(Completion::LeaseLost) => {
             let phase = phase.as_str();
             metrics::counter!("outbox_lease_lost_total", "queue" => queue.to_owned(), "phase" => phase).increment(1);

@@ -511,21 +511,36 @@ async fn cancel_deletes_pending_drops_rearm_and_never_deletes_running() {
         f.outbox.cancel(&mut conn, Q, "r").await.unwrap(),
         Cancelled::Running { id: d.lease.id }
     );
+    let marked = f.only_row(Q).await;
+    assert!(marked.cancelled_at.is_some(), "{marked:?}");
     assert_eq!(
-        f.only_row(Q).await,
+        StoredRow {
+            cancelled_at: None,
+            ..marked
+        },
         before,
-        "a running row is never deleted"
+        "a running row is never deleted, only marked"
     );
 
     publish(&f, extend("r", b"p1", secs(60))).await;
+    assert_eq!(
+        f.only_row(Q).await.cancelled_at,
+        None,
+        "an extend after the cancel clears the mark"
+    );
     let mut tx = conn.begin().await.unwrap();
     assert_eq!(
         f.outbox.cancel(&mut tx, Q, "r").await.unwrap(),
         Cancelled::RearmDropped { id: d.lease.id }
     );
     tx.commit().await.unwrap();
+    let after = f.only_row(Q).await;
+    assert!(after.cancelled_at.is_some(), "{after:?}");
     assert_eq!(
-        f.only_row(Q).await,
+        StoredRow {
+            cancelled_at: None,
+            ..after
+        },
         before,
         "the rearm columns are cleared, the run is untouched"
     );

@@ -45,8 +45,16 @@ async fn base_shape_with_rows_is_upgraded_in_place() {
         .filter(|p| p.needs_upgrade)
         .map(|p| p.object.clone())
         .collect();
-    assert_eq!(before.len(), 4, "{before:#?}");
-    assert_eq!(upgrade.len(), 4, "three columns and the CHECK: {before:#?}");
+    assert_eq!(before.len(), 6, "{before:#?}");
+    assert_eq!(
+        upgrade.len(),
+        6,
+        "three rearm columns, the cancel mark and both CHECKs: {before:#?}"
+    );
+    assert!(before
+        .iter()
+        .any(|p| p.object.ends_with(".cancelled_at") && p.message == "column is missing"));
+    assert!(before.iter().any(|p| p.object.contains("_cancel_ck")));
     assert!(before
         .iter()
         .any(|p| p.object.ends_with(".rearm_at") && p.message == "column is missing"));

@@ -608,3 +608,78 @@ async fn shutdown_waits_for_running_handlers_and_abandons_wedged_ones() {
     w.shutdown().await;
     f.cleanup().await;
 }
+
+/// SPEC §3: a cancel while the handler runs sticks. The run then fails with a retry
+/// (30 s later), with and without a rearm queued before the cancel: the row is gone at
+/// once, nothing fires again, nothing is archived.
+#[tokio::test]
+async fn a_cancel_during_a_failing_run_sticks() {
+    let f = Fixture::new().await;
+    let started = Arc::new(Notify::new());
+    let release = Arc::new(Notify::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let (started, release, runs) = (started.clone(), release.clone(), runs.clone());
+        fast(f.store.clone())
+            .timer_with::<Expiry>(
+                move |_: Expiry, _: Context| {
+                    let (started, release, runs) = (started.clone(), release.clone(), runs.clone());
+                    async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        started.notify_one();
+                        release.notified().await;
+                        Err::<(), _>("the run fails after the cancel")
+                    }
+                },
+                HandlerOptions::new().retry(RetryStrategy::constant(Duration::from_secs(30))),
+            )
+            .build()
+            .unwrap()
+            .start()
+    };
+    for (key, rearm_first) in [("plain", false), ("rearmed", true)] {
+        let mut conn = f.pool.acquire().await.unwrap();
+        let payload = Expiry { user_id: 1, seq: 0 };
+        extend_expiry(f.outbox.on(&mut conn), key, &payload, Duration::ZERO)
+            .await
+            .unwrap();
+        started.notified().await;
+        if rearm_first {
+            let later = Expiry { user_id: 1, seq: 1 };
+            let queued =
+                extend_expiry(f.outbox.on(&mut conn), key, &later, Duration::from_secs(60))
+                    .await
+                    .unwrap();
+            assert!(
+                matches!(queued, Published::RearmQueued { .. }),
+                "{queued:?}"
+            );
+        }
+        let cancelled = cancel_expiry(f.outbox.on(&mut conn), key).await.unwrap();
+        let want_rearm_dropped = rearm_first;
+        assert_eq!(
+            matches!(cancelled, outbox::Cancelled::RearmDropped { .. }),
+            want_rearm_dropped,
+            "{key}: {cancelled:?}"
+        );
+        release.notify_one();
+        eventually(
+            10,
+            &format!("{key}: the cancelled row is deleted"),
+            || async { f.rows("presence.expiry").await.is_empty() },
+        )
+        .await;
+    }
+    worker.shutdown().await;
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "one run per timer");
+    let mut conn = f.pool.acquire().await.unwrap();
+    let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}",
+        f.outbox.dead_letter_table()
+    )))
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(dead, 0, "a cancelled run is never archived");
+    f.cleanup().await;
+}
