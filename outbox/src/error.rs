@@ -62,6 +62,15 @@ pub enum Error {
         detail: String,
     },
 
+    /// The queue table does not exist (SQLSTATE 42P01): the migrations have not run against
+    /// this database, schema or `search_path`. Run [`crate::migrate`] (or
+    /// [`crate::Outbox::migrate`] for your names) first.
+    #[error("the outbox tables do not exist ({detail}); run `outbox::migrate()` (or the files in migrations/) against this database first")]
+    NotMigrated {
+        /// What Postgres reported (it names the missing table).
+        detail: String,
+    },
+
     /// [`crate::validate_schema`] found the live database different from what this
     /// version needs. Every problem is listed.
     #[error("the outbox schema does not match this version: {}", SchemaProblems(.problems))]
@@ -124,6 +133,15 @@ impl From<sqlx::Error> for Error {
                 .any(|c| db.message().contains(c));
             if db.code().as_deref() == Some("42703") && upgrade_column {
                 return Error::UpgradeRequired {
+                    detail: db.message().to_owned(),
+                };
+            }
+        }
+        // SQLSTATE 42P01 undefined_table: every statement of ours names only our tables
+        // (and the catalog), so the migrations have not run here.
+        if let sqlx::Error::Database(db) = &e {
+            if db.code().as_deref() == Some("42P01") {
+                return Error::NotMigrated {
                     detail: db.message().to_owned(),
                 };
             }

@@ -132,8 +132,8 @@ pub use names::DEFAULT_TABLE;
 pub use outbox::{migrate, migration_steps, validate_schema, Bound, Outbox, OutboxBuilder};
 pub use outbox_macros::timer;
 pub use publish::{
-    BatchItem, Headers, Message, OnConflict, Published, Schedule, MAX_DELAY, MAX_NAME_BYTES,
-    MAX_PAYLOAD_BYTES,
+    BatchItem, Headers, Message, OnConflict, Published, Schedule, MAX_DELAY, MAX_HEADERS_BYTES,
+    MAX_NAME_BYTES, MAX_PAYLOAD_BYTES,
 };
 pub use read::{DeadLetter, StoredRow};
 pub use store::postgres::PgStore;

@@ -22,8 +22,20 @@ pub type Headers = BTreeMap<String, String>;
 /// Longest queue name and timer id, in bytes (the columns are `varchar(255)`).
 pub const MAX_NAME_BYTES: usize = 255;
 
-/// Largest payload, in bytes: Postgres' limit for one `bytea` value is 1 GiB − 1.
-pub const MAX_PAYLOAD_BYTES: usize = (1 << 30) - 1;
+/// Largest payload, in bytes: 64 MiB.
+///
+/// Postgres itself stores up to 1 GiB in one `bytea` value, but a statement carrying a value
+/// near that size exhausts the server's per-message buffers and resets the connection,
+/// losing the caller's whole transaction. 64 MiB travels every path (publish, extend and the
+/// rearm it queues, claim, dead-letter archive, `pending`) and leaves room for the rest of
+/// the row. A larger payload is [`Error::InvalidArgument`] (`field = "payload"`) before any
+/// SQL runs; store bigger objects elsewhere and publish a reference to them.
+pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024 * 1024;
+
+/// Largest total size of a message's headers, in bytes: 64 KiB, counting every key and
+/// value (UTF-8 bytes; the JSON quoting around them is not counted). More is
+/// [`Error::InvalidArgument`] (`field = "headers"`) before any SQL runs.
+pub const MAX_HEADERS_BYTES: usize = 64 * 1024;
 
 /// Longest delay accepted by [`Schedule`]: 10 000 years. Anything longer is an overflow in
 /// practice and would push the deadline towards the end of Postgres' timestamp range.
@@ -283,7 +295,7 @@ pub(crate) fn validate_payload(payload: &[u8]) -> Result<()> {
         return Err(Error::invalid(
             "payload",
             format!(
-                "is {} bytes; postgres stores at most {MAX_PAYLOAD_BYTES} bytes in one value",
+                "is {} bytes; at most {MAX_PAYLOAD_BYTES} bytes (64 MiB) are allowed",
                 payload.len()
             ),
         ));
@@ -292,6 +304,7 @@ pub(crate) fn validate_payload(payload: &[u8]) -> Result<()> {
 }
 
 pub(crate) fn validate_headers(headers: &Headers) -> Result<()> {
+    let mut total = 0usize;
     for (k, v) in headers {
         if k.contains('\0') || v.contains('\0') {
             return Err(Error::invalid(
@@ -299,6 +312,15 @@ pub(crate) fn validate_headers(headers: &Headers) -> Result<()> {
                 format!("header `{}` contains a NUL byte", k.replace('\0', "\\0")),
             ));
         }
+        total = total.saturating_add(k.len()).saturating_add(v.len());
+    }
+    if total > MAX_HEADERS_BYTES {
+        return Err(Error::invalid(
+            "headers",
+            format!(
+                "keys and values total {total} bytes; at most {MAX_HEADERS_BYTES} bytes (64 KiB) are allowed"
+            ),
+        ));
     }
     Ok(())
 }
