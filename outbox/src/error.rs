@@ -186,5 +186,40 @@ impl Error {
     }
 }
 
+impl Error {
+    /// The SQLSTATE Postgres reported, if this is a statement error.
+    pub fn sqlstate(&self) -> Option<String> {
+        match self {
+            Error::Database(sqlx::Error::Database(db)) => db.code().map(|c| c.into_owned()),
+            _ => None,
+        }
+    }
+
+    /// True when the statement gave up waiting for a row lock (SQLSTATE 55P03
+    /// `lock_not_available`: the worker's own `lock_timeout` ran out).
+    pub fn is_lock_timeout(&self) -> bool {
+        self.sqlstate().as_deref() == Some("55P03")
+    }
+
+    /// True for errors that a second try of the same write can clear: a deadlock (40P01),
+    /// a serialization failure (40001) or a lock timeout (55P03). The worker retries a
+    /// completion that meets one while its lease lasts (SPEC §7.4).
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self.sqlstate().as_deref(),
+            Some("40P01" | "40001" | "55P03")
+        )
+    }
+
+    /// True for errors caused by one row's data: a data exception (class 22), an integrity
+    /// constraint violation (class 23) or an exception raised by a trigger (`P0001`). Only
+    /// these start the isolation of a claim that fails (SPEC §7.4); connection loss,
+    /// timeouts, lock and serialization errors never do.
+    pub fn is_row_fault(&self) -> bool {
+        self.sqlstate()
+            .is_some_and(|c| c.starts_with("22") || c.starts_with("23") || c == "P0001")
+    }
+}
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

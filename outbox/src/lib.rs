@@ -138,13 +138,16 @@ pub use publish::{
 pub use read::{DeadLetter, StoredRow};
 pub use store::postgres::PgStore;
 pub use store::{
-    ClaimRequest, Completion, Delivery, Failure, FailureReason, Lease, NextWakeup, Store, Wakeup,
+    ClaimRequest, Completion, Delivery, Failure, FailureReason, Lease, NextWakeup, Release,
+    Released, Renewal, Store, Wakeup,
 };
 pub use timer::{cancel_timer, extend_timer, publish_timer, Publisher, Timer};
 pub use worker::builder::WorkerBuilder;
 pub use worker::handler::{
-    Context, Decision, Handler, HandlerOptions, HandlerResult, IntoOutcome, Outcome,
-    DEFAULT_MAX_DELIVERIES,
+    CancelReason, Context, Decision, Handler, HandlerOptions, HandlerResult, IntoOutcome, Outcome,
+    DEFAULT_HANDLER_TIMEOUT, DEFAULT_MAX_DELIVERIES,
 };
 pub use worker::retry::{RetryStrategy, MAX_RETRY_DELAY};
-pub use worker::{Dispatched, RunningWorker, ShutdownReport, Worker, RUN_DUE_LIMIT};
+pub use worker::{
+    Dispatched, RunningWorker, ShutdownReport, Worker, RUN_DUE_LIMIT, SHUTDOWN_GRACE,
+};

@@ -103,7 +103,8 @@ impl Outbox {
     }
 
     /// The claim statement's SQL text, for operators who want to `EXPLAIN` it. Parameters:
-    /// `$1 text[]` queues, `$2 bigint` limit, `$3 interval` lease TTL, `$4 uuid` token.
+    /// `$1 text[]` queues, `$2 bigint` limit, `$3 interval` lease TTL, `$4 uuid` token,
+    /// `$5 bigint[]` ids never to claim (usually empty).
     pub fn claim_sql(&self) -> &str {
         self.inner.sql.claim.claim.as_str()
     }

@@ -48,6 +48,12 @@ pub struct StoredRow {
     pub rearm_headers: Option<Headers>,
     /// When a cancel reached the row while it was leased: the run's end deletes the row.
     pub cancelled_at: Option<DateTime<Utc>>,
+    /// The stored `headers` as JSON text, when they are not a JSON object of strings (then
+    /// `headers` is `None`). Only SQL of someone else's writes such headers; a worker that
+    /// claims the row ends it as a terminal `decode_error`.
+    pub raw_headers: Option<String>,
+    /// The same for `rearm_headers`.
+    pub raw_rearm_headers: Option<String>,
 }
 
 /// A row archived in the dead-letter table (SPEC §1.2).
@@ -63,6 +69,9 @@ pub struct DeadLetter {
     pub payload: Vec<u8>,
     /// Headers.
     pub headers: Option<Headers>,
+    /// The archived `headers` as JSON text, when they are not a JSON object of strings (then
+    /// `headers` is `None`): a row archived as `decode_error` keeps its headers as stored.
+    pub raw_headers: Option<String>,
     /// Timer key.
     pub timer_id: Option<String>,
     /// Failed handler runs, the last one included when the handler ran.
@@ -113,19 +122,31 @@ pub(crate) async fn dead_letters(
     rows.iter().map(dead_letter_from_row).collect()
 }
 
-/// A `headers` column: a string map or NULL.
-pub(crate) fn headers_from(row: &PgRow, idx: usize) -> Result<Option<Headers>> {
-    let h: Option<Json<Headers>> = row.try_get(idx)?;
-    Ok(h.map(|j| j.0))
+/// A `headers` column as `(string map, raw JSON text)`: the map when the stored JSON is an
+/// object of strings, else the raw text (headers written by SQL of someone else's, or a
+/// rearm's). NULL is `(None, None)`.
+pub(crate) fn headers_lenient(
+    row: &PgRow,
+    idx: usize,
+) -> std::result::Result<(Option<Headers>, Option<String>), sqlx::Error> {
+    match row.try_get::<Option<Json<Headers>>, _>(idx) {
+        Ok(h) => Ok((h.map(|j| j.0), None)),
+        Err(_) => {
+            let raw: Option<Json<serde_json::Value>> = row.try_get(idx)?;
+            Ok((None, raw.map(|j| j.0.to_string())))
+        }
+    }
 }
 
 /// Decodes the columns of `sql::read::ROW_COLUMNS`, in order.
 fn stored_from_row(row: &PgRow) -> Result<StoredRow> {
+    let (headers, raw_headers) = headers_lenient(row, 3)?;
+    let (rearm_headers, raw_rearm_headers) = headers_lenient(row, 15)?;
     Ok(StoredRow {
         id: row.try_get(0)?,
         queue: row.try_get(1)?,
         payload: row.try_get(2)?,
-        headers: headers_from(row, 3)?,
+        headers,
         attempts_count: row.try_get(4)?,
         deliveries_count: row.try_get(5)?,
         created_at: row.try_get(6)?,
@@ -137,19 +158,23 @@ fn stored_from_row(row: &PgRow) -> Result<StoredRow> {
         timer_id: row.try_get(12)?,
         rearm_at: row.try_get(13)?,
         rearm_payload: row.try_get(14)?,
-        rearm_headers: headers_from(row, 15)?,
+        rearm_headers,
         cancelled_at: row.try_get(16)?,
+        raw_headers,
+        raw_rearm_headers,
     })
 }
 
 /// Decodes the columns of `sql::read::DEAD_LETTER_COLUMNS`, in order.
 fn dead_letter_from_row(r: &PgRow) -> Result<DeadLetter> {
+    let (headers, raw_headers) = headers_lenient(r, 4)?;
     Ok(DeadLetter {
         id: r.try_get(0)?,
         original_id: r.try_get(1)?,
         queue: r.try_get(2)?,
         payload: r.try_get(3)?,
-        headers: headers_from(r, 4)?,
+        headers,
+        raw_headers,
         timer_id: r.try_get(5)?,
         attempts_count: r.try_get(6)?,
         deliveries_count: r.try_get(7)?,

@@ -12,13 +12,60 @@ pub(crate) const DELIVERY_COLUMNS: &str = "t.id, t.acquired_token, t.queue, t.pa
 
 #[derive(Debug)]
 pub(crate) struct Claim {
-    /// `$1 text[]` queues, `$2 bigint` limit, `$3 interval` lease TTL, `$4 uuid` token.
+    /// `$1 text[]` queues, `$2 bigint` limit, `$3 interval` lease TTL, `$4 uuid` token,
+    /// `$5 bigint[]` ids never to claim.
     pub claim: SqlStr,
-    /// `$1 text[]` queues, `$2 interval` lease TTL → `(now, earliest deadline, earliest
-    /// future deadline, earliest lease expiry)`.
+    /// As `claim`, among `$6 bigint[]` ids only: isolates a row that makes a claim fail.
+    pub claim_only: SqlStr,
+    /// What `claim` would take, without locking or writing anything: `$1` queues, `$2`
+    /// limit, `$3` lease TTL, `$4` ids never to claim → `(id, queue)` in claim order.
+    pub peek: SqlStr,
+    /// `$1 text[]` queues, `$2 interval` lease TTL, `$3 bigint[]` ids to leave out →
+    /// `(now, earliest deadline, earliest future deadline, earliest lease expiry)`.
     pub next_wakeup: SqlStr,
     /// The store's clock.
     pub now: SqlStr,
+}
+
+/// The two candidate branches of a claim, per queue: due unleased rows, and due rows whose
+/// lease expired. `exclude` is the parameter of the ids never to take, `only` (if any) the
+/// parameter of the ids to take among, and `lock` adds the row locks of a real claim.
+fn candidates(t: &str, exclude: &str, only: Option<&str>, lock: bool) -> String {
+    let only = only.map_or(String::new(), |p| format!(" AND id = ANY({p}::bigint[])"));
+    let lock = if lock { " FOR UPDATE SKIP LOCKED" } else { "" };
+    format!(
+        r#"
+    SELECT c.id, c.queue, c.next_attempt_at, false AS cancelled FROM unnest($1::text[]) AS q(queue)
+    CROSS JOIN LATERAL (
+        SELECT id, queue, next_attempt_at FROM {t}
+        WHERE queue = q.queue AND acquired_token IS NULL AND next_attempt_at <= now()
+          AND id <> ALL({exclude}::bigint[]){only}
+        ORDER BY next_attempt_at LIMIT $2{lock}) c
+    UNION ALL
+    SELECT c.id, c.queue, c.next_attempt_at, c.cancelled FROM unnest($1::text[]) AS q(queue)
+    CROSS JOIN LATERAL (
+        SELECT id, queue, next_attempt_at,
+               cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled
+        FROM {t}
+        WHERE queue = q.queue AND acquired_token IS NOT NULL
+          AND acquired_at < now() - $3::interval AND next_attempt_at <= now()
+          AND id <> ALL({exclude}::bigint[]){only}
+        ORDER BY acquired_at LIMIT $2{lock}) c"#
+    )
+}
+
+/// A claim over `candidates`: one new token, `deliveries_count + 1`, cancelled rows deleted.
+fn claim(t: &str, candidates: &str) -> String {
+    format!(
+        r#"
+WITH cand AS ({candidates}),
+due AS (SELECT id, cancelled FROM cand ORDER BY next_attempt_at, id LIMIT $2),
+gone AS (DELETE FROM {t} t USING due WHERE t.id = due.id AND due.cancelled)
+UPDATE {t} t SET acquired_token = $4, acquired_at = now(),
+                 deliveries_count = t.deliveries_count + 1
+FROM due WHERE t.id = due.id AND NOT due.cancelled
+RETURNING {DELIVERY_COLUMNS}"#
+    )
 }
 
 impl Claim {
@@ -37,48 +84,41 @@ impl Claim {
         // rearm queued after the cancel, is deleted instead of delivered (SPEC §3): the
         // `gone` branch. Pending rows never carry the mark, so the common path only pays
         // for a join over the claimed ids.
-        let claim = format!(
+        //
+        // `$5` leaves out the rows the worker still holds (a reclaim of its own expired
+        // lease would run a row twice at once, SPEC §7.8) and rows it has set aside as
+        // poison (SPEC §7.4); usually empty, it is a filter on rows the index already found.
+        let claim_all = claim(t, &candidates(t, "$5", None, true));
+        let claim_only = claim(t, &candidates(t, "$5", Some("$6"), true));
+        let peek = format!(
             r#"
-WITH cand AS (
-    SELECT c.id, c.next_attempt_at, false AS cancelled FROM unnest($1::text[]) AS q(queue)
-    CROSS JOIN LATERAL (
-        SELECT id, next_attempt_at FROM {t}
-        WHERE queue = q.queue AND acquired_token IS NULL AND next_attempt_at <= now()
-        ORDER BY next_attempt_at LIMIT $2 FOR UPDATE SKIP LOCKED) c
-    UNION ALL
-    SELECT c.id, c.next_attempt_at, c.cancelled FROM unnest($1::text[]) AS q(queue)
-    CROSS JOIN LATERAL (
-        SELECT id, next_attempt_at, cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled
-        FROM {t}
-        WHERE queue = q.queue AND acquired_token IS NOT NULL
-          AND acquired_at < now() - $3::interval AND next_attempt_at <= now()
-        ORDER BY acquired_at LIMIT $2 FOR UPDATE SKIP LOCKED) c),
-due AS (SELECT id, cancelled FROM cand ORDER BY next_attempt_at, id LIMIT $2),
-gone AS (DELETE FROM {t} t USING due WHERE t.id = due.id AND due.cancelled)
-UPDATE {t} t SET acquired_token = $4, acquired_at = now(),
-                 deliveries_count = t.deliveries_count + 1
-FROM due WHERE t.id = due.id AND NOT due.cancelled
-RETURNING {DELIVERY_COLUMNS}"#
+WITH cand AS ({candidates})
+SELECT id, queue FROM cand ORDER BY next_attempt_at, id LIMIT $2"#,
+            candidates = candidates(t, "$4", None, false)
         );
-        // Every minimum comes from a partial index (one index probe per queue each).
+        // Every minimum comes from a partial index (one index probe per queue each); `$3`
+        // leaves out the rows the claim would leave out.
         let next_wakeup = format!(
             r#"
 SELECT now(),
     (SELECT min(x.next_attempt_at) FROM unnest($1::text[]) AS q(queue)
      CROSS JOIN LATERAL (SELECT next_attempt_at FROM {t}
-         WHERE queue = q.queue AND acquired_token IS NULL
+         WHERE queue = q.queue AND acquired_token IS NULL AND id <> ALL($3::bigint[])
          ORDER BY next_attempt_at LIMIT 1) x),
     (SELECT min(x.next_attempt_at) FROM unnest($1::text[]) AS q(queue)
      CROSS JOIN LATERAL (SELECT next_attempt_at FROM {t}
          WHERE queue = q.queue AND acquired_token IS NULL AND next_attempt_at > now()
+           AND id <> ALL($3::bigint[])
          ORDER BY next_attempt_at LIMIT 1) x),
     (SELECT min(x.acquired_at) + $2::interval FROM unnest($1::text[]) AS q(queue)
      CROSS JOIN LATERAL (SELECT acquired_at FROM {t}
-         WHERE queue = q.queue AND acquired_token IS NOT NULL
+         WHERE queue = q.queue AND acquired_token IS NOT NULL AND id <> ALL($3::bigint[])
          ORDER BY acquired_at LIMIT 1) x)"#
         );
         Claim {
-            claim: query(claim),
+            claim: query(claim_all),
+            claim_only: query(claim_only),
+            peek: query(peek),
             next_wakeup: query(next_wakeup),
             now: SqlStr::from_static("SELECT now()"),
         }
@@ -88,6 +128,8 @@ SELECT now(),
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("claim.claim", self.claim.as_str()),
+            ("claim.claim_only", self.claim_only.as_str()),
+            ("claim.peek", self.peek.as_str()),
             ("claim.next_wakeup", self.next_wakeup.as_str()),
             ("claim.now", self.now.as_str()),
         ]

@@ -34,6 +34,19 @@ pub(crate) struct Complete {
     /// `$4` last error, `$5` 1 if the handler ran → `(rows locked, rearm deadline, notify,
     /// deleted as cancelled)`.
     pub fail_archive: SqlStr,
+    /// A terminal failure without the dead-letter queue: as `ack_delete`, for a cancelled
+    /// row too, but reports whether it was cancelled → `(cancelled)`.
+    pub fail_delete: SqlStr,
+    /// Keeps leases alive: `$1 bigint[]` ids, `$2 uuid[]` tokens → `(id, token, cancelled)`
+    /// per lease still held.
+    pub renew: SqlStr,
+    /// Gives leases back at shutdown: `$1 bigint[]` ids, `$2 uuid[]` tokens, `$3 bool[]`
+    /// started → `(id, token, outcome)` per lease still held, outcome one of `pending`,
+    /// `retried`, `cancelled`.
+    pub release: SqlStr,
+    /// The terminal failure of a row no claim can take: `$1` id, `$2` lease TTL, `$3`
+    /// reason, `$4` last error, `$5` archive (bool) → `(deleted)`.
+    pub fail_unclaimed: SqlStr,
 }
 
 impl Complete {
@@ -148,7 +161,87 @@ SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
        (SELECT {notify} FROM rearmed), (SELECT bool_or(cancelled) FROM cur)"#,
             notify = notify(n, "rearmed")
         );
+        // A terminal failure without the dead-letter queue ends the row like a success; only
+        // taken when no rearm is queued (the rearm applies like a success's, via ack_settle).
+        let fail_delete = format!(
+            r#"
+DELETE FROM {t} WHERE id = $1 AND acquired_token = $2 AND rearm_at IS NULL
+RETURNING cancelled_at IS NOT NULL"#
+        );
+        // SPEC §7.8: one statement renews every lease the worker holds. It locks the rows it
+        // updates; the worker runs it with a short lock_timeout and, if an application
+        // transaction holds one of the rows, renews one row at a time instead (SPEC §7.4), so
+        // it never waits for a row lock while holding another.
+        let renew = format!(
+            r#"
+UPDATE {t} t SET acquired_at = now()
+FROM unnest($1::bigint[], $2::uuid[]) AS l(id, token)
+WHERE t.id = l.id AND t.acquired_token = l.token
+RETURNING t.id, l.token, t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL"#
+        );
+        // SPEC §7.5: the release table. Rows are locked in id order, and the worker runs it
+        // like the renewal (short lock_timeout, one row at a time on a lock timeout).
+        let release = format!(
+            r#"
+WITH cur AS (
+    SELECT t.id, l.token, l.started, t.rearm_at IS NOT NULL AS rearm,
+           t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL AS cancelled
+    FROM {t} t
+    JOIN unnest($1::bigint[], $2::uuid[], $3::bool[]) AS l(id, token, started)
+      ON t.id = l.id AND t.acquired_token = l.token
+    ORDER BY t.id FOR UPDATE OF t),
+gone AS (
+    DELETE FROM {t} t USING cur WHERE t.id = cur.id AND cur.cancelled
+    RETURNING cur.id, cur.token),
+back AS (
+    UPDATE {t} t SET
+        next_attempt_at = CASE WHEN cur.rearm THEN t.rearm_at
+                               WHEN cur.started THEN now()
+                               ELSE t.next_attempt_at END,
+        payload = CASE WHEN cur.rearm THEN t.rearm_payload ELSE t.payload END,
+        headers = CASE WHEN cur.rearm THEN t.rearm_headers ELSE t.headers END,
+        attempts_count = CASE WHEN cur.started THEN t.attempts_count + 1
+                              WHEN cur.rearm THEN 0
+                              ELSE t.attempts_count END,
+        first_attempt_at = CASE WHEN cur.started THEN coalesce(t.first_attempt_at, now())
+                                WHEN cur.rearm THEN NULL
+                                ELSE t.first_attempt_at END,
+        last_attempt_at = CASE WHEN cur.started THEN now()
+                               WHEN cur.rearm THEN NULL
+                               ELSE t.last_attempt_at END,
+        deliveries_count = CASE WHEN cur.started THEN t.deliveries_count
+                                ELSE greatest(t.deliveries_count - 1, 0) END,
+        rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
+        acquired_token = NULL, acquired_at = NULL, cancelled_at = NULL
+    FROM cur WHERE t.id = cur.id AND NOT cur.cancelled
+    RETURNING cur.id, cur.token, cur.started, t.next_attempt_at, t.queue)
+SELECT id, token, 'cancelled', NULL::text FROM gone
+UNION ALL
+SELECT id, token, CASE WHEN started THEN 'retried' ELSE 'pending' END, {notify} FROM back"#,
+            notify = notify(n, "back")
+        );
+        // SPEC §7.4: a row that no statement can lease (a trigger or constraint raises for
+        // it) is ended by a delete, which such a guard on updates does not see. Only a row
+        // nobody holds: unleased, or its lease expired.
+        let fail_unclaimed = format!(
+            r#"
+WITH gone AS (
+    DELETE FROM {t}
+    WHERE id = $1 AND (acquired_token IS NULL OR acquired_at < now() - $2::interval)
+    RETURNING id, queue, payload, headers, timer_id, attempts_count, deliveries_count,
+              created_at),
+archived AS (
+    INSERT INTO {d} (original_id, queue, payload, headers, timer_id, attempts_count,
+                     deliveries_count, created_at, failure_reason, last_error)
+    SELECT id, queue, payload, headers, timer_id, attempts_count, deliveries_count,
+           created_at, $3, $4 FROM gone WHERE $5)
+SELECT count(*) FROM gone"#
+        );
         Complete {
+            fail_delete: query(fail_delete),
+            renew: query(renew),
+            release: query(release),
+            fail_unclaimed: query(fail_unclaimed),
             ack_delete: query(ack_delete),
             ack_settle: query(ack_settle),
             ack_batch_delete: query(ack_batch_delete),
@@ -167,6 +260,10 @@ SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
             ("complete.ack_batch_settle", self.ack_batch_settle.as_str()),
             ("complete.retry", self.retry.as_str()),
             ("complete.fail_archive", self.fail_archive.as_str()),
+            ("complete.fail_delete", self.fail_delete.as_str()),
+            ("complete.renew", self.renew.as_str()),
+            ("complete.release", self.release.as_str()),
+            ("complete.fail_unclaimed", self.fail_unclaimed.as_str()),
         ]
     }
 }

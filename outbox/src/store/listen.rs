@@ -1,11 +1,14 @@
 //! Wake-up notifications (SPEC §2.4, §7.3): a dedicated LISTEN connection that forwards
 //! `<deadline as epoch milliseconds>:<queue>` payloads to the worker as [`Wakeup`] hints,
-//! and re-LISTENs after a lost connection.
+//! and re-LISTENs after a lost connection. The connection comes from a one-connection pool
+//! of its own (same connect options as the worker's pool), never from the worker's pool:
+//! holding a pool slot for good would leave a small pool without room for claims
+//! (SPEC §7.4).
 
 use std::time::Duration;
 
 use chrono::DateTime;
-use sqlx::postgres::{PgListener, PgPool};
+use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 
 use super::Wakeup;
 use crate::error::Result;
@@ -15,15 +18,23 @@ use crate::error::Result;
 /// first hint is [`Wakeup::Lost`] and the loop keeps trying.
 pub(crate) async fn start(pool: &PgPool, channel: &str) -> tokio::sync::mpsc::Receiver<Wakeup> {
     let (tx, rx) = tokio::sync::mpsc::channel(256);
-    let first = match listen(pool, channel).await {
+    let own = PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with((*pool.connect_options()).clone());
+    let first = match listen(&own, channel).await {
         Ok(l) => Some(l),
         Err(e) => {
+            let e = super::postgres::explain(pool, e).await;
             tracing::warn!(error = %e, "outbox: LISTEN failed; polling until it is back");
             let _ = tx.try_send(Wakeup::Lost);
             None
         }
     };
-    tokio::spawn(listen_loop(pool.clone(), channel.to_owned(), first, tx));
+    tokio::spawn(listen_loop(own, channel.to_owned(), first, tx));
     rx
 }
 

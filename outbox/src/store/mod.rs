@@ -85,6 +85,13 @@ pub struct Delivery {
     /// When the lease was taken (database clock). `claimed_at - deadline` is the firing
     /// lateness.
     pub claimed_at: DateTime<Utc>,
+    /// Why the stored row could not be read in full, when it could not: a column that does
+    /// not decode (`headers` that are not a string-to-string JSON object, a timestamp out
+    /// of chrono's range). The field of that column then holds an empty or default value.
+    /// A worker never hands such a delivery to a handler: it ends it as a terminal failure
+    /// with reason `decode_error` at once (the dead-letter table keeps the row's stored
+    /// bytes and headers as they are), so one bad row never stalls the rows beside it.
+    pub decode_error: Option<String>,
 }
 
 /// How a fenced completion ended (SPEC §5.1).
@@ -123,8 +130,14 @@ pub enum FailureReason {
     RetryExhausted,
     /// The handler rejected the message.
     Rejected,
-    /// The payload could not be decoded; the handler did not run.
+    /// The payload could not be decoded, or the stored row could not be read (headers that
+    /// are not a string map, a row every claim of which fails); the handler did not run.
     DecodeError,
+    /// The handler ran longer than its timeout, on its last allowed attempt.
+    Timeout,
+    /// The handler was stopped at the worker's shutdown deadline, on its last allowed
+    /// attempt.
+    Aborted,
 }
 
 impl FailureReason {
@@ -135,6 +148,8 @@ impl FailureReason {
             FailureReason::RetryExhausted => "retry_exhausted",
             FailureReason::Rejected => "rejected",
             FailureReason::DecodeError => "decode_error",
+            FailureReason::Timeout => "timeout",
+            FailureReason::Aborted => "aborted",
         }
     }
 
@@ -142,7 +157,10 @@ impl FailureReason {
     pub fn handler_ran(self) -> bool {
         matches!(
             self,
-            FailureReason::RetryExhausted | FailureReason::Rejected
+            FailureReason::RetryExhausted
+                | FailureReason::Rejected
+                | FailureReason::Timeout
+                | FailureReason::Aborted
         )
     }
 }
@@ -243,13 +261,64 @@ pub enum Wakeup {
     Listening,
 }
 
+/// What a renewal found for one lease (SPEC §7.8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Renewal {
+    /// Still held: `acquired_at` is now.
+    Renewed,
+    /// Still held and renewed, but a cancel reached the row: however its run ends, the row
+    /// is deleted. The handler may stop early.
+    Cancelled,
+    /// The token no longer matches (the lease expired and another worker claimed the row,
+    /// or the row is gone): the run's completion will write nothing.
+    Lost,
+    /// Not renewed this time: another transaction holds the row's lock (an extend in
+    /// flight) and the renewal does not wait for it. Not lost: nobody can claim a locked
+    /// row, and the next renewal tries again.
+    Busy,
+}
+
+/// A lease given back at shutdown ([`Store::release`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Release {
+    /// The lease.
+    pub lease: Lease,
+    /// Whether its handler started (and was stopped at the shutdown deadline) or the row was
+    /// still waiting in the worker's buffer.
+    pub started: bool,
+}
+
+/// What a release did to one row (SPEC §7.5):
+///
+/// | held row | becomes |
+/// |---|---|
+/// | never started, no rearm | pending, due as before, `deliveries_count − 1` (it was not delivered) |
+/// | never started, rearm queued | pending at the rearm's deadline with its payload and headers (an extend of a pending row), retry history reset, `deliveries_count − 1` |
+/// | cancelled while held | deleted |
+/// | started and stopped, no rearm | due now, the attempt recorded (`attempts_count + 1`, `first_attempt_at`, `last_attempt_at`) |
+/// | started and stopped, rearm queued | pending at the rearm's deadline, the attempt recorded, `deliveries_count` kept (as a retry with a rearm) |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Released {
+    /// A row that never started is pending again.
+    Pending,
+    /// A stopped run is due again (now, or at its rearm's deadline).
+    Retried,
+    /// A cancel had reached the row: it is deleted.
+    Cancelled,
+    /// The token no longer matches: nothing was written.
+    LeaseLost,
+}
+
 /// What a claim asks for (SPEC §6): up to `limit` due rows of `queues`, counting a leased
 /// row as due again once its lease is older than `lease_ttl`.
 ///
 /// ```
 /// use std::time::Duration;
 /// let queues = ["presence.expiry".to_owned()];
-/// let request = outbox::ClaimRequest::new(&queues, 10, Duration::from_secs(60));
+/// let held = [41, 42];
+/// let request = outbox::ClaimRequest::new(&queues, 10, Duration::from_secs(60)).excluding(&held);
 /// assert_eq!(request.limit, 10);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -261,6 +330,12 @@ pub struct ClaimRequest<'a> {
     pub limit: usize,
     /// How old a lease must be before its row may be claimed again.
     pub lease_ttl: Duration,
+    /// Rows never to claim: the ones the claimer still holds (reclaiming its own expired
+    /// lease would run a row twice at once) and rows it has set aside. Default none.
+    pub exclude: &'a [i64],
+    /// When set, claim only among these rows: how a worker isolates the one row that makes
+    /// a claim fail. Default unset (every due row).
+    pub only: Option<&'a [i64]>,
 }
 
 impl<'a> ClaimRequest<'a> {
@@ -271,7 +346,21 @@ impl<'a> ClaimRequest<'a> {
             queues,
             limit,
             lease_ttl,
+            exclude: &[],
+            only: None,
         }
+    }
+
+    /// Never claims the rows `ids`.
+    pub fn excluding(mut self, ids: &'a [i64]) -> Self {
+        self.exclude = ids;
+        self
+    }
+
+    /// Claims only among the rows `ids`.
+    pub fn only(mut self, ids: &'a [i64]) -> Self {
+        self.only = Some(ids);
+        self
     }
 }
 
@@ -313,12 +402,43 @@ pub trait Store: Clone + Send + Sync + 'static {
         failure: Failure<'_>,
     ) -> impl Future<Output = Result<Completion>> + Send;
 
-    /// Earliest deadline and lease expiry of `queues` (SPEC §7.3), to sleep until.
+    /// Keeps leases alive (SPEC §7.8): one statement sets `acquired_at = now()` on every
+    /// row still held by its token. Returns one [`Renewal`] per lease, in order: renewed,
+    /// renewed but a cancel reached the row (its run's end will delete it), or lost.
+    fn renew(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<Renewal>>> + Send;
+
+    /// Gives leases back at shutdown (SPEC §7.5), fenced by their tokens, so other workers
+    /// can claim the rows at once instead of waiting for the lease to expire. What happens
+    /// to each row is [`Released`]'s table. One [`Released`] per item, in order.
+    fn release(&self, items: &[Release]) -> impl Future<Output = Result<Vec<Released>>> + Send;
+
+    /// A terminal failure of a row no claim can take (every statement that would lease it
+    /// fails): deletes it — archiving it first when the dead-letter queue is on — if it is
+    /// unleased or its lease is older than `lease_ttl`, by a statement that updates
+    /// nothing (SPEC §7.4). [`Completion::LeaseLost`] when the row is gone or held.
+    fn fail_unclaimed(
+        &self,
+        id: i64,
+        lease_ttl: Duration,
+        failure: Failure<'_>,
+    ) -> impl Future<Output = Result<Completion>> + Send;
+
+    /// Earliest deadline and lease expiry among the rows `request` could claim (SPEC §7.3),
+    /// to sleep until: its queues, leases expiring after its `lease_ttl`, its `exclude`d
+    /// rows left out (`limit` and `only` do not matter).
     fn next_wakeup(
         &self,
-        queues: &[String],
-        lease_ttl: Duration,
+        request: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<NextWakeup>> + Send;
+
+    /// The `(id, queue)` of the rows `request` would claim, in claim order, without locking
+    /// or changing anything. A worker uses it to isolate a row whose claim fails (a trigger
+    /// or constraint that raises for that row alone): it claims the ids it peeked in halves
+    /// until the failing row is alone.
+    fn peek(
+        &self,
+        request: ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<(i64, String)>>> + Send;
 
     /// Starts pushing [`Wakeup`] hints. The stream is listening when this returns (so a
     /// scan after it misses nothing). `None` means the store has no push channel and
@@ -334,4 +454,11 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Whether terminal failures are archived.
     fn dead_letter_enabled(&self) -> bool;
+
+    /// The most connections the store can have open for a worker's statements at once, if
+    /// it is bounded (a pool's size); `None` (the default) when it is not. A worker's
+    /// `build()` checks it against the connections the worker needs.
+    fn max_connections(&self) -> Option<u32> {
+        None
+    }
 }

@@ -1,41 +1,66 @@
-//! The Postgres store: claim (SPEC §6), fenced completions (SPEC §5.1, §5.2), wake-ups
-//! (SPEC §7.3), and the reads operators use (SPEC §8). It executes the statements
-//! `sql::claim`, `sql::complete` and `sql::read` render.
+//! The Postgres store: claim (SPEC §6), fenced completions (SPEC §5.1, §5.2), lease
+//! renewal and release (SPEC §7.5, §7.8), wake-ups (SPEC §7.3), and the reads operators use
+//! (SPEC §8). It executes the statements `sql::claim`, `sql::complete` and `sql::read`
+//! render, on two pools: the caller's, and one with a short `lock_timeout` for the writes
+//! that must never wait for a row lock while holding another (SPEC §7.4).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::postgres::{PgPool, PgRow};
+use futures::future::join_all;
+use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
 use super::rows::delivery_from_row;
 use super::{
     check_retry_delay, clean_error_text, distinct, ClaimRequest, Completion, Delivery, Failure,
-    Lease, NextWakeup, Store, Wakeup,
+    Lease, NextWakeup, Release, Released, Renewal, Store, Wakeup,
 };
 use crate::cancel::Cancelled;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::outbox::Outbox;
 use crate::publish::{interval, micros, validate_queue, Message, Published};
 use crate::read::{DeadLetter, StoredRow};
 use crate::sql::complete::Complete;
 use crate::timer::{cancel_in_own_transaction, publish_autocommit, Publisher};
 
+/// The `lock_timeout` of the store's own pool: far below Postgres' default
+/// `deadlock_timeout` of 1 s (SPEC §7.4).
+pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
+
 /// The Postgres implementation of [`Store`]: a pool and an [`Outbox`] (names and SQL).
 ///
-/// Claims and completions run on connections of the pool, each statement in its own short
-/// transaction. Publishing inside your own transaction goes through [`Outbox::publish`] or
-/// the functions `#[timer]` generates, handed `&mut *tx`; handed `&store` they publish on a
-/// pool connection instead, outside any transaction of yours ([`Publisher`]).
+/// Claims run on connections of the pool, each statement in its own short transaction.
+/// Publishing inside your own transaction goes through [`Outbox::publish`] or the functions
+/// `#[timer]` generates, handed `&mut *tx`; handed `&store` they publish on a pool connection
+/// instead, outside any transaction of yours ([`Publisher`]).
 ///
-/// # The worker's pool
+/// # Connections
 ///
-/// Give a worker a pool of its own, sized `concurrency + 2` (plus one LISTEN connection the
-/// store opens itself), so that application traffic cannot delay timers. Two settings of
-/// that pool are worth knowing:
+/// A worker over this store uses three kinds of connection:
+///
+/// | for | from | at most |
+/// |---|---|---|
+/// | claims, wake-up reads; a completion that must wait for a row lock | the pool you give | 1 + the completions waiting |
+/// | completions, lease renewal, release at shutdown | a second pool the store opens on first use, with your pool's connect options and size plus `lock_timeout = 200ms` | `concurrency + 2` |
+/// | `LISTEN` for wake-ups | a connection of its own, outside both pools | 1 |
+///
+/// Completions, renewal and release run with a short `lock_timeout` because an application
+/// transaction may hold a timer row's lock (an extend) while waiting for another row the
+/// worker's statement already locked: with a timeout well below Postgres'
+/// `deadlock_timeout` (1 s) the worker gives up first, so the deadlock check never aborts
+/// your transaction. A statement that times out is split, and its rows finished one at a
+/// time; a single-row completion then runs on your pool, without the timeout, and waits for
+/// the lock (holding no other): that is how a completion orders itself after an extend that
+/// holds the row. The timeout is never set on your pool's connections, which handlers use.
+///
+/// So give a worker a pool of its own of at least `concurrency + 2` connections (the
+/// worker's `build()` checks it), and count on up to twice that many server connections,
+/// plus one, per worker. Two settings of that pool are worth knowing:
 ///
 /// - `PgPoolOptions::test_before_acquire(false)` saves a round trip per statement: sqlx
 ///   otherwise pings every connection it checks out. The worker does not need the ping: a
@@ -64,13 +89,20 @@ use crate::timer::{cancel_in_own_transaction, publish_autocommit, Publisher};
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
+    /// The pool with `lock_timeout`, opened on first use (opening a pool needs a runtime,
+    /// and `new` may run outside one).
+    fenced: Arc<OnceLock<PgPool>>,
     outbox: Outbox,
 }
 
 impl PgStore {
     /// A store over `pool` for the tables `outbox` names.
     pub fn new(pool: PgPool, outbox: Outbox) -> Self {
-        PgStore { pool, outbox }
+        PgStore {
+            pool,
+            fenced: Arc::new(OnceLock::new()),
+            outbox,
+        }
     }
 
     /// The pool.
@@ -85,6 +117,23 @@ impl PgStore {
 
     fn sql(&self) -> &Complete {
         &self.outbox.sql().complete
+    }
+
+    /// The pool with a short `lock_timeout` (see the type's docs).
+    fn fenced(&self) -> &PgPool {
+        self.fenced.get_or_init(|| {
+            let ms = LOCK_TIMEOUT.as_millis().to_string() + "ms";
+            let options = (*self.pool.connect_options())
+                .clone()
+                .options([("lock_timeout", ms.as_str())]);
+            let of = self.pool.options();
+            PgPoolOptions::new()
+                .max_connections(of.get_max_connections())
+                .acquire_timeout(of.get_acquire_timeout())
+                .test_before_acquire(of.get_test_before_acquire())
+                .idle_timeout(of.get_idle_timeout())
+                .connect_lazy_with(options)
+        })
     }
 
     /// Claims on the given connection (SPEC §6): one statement, one new lease token for
@@ -109,13 +158,21 @@ impl PgStore {
         }
         let queues = distinct(request.queues);
         let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
-        let rows = sqlx::query(self.outbox.sql().claim.claim.clone())
-            .bind(&queues)
-            .bind(limit)
-            .bind(ttl)
-            .bind(Uuid::new_v4())
-            .fetch_all(&mut *conn)
-            .await?;
+        let sql = &self.outbox.sql().claim;
+        let query = match request.only {
+            None => sqlx::query(sql.claim.clone()),
+            Some(_) => sqlx::query(sql.claim_only.clone()),
+        }
+        .bind(&queues)
+        .bind(limit)
+        .bind(ttl)
+        .bind(Uuid::new_v4())
+        .bind(request.exclude);
+        let query = match request.only {
+            None => query,
+            Some(ids) => query.bind(ids),
+        };
+        let rows = query.fetch_all(&mut *conn).await?;
         let mut out = rows
             .iter()
             .map(delivery_from_row)
@@ -146,141 +203,362 @@ impl PgStore {
         crate::read::dead_letters(&self.outbox.sql().read, &self.pool, queue, limit).await
     }
 
-    /// The follow-up of a success: runs only when the DELETE matched nothing.
-    async fn settle(&self, lease: Lease) -> Result<Completion> {
-        let row = sqlx::query(self.sql().ack_settle.clone())
+    /// Runs a single-row write on the fenced pool; if it timed out on a row lock, runs it
+    /// again on the caller's pool, where it may wait (it holds no other row lock).
+    async fn single<'a, T, F, Fut>(&'a self, write: F) -> Result<T>
+    where
+        F: Fn(&'a PgPool) -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        match write(self.fenced()).await {
+            Err(e) if e.is_lock_timeout() => write(&self.pool).await,
+            done => done,
+        }
+    }
+}
+
+/// Success on one row (SPEC §5.2): the DELETE, and only when it matched nothing the
+/// follow-up that decides under the row lock.
+async fn ack_on(sql: &Complete, db: &PgPool, lease: Lease) -> Result<Completion> {
+    let done = sqlx::query(sql.ack_delete.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .execute(db)
+        .await?;
+    if done.rows_affected() == 1 {
+        return Ok(Completion::Deleted);
+    }
+    let row = sqlx::query(sql.ack_settle.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .fetch_one(db)
+        .await?;
+    settled(&row)
+}
+
+/// Success for many rows: the batched DELETE, and one follow-up for the rest (SPEC §5.2).
+async fn ack_batch_on(sql: &Complete, db: &PgPool, leases: &[Lease]) -> Result<Vec<Completion>> {
+    let ids: Vec<i64> = leases.iter().map(|l| l.id).collect();
+    let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
+    let deleted: HashSet<Lease> = sqlx::query(sql.ack_batch_delete.clone())
+        .bind(&ids)
+        .bind(&tokens)
+        .fetch_all(db)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(Lease {
+                id: r.try_get(0)?,
+                token: r.try_get(1)?,
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut out = vec![Completion::LeaseLost; leases.len()];
+    let mut rest_ids = Vec::new();
+    let mut rest_tokens = Vec::new();
+    for (i, l) in leases.iter().enumerate() {
+        if deleted.contains(l) {
+            out[i] = Completion::Deleted;
+        } else {
+            rest_ids.push(l.id);
+            rest_tokens.push(l.token);
+        }
+    }
+    // The follow-up runs only for the rows the DELETE did not return (SPEC §5.2).
+    if !rest_ids.is_empty() {
+        let rows = sqlx::query(sql.ack_batch_settle.clone())
+            .bind(&rest_ids)
+            .bind(&rest_tokens)
+            .fetch_all(db)
+            .await?;
+        let mut settled = HashMap::new();
+        for r in rows {
+            let lease = Lease {
+                id: r.try_get(0)?,
+                token: r.try_get(1)?,
+            };
+            let at: Option<DateTime<Utc>> = r.try_get(2)?;
+            settled.insert(
+                lease,
+                at.map_or(Completion::Deleted, |at| Completion::Rearmed { at }),
+            );
+        }
+        for (i, l) in leases.iter().enumerate() {
+            if !deleted.contains(l) {
+                if let Some(&done) = settled.get(l) {
+                    out[i] = done;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn retry_on(
+    sql: &Complete,
+    db: &PgPool,
+    lease: Lease,
+    delay: Duration,
+) -> Result<Completion> {
+    let row = sqlx::query(sql.retry.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(interval(micros(delay)?))
+        .fetch_one(db)
+        .await?;
+    let locked: i64 = row.try_get(0)?;
+    let at: Option<DateTime<Utc>> = row.try_get(1)?;
+    let rearmed: Option<bool> = row.try_get(2)?;
+    Ok(match (locked, at, rearmed) {
+        (0, _, _) => Completion::LeaseLost,
+        (_, Some(at), Some(true)) => Completion::Rearmed { at },
+        (_, Some(at), _) => Completion::RetryScheduled { at },
+        // A cancel reached the row while it ran: deleted instead of retried.
+        (_, None, _) => Completion::Cancelled,
+    })
+}
+
+async fn fail_on(
+    sql: &Complete,
+    db: &PgPool,
+    archive: bool,
+    lease: Lease,
+    failure: Failure<'_>,
+) -> Result<Completion> {
+    if !archive {
+        // Without a dead-letter table a terminal failure ends the row like a success.
+        let cancelled: Option<bool> = sqlx::query_scalar(sql.fail_delete.clone())
             .bind(lease.id)
             .bind(lease.token)
-            .fetch_one(&self.pool)
+            .fetch_optional(db)
             .await?;
-        settled(&row)
+        return match cancelled {
+            Some(true) => Ok(Completion::Cancelled),
+            Some(false) => Ok(Completion::Deleted),
+            None => {
+                let row = sqlx::query(sql.ack_settle.clone())
+                    .bind(lease.id)
+                    .bind(lease.token)
+                    .fetch_one(db)
+                    .await?;
+                settled(&row)
+            }
+        };
+    }
+    let row = sqlx::query(sql.fail_archive.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(failure.reason.as_str())
+        .bind(failure.last_error.map(clean_error_text))
+        .bind(i32::from(failure.reason.handler_ran()))
+        .fetch_one(db)
+        .await?;
+    if row.try_get::<Option<bool>, _>(3)? == Some(true) {
+        return Ok(Completion::Cancelled);
+    }
+    settled(&row)
+}
+
+async fn renew_on(sql: &Complete, db: &PgPool, leases: &[Lease]) -> Result<Vec<Renewal>> {
+    let ids: Vec<i64> = leases.iter().map(|l| l.id).collect();
+    let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
+    let rows = sqlx::query(sql.renew.clone())
+        .bind(&ids)
+        .bind(&tokens)
+        .fetch_all(db)
+        .await?;
+    let mut held = HashMap::new();
+    for r in rows {
+        let lease = Lease {
+            id: r.try_get(0)?,
+            token: r.try_get(1)?,
+        };
+        let cancelled: bool = r.try_get(2)?;
+        held.insert(
+            lease,
+            if cancelled {
+                Renewal::Cancelled
+            } else {
+                Renewal::Renewed
+            },
+        );
+    }
+    Ok(leases
+        .iter()
+        .map(|l| held.get(l).copied().unwrap_or(Renewal::Lost))
+        .collect())
+}
+
+async fn release_on(sql: &Complete, db: &PgPool, items: &[Release]) -> Result<Vec<Released>> {
+    let ids: Vec<i64> = items.iter().map(|r| r.lease.id).collect();
+    let tokens: Vec<Uuid> = items.iter().map(|r| r.lease.token).collect();
+    let started: Vec<bool> = items.iter().map(|r| r.started).collect();
+    let rows = sqlx::query(sql.release.clone())
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(&started)
+        .fetch_all(db)
+        .await?;
+    let mut done = HashMap::new();
+    for r in rows {
+        let lease = Lease {
+            id: r.try_get(0)?,
+            token: r.try_get(1)?,
+        };
+        let outcome: String = r.try_get(2)?;
+        done.insert(
+            lease,
+            match outcome.as_str() {
+                "cancelled" => Released::Cancelled,
+                "retried" => Released::Retried,
+                _ => Released::Pending,
+            },
+        );
+    }
+    Ok(items
+        .iter()
+        .map(|r| done.get(&r.lease).copied().unwrap_or(Released::LeaseLost))
+        .collect())
+}
+
+/// Replaces "pool timed out" by the reason it did when that reason is the database being
+/// unreachable: sqlx reports only the timeout, so connect once directly and keep its error
+/// (connection refused, authentication failed, …). Anything else is returned as it was.
+pub(crate) async fn explain(pool: &PgPool, e: Error) -> Error {
+    if !matches!(e, Error::Database(sqlx::Error::PoolTimedOut)) {
+        return e;
+    }
+    let options = pool.connect_options();
+    let direct = tokio::time::timeout(
+        Duration::from_secs(5),
+        sqlx::ConnectOptions::connect(&*options),
+    );
+    match direct.await {
+        Ok(Err(cause)) => Error::Database(cause),
+        Ok(Ok(conn)) => {
+            drop(conn);
+            e
+        }
+        Err(_) => e,
     }
 }
 
 impl Store for PgStore {
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Delivery>> {
-        let mut conn = self.pool.acquire().await?;
+        let mut conn = match self.pool.acquire().await {
+            Ok(c) => c,
+            Err(e) => return Err(explain(&self.pool, e.into()).await),
+        };
         self.claim_on(&mut conn, request).await
     }
 
     async fn ack(&self, lease: Lease) -> Result<Completion> {
-        let done = sqlx::query(self.sql().ack_delete.clone())
-            .bind(lease.id)
-            .bind(lease.token)
-            .execute(&self.pool)
-            .await?;
-        if done.rows_affected() == 1 {
-            return Ok(Completion::Deleted);
-        }
-        self.settle(lease).await
+        let sql = self.sql();
+        self.single(|db| ack_on(sql, db, lease)).await
     }
 
     async fn ack_batch(&self, leases: &[Lease]) -> Result<Vec<Completion>> {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        let ids: Vec<i64> = leases.iter().map(|l| l.id).collect();
-        let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
-        let deleted: HashSet<Lease> = sqlx::query(self.sql().ack_batch_delete.clone())
-            .bind(&ids)
-            .bind(&tokens)
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(|r| {
-                Ok(Lease {
-                    id: r.try_get(0)?,
-                    token: r.try_get(1)?,
-                })
-            })
-            .collect::<Result<_>>()?;
-        let mut out = vec![Completion::LeaseLost; leases.len()];
-        let mut rest_ids = Vec::new();
-        let mut rest_tokens = Vec::new();
-        for (i, l) in leases.iter().enumerate() {
-            if deleted.contains(l) {
-                out[i] = Completion::Deleted;
-            } else {
-                rest_ids.push(l.id);
-                rest_tokens.push(l.token);
+        match ack_batch_on(self.sql(), self.fenced(), leases).await {
+            // One row is locked by another transaction: finish the rows one at a time, so
+            // the others land at once and only the locked one waits (SPEC §7.4).
+            Err(e) if e.is_lock_timeout() || e.is_row_fault() => {
+                join_all(leases.iter().map(|&l| self.ack(l)))
+                    .await
+                    .into_iter()
+                    .collect()
             }
+            done => done,
         }
-        // The follow-up runs only for the rows the DELETE did not return (SPEC §5.2).
-        if !rest_ids.is_empty() {
-            let rows = sqlx::query(self.sql().ack_batch_settle.clone())
-                .bind(&rest_ids)
-                .bind(&rest_tokens)
-                .fetch_all(&self.pool)
-                .await?;
-            let mut settled = HashMap::new();
-            for r in rows {
-                let lease = Lease {
-                    id: r.try_get(0)?,
-                    token: r.try_get(1)?,
-                };
-                let at: Option<DateTime<Utc>> = r.try_get(2)?;
-                settled.insert(
-                    lease,
-                    at.map_or(Completion::Deleted, |at| Completion::Rearmed { at }),
-                );
-            }
-            for (i, l) in leases.iter().enumerate() {
-                if !deleted.contains(l) {
-                    if let Some(&done) = settled.get(l) {
-                        out[i] = done;
-                    }
-                }
-            }
-        }
-        Ok(out)
     }
 
     async fn retry(&self, lease: Lease, delay: Duration) -> Result<Completion> {
         check_retry_delay(delay)?;
-        let row = sqlx::query(self.sql().retry.clone())
-            .bind(lease.id)
-            .bind(lease.token)
-            .bind(interval(micros(delay)?))
-            .fetch_one(&self.pool)
-            .await?;
-        let locked: i64 = row.try_get(0)?;
-        let at: Option<DateTime<Utc>> = row.try_get(1)?;
-        let rearmed: Option<bool> = row.try_get(2)?;
-        Ok(match (locked, at, rearmed) {
-            (0, _, _) => Completion::LeaseLost,
-            (_, Some(at), Some(true)) => Completion::Rearmed { at },
-            (_, Some(at), _) => Completion::RetryScheduled { at },
-            // A cancel reached the row while it ran: deleted instead of retried.
-            (_, None, _) => Completion::Cancelled,
-        })
+        let sql = self.sql();
+        self.single(|db| retry_on(sql, db, lease, delay)).await
     }
 
     async fn fail(&self, lease: Lease, failure: Failure<'_>) -> Result<Completion> {
-        if !self.outbox.dead_letter_enabled() {
-            // Without a dead-letter table a terminal failure ends the row like a success.
-            return self.ack(lease).await;
-        }
-        let row = sqlx::query(self.sql().fail_archive.clone())
-            .bind(lease.id)
-            .bind(lease.token)
-            .bind(failure.reason.as_str())
-            .bind(failure.last_error.map(clean_error_text))
-            .bind(i32::from(failure.reason.handler_ran()))
-            .fetch_one(&self.pool)
-            .await?;
-        if row.try_get::<Option<bool>, _>(3)? == Some(true) {
-            return Ok(Completion::Cancelled);
-        }
-        settled(&row)
+        let sql = self.sql();
+        let archive = self.outbox.dead_letter_enabled();
+        self.single(|db| fail_on(sql, db, archive, lease, failure))
+            .await
     }
 
-    async fn next_wakeup(&self, queues: &[String], lease_ttl: Duration) -> Result<NextWakeup> {
-        for q in queues {
+    async fn renew(&self, leases: &[Lease]) -> Result<Vec<Renewal>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sql = self.sql();
+        match renew_on(sql, self.fenced(), leases).await {
+            // A row locked by another transaction (an extend): renew the rest one at a time,
+            // and report the locked one as busy, not lost, without waiting for it.
+            Err(e) if e.is_lock_timeout() => {
+                let singles = join_all(leases.iter().map(|l| async move {
+                    match renew_on(sql, self.fenced(), std::slice::from_ref(l)).await {
+                        Ok(r) => Ok(r[0]),
+                        Err(e) if e.is_lock_timeout() => Ok(Renewal::Busy),
+                        Err(e) => Err(e),
+                    }
+                }))
+                .await;
+                singles.into_iter().collect()
+            }
+            done => done,
+        }
+    }
+
+    async fn release(&self, items: &[Release]) -> Result<Vec<Released>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sql = self.sql();
+        match release_on(sql, self.fenced(), items).await {
+            Err(e) if e.is_lock_timeout() || e.is_row_fault() => {
+                let singles = join_all(items.iter().map(|item| async move {
+                    let one = std::slice::from_ref(item);
+                    self.single(|db| release_on(sql, db, one))
+                        .await
+                        .map(|r| r[0])
+                }))
+                .await;
+                singles.into_iter().collect()
+            }
+            done => done,
+        }
+    }
+
+    async fn fail_unclaimed(
+        &self,
+        id: i64,
+        lease_ttl: Duration,
+        failure: Failure<'_>,
+    ) -> Result<Completion> {
+        let deleted: i64 = sqlx::query_scalar(self.sql().fail_unclaimed.clone())
+            .bind(id)
+            .bind(interval(micros(lease_ttl)?))
+            .bind(failure.reason.as_str())
+            .bind(failure.last_error.map(clean_error_text))
+            .bind(self.outbox.dead_letter_enabled())
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(if deleted > 0 {
+            Completion::Deleted
+        } else {
+            Completion::LeaseLost
+        })
+    }
+
+    async fn next_wakeup(&self, request: ClaimRequest<'_>) -> Result<NextWakeup> {
+        for q in request.queues {
             validate_queue(q)?;
         }
         let row = sqlx::query(self.outbox.sql().claim.next_wakeup.clone())
-            .bind(queues)
-            .bind(interval(micros(lease_ttl)?))
+            .bind(request.queues)
+            .bind(interval(micros(request.lease_ttl)?))
+            .bind(request.exclude)
             .fetch_one(&self.pool)
             .await?;
         Ok(NextWakeup {
@@ -289,6 +567,27 @@ impl Store for PgStore {
             upcoming: row.try_get(2)?,
             lease_expiry: row.try_get(3)?,
         })
+    }
+
+    async fn peek(&self, request: ClaimRequest<'_>) -> Result<Vec<(i64, String)>> {
+        for q in request.queues {
+            validate_queue(q)?;
+        }
+        let ttl = interval(micros(request.lease_ttl)?);
+        if request.queues.is_empty() || request.limit == 0 {
+            return Ok(Vec::new());
+        }
+        let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
+        let rows = sqlx::query(self.outbox.sql().claim.peek.clone())
+            .bind(distinct(request.queues))
+            .bind(limit)
+            .bind(ttl)
+            .bind(request.exclude)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .collect()
     }
 
     async fn wakeups(&self) -> Result<Option<tokio::sync::mpsc::Receiver<Wakeup>>> {
@@ -305,6 +604,11 @@ impl Store for PgStore {
 
     fn dead_letter_enabled(&self) -> bool {
         self.outbox.dead_letter_enabled()
+    }
+
+    /// The pool's `max_connections` (the store's own pool has the same size).
+    fn max_connections(&self) -> Option<u32> {
+        Some(self.pool.options().get_max_connections())
     }
 }
 

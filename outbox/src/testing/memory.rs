@@ -22,7 +22,8 @@ use crate::publish::{
 };
 use crate::read::{DeadLetter, StoredRow};
 use crate::store::{
-    clean_error_text, ClaimRequest, Completion, Delivery, Failure, Lease, NextWakeup, Store, Wakeup,
+    clean_error_text, ClaimRequest, Completion, Delivery, Failure, Lease, NextWakeup, Release,
+    Released, Renewal, Store, Wakeup,
 };
 use crate::timer::Publisher;
 
@@ -271,6 +272,8 @@ impl State {
                     rearm_payload: None,
                     rearm_headers: None,
                     cancelled_at: None,
+                    raw_headers: None,
+                    raw_rearm_headers: None,
                 },
             );
             // Only an insert notifies; an extend or a skipped publish does not (SPEC §2.4).
@@ -337,31 +340,36 @@ impl State {
         })
     }
 
-    /// The claim statement of `store/postgres.rs` (SPEC §6).
-    fn claim(
-        &mut self,
-        queues: &[String],
-        limit: usize,
-        lease_ttl: Duration,
-    ) -> Result<Vec<Delivery>> {
-        for q in queues {
+    /// The candidates of the claim statement (SPEC §6): `(deadline, id)` of what a claim
+    /// would take, in claim order, at most `limit`.
+    fn candidates(&self, request: ClaimRequest<'_>) -> Result<Vec<(DateTime<Utc>, i64)>> {
+        for q in request.queues {
             validate_queue(q)?;
         }
-        let ttl = micros(lease_ttl)?;
-        if queues.is_empty() || limit == 0 {
+        let ttl = micros(request.lease_ttl)?;
+        let limit = request.limit;
+        if request.queues.is_empty() || limit == 0 {
             return Ok(Vec::new());
         }
         let now = self.now;
         let expired_before = plus(now, -ttl, "lease_ttl")?;
+        let allowed = |r: &StoredRow| {
+            !request.exclude.contains(&r.id) && request.only.is_none_or(|ids| ids.contains(&r.id))
+        };
         // Two branches per queue (named twice or not), each with its own LIMIT; then the
         // best `limit` candidates by (deadline, id).
-        let queues = crate::store::distinct(queues);
+        let queues = crate::store::distinct(request.queues);
         let mut candidates: Vec<(DateTime<Utc>, i64)> = Vec::new();
         for q in &queues {
             let mut due: Vec<&StoredRow> = self
                 .rows
                 .values()
-                .filter(|r| &r.queue == q && r.acquired_token.is_none() && r.next_attempt_at <= now)
+                .filter(|r| {
+                    &r.queue == q
+                        && r.acquired_token.is_none()
+                        && r.next_attempt_at <= now
+                        && allowed(r)
+                })
                 .collect();
             due.sort_by_key(|r| row_order(r));
             candidates.extend(due.iter().take(limit).map(|r| row_order(r)));
@@ -374,6 +382,7 @@ impl State {
                         && r.acquired_token.is_some()
                         && r.acquired_at.is_some_and(|a| a < expired_before)
                         && r.next_attempt_at <= now
+                        && allowed(r)
                 })
                 .collect();
             expired.sort_by_key(|r| (r.acquired_at, r.id));
@@ -381,6 +390,13 @@ impl State {
         }
         candidates.sort();
         candidates.truncate(limit);
+        Ok(candidates)
+    }
+
+    /// The claim statement of `store/postgres.rs` (SPEC §6).
+    fn claim(&mut self, request: ClaimRequest<'_>) -> Result<Vec<Delivery>> {
+        let candidates = self.candidates(request)?;
+        let now = self.now;
         // UPDATE … FROM updates a row once however often it is joined.
         let mut seen = HashSet::new();
         let token = Uuid::new_v4();
@@ -413,6 +429,7 @@ impl State {
                 deadline: row.next_attempt_at,
                 first_attempt_at: row.first_attempt_at,
                 claimed_at: now,
+                decode_error: None,
             });
         }
         out.sort_by_key(|d| (d.deadline, d.lease.id));
@@ -508,6 +525,11 @@ impl State {
     /// The dead-letter statement: archive the failed run (its own payload), then delete the
     /// row or apply its rearm. Without the dead-letter queue, a success.
     fn fail(&mut self, lease: Lease, failure: Failure<'_>) -> Completion {
+        if self.leased(lease).is_some_and(|r| cancelled(r)) {
+            // Nobody wants a cancelled timer's failure: deleted, not archived.
+            self.rows.remove(&lease.id);
+            return Completion::Cancelled;
+        }
         if !self.dead_letter {
             return self.ack(lease);
         }
@@ -526,6 +548,7 @@ impl State {
             queue: row.queue.clone(),
             payload: row.payload.clone(),
             headers: row.headers.clone(),
+            raw_headers: None,
             timer_id: row.timer_id.clone(),
             attempts_count: row.attempts_count + i32::from(failure.reason.handler_ran()),
             deliveries_count: row.deliveries_count,
@@ -550,12 +573,117 @@ impl State {
         outcome
     }
 
-    fn next_wakeup(&self, queues: &[String], lease_ttl: Duration) -> Result<NextWakeup> {
-        for q in queues {
+    /// The renewal statement: `acquired_at = now()` on every row its token still holds.
+    fn renew(&mut self, leases: &[Lease]) -> Vec<Renewal> {
+        let now = self.now;
+        leases
+            .iter()
+            .map(|&l| match self.leased(l) {
+                Some(row) => {
+                    row.acquired_at = Some(now);
+                    if cancelled(row) {
+                        Renewal::Cancelled
+                    } else {
+                        Renewal::Renewed
+                    }
+                }
+                None => Renewal::Lost,
+            })
+            .collect()
+    }
+
+    /// The release statement (SPEC §7.5): see [`Released`].
+    fn release(&mut self, items: &[Release]) -> Vec<Released> {
+        let now = self.now;
+        let mut out = Vec::with_capacity(items.len());
+        for item in items {
+            let Some(row) = self.leased(item.lease) else {
+                out.push(Released::LeaseLost);
+                continue;
+            };
+            if cancelled(row) {
+                self.rows.remove(&item.lease.id);
+                out.push(Released::Cancelled);
+                continue;
+            }
+            let rearm = row.rearm_at.take();
+            if let Some(at) = rearm {
+                row.next_attempt_at = at;
+                row.payload = row.rearm_payload.take().unwrap_or_default();
+                row.headers = row.rearm_headers.take();
+            }
+            if item.started {
+                if rearm.is_none() {
+                    row.next_attempt_at = now;
+                }
+                row.attempts_count += 1;
+                row.first_attempt_at = Some(row.first_attempt_at.unwrap_or(now));
+                row.last_attempt_at = Some(now);
+            } else {
+                if rearm.is_some() {
+                    row.attempts_count = 0;
+                    row.first_attempt_at = None;
+                    row.last_attempt_at = None;
+                }
+                row.deliveries_count = (row.deliveries_count - 1).max(0);
+            }
+            clear_rearm(row);
+            row.acquired_token = None;
+            row.acquired_at = None;
+            row.cancelled_at = None;
+            let (queue, at) = (row.queue.clone(), row.next_attempt_at);
+            self.notify(&queue, at);
+            out.push(if item.started {
+                Released::Retried
+            } else {
+                Released::Pending
+            });
+        }
+        out
+    }
+
+    /// The delete-based terminal failure of a row no claim can take.
+    fn fail_unclaimed(
+        &mut self,
+        id: i64,
+        lease_ttl: Duration,
+        failure: Failure<'_>,
+    ) -> Result<Completion> {
+        let expired_before = plus(self.now, -micros(lease_ttl)?, "lease_ttl")?;
+        let free = self.rows.get(&id).is_some_and(|r| {
+            r.acquired_token.is_none() || r.acquired_at.is_some_and(|a| a < expired_before)
+        });
+        let Some(row) = self.rows.remove(&id).filter(|_| free) else {
+            return Ok(Completion::LeaseLost);
+        };
+        if self.dead_letter {
+            self.last_dlq_id += 1;
+            self.dlq.push(DeadLetter {
+                id: self.last_dlq_id,
+                original_id: row.id,
+                queue: row.queue,
+                payload: row.payload,
+                headers: row.headers,
+                raw_headers: None,
+                timer_id: row.timer_id,
+                attempts_count: row.attempts_count,
+                deliveries_count: row.deliveries_count,
+                created_at: row.created_at,
+                failed_at: self.now,
+                failure_reason: failure.reason.as_str().to_owned(),
+                last_error: failure.last_error.map(clean_error_text),
+            });
+        }
+        Ok(Completion::Deleted)
+    }
+
+    fn next_wakeup(&self, request: ClaimRequest<'_>) -> Result<NextWakeup> {
+        for q in request.queues {
             validate_queue(q)?;
         }
-        let ttl = micros(lease_ttl)?;
-        let served = |r: &&StoredRow| queues.contains(&r.queue);
+        let ttl = micros(request.lease_ttl)?;
+        let served =
+            |r: &&StoredRow| request.queues.contains(&r.queue) && !request.exclude.contains(&r.id);
         let deadline = self
             .rows
             .values()
@@ -654,6 +782,8 @@ impl State {
                     rearm_payload: None,
                     rearm_headers: None,
                     cancelled_at: None,
+                    raw_headers: None,
+                    raw_rearm_headers: None,
                 },
             );
             ids.push(id);
@@ -797,10 +927,7 @@ impl Store for MemoryStore {
         &self,
         request: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Delivery>>> + Send {
-        ready(
-            self.lock()
-                .claim(request.queues, request.limit, request.lease_ttl),
-        )
+        ready(self.lock().claim(request))
     }
 
     fn ack(&self, lease: Lease) -> impl Future<Output = Result<Completion>> + Send {
@@ -843,12 +970,40 @@ impl Store for MemoryStore {
         ready(Ok(done))
     }
 
+    fn renew(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<Renewal>>> + Send {
+        ready(Ok(self.lock().renew(leases)))
+    }
+
+    fn release(&self, items: &[Release]) -> impl Future<Output = Result<Vec<Released>>> + Send {
+        ready(Ok(self.lock().release(items)))
+    }
+
+    fn fail_unclaimed(
+        &self,
+        id: i64,
+        lease_ttl: Duration,
+        failure: Failure<'_>,
+    ) -> impl Future<Output = Result<Completion>> + Send {
+        ready(self.lock().fail_unclaimed(id, lease_ttl, failure))
+    }
+
     fn next_wakeup(
         &self,
-        queues: &[String],
-        lease_ttl: Duration,
+        request: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<NextWakeup>> + Send {
-        ready(self.lock().next_wakeup(queues, lease_ttl))
+        ready(self.lock().next_wakeup(request))
+    }
+
+    fn peek(
+        &self,
+        request: ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<(i64, String)>>> + Send {
+        let st = self.lock();
+        ready(st.candidates(request).map(|c| {
+            c.into_iter()
+                .filter_map(|(_, id)| st.rows.get(&id).map(|r| (id, r.queue.clone())))
+                .collect()
+        }))
     }
 
     fn dead_letter_enabled(&self) -> bool {

@@ -141,6 +141,17 @@ impl<S: Store> WorkerBuilder<S> {
                     format!("must be at least 1 for queue `{}`", route.queue),
                 ));
             }
+            if let Some(t) = route.timeout {
+                if t < Duration::from_millis(1) || t > Duration::from_secs(7 * 24 * 3600) {
+                    return Err(Error::config(
+                        "timeout",
+                        format!(
+                            "must be within 1ms..=7 days for queue `{}`, got {t:?}",
+                            route.queue
+                        ),
+                    ));
+                }
+            }
             if let Some(first) = routes.get(&route.queue) {
                 return Err(Error::DuplicateHandler {
                     queue: route.queue.clone(),
@@ -149,6 +160,20 @@ impl<S: Store> WorkerBuilder<S> {
                 });
             }
             routes.insert(route.queue.clone(), route);
+        }
+        if let Some(has) = self.store.max_connections() {
+            let needs = self.config.connections_needed();
+            if has < needs {
+                return Err(Error::config(
+                    "max_connections",
+                    format!(
+                        "the store's pool holds {has} connection(s); a worker with concurrency {c} needs {needs}: \
+                         {c} for completions written at once, 1 for the batched acks, 1 for the lease renewal \
+                         (LISTEN uses a connection of its own, outside the pool); claims share these",
+                        c = self.config.concurrency
+                    ),
+                ));
+            }
         }
         Ok(Worker::new(self.store, routes, self.config))
     }

@@ -8,8 +8,47 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
+use super::isolate::claim_isolating;
 use super::shared::{backoff, Shared};
+use crate::error::Error;
 use crate::store::{ClaimRequest, Delivery, Store, Wakeup};
+
+/// Logs a failure at once and then at most every 10 s, with how many were not logged, so a
+/// worker whose database is down says why without flooding the log (SPEC §7.4).
+#[derive(Debug, Default)]
+struct Throttle {
+    last: Option<Instant>,
+    suppressed: u32,
+}
+
+impl Throttle {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn failed(&mut self, what: &str, e: &Error, attempt: u32) {
+        let now = Instant::now();
+        if self.last.is_some_and(|l| now < l + Self::EVERY) {
+            self.suppressed += 1;
+            return;
+        }
+        let connection = e.is_connection_error();
+        tracing::warn!(
+            error = %e,
+            attempt,
+            connection,
+            not_logged = self.suppressed,
+            "outbox: {what} failed; backing off"
+        );
+        self.last = Some(now);
+        self.suppressed = 0;
+    }
+
+    fn recovered(&mut self) {
+        if self.last.take().is_some() {
+            tracing::info!("outbox: the database answers again");
+        }
+        self.suppressed = 0;
+    }
+}
 
 pub(crate) async fn claim_loop<S: Store>(
     shared: &Arc<Shared<S>>,
@@ -21,6 +60,7 @@ pub(crate) async fn claim_loop<S: Store>(
     let config = shared.config;
     let limit = config.fetch_batch_size;
     let mut failures = 0u32;
+    let mut throttle = Throttle::default();
     // Rows due but not claimable (locked by another worker's claim in flight) make the
     // earliest deadline lie in the past; wait a little, growing, instead of spinning.
     let mut contention = Duration::from_millis(10);
@@ -36,18 +76,23 @@ pub(crate) async fn claim_loop<S: Store>(
             p = deliveries.reserve_many(limit) => match p { Ok(p) => p, Err(_) => return },
             _ = stopped.changed() => return,
         };
+        // Never claim a row we still hold (its lease may have run out while we run it)
+        // or one set aside as poison.
+        let exclude = shared.exclude();
+        let request = ClaimRequest::new(queues, limit, config.lease_ttl).excluding(&exclude);
         // Not raced against the stop signal: once Postgres commits a claim its rows are
         // ours, and dropping the future then would strand them until their lease expires.
-        // The claim is one short statement; shutdown runs what it returns.
-        let claimed = shared
-            .store
-            .claim(ClaimRequest::new(queues, limit, config.lease_ttl))
-            .await;
+        // The claim is one short statement; shutdown releases what it returns. (Shutdown
+        // gives up on it only at its deadline, when the database does not answer.)
+        let claimed = match shared.store.claim(request).await {
+            Err(e) if e.is_row_fault() => claim_isolating(shared, request, &e).await,
+            done => done,
+        };
         let batch = match claimed {
             Ok(b) => b,
             Err(e) => {
                 failures += 1;
-                tracing::warn!(error = %e, attempt = failures, "outbox: claim failed; backing off");
+                throttle.failed("claim", &e, failures);
                 metrics::counter!("outbox_claim_errors_total").increment(1);
                 drop(permits);
                 if sleep_or_stop(backoff(failures - 1), stopped).await {
@@ -57,9 +102,12 @@ pub(crate) async fn claim_loop<S: Store>(
             }
         };
         failures = 0;
+        throttle.recovered();
         let got = batch.len();
         metrics::histogram!("outbox_claim_batch_size").record(got as f64);
+        let claimed_at = Instant::now();
         for (permit, d) in permits.zip(batch) {
+            shared.held.add(&d, claimed_at);
             permit.send(d);
         }
         // Hints that arrived while we were busy are covered by this claim or by the
@@ -79,15 +127,17 @@ pub(crate) async fn claim_loop<S: Store>(
         }
         // Idle: sleep until the earliest deadline, a notification, a completion's hint or
         // the idle ceiling (SPEC §7.3). One index-backed query; none while asleep.
+        let exclude = shared.exclude();
+        let request = ClaimRequest::new(queues, limit, config.lease_ttl).excluding(&exclude);
         let next = tokio::select! {
-            r = shared.store.next_wakeup(queues, config.lease_ttl) => r,
+            r = shared.store.next_wakeup(request) => r,
             _ = stopped.changed() => return,
         };
         let next = match next {
             Ok(n) => n,
             Err(e) => {
                 failures += 1;
-                tracing::warn!(error = %e, "outbox: reading the next deadline failed; backing off");
+                throttle.failed("reading the next deadline", &e, failures);
                 if sleep_or_stop(backoff(failures - 1), stopped).await {
                     return;
                 }
@@ -118,6 +168,10 @@ pub(crate) async fn claim_loop<S: Store>(
                 target = target.min(shared.local(at));
             }
             None => contention = Duration::from_millis(10),
+        }
+        // A row set aside as poison is tried again when its back-off ends.
+        if let Some(until) = shared.quarantine.next_until(Instant::now()) {
+            target = target.min(until);
         }
         loop {
             if let Some(h) = shared.take_hint() {

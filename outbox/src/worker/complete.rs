@@ -1,31 +1,28 @@
-//! Running and completing (SPEC §5.1, §5.2, §7.2, §7.4): the handler tasks take claimed
+//! Running and completing (SPEC §5.1, §5.2, §7.2, §7.4, §7.8): the handler tasks take claimed
 //! rows from the claim loop, run them through their route, and write the fenced completion
-//! — at once, or through the acker that batches successes. A completion that fails on a
-//! broken connection is retried while the lease lasts.
-//!
-//! Everything a worker does for a lease it holds happens here, so keeping a running
-//! handler's lease alive belongs here too: the handler task knows which leases it holds and
-//! until when.
+//! — at once, or through the acker that batches successes; the renewal loop keeps every
+//! held lease alive meanwhile. A completion that fails on a broken connection, a deadlock
+//! or a lock timeout is retried while its lease lasts.
 
 use std::future::Future;
 use std::sync::Arc;
 
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::{mpsc, watch, Mutex, Semaphore};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::handler::{decide, Decision};
+use super::leases::Phase as HeldPhase;
 use super::shared::{backoff, Shared};
 use crate::error::Result;
-use crate::store::{Completion, Delivery, Failure, Lease, Store};
+use crate::store::{Completion, Delivery, Failure, Lease, Renewal, Store};
 
 /// A success waiting in the acker's batch.
 #[derive(Debug, Clone)]
 pub(crate) struct PendingAck {
     /// The fence of the delete.
     pub lease: Lease,
-    /// When the lease expires on the local clock: retrying the write after it is pointless.
-    pub lease_end: Instant,
     /// For metrics.
     pub queue: String,
 }
@@ -39,6 +36,8 @@ pub(crate) enum Phase {
     Retry,
     /// A terminal failure.
     Fail,
+    /// A lease renewal.
+    Renew,
 }
 
 impl Phase {
@@ -48,6 +47,7 @@ impl Phase {
             Phase::Ack => "ack",
             Phase::Retry => "retry",
             Phase::Fail => "fail",
+            Phase::Renew => "renew",
         }
     }
 }
@@ -61,6 +61,11 @@ pub(crate) async fn handler_task<S: Store>(
     loop {
         let next = deliveries.lock().await.recv().await;
         let Some(d) = next else { return };
+        // A row whose lease was lost while it waited, or that shutdown releases, never
+        // starts (SPEC §7.5, §7.8).
+        let Some(stop) = shared.held.start(d.lease) else {
+            continue;
+        };
         let span = tracing::info_span!(
             "outbox.delivery",
             queue = %d.queue,
@@ -69,7 +74,9 @@ pub(crate) async fn handler_task<S: Store>(
             delivery = d.deliveries_count,
             attempt = d.attempts_count + 1,
         );
-        process(&shared, d, acks.as_ref()).instrument(span).await;
+        process(&shared, d, stop, acks.as_ref())
+            .instrument(span)
+            .await;
     }
 }
 
@@ -77,20 +84,14 @@ pub(crate) async fn handler_task<S: Store>(
 async fn process<S: Store>(
     shared: &Shared<S>,
     d: Delivery,
+    stop: watch::Receiver<Option<super::handler::CancelReason>>,
     acks: Option<&mpsc::Sender<PendingAck>>,
 ) {
-    // The lease is ours until claimed_at + lease_ttl (time spent waiting in the buffer
-    // counts); past it, retrying a failed completion is pointless.
-    let lease_end = chrono::TimeDelta::from_std(shared.config.lease_ttl)
-        .ok()
-        .and_then(|ttl| d.claimed_at.checked_add_signed(ttl))
-        .map_or_else(
-            || Instant::now() + shared.config.lease_ttl,
-            |end| shared.local(end),
-        );
+    let lease = d.lease;
     let Some(route) = shared.routes.get(&d.queue) else {
         // Unreachable: we only claim queues we serve. Leave the row to lease expiry.
         tracing::error!("outbox: claimed a row of a queue without handler");
+        shared.held.remove(lease);
         return;
     };
     let lateness = (d.claimed_at - d.deadline)
@@ -101,28 +102,27 @@ async fn process<S: Store>(
     metrics::histogram!("outbox_firing_lateness_seconds", "queue" => d.queue.clone())
         .record(lateness);
     let started = Instant::now();
-    let decision = decide(route, &d).await;
+    let decision = decide(route, &d, Some(stop)).await;
     metrics::histogram!("outbox_handler_duration_seconds", "queue" => d.queue.clone())
         .record(started.elapsed().as_secs_f64());
-    let lease = d.lease;
+    shared.held.completing(lease);
     match decision {
         Decision::Ack => {
             if let Some(acks) = acks {
                 let pending = PendingAck {
                     lease,
-                    lease_end,
                     queue: d.queue.clone(),
                 };
                 if acks.send(pending).await.is_ok() {
                     return;
                 }
             }
-            let done = write_with_retry(lease_end, || shared.store.ack(lease)).await;
+            let done = write_with_retry(shared, lease, || shared.store.ack(lease)).await;
             report(shared, &d.queue, Phase::Ack, done);
         }
         Decision::Retry { delay, error } => {
             tracing::info!(delay_ms = delay.as_millis() as u64, error = %error, "outbox: handler failed; retry scheduled");
-            let done = write_with_retry(lease_end, || shared.store.retry(lease, delay)).await;
+            let done = write_with_retry(shared, lease, || shared.store.retry(lease, delay)).await;
             if matches!(done, Some(Completion::RetryScheduled { .. })) {
                 metrics::counter!("outbox_retried_total", "queue" => d.queue.clone()).increment(1);
             }
@@ -134,7 +134,7 @@ async fn process<S: Store>(
                 reason,
                 last_error: error.as_deref(),
             };
-            let done = write_with_retry(lease_end, || shared.store.fail(lease, failure)).await;
+            let done = write_with_retry(shared, lease, || shared.store.fail(lease, failure)).await;
             if matches!(done, Some(Completion::Deleted | Completion::Rearmed { .. })) {
                 metrics::counter!("outbox_terminal_total", "queue" => d.queue.clone(), "reason" => reason.as_str())
                     .increment(1);
@@ -147,14 +147,20 @@ async fn process<S: Store>(
             report(shared, &d.queue, Phase::Fail, done);
         }
     }
+    shared.held.remove(lease);
 }
 
-/// Runs a fenced write, retrying connection failures with back-off while the lease lasts
-/// (SPEC §7.4). A statement error (say, a constraint violation) is not retried: the row is
-/// left to lease expiry, so one poison row cannot wedge a handler task. `None` when the
-/// write did not happen.
-async fn write_with_retry<T, F, Fut>(lease_end: Instant, mut write: F) -> Option<T>
+/// Runs a fenced write, retrying while the lease lasts (renewals extend it) when the
+/// connection failed or the write met a deadlock, a serialization failure or a lock timeout
+/// (SPEC §7.4). Any other statement error is not retried: the row is left to lease expiry,
+/// so one poison row cannot wedge a handler task. `None` when the write did not happen.
+pub(crate) async fn write_with_retry<S, T, F, Fut>(
+    shared: &Shared<S>,
+    lease: Lease,
+    mut write: F,
+) -> Option<T>
 where
+    S: Store,
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
@@ -162,13 +168,16 @@ where
     loop {
         match write().await {
             Ok(done) => return Some(done),
-            Err(e) if e.is_connection_error() && Instant::now() + backoff(attempt) < lease_end => {
+            Err(e)
+                if (e.is_connection_error() || e.is_transient())
+                    && Instant::now() + backoff(attempt) < shared.held.until(lease) =>
+            {
                 tracing::warn!(error = %e, attempt, "outbox: completion failed; retrying");
                 tokio::time::sleep(backoff(attempt)).await;
                 attempt += 1;
             }
             Err(e) => {
-                tracing::error!(error = %e, "outbox: completion failed; the rows will be redelivered after their lease expires");
+                tracing::error!(error = %e, "outbox: completion failed; the row will be redelivered after its lease expires");
                 metrics::counter!("outbox_completion_errors_total").increment(1);
                 return None;
             }
@@ -177,7 +186,12 @@ where
 }
 
 /// Metrics, events and wake-up hints for a finished completion.
-fn report<S: Store>(shared: &Shared<S>, queue: &str, phase: Phase, done: Option<Completion>) {
+pub(crate) fn report<S: Store>(
+    shared: &Shared<S>,
+    queue: &str,
+    phase: Phase,
+    done: Option<Completion>,
+) {
     match done {
         Some(Completion::Deleted) if phase == Phase::Ack => {
             metrics::counter!("outbox_acked_total", "queue" => queue.to_owned()).increment(1);
@@ -191,7 +205,6 @@ fn report<S: Store>(shared: &Shared<S>, queue: &str, phase: Phase, done: Option<
             shared.wake_at(at);
         }
         Some(Completion::RetryScheduled { at }) => shared.wake_at(at),
-        Some(Completion::Deleted) => {}
         Some(Completion::Cancelled) => {
             metrics::counter!("outbox_cancelled_runs_total", "queue" => queue.to_owned())
                 .increment(1);
@@ -200,24 +213,34 @@ fn report<S: Store>(shared: &Shared<S>, queue: &str, phase: Phase, done: Option<
                 "outbox: the timer was cancelled while it ran; its row is deleted"
             );
         }
-        Some(Completion::LeaseLost) => {
-            let phase = phase.as_str();
-            metrics::counter!("outbox_lease_lost_total", "queue" => queue.to_owned(), "phase" => phase).increment(1);
-            tracing::warn!(
-                phase,
-                "outbox: lease lost; the completion was dropped (another worker holds the row)"
-            );
-        }
-        None => {}
+        Some(Completion::LeaseLost) => lease_lost(queue, phase),
+        Some(_) | None => {}
     }
 }
+
+fn lease_lost(queue: &str, phase: Phase) {
+    let phase = phase.as_str();
+    metrics::counter!("outbox_lease_lost_total", "queue" => queue.to_owned(), "phase" => phase)
+        .increment(1);
+    tracing::warn!(
+        phase,
+        "outbox: lease lost; the completion was dropped (another worker holds the row)"
+    );
+}
+
+/// How many batched completions may be written at once. More than one, so a batch that
+/// waits for a row lock held by an application transaction (its rows are then finished one
+/// at a time) does not hold up the batches behind it (SPEC §7.4).
+const FLUSHES_IN_FLIGHT: usize = 2;
 
 /// Collects successful completions and writes them in batches (SPEC §5.2): a batch is
 /// flushed when full or as soon as no more successes are waiting, and the rest at shutdown.
 pub(crate) async fn acker<S: Store>(shared: Arc<Shared<S>>, mut rx: mpsc::Receiver<PendingAck>) {
     let max = shared.config.ack_batch_size;
-    let mut batch: Vec<PendingAck> = Vec::with_capacity(max);
+    let slots = Arc::new(Semaphore::new(FLUSHES_IN_FLIGHT));
+    let mut flushes = JoinSet::new();
     while let Some(first) = rx.recv().await {
+        let mut batch: Vec<PendingAck> = Vec::with_capacity(max);
         batch.push(first);
         while batch.len() < max {
             match rx.try_recv() {
@@ -225,19 +248,90 @@ pub(crate) async fn acker<S: Store>(shared: Arc<Shared<S>>, mut rx: mpsc::Receiv
                 Err(_) => break,
             }
         }
-        let leases: Vec<Lease> = batch.iter().map(|p| p.lease).collect();
-        let lease_end = batch
-            .iter()
-            .map(|p| p.lease_end)
-            .min()
-            .unwrap_or_else(Instant::now);
-        let results = write_with_retry(lease_end, || shared.store.ack_batch(&leases)).await;
-        let results = results.map_or_else(
-            || vec![None; batch.len()],
-            |done| done.into_iter().map(Some).collect(),
-        );
-        for (pending, done) in batch.drain(..).zip(results) {
-            report(&shared, &pending.queue, Phase::Ack, done);
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            break;
+        };
+        let shared = shared.clone();
+        flushes.spawn(async move {
+            flush(&shared, batch).await;
+            drop(slot);
+        });
+        while flushes.try_join_next().is_some() {}
+    }
+    while flushes.join_next().await.is_some() {}
+}
+
+async fn flush<S: Store>(shared: &Shared<S>, batch: Vec<PendingAck>) {
+    let leases: Vec<Lease> = batch.iter().map(|p| p.lease).collect();
+    // The batch lives while its shortest lease does.
+    let shortest = leases
+        .iter()
+        .copied()
+        .min_by_key(|&l| shared.held.until(l))
+        .unwrap_or(leases[0]);
+    let results = write_with_retry(shared, shortest, || shared.store.ack_batch(&leases)).await;
+    let results = results.map_or_else(
+        || vec![None; batch.len()],
+        |done| done.into_iter().map(Some).collect(),
+    );
+    for (pending, done) in batch.iter().zip(results) {
+        report(shared, &pending.queue, Phase::Ack, done);
+        shared.held.remove(pending.lease);
+    }
+}
+
+/// Keeps every held lease alive (SPEC §7.8): one renewal statement per worker every third
+/// of `lease_ttl`, whatever the number of leases, until `stop` fires. Tells running handlers
+/// when their lease was lost or their timer cancelled.
+pub(crate) async fn renewal_loop<S: Store>(
+    shared: Arc<Shared<S>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let period = shared.config.lease_ttl / 3;
+    let mut failures = 0u32;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(period) => {}
+            _ = stop.changed() => return,
+        }
+        if *stop.borrow() {
+            return;
+        }
+        renew_once(&shared, &mut failures).await;
+    }
+}
+
+/// One renewal round.
+pub(crate) async fn renew_once<S: Store>(shared: &Shared<S>, failures: &mut u32) {
+    let leases = shared.held.leases();
+    if leases.is_empty() {
+        return;
+    }
+    let sent = Instant::now();
+    match shared.store.renew(&leases).await {
+        Ok(results) => {
+            *failures = 0;
+            metrics::counter!("outbox_lease_renewals_total").increment(1);
+            let pairs: Vec<(Lease, Renewal)> = leases.into_iter().zip(results).collect();
+            for (_lease, queue, phase) in shared.held.renewed(&pairs, sent) {
+                let label = if phase == HeldPhase::Buffered {
+                    "buffered"
+                } else {
+                    Phase::Renew.as_str()
+                };
+                metrics::counter!("outbox_lease_lost_total", "queue" => queue, "phase" => label)
+                    .increment(1);
+                tracing::warn!(
+                    phase = label,
+                    "outbox: a held lease was lost (not renewed in time); its run's completion will write nothing"
+                );
+            }
+        }
+        Err(e) => {
+            *failures += 1;
+            if *failures == 1 || failures.is_power_of_two() {
+                tracing::warn!(error = %e, failures = *failures, held = shared.held.len(), "outbox: lease renewal failed; retrying next period");
+            }
         }
     }
 }

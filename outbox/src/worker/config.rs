@@ -45,6 +45,15 @@ fn check_range<T: PartialOrd + std::fmt::Debug>(
 }
 
 impl Config {
+    /// The connections a worker needs from its store's pool at once (SPEC §7.4): one
+    /// completion per handler slot, the acker, the renewal. The claim loop and the lease
+    /// release at shutdown take turns with them; LISTEN is outside the pool.
+    pub(crate) fn connections_needed(&self) -> u32 {
+        u32::try_from(self.concurrency)
+            .unwrap_or(u32::MAX)
+            .saturating_add(2)
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         check_range("concurrency", self.concurrency, 1, 10_000, "")?;
         check_range("fetch_batch_size", self.fetch_batch_size, 1, 10_000, "")?;

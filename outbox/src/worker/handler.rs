@@ -12,13 +12,28 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use futures::future::BoxFuture;
 use futures::FutureExt;
+use tokio::sync::watch;
 
 use super::retry::RetryStrategy;
 use crate::publish::Headers;
 use crate::store::{Delivery, FailureReason};
 use crate::timer::Timer;
 
-/// What a handler knows about the delivery it runs for.
+/// Why a running handler is asked to stop ([`Context::cancelled`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CancelReason {
+    /// The worker lost the row's lease (it could not renew it in time, and another worker
+    /// may have claimed the row): this run's completion will write nothing, so its work
+    /// may be done twice. Stop as soon as it is safe.
+    LeaseLost,
+    /// The timer was cancelled while this run went on: however the run ends, its row is
+    /// deleted and the timer does not fire again. Stop if the work is now pointless.
+    TimerCancelled,
+}
+
+/// What a handler knows about the delivery it runs for, and how it learns that it should
+/// stop early ([`Context::cancelled`]).
 #[derive(Debug, Clone)]
 pub struct Context {
     id: i64,
@@ -30,10 +45,11 @@ pub struct Context {
     deadline: DateTime<Utc>,
     claimed_at: DateTime<Utc>,
     created_at: DateTime<Utc>,
+    stop: Option<watch::Receiver<Option<CancelReason>>>,
 }
 
 impl Context {
-    pub(crate) fn new(d: &Delivery) -> Self {
+    pub(crate) fn new(d: &Delivery, stop: Option<watch::Receiver<Option<CancelReason>>>) -> Self {
         Context {
             id: d.lease.id,
             queue: d.queue.clone(),
@@ -46,7 +62,45 @@ impl Context {
             deadline: d.deadline,
             claimed_at: d.claimed_at,
             created_at: d.created_at,
+            stop,
         }
+    }
+
+    /// Completes when the worker asks this run to stop, with the reason: the lease was lost
+    /// or the timer was cancelled. The worker learns of either at its next lease renewal
+    /// (every third of `lease_ttl`). Never completes otherwise, so use it in a
+    /// `tokio::select!` beside the work:
+    ///
+    /// ```
+    /// # async fn work() {}
+    /// async fn handler(_: Vec<u8>, ctx: outbox::Context) -> Result<(), String> {
+    ///     tokio::select! {
+    ///         () = work() => Ok(()),
+    ///         why = ctx.cancelled() => Err(format!("stopped early: {why:?}")),
+    ///     }
+    /// }
+    /// ```
+    ///
+    /// The worker never kills a handler for these reasons: stopping is up to the handler.
+    /// (Its timeout, [`HandlerOptions::timeout`], does stop it.)
+    pub async fn cancelled(&self) -> CancelReason {
+        let Some(mut stop) = self.stop.clone() else {
+            return std::future::pending().await;
+        };
+        loop {
+            if let Some(reason) = *stop.borrow_and_update() {
+                return reason;
+            }
+            if stop.changed().await.is_err() {
+                // The worker is gone without a verdict: nothing will ever be sent.
+                return std::future::pending().await;
+            }
+        }
+    }
+
+    /// The reason this run was asked to stop, if it was ([`Context::cancelled`]).
+    pub fn cancel_reason(&self) -> Option<CancelReason> {
+        self.stop.as_ref().and_then(|s| *s.borrow())
     }
 
     /// The row id.
@@ -177,11 +231,26 @@ where
     }
 }
 
-/// Per-handler settings: retry strategy and, for raw queues, `max_deliveries`.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+/// Per-handler settings: retry strategy, timeout and, for raw queues, `max_deliveries`.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HandlerOptions {
     pub(crate) retry: RetryStrategy,
     pub(crate) max_deliveries: Option<u32>,
+    pub(crate) timeout: Option<Duration>,
+}
+
+/// How long a handler may run before it is stopped, unless set otherwise
+/// ([`HandlerOptions::timeout`]): 5 minutes.
+pub const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(5 * 60);
+
+impl Default for HandlerOptions {
+    fn default() -> Self {
+        HandlerOptions {
+            retry: RetryStrategy::default(),
+            max_deliveries: None,
+            timeout: Some(DEFAULT_HANDLER_TIMEOUT),
+        }
+    }
 }
 
 /// `max_deliveries` of raw queues when none is set: 10.
@@ -204,6 +273,25 @@ impl HandlerOptions {
     /// timer's `MAX_DELIVERIES`.
     pub fn max_deliveries(mut self, max: u32) -> Self {
         self.max_deliveries = Some(max);
+        self
+    }
+
+    /// How long one run may take (default [`DEFAULT_HANDLER_TIMEOUT`], 5 minutes; range
+    /// 1 ms..=7 days, checked by the worker's `build()`). A run that takes longer is
+    /// stopped — its future is dropped — and counts as a failed run: retried per strategy,
+    /// and terminal with reason `timeout` when no retry is left; a warning names the row and
+    /// the handler. Dropping a future stops only code that yields to the runtime (`.await`):
+    /// blocking code in a handler must bound its own time. Leases are renewed while a
+    /// handler runs, so a long timeout never lets a second worker run the row meanwhile.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// No timeout: a hung handler holds its slot (and its row's lease) until the worker
+    /// stops. Use only for handlers that bound their own time.
+    pub fn no_timeout(mut self) -> Self {
+        self.timeout = None;
         self
     }
 }
@@ -279,6 +367,7 @@ pub(crate) struct Route {
     pub handler: Arc<dyn Erased>,
     pub max_deliveries: u32,
     pub retry: RetryStrategy,
+    pub timeout: Option<Duration>,
 }
 
 impl Route {
@@ -292,6 +381,7 @@ impl Route {
             }),
             max_deliveries: options.max_deliveries.unwrap_or(T::MAX_DELIVERIES),
             retry: options.retry,
+            timeout: options.timeout,
         }
     }
 
@@ -306,14 +396,20 @@ impl Route {
             handler: Arc::new(Raw { handler }),
             max_deliveries: options.max_deliveries.unwrap_or(DEFAULT_MAX_DELIVERIES),
             retry: options.retry,
+            timeout: options.timeout,
         }
     }
 }
 
 /// Runs one delivery through its route: the `max_deliveries` check, decoding, the handler
-/// (a panic is a failed run), and the retry strategy. Touches no storage, so the worker and
-/// the test harness share it.
-pub(crate) async fn decide(route: &Route, delivery: &Delivery) -> Decision {
+/// (a panic is a failed run, and so is a run past the route's timeout), and the retry
+/// strategy. Touches no storage, so the worker and the test harness share it. `stop` is
+/// the signal the handler's context listens to.
+pub(crate) async fn decide(
+    route: &Route,
+    delivery: &Delivery,
+    stop: Option<watch::Receiver<Option<CancelReason>>>,
+) -> Decision {
     if i64::from(delivery.deliveries_count) > i64::from(route.max_deliveries) {
         return Decision::Fail {
             reason: FailureReason::MaxDeliveries,
@@ -323,7 +419,15 @@ pub(crate) async fn decide(route: &Route, delivery: &Delivery) -> Decision {
             )),
         };
     }
-    let ctx = Context::new(delivery);
+    if let Some(problem) = &delivery.decode_error {
+        // The stored row itself does not decode: no handler can run it, and retrying it
+        // would only fail the same way (SPEC §7.4).
+        return Decision::Fail {
+            reason: FailureReason::DecodeError,
+            error: Some(format!("the stored row does not decode: {problem}")),
+        };
+    }
+    let ctx = Context::new(delivery, stop);
     // A panic is a failed run wherever it happens: while decoding (a hand-written
     // Deserialize), in the synchronous part of a handler closure, or in its future. None
     // may take the worker's handler task down.
@@ -333,11 +437,30 @@ pub(crate) async fn decide(route: &Route, delivery: &Delivery) -> Decision {
     let dispatched = std::panic::catch_unwind(AssertUnwindSafe(|| {
         route.handler.dispatch(&delivery.payload, ctx)
     }));
+    let mut timed_out = false;
     let result = match dispatched {
-        Ok(Ok(fut)) => AssertUnwindSafe(fut)
-            .catch_unwind()
-            .await
-            .unwrap_or_else(panicked),
+        Ok(Ok(fut)) => {
+            let run = AssertUnwindSafe(fut).catch_unwind();
+            let outcome = match route.timeout {
+                Some(limit) => tokio::time::timeout(limit, run).await.ok(),
+                None => Some(run.await),
+            };
+            match outcome {
+                Some(done) => done.unwrap_or_else(panicked),
+                None => {
+                    timed_out = true;
+                    let limit = route.timeout.unwrap_or_default();
+                    tracing::warn!(
+                        id = delivery.lease.id,
+                        queue = %delivery.queue,
+                        handler = %route.name,
+                        timeout_ms = limit.as_millis() as u64,
+                        "outbox: handler timed out; its run is stopped and counts as failed"
+                    );
+                    HandlerResult::Error(format!("handler timed out after {limit:?}"))
+                }
+            }
+        }
         Ok(Err(e)) => {
             return Decision::Fail {
                 reason: FailureReason::DecodeError,
@@ -366,7 +489,11 @@ pub(crate) async fn decide(route: &Route, delivery: &Delivery) -> Decision {
             {
                 Some(delay) => Decision::Retry { delay, error },
                 None => Decision::Fail {
-                    reason: FailureReason::RetryExhausted,
+                    reason: if timed_out {
+                        FailureReason::Timeout
+                    } else {
+                        FailureReason::RetryExhausted
+                    },
                     error: Some(error),
                 },
             }

@@ -14,6 +14,9 @@ mod claim_loop;
 mod complete;
 mod config;
 pub(crate) mod handler;
+mod isolate;
+mod leases;
+mod quarantine;
 pub(crate) mod retry;
 mod shared;
 
@@ -26,12 +29,15 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use self::claim_loop::claim_loop;
-use self::complete::{acker, handler_task};
+use self::complete::{acker, handler_task, renewal_loop};
 use self::config::Config;
 use self::handler::{decide, Decision, Route};
+use self::leases::Phase;
 use self::shared::Shared;
 use crate::error::Result;
-use crate::store::{ClaimRequest, Completion, Delivery, Failure, Store};
+use crate::store::{
+    ClaimRequest, Completion, Delivery, Failure, FailureReason, Release, Released, Store,
+};
 
 /// A worker (SPEC §7): one claim loop, `concurrency` handler tasks, fenced completions,
 /// on-time wake-ups, recovery from database failures, graceful shutdown. Build one with
@@ -128,14 +134,29 @@ pub struct Dispatched {
     pub completion: Completion,
 }
 
-/// What [`RunningWorker::shutdown`] observed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What [`RunningWorker::shutdown`] did with the rows the worker held (SPEC §7.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct ShutdownReport {
-    /// True when every handler and pending completion finished within `graceful_timeout`.
+    /// True when every handler and completion finished within `graceful_timeout` and every
+    /// lease left was given back.
     pub graceful: bool,
-    /// Handlers still running at the timeout and abandoned; their rows are redelivered
-    /// after their lease expires.
+    /// Handlers still running at `graceful_timeout`, stopped (their futures dropped).
     pub abandoned: usize,
+    /// Rows claimed but never started, given back: pending again, due as before,
+    /// `deliveries_count − 1` (or at their queued rearm's deadline).
+    pub released: usize,
+    /// Stopped runs given back as a failed attempt: due now (or at their queued rearm's
+    /// deadline).
+    pub retried: usize,
+    /// Stopped runs with no retry left: ended on the terminal path, reason `aborted`.
+    pub aborted: usize,
+    /// Held rows a cancel had reached: deleted.
+    pub cancelled: usize,
+    /// Leases that could not be given back in time (the database did not answer, or a
+    /// completion was still in flight): another worker claims those rows once their lease
+    /// expires.
+    pub unreleased: usize,
 }
 
 /// A started worker. Dropping it does not stop the worker; call
@@ -156,10 +177,7 @@ impl RunningWorker {
             Ok(report) => report,
             Err(e) => {
                 tracing::error!(error = %e, "outbox worker task failed");
-                ShutdownReport {
-                    graceful: false,
-                    abandoned: 0,
-                }
+                ShutdownReport::default()
             }
         }
     }
@@ -223,7 +241,7 @@ impl<S: Store> Worker<S> {
                 let Some(route) = self.routes.get(&d.queue) else {
                     continue;
                 };
-                let decision = decide(route, &d).await;
+                let decision = decide(route, &d, None).await;
                 let completion = match &decision {
                     Decision::Ack => self.store.ack(d.lease).await?,
                     Decision::Retry { delay, .. } => self.store.retry(d.lease, *delay).await?,
@@ -290,47 +308,176 @@ impl<S: Store> Worker<S> {
             ));
         }
         drop(acks_tx);
+        let (stop_renewal, renewal_stopped) = watch::channel(false);
+        let renewal = tokio::spawn(renewal_loop(shared.clone(), renewal_stopped));
+        let claims = tokio::spawn({
+            let (shared, queues, mut stopped) =
+                (shared.clone(), self.queues.clone(), stopped.clone());
+            async move { claim_loop(&shared, &queues, wakeups, &deliveries_tx, &mut stopped).await }
+        });
+        // The claim loop ends only when told to stop (or when every handler task is gone).
+        let _ = stopped.changed().await;
+        shutdown(&shared, claims, handlers, acker, stop_renewal, renewal).await
+    }
+}
 
-        claim_loop(&shared, &self.queues, wakeups, &deliveries_tx, &mut stopped).await;
+/// How long after `graceful_timeout` the last writes of a shutdown (releases, the final ack
+/// flush) may take: the shutdown returns within `graceful_timeout` + this, whatever the
+/// database does.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_millis(250);
 
-        // Shutdown (SPEC §7.5): stop claiming; claimed rows still buffered and running
-        // handlers get until the deadline; then pending acks are flushed.
-        drop(deliveries_tx);
-        let deadline = Instant::now() + config.graceful_timeout;
-        let mut graceful = true;
-        while !handlers.is_empty() {
-            match tokio::time::timeout_at(deadline, handlers.join_next()).await {
-                Ok(_) => {}
-                Err(_) => {
-                    graceful = false;
-                    break;
+/// Shutdown (SPEC §7.5): stop claiming; give back the rows claimed but not started; let
+/// running handlers finish until `graceful_timeout`, then stop them and give their rows
+/// back as failed attempts (or end them, when no retry is left); flush batched acks.
+async fn shutdown<S: Store>(
+    shared: &Arc<Shared<S>>,
+    claims: tokio::task::JoinHandle<()>,
+    mut handlers: JoinSet<()>,
+    acker: Option<tokio::task::JoinHandle<()>>,
+    stop_renewal: watch::Sender<bool>,
+    renewal: tokio::task::JoinHandle<()>,
+) -> ShutdownReport {
+    let config = shared.config;
+    let deadline = Instant::now() + config.graceful_timeout;
+    let last_call = deadline + SHUTDOWN_GRACE;
+    let mut report = ShutdownReport {
+        graceful: true,
+        ..ShutdownReport::default()
+    };
+    // No buffered row starts from here on.
+    shared.held.close();
+    // A claim in flight finishes (its rows are then given back); one the database does not
+    // answer is given up at the last call (its rows, if it committed, expire).
+    if tokio::time::timeout_at(last_call, claims).await.is_err() {
+        report.graceful = false;
+        tracing::warn!("outbox: a claim in flight did not finish before the shutdown deadline");
+    }
+    let buffered: Vec<Release> = shared
+        .held
+        .rows()
+        .into_iter()
+        .filter(|r| r.phase == Phase::Buffered)
+        .map(|r| Release {
+            lease: r.lease,
+            started: false,
+        })
+        .collect();
+    give_back(shared, &buffered, last_call, &mut report).await;
+
+    while !handlers.is_empty() {
+        if tokio::time::timeout_at(deadline, handlers.join_next())
+            .await
+            .is_err()
+        {
+            report.graceful = false;
+            break;
+        }
+    }
+    report.abandoned = handlers.len();
+    if report.abandoned > 0 {
+        tracing::warn!(
+            abandoned = report.abandoned,
+            "outbox: handlers still running at graceful_timeout are stopped; their rows are given back"
+        );
+        handlers.abort_all();
+        while handlers.join_next().await.is_some() {}
+    }
+    // Runs stopped at the deadline: a failed attempt each, given back due now, or ended
+    // when their strategy has no retry left.
+    let mut stopped_runs = Vec::new();
+    for row in shared.held.rows() {
+        if row.phase != Phase::Running {
+            continue;
+        }
+        let failures = u32::try_from(row.attempts_count)
+            .unwrap_or(0)
+            .saturating_add(1);
+        let exhausted = shared
+            .routes
+            .get(&row.queue)
+            .is_some_and(|r| !r.retry.allows_another(failures));
+        if exhausted {
+            let failure = Failure {
+                reason: FailureReason::Aborted,
+                last_error: Some("aborted at shutdown"),
+            };
+            let ended = tokio::time::timeout_at(last_call, shared.store.fail(row.lease, failure));
+            match ended.await {
+                Ok(Ok(Completion::Cancelled)) => report.cancelled += 1,
+                Ok(Ok(Completion::LeaseLost)) => {}
+                Ok(Ok(_)) => report.aborted += 1,
+                _ => {
+                    report.unreleased += 1;
+                    report.graceful = false;
                 }
             }
+            shared.held.remove(row.lease);
+        } else {
+            stopped_runs.push(Release {
+                lease: row.lease,
+                started: true,
+            });
         }
-        let abandoned = handlers.len();
-        if abandoned > 0 {
-            tracing::warn!(abandoned, "outbox: handlers still running at graceful_timeout; their rows will be redelivered after the lease expires");
-            handlers.abort_all();
+    }
+    give_back(shared, &stopped_runs, last_call, &mut report).await;
+
+    if let Some(acker) = acker {
+        // The acker ends once every handler task (and so every sender) is gone.
+        if tokio::time::timeout_at(last_call, acker).await.is_err() {
+            report.graceful = false;
+            tracing::warn!(
+                "outbox: pending acks not flushed in time; those rows will be redelivered"
+            );
         }
-        drop(deliveries_rx);
-        if let Some(acker) = acker {
-            // The acker ends once every handler task (and so every sender) is gone; the
-            // aborted ones drop theirs when the abort lands. Give the final flush at most
-            // the time left, and never less than one round trip's worth.
-            let flush_deadline = deadline.max(Instant::now() + Duration::from_secs(1));
-            if tokio::time::timeout_at(flush_deadline, acker)
-                .await
-                .is_err()
-            {
-                graceful = false;
-                tracing::warn!(
-                    "outbox: pending acks not flushed in time; those rows will be redelivered"
-                );
+    }
+    let _ = stop_renewal.send(true);
+    renewal.abort();
+    // Whatever is still held could not be given back (a completion still in flight, or
+    // the database did not answer): it expires after lease_ttl.
+    let left = shared.held.len();
+    if left > 0 {
+        report.unreleased += left;
+        report.graceful = false;
+        tracing::warn!(
+            unreleased = left,
+            "outbox: leases not given back at shutdown; those rows are claimed again once their lease expires"
+        );
+    }
+    report
+}
+
+/// Releases `items` before `last_call`, counting what happened in `report`.
+async fn give_back<S: Store>(
+    shared: &Shared<S>,
+    items: &[Release],
+    last_call: Instant,
+    report: &mut ShutdownReport,
+) {
+    if items.is_empty() {
+        return;
+    }
+    match tokio::time::timeout_at(last_call, shared.store.release(items)).await {
+        Ok(Ok(done)) => {
+            for (item, released) in items.iter().zip(done) {
+                match released {
+                    Released::Pending => report.released += 1,
+                    Released::Retried => report.retried += 1,
+                    Released::Cancelled => report.cancelled += 1,
+                    _ => {}
+                }
+                shared.held.remove(item.lease);
             }
         }
-        ShutdownReport {
-            graceful,
-            abandoned,
+        Ok(Err(e)) => {
+            report.graceful = false;
+            tracing::warn!(error = %e, rows = items.len(), "outbox: could not give leases back at shutdown; those rows are claimed again once their lease expires");
+        }
+        Err(_) => {
+            report.graceful = false;
+            tracing::warn!(
+                rows = items.len(),
+                "outbox: giving leases back did not finish before the shutdown deadline"
+            );
         }
     }
 }

@@ -1,6 +1,7 @@
-//! What the claim loop, the handler tasks and the acker share: the store, the routes, the
-//! knobs, the mapping from the store's clock to the local one, and the wake-up hint a
-//! completion leaves for the idle claim loop (SPEC §7.3).
+//! What the claim loop, the handler tasks, the acker and the renewal loop share: the store,
+//! the routes, the knobs, the held leases, the rows set aside as poison, the mapping from
+//! the store's clock to the local one, and the wake-up hint a completion leaves for the idle
+//! claim loop (SPEC §7.3).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -12,6 +13,8 @@ use tokio::time::Instant;
 
 use super::config::Config;
 use super::handler::Route;
+use super::leases::Held;
+use super::quarantine::Quarantine;
 use crate::store::Store;
 
 /// State shared by the claim loop, handler tasks and the acker.
@@ -19,6 +22,10 @@ pub(crate) struct Shared<S> {
     pub(crate) store: S,
     pub(crate) routes: Arc<HashMap<String, Route>>,
     pub(crate) config: Config,
+    /// Every lease the worker holds.
+    pub(crate) held: Held,
+    /// Rows no claim can take, set aside with back-off.
+    pub(crate) quarantine: Quarantine,
     /// Earliest local instant a completion of this worker made a row due (a rearm applied,
     /// a retry scheduled); read by the idle claim loop (SPEC §7.3).
     hint: std::sync::Mutex<Option<Instant>>,
@@ -32,6 +39,8 @@ impl<S: Store> Shared<S> {
         Shared {
             store,
             routes,
+            held: Held::new(config.lease_ttl),
+            quarantine: Quarantine::default(),
             config,
             hint: std::sync::Mutex::new(None),
             hint_changed: Notify::new(),
@@ -45,6 +54,13 @@ impl<S: Store> Shared<S> {
             (store_now - Utc::now()).num_microseconds().unwrap_or(0),
             std::sync::atomic::Ordering::Relaxed,
         );
+    }
+
+    /// The rows a claim must leave out: the ones held, and the ones set aside.
+    pub(crate) fn exclude(&self) -> Vec<i64> {
+        let mut ids = self.held.ids();
+        ids.extend(self.quarantine.ids(Instant::now()));
+        ids
     }
 
     /// Takes the hint a completion left, if any.

@@ -132,6 +132,7 @@ async fn claim_plan_uses_both_partial_indexes_on_a_large_backlog() {
             microseconds: 60_000_000,
         })
         .bind(uuid::Uuid::new_v4())
+        .bind(Vec::<i64>::new())
         .fetch_all(&f.pool)
         .await
         .unwrap();

@@ -81,6 +81,8 @@ fn row(id: i64, queue: &str, payload: &[u8], due: DateTime<Utc>) -> StoredRow {
         rearm_payload: None,
         rearm_headers: None,
         cancelled_at: None,
+        raw_headers: None,
+        raw_rearm_headers: None,
     }
 }
 
@@ -207,6 +209,7 @@ async fn claim_of_an_unleased_due_row<H: Harness>(h: &H) {
             deadline: at(0),
             first_attempt_at: None,
             claimed_at: at(5),
+            decode_error: None,
         }
     );
     let want = StoredRow {
@@ -471,6 +474,7 @@ async fn dead_letter_archive_contents<H: Harness>(h: &H) {
             queue: Q.to_owned(),
             payload: b"p0".to_vec(),
             headers: Some(hs),
+            raw_headers: None,
             timer_id: Some("k".to_owned()),
             attempts_count: 2,
             deliveries_count: 2,
@@ -941,6 +945,7 @@ async fn a_rearm_is_applied_by_the_dead_letter_delete<H: Harness>(h: &H) {
             queue: Q.to_owned(),
             payload: b"p0".to_vec(),
             headers: None,
+            raw_headers: None,
             timer_id: Some("k".to_owned()),
             attempts_count: 2,
             deliveries_count: 2,
@@ -1137,14 +1142,22 @@ async fn a_timer_key_is_free_again_once_its_row_is_gone<H: Harness>(h: &H) {
 
 async fn next_wakeup_reports_the_earliest_deadline_and_lease_expiry<H: Harness>(h: &H) {
     let qs = |qs: &[&str]| qs.iter().map(|q| (*q).to_owned()).collect::<Vec<_>>();
-    let w = h.store().next_wakeup(&qs(&[Q]), TTL).await.unwrap();
+    let w = h
+        .store()
+        .next_wakeup(ClaimRequest::new(&qs(&[Q]), 0, TTL))
+        .await
+        .unwrap();
     assert_eq!((w.now, w.deadline, w.lease_expiry), (at(0), None, None));
     publish(h, plain(b"a", 0)).await;
     publish(h, plain(b"b", 50)).await;
     publish(h, Message::new(Q2, b"c").schedule(secs(20))).await;
     claim_one(h).await;
     h.advance(secs(10)).await;
-    let w = h.store().next_wakeup(&qs(&[Q]), TTL).await.unwrap();
+    let w = h
+        .store()
+        .next_wakeup(ClaimRequest::new(&qs(&[Q]), 0, TTL))
+        .await
+        .unwrap();
     assert_eq!(
         (w.now, w.deadline, w.lease_expiry),
         (at(10), Some(at(50)), Some(at(30)))
@@ -1152,15 +1165,19 @@ async fn next_wakeup_reports_the_earliest_deadline_and_lease_expiry<H: Harness>(
     assert_eq!(w.earliest(), Some(at(30)));
     let w = h
         .store()
-        .next_wakeup(&qs(&[Q, Q2]), secs(60))
+        .next_wakeup(ClaimRequest::new(&qs(&[Q, Q2]), 0, secs(60)))
         .await
         .unwrap();
     assert_eq!((w.deadline, w.lease_expiry), (Some(at(20)), Some(at(60))));
-    let w = h.store().next_wakeup(&[], TTL).await.unwrap();
+    let w = h
+        .store()
+        .next_wakeup(ClaimRequest::new(&[], 0, TTL))
+        .await
+        .unwrap();
     assert_eq!((w.now, w.deadline, w.lease_expiry), (at(10), None, None));
     let e = h
         .store()
-        .next_wakeup(&qs(&[Q]), Duration::MAX)
+        .next_wakeup(ClaimRequest::new(&qs(&[Q]), 0, Duration::MAX))
         .await
         .unwrap_err();
     assert_eq!(invalid_field(e), "duration");
@@ -1440,7 +1457,7 @@ async fn a_queue_named_twice_does_not_shrink_the_claim<H: Harness>(h: &H) {
     assert_eq!(ids(&got), vec![1, 2], "{}", H::NAME);
     let next = h
         .store()
-        .next_wakeup(&[Q.to_owned(), Q.to_owned()], TTL)
+        .next_wakeup(ClaimRequest::new(&[Q.to_owned(), Q.to_owned()], 0, TTL))
         .await
         .unwrap();
     assert_eq!(next.deadline, Some(at(0)));
@@ -1451,7 +1468,7 @@ async fn next_wakeup_validates_queue_names<H: Harness>(h: &H) {
     for bad in ["", "a\0b"] {
         let err = h
             .store()
-            .next_wakeup(&[bad.to_owned()], TTL)
+            .next_wakeup(ClaimRequest::new(&[bad.to_owned()], 0, TTL))
             .await
             .unwrap_err();
         assert!(

@@ -340,7 +340,11 @@ impl<'h, H: Harness> Side<'h, H> {
             }
             Op::Wakeup(queues) => {
                 let names: Vec<String> = queues.iter().map(|q| QUEUES[*q].to_owned()).collect();
-                Outcome::Wakeup(s.next_wakeup(&names, TTL).await.map_err(err))
+                Outcome::Wakeup(
+                    s.next_wakeup(ClaimRequest::new(&names, 0, TTL))
+                        .await
+                        .map_err(err),
+                )
             }
         };
         self.h.advance(TICK).await;

@@ -273,7 +273,11 @@ async fn quoted_names_in_a_custom_schema_work_everywhere() {
     );
     assert_eq!(store.dead_letters("q", 10).await.unwrap().len(), 1);
     let n = store
-        .next_wakeup(&["q".to_owned()], Duration::from_secs(60))
+        .next_wakeup(ClaimRequest::new(
+            &["q".to_owned()],
+            0,
+            Duration::from_secs(60),
+        ))
         .await
         .unwrap();
     assert_eq!(n.earliest(), None);

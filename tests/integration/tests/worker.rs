@@ -259,19 +259,26 @@ async fn a_handler_that_extends_itself_three_times_runs_four_times() {
 
 /// A slow handler loses its lease; a second worker gets the row; the slow worker's
 /// completion is reported as lease_lost and changes nothing.
+/// SPEC §5.1, §7.8: when the lease of a running handler is lost (here: taken by SQL, as
+/// another worker's claim would), the handler learns it through its context at the next
+/// renewal, and its completion writes nothing.
 #[tokio::test]
-async fn a_slow_handler_is_redelivered_and_its_late_completion_changes_nothing() {
+async fn a_lost_lease_reaches_the_handler_and_its_completion_changes_nothing() {
     let f = Fixture::new().await;
-    let deliveries: Arc<Mutex<Vec<(u32, &'static str)>>> = Arc::default();
-    let slow = {
-        let deliveries = deliveries.clone();
+    let seen: Arc<Mutex<Vec<outbox::CancelReason>>> = Arc::default();
+    let started = Arc::new(Notify::new());
+    let w = {
+        let (seen, started) = (seen.clone(), started.clone());
         fast(f.store.clone())
-            .lease_ttl(Duration::from_millis(500))
+            .lease_ttl(Duration::from_millis(300))
             .timer::<Job>(move |_: Job, ctx: Context| {
-                let deliveries = deliveries.clone();
+                let (seen, started) = (seen.clone(), started.clone());
                 async move {
-                    deliveries.lock().unwrap().push((ctx.delivery(), "slow"));
-                    tokio::time::sleep(Duration::from_millis(2500)).await;
+                    started.notify_one();
+                    let why = ctx.cancelled().await;
+                    seen.lock().unwrap().push(why);
+                    assert_eq!(ctx.cancel_reason(), Some(why));
+                    Ok::<(), String>(())
                 }
             })
             .build()
@@ -279,56 +286,89 @@ async fn a_slow_handler_is_redelivered_and_its_late_completion_changes_nothing()
             .start()
     };
     seed_job(&f, 1).await;
-    eventually(10, "the slow worker starts", || async {
-        deliveries.lock().unwrap().len() == 1
-    })
-    .await;
-    // A second worker reclaims the expired lease and fails the run with a long retry.
-    let quick = {
-        let deliveries = deliveries.clone();
-        fast(f.store.clone())
-            .lease_ttl(Duration::from_millis(500))
-            .timer_with::<Job>(
-                move |_: Job, ctx: Context| {
-                    let deliveries = deliveries.clone();
-                    async move {
-                        deliveries.lock().unwrap().push((ctx.delivery(), "quick"));
-                        Outcome::RetryAfter(Duration::from_secs(3600))
-                    }
-                },
-                HandlerOptions::new(),
-            )
-            .build()
-            .unwrap()
-            .start()
-    };
-    let quick_ran = || async { deliveries.lock().unwrap().iter().any(|d| d.1 == "quick") };
-    eventually(10, "the quick worker ran the redelivery", quick_ran).await;
-    // The slow worker's own claim loop may also have reclaimed the expired lease into its
-    // buffer (delivery 2) before the quick worker took it: either way it is a redelivery.
-    assert!(deliveries
-        .lock()
-        .unwrap()
-        .iter()
-        .all(|d| d.1 == "slow" || d.0 >= 2));
-    eventually(5, "the retry is stored", || async {
-        f.rows("jobs")
-            .await
-            .first()
-            .is_some_and(|r| r.acquired_token.is_none())
-    })
-    .await;
-    let after_quick = f.rows("jobs").await;
-    // The slow worker finishes with success now: fenced, it must not delete the row.
-    assert!(slow.shutdown().await.graceful);
-    assert_eq!(
-        f.rows("jobs").await,
-        after_quick,
-        "the stale completion changed nothing"
+    started.notified().await;
+    // Another claimer takes the row: a new token.
+    let stolen = format!(
+        "UPDATE {} SET acquired_token = gen_random_uuid(), acquired_at = now() RETURNING acquired_token",
+        f.outbox.table()
     );
-    assert_eq!(after_quick[0].attempts_count, 1);
-    quick.shutdown().await;
+    let token: uuid::Uuid = sqlx::query_scalar(AssertSqlSafe(stolen))
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    // Renewal runs every lease_ttl / 3 = 100 ms: bound by 3 × lease_ttl.
+    eventually(1, "the handler hears of the lost lease", || async {
+        !seen.lock().unwrap().is_empty()
+    })
+    .await;
+    assert_eq!(*seen.lock().unwrap(), vec![outbox::CancelReason::LeaseLost]);
+    w.shutdown().await;
+    let rows = f.rows("jobs").await;
+    assert_eq!(rows.len(), 1, "the stale success deleted nothing");
+    assert_eq!(
+        rows[0].acquired_token,
+        Some(token),
+        "the new lease is untouched"
+    );
     f.cleanup().await;
+}
+
+/// SPEC §7.8, the cases: a handler that runs longer than `lease_ttl` runs once and
+/// completes, with one worker, with two workers on the queue, and with the dead-letter
+/// queue on and a lease shorter than the run (today: redelivered until `max_deliveries`).
+#[tokio::test]
+async fn a_handler_longer_than_its_lease_runs_once() {
+    for (workers, ttl_ms, run_ms) in [(1, 1000, 1500), (2, 1000, 1500), (1, 300, 450)] {
+        let f = Fixture::new().await;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let overlapping = Arc::new(AtomicUsize::new(0));
+        let running = Arc::new(AtomicUsize::new(0));
+        let mut started = Vec::new();
+        for _ in 0..workers {
+            let (runs, running, overlapping) = (runs.clone(), running.clone(), overlapping.clone());
+            started.push(
+                fast(f.store.clone())
+                    .lease_ttl(Duration::from_millis(ttl_ms))
+                    .timer::<Job>(move |_: Job, _: Context| {
+                        let (runs, running, overlapping) =
+                            (runs.clone(), running.clone(), overlapping.clone());
+                        async move {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            if running.fetch_add(1, Ordering::SeqCst) > 0 {
+                                overlapping.fetch_add(1, Ordering::SeqCst);
+                            }
+                            tokio::time::sleep(Duration::from_millis(run_ms)).await;
+                            running.fetch_sub(1, Ordering::SeqCst);
+                        }
+                    })
+                    .build()
+                    .unwrap()
+                    .start(),
+            );
+        }
+        seed_job(&f, 1).await;
+        eventually(10, "the row completes", || async {
+            f.rows("jobs").await.is_empty()
+        })
+        .await;
+        // Three more lease periods: a redelivery would have happened by now.
+        tokio::time::sleep(Duration::from_millis(3 * ttl_ms)).await;
+        for w in started {
+            w.shutdown().await;
+        }
+        let label = format!("{workers} worker(s), lease {ttl_ms} ms, run {run_ms} ms");
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{label}");
+        assert_eq!(overlapping.load(Ordering::SeqCst), 0, "{label}");
+        let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {}",
+            f.outbox.dead_letter_table()
+        )))
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+        assert_eq!(dead, 0, "{label}: nothing dead-lettered");
+        f.cleanup().await;
+    }
 }
 
 #[tokio::test]
@@ -566,17 +606,17 @@ async fn shutdown_waits_for_running_handlers_and_abandons_wedged_ones() {
     })
     .await;
     let report = w.shutdown().await;
+    assert!(report.graceful, "{report:?}");
     assert_eq!(
-        report,
-        outbox::ShutdownReport {
-            graceful: true,
-            abandoned: 0
-        }
+        (report.abandoned, report.retried, report.unreleased),
+        (0, 0, 0),
+        "{report:?}"
     );
     assert_eq!(finished.load(Ordering::SeqCst), 1);
     assert!(f.rows("jobs").await.is_empty());
 
-    // Wedged: shutdown returns after the timeout; the row stays leased, not lost.
+    // Wedged: shutdown returns after the timeout; the run is stopped and its row given back
+    // as a failed attempt, due now (SPEC §7.5).
     let w = make(Duration::from_secs(3600), Duration::from_millis(300));
     seed_job(&f, 2).await;
     eventually(10, "started", || async {
@@ -589,17 +629,20 @@ async fn shutdown_waits_for_running_handlers_and_abandons_wedged_ones() {
         t0.elapsed() < Duration::from_secs(10),
         "shutdown is not held by a wedged handler"
     );
+    assert!(!report.graceful, "{report:?}");
     assert_eq!(
-        report,
-        outbox::ShutdownReport {
-            graceful: false,
-            abandoned: 1
-        }
+        (report.abandoned, report.retried, report.unreleased),
+        (1, 1, 0),
+        "{report:?}"
     );
     let rows = f.rows("jobs").await;
     assert_eq!(rows.len(), 1);
-    assert!(rows[0].acquired_token.is_some());
-    // A new worker picks it up once the lease expires.
+    assert_eq!(rows[0].acquired_token, None, "given back, not left leased");
+    assert_eq!(
+        rows[0].attempts_count, 1,
+        "the stopped run counts as an attempt"
+    );
+    // A new worker picks it up at once.
     let w = make(Duration::ZERO, Duration::from_secs(5));
     eventually(10, "redelivered and finished", || async {
         f.rows("jobs").await.is_empty()

@@ -64,9 +64,33 @@ impl Store for Counting {
         self.hit("fail");
         self.inner.fail(lease, failure).await
     }
-    async fn next_wakeup(&self, q: &[String], ttl: Duration) -> outbox::Result<NextWakeup> {
+    async fn next_wakeup(&self, request: ClaimRequest<'_>) -> outbox::Result<NextWakeup> {
         self.hit("next_wakeup");
-        self.inner.next_wakeup(q, ttl).await
+        self.inner.next_wakeup(request).await
+    }
+    async fn peek(&self, request: ClaimRequest<'_>) -> outbox::Result<Vec<(i64, String)>> {
+        self.hit("peek");
+        self.inner.peek(request).await
+    }
+    async fn renew(&self, leases: &[Lease]) -> outbox::Result<Vec<outbox::Renewal>> {
+        self.hit("renew");
+        self.inner.renew(leases).await
+    }
+    async fn release(&self, items: &[outbox::Release]) -> outbox::Result<Vec<outbox::Released>> {
+        self.hit("release");
+        self.inner.release(items).await
+    }
+    async fn fail_unclaimed(
+        &self,
+        id: i64,
+        ttl: Duration,
+        failure: Failure<'_>,
+    ) -> outbox::Result<Completion> {
+        self.hit("fail_unclaimed");
+        self.inner.fail_unclaimed(id, ttl, failure).await
+    }
+    fn max_connections(&self) -> Option<u32> {
+        self.inner.max_connections()
     }
     fn dead_letter_enabled(&self) -> bool {
         self.inner.dead_letter_enabled()
@@ -670,6 +694,6 @@ async fn public_futures_are_send() {
     send((&pool).publish_message(Message::new("q", b"x")));
     send(publish_job(&pool, "k", &Job { n: 1 }, Duration::ZERO));
     send(publish_job(&store, "k", &Job { n: 1 }, Duration::ZERO));
-    send(store.next_wakeup(&[], Duration::from_secs(1)));
+    send(store.next_wakeup(ClaimRequest::new(&[], 0, Duration::from_secs(1))));
     send(store.wakeups());
 }

@@ -1,0 +1,218 @@
+//! The leases a worker holds (SPEC §7.7, §7.8): every claimed row from its claim until its
+//! completion lands — waiting in the buffer, running, or waiting to be acked. The claim
+//! loop registers them, the handler tasks move them along, the renewal loop keeps them
+//! alive and tells running handlers when one is lost or cancelled, and shutdown releases
+//! what is left.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::handler::CancelReason;
+use crate::store::{Delivery, Lease, Renewal};
+
+/// Where a held row is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Claimed, waiting in the buffer for a handler slot.
+    Buffered,
+    /// Its handler runs.
+    Running,
+    /// Its handler is done; the completion is being written (or waits in the ack batch).
+    Completing,
+}
+
+#[derive(Debug)]
+struct Entry {
+    lease: Lease,
+    queue: String,
+    /// Failed runs before this one, for the release of a run stopped at shutdown.
+    attempts_count: i32,
+    phase: Phase,
+    /// The local instant the lease expires unless renewed.
+    until: Instant,
+    /// Tells the running handler it should stop; `Some` once the lease is lost or the timer
+    /// cancelled.
+    stop: watch::Sender<Option<CancelReason>>,
+}
+
+/// A held row as shutdown sees it.
+#[derive(Debug, Clone)]
+pub(crate) struct HeldRow {
+    pub lease: Lease,
+    pub queue: String,
+    pub attempts_count: i32,
+    pub phase: Phase,
+}
+
+/// The registry of held leases.
+#[derive(Debug)]
+pub(crate) struct Held {
+    lease_ttl: Duration,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    rows: HashMap<i64, Entry>,
+    /// Set at shutdown: no buffered row starts any more (they are released instead).
+    closed: bool,
+}
+
+impl Held {
+    pub(crate) fn new(lease_ttl: Duration) -> Self {
+        Held {
+            lease_ttl,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a claimed row; its lease runs from `claimed` (local clock).
+    pub(crate) fn add(&self, d: &Delivery, claimed: Instant) {
+        let (stop, _) = watch::channel(None);
+        self.lock().rows.insert(
+            d.lease.id,
+            Entry {
+                lease: d.lease,
+                queue: d.queue.clone(),
+                attempts_count: d.attempts_count,
+                phase: Phase::Buffered,
+                until: claimed + self.lease_ttl,
+                stop,
+            },
+        );
+    }
+
+    /// A handler slot takes the row: `Some(stop signal)` if it may start, `None` if it must
+    /// not (the lease was lost while it waited, or shutdown began), in which case the
+    /// handler task drops the delivery.
+    pub(crate) fn start(&self, lease: Lease) -> Option<watch::Receiver<Option<CancelReason>>> {
+        let mut inner = self.lock();
+        if inner.closed {
+            return None;
+        }
+        let entry = inner.rows.get_mut(&lease.id).filter(|e| e.lease == lease)?;
+        if entry
+            .stop
+            .borrow()
+            .is_some_and(|r| r == CancelReason::LeaseLost)
+        {
+            inner.rows.remove(&lease.id);
+            return None;
+        }
+        entry.phase = Phase::Running;
+        Some(entry.stop.subscribe())
+    }
+
+    /// The handler is done; its completion is being written.
+    pub(crate) fn completing(&self, lease: Lease) {
+        if let Some(e) = self.lock().rows.get_mut(&lease.id) {
+            if e.lease == lease {
+                e.phase = Phase::Completing;
+            }
+        }
+    }
+
+    /// The completion landed (or was dropped): the row is no longer held.
+    pub(crate) fn remove(&self, lease: Lease) {
+        let mut inner = self.lock();
+        if inner.rows.get(&lease.id).is_some_and(|e| e.lease == lease) {
+            inner.rows.remove(&lease.id);
+        }
+    }
+
+    /// When the lease runs out unless renewed (local clock); now if it is not held.
+    pub(crate) fn until(&self, lease: Lease) -> Instant {
+        self.lock()
+            .rows
+            .get(&lease.id)
+            .filter(|e| e.lease == lease)
+            .map_or_else(Instant::now, |e| e.until)
+    }
+
+    /// Ids of every held row: a claim leaves them out (SPEC §7.8).
+    pub(crate) fn ids(&self) -> Vec<i64> {
+        self.lock().rows.keys().copied().collect()
+    }
+
+    /// Every held lease, for a renewal.
+    pub(crate) fn leases(&self) -> Vec<Lease> {
+        self.lock().rows.values().map(|e| e.lease).collect()
+    }
+
+    /// How many rows are held.
+    pub(crate) fn len(&self) -> usize {
+        self.lock().rows.len()
+    }
+
+    /// Applies a renewal taken at `renewed` (local clock, before the statement was sent).
+    /// Returns the leases found lost, with their queues, for the caller's metrics.
+    pub(crate) fn renewed(
+        &self,
+        results: &[(Lease, Renewal)],
+        renewed: Instant,
+    ) -> Vec<(Lease, String, Phase)> {
+        let mut inner = self.lock();
+        let mut lost = Vec::new();
+        for &(lease, renewal) in results {
+            let Some(e) = inner.rows.get_mut(&lease.id).filter(|e| e.lease == lease) else {
+                continue;
+            };
+            match renewal {
+                Renewal::Renewed => e.until = e.until.max(renewed + self.lease_ttl),
+                Renewal::Cancelled => {
+                    e.until = e.until.max(renewed + self.lease_ttl);
+                    e.stop.send_if_modified(|r| {
+                        let changed = r.is_none();
+                        r.get_or_insert(CancelReason::TimerCancelled);
+                        changed
+                    });
+                }
+                Renewal::Lost => {
+                    e.stop.send_replace(Some(CancelReason::LeaseLost));
+                    lost.push((lease, e.queue.clone(), e.phase));
+                }
+                // Locked by another transaction: not renewed this time, not lost either.
+                _ => {}
+            }
+        }
+        lost
+    }
+
+    /// Shutdown: no buffered row starts any more. Returns every held row.
+    pub(crate) fn close(&self) -> Vec<HeldRow> {
+        let mut inner = self.lock();
+        inner.closed = true;
+        inner
+            .rows
+            .values()
+            .map(|e| HeldRow {
+                lease: e.lease,
+                queue: e.queue.clone(),
+                attempts_count: e.attempts_count,
+                phase: e.phase,
+            })
+            .collect()
+    }
+
+    /// Every held row now (after `close`).
+    pub(crate) fn rows(&self) -> Vec<HeldRow> {
+        self.lock()
+            .rows
+            .values()
+            .map(|e| HeldRow {
+                lease: e.lease,
+                queue: e.queue.clone(),
+                attempts_count: e.attempts_count,
+                phase: e.phase,
+            })
+            .collect()
+    }
+}
