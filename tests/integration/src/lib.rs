@@ -6,6 +6,7 @@
 //! with a message saying how to start it: they never skip silently.
 
 pub mod contract;
+pub mod proxy;
 
 use std::time::Duration;
 
