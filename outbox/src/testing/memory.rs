@@ -592,19 +592,28 @@ impl State {
             .collect()
     }
 
-    /// The release statement (SPEC §7.5): see [`Released`].
+    /// The release statement (SPEC §7.5): see [`Released`]. Like the statement, a lease
+    /// named twice is released once and both items report that outcome.
     fn release(&mut self, items: &[Release]) -> Vec<Released> {
-        let now = self.now;
-        let mut out = Vec::with_capacity(items.len());
+        let mut done: HashMap<Lease, Released> = HashMap::new();
         for item in items {
+            if !done.contains_key(&item.lease) {
+                let outcome = self.release_one(*item);
+                done.insert(item.lease, outcome);
+            }
+        }
+        items.iter().map(|i| done[&i.lease]).collect()
+    }
+
+    fn release_one(&mut self, item: Release) -> Released {
+        let now = self.now;
+        {
             let Some(row) = self.leased(item.lease) else {
-                out.push(Released::LeaseLost);
-                continue;
+                return Released::LeaseLost;
             };
             if cancelled(row) {
                 self.rows.remove(&item.lease.id);
-                out.push(Released::Cancelled);
-                continue;
+                return Released::Cancelled;
             }
             let rearm = row.rearm_at.take();
             if let Some(at) = rearm {
@@ -633,13 +642,12 @@ impl State {
             row.cancelled_at = None;
             let (queue, at) = (row.queue.clone(), row.next_attempt_at);
             self.notify(&queue, at);
-            out.push(if item.started {
-                Released::Retried
-            } else {
-                Released::Pending
-            });
         }
-        out
+        if item.started {
+            Released::Retried
+        } else {
+            Released::Pending
+        }
     }
 
     /// The delete-based terminal failure of a row no claim can take.
@@ -653,7 +661,10 @@ impl State {
         let free = self.rows.get(&id).is_some_and(|r| {
             r.acquired_token.is_none() || r.acquired_at.is_some_and(|a| a < expired_before)
         });
-        let Some(row) = self.rows.remove(&id).filter(|_| free) else {
+        if !free {
+            return Ok(Completion::LeaseLost);
+        }
+        let Some(row) = self.rows.remove(&id) else {
             return Ok(Completion::LeaseLost);
         };
         if self.dead_letter {

@@ -12,8 +12,8 @@ use chrono::{DateTime, TimeDelta, Utc};
 use outbox::store::MAX_LAST_ERROR_BYTES;
 use outbox::{
     BatchItem, Cancelled, ClaimRequest, Completion, DeadLetter, Delivery, Error, Failure,
-    FailureReason, Headers, Lease, Message, OnConflict, Published, Schedule, Store, StoredRow,
-    Wakeup,
+    FailureReason, Headers, Lease, Message, OnConflict, Published, Release, Released, Renewal,
+    Schedule, Store, StoredRow, Wakeup,
 };
 use outbox_tests::contract::{start, Harness, MemHarness, PgHarness};
 use uuid::Uuid;
@@ -1563,6 +1563,213 @@ async fn a_reclaimed_cancelled_row_is_deleted_not_delivered<H: Harness>(h: &H) {
     assert_eq!(only_row(h).await.cancelled_at, None);
 }
 
+/// SPEC §7.8: a renewal moves `acquired_at` of every lease still held, reports a row a
+/// cancel reached, and reports a lease that is lost; it changes nothing else.
+async fn renew_keeps_leases_alive_and_reports_cancel_and_loss<H: Harness>(h: &H) {
+    for key in ["a", "b", "c"] {
+        publish(h, extend(key, b"p", at(0))).await; // 1, 2, 3
+    }
+    let ds = claim(h, &[Q], 10).await;
+    assert_eq!(ids(&ds), vec![1, 2, 3]);
+    h.advance(secs(20)).await;
+    h.cancel(Q, "b").await.unwrap();
+    // Row 3's lease is taken over: its old token is lost.
+    h.advance(TTL).await;
+    let renewed = h.store().renew(&[ds[0].lease, ds[1].lease]).await.unwrap();
+    assert_eq!(renewed, vec![Renewal::Renewed, Renewal::Cancelled]);
+    let taken = claim(h, &[Q], 10).await;
+    assert_eq!(ids(&taken), vec![3], "only the lease not renewed expired");
+    assert_eq!(
+        h.store()
+            .renew(&[ds[2].lease, wrong(ds[0].lease)])
+            .await
+            .unwrap(),
+        vec![Renewal::Lost, Renewal::Lost]
+    );
+    let live = rows(h, Q).await;
+    assert_eq!(
+        live[0].acquired_at,
+        Some(at(50)),
+        "renewed at the store's now"
+    );
+    assert_eq!(live[1].acquired_at, Some(at(50)));
+    assert_eq!(live[1].cancelled_at, Some(at(20)), "the mark stays");
+    assert_eq!(live[0].deliveries_count, 1, "a renewal is not a delivery");
+    assert!(h.store().renew(&[]).await.unwrap().is_empty());
+}
+
+/// SPEC §7.5: every row of the release table.
+async fn release_gives_rows_back_as_the_table_says<H: Harness>(h: &H) {
+    // 1: never started, no rearm. 2: never started, rearm queued. 3: cancelled.
+    // 4: started, no rearm. 5: started, rearm queued.
+    for key in ["n", "nr", "c", "s", "sr"] {
+        publish(h, extend(key, key.as_bytes(), at(0))).await;
+    }
+    let ds = claim(h, &[Q], 10).await;
+    assert_eq!(ids(&ds), vec![1, 2, 3, 4, 5]);
+    h.advance(secs(1)).await;
+    publish(h, extend("nr", b"later", secs(60))).await; // uses id 6
+    publish(h, extend("sr", b"later", secs(90))).await; // uses id 7
+    h.cancel(Q, "c").await.unwrap();
+    h.advance(secs(1)).await;
+    let items: Vec<Release> = ds
+        .iter()
+        .map(|d| Release {
+            lease: d.lease,
+            started: matches!(d.timer_id.as_deref(), Some("s" | "sr")),
+        })
+        .collect();
+    let mut with_stale = items.clone();
+    with_stale.push(Release {
+        lease: wrong(ds[0].lease),
+        started: false,
+    });
+    assert_eq!(
+        h.store().release(&with_stale).await.unwrap(),
+        vec![
+            Released::Pending,
+            Released::Pending,
+            Released::Cancelled,
+            Released::Retried,
+            Released::Retried,
+            Released::LeaseLost,
+        ]
+    );
+    let live = rows(h, Q).await;
+    let by = |k: &str| {
+        live.iter()
+            .find(|r| r.timer_id.as_deref() == Some(k))
+            .unwrap()
+            .clone()
+    };
+    assert!(
+        live.iter().all(|r| r.timer_id.as_deref() != Some("c")),
+        "cancelled: deleted"
+    );
+    assert_eq!(
+        by("n"),
+        timer_row(1, "n", b"n", at(0)),
+        "pending as before, not delivered"
+    );
+    assert_eq!(
+        by("nr"),
+        timer_row(2, "nr", b"later", at(61)),
+        "the rearm applied as a pending extend"
+    );
+    assert_eq!(
+        by("s"),
+        StoredRow {
+            attempts_count: 1,
+            deliveries_count: 1,
+            first_attempt_at: Some(at(2)),
+            last_attempt_at: Some(at(2)),
+            ..timer_row(4, "s", b"s", at(2))
+        },
+        "due now, the attempt recorded"
+    );
+    assert_eq!(
+        by("sr"),
+        StoredRow {
+            attempts_count: 1,
+            deliveries_count: 1,
+            first_attempt_at: Some(at(2)),
+            last_attempt_at: Some(at(2)),
+            ..timer_row(5, "sr", b"later", at(91))
+        },
+        "the rearm replaces the due-now retry"
+    );
+    assert!(h.store().release(&[]).await.unwrap().is_empty());
+}
+
+/// SPEC §6, §7.4, §7.8: a claim leaves out the rows it is told to, takes only among the
+/// rows it is told to, and `peek` lists what a claim would take without taking it.
+async fn claim_exclude_only_and_peek<H: Harness>(h: &H) {
+    for p in [b"a", b"b", b"c", b"d"] {
+        publish(h, plain(p, 0)).await; // 1..=4
+    }
+    let queues = [Q.to_owned()];
+    let peeked = h
+        .store()
+        .peek(ClaimRequest::new(&queues, 3, TTL).excluding(&[2]))
+        .await
+        .unwrap();
+    assert_eq!(
+        peeked,
+        vec![(1, Q.to_owned()), (3, Q.to_owned()), (4, Q.to_owned())]
+    );
+    assert!(
+        rows(h, Q).await.iter().all(|r| r.acquired_token.is_none()),
+        "peek takes nothing"
+    );
+    let got = h
+        .store()
+        .claim(
+            ClaimRequest::new(&queues, 10, TTL)
+                .only(&[3, 4, 99])
+                .excluding(&[4]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ids(&got), vec![3]);
+    let next = h
+        .store()
+        .next_wakeup(ClaimRequest::new(&queues, 0, TTL).excluding(&[1, 2, 4]))
+        .await
+        .unwrap();
+    assert_eq!(
+        next.deadline, None,
+        "excluded rows are left out of the wake-up too"
+    );
+    assert_eq!(next.lease_expiry, Some(at(30)), "row 3's lease");
+    let rest = h
+        .store()
+        .claim(ClaimRequest::new(&queues, 10, TTL).excluding(&[1]))
+        .await
+        .unwrap();
+    assert_eq!(ids(&rest), vec![2, 4]);
+}
+
+/// SPEC §7.4: the delete-based terminal failure of a row no claim can take ends it only
+/// when nobody holds it, archiving it when the dead-letter queue is on.
+async fn fail_unclaimed_ends_only_unheld_rows<H: Harness>(h: &H) {
+    publish(h, plain(b"free", 0)).await; // 1
+    publish(h, plain(b"held", 0)).await; // 2
+    let held = claim(h, &[Q], 1).await;
+    assert_eq!(ids(&held), vec![1]);
+    let failure = Failure {
+        reason: FailureReason::MaxDeliveries,
+        last_error: Some("could not be claimed"),
+    };
+    assert_eq!(
+        h.store().fail_unclaimed(1, TTL, failure).await.unwrap(),
+        Completion::LeaseLost,
+        "a held row is not touched"
+    );
+    assert_eq!(
+        h.store().fail_unclaimed(2, TTL, failure).await.unwrap(),
+        Completion::Deleted
+    );
+    h.advance(TTL + secs(1)).await;
+    assert_eq!(
+        h.store().fail_unclaimed(1, TTL, failure).await.unwrap(),
+        Completion::Deleted,
+        "an expired lease is nobody's"
+    );
+    assert_eq!(
+        h.store().fail_unclaimed(1, TTL, failure).await.unwrap(),
+        Completion::LeaseLost,
+        "gone"
+    );
+    assert!(rows(h, Q).await.is_empty());
+    let dead = dead_letters(h).await;
+    assert_eq!(dead.len(), 2);
+    assert_eq!(dead[0].original_id, 2);
+    assert_eq!(dead[0].failure_reason, "max_deliveries");
+    assert_eq!(dead[0].last_error.as_deref(), Some("could not be claimed"));
+    assert_eq!(dead[1].original_id, 1);
+    assert_eq!(dead[1].deliveries_count, 1);
+}
+
 macro_rules! contract {
     ($($name:ident(dead_letter = $dlq:expr);)*) => {
         mod postgres {
@@ -1627,4 +1834,8 @@ contract! {
     next_wakeup_validates_queue_names(dead_letter = true);
     a_cancelled_run_is_deleted_however_it_ends(dead_letter = true);
     a_reclaimed_cancelled_row_is_deleted_not_delivered(dead_letter = true);
+    renew_keeps_leases_alive_and_reports_cancel_and_loss(dead_letter = true);
+    release_gives_rows_back_as_the_table_says(dead_letter = true);
+    claim_exclude_only_and_peek(dead_letter = true);
+    fail_unclaimed_ends_only_unheld_rows(dead_letter = true);
 }

@@ -92,6 +92,10 @@ enum Op {
     AckLive(bool),
     Retry(Pick, u8),
     Fail(Pick, u8, bool),
+    /// A lease renewal of the picked leases.
+    Renew(Vec<Pick>),
+    /// A release at shutdown of the picked leases, each started or not.
+    Release(Vec<(Pick, bool)>),
     Advance(u8),
     /// Move the clock so that the next operation runs exactly at (or a microsecond before
     /// or after) a deadline or a lease expiry, picked at run time: the `<=` and `<` edges.
@@ -142,6 +146,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<bool>().prop_map(Op::AckLive),
         2 => (pick(), 0..40u8).prop_map(|(p, d)| Op::Retry(p, d)),
         2 => (pick(), 0..4u8, any::<bool>()).prop_map(|(p, r, e)| Op::Fail(p, r, e)),
+        1 => prop::collection::vec(pick(), 0..4).prop_map(Op::Renew),
+        1 => prop::collection::vec((pick(), any::<bool>()), 0..4).prop_map(Op::Release),
         3 => (1..=10u8).prop_map(Op::Advance),
         1 => (25..=40u8).prop_map(Op::Advance),
         2 => (any::<Index>(), -1..=1i8).prop_map(|(i, nudge)| Op::AdvanceToEdge(i, nudge)),
@@ -166,6 +172,8 @@ enum Outcome {
     Claimed(Result<Vec<Delivery>, String>),
     Completed(Result<Completion, String>),
     Batched(Result<Vec<Completion>, String>),
+    Renewed(Result<Vec<outbox::Renewal>, String>),
+    Released(Result<Vec<outbox::Released>, String>),
     Wakeup(Result<outbox::NextWakeup, String>),
     Advanced,
 }
@@ -328,6 +336,22 @@ impl<'h, H: Harness> Side<'h, H> {
                 };
                 Outcome::Completed(s.fail(leases[0], failure).await.map_err(err))
             }
+            Op::Renew(_) => Outcome::Renewed(s.renew(leases).await.map_err(err)),
+            Op::Release(picks) => {
+                // A worker releases each lease it holds once; a lease named twice with both
+                // flags has no defined outcome, so the model names each lease once.
+                let mut seen = std::collections::HashSet::new();
+                let items: Vec<outbox::Release> = leases
+                    .iter()
+                    .zip(picks)
+                    .filter(|(lease, _)| seen.insert(**lease))
+                    .map(|(&lease, (_, started))| outbox::Release {
+                        lease,
+                        started: *started,
+                    })
+                    .collect();
+                Outcome::Released(s.release(&items).await.map_err(err))
+            }
             Op::ExtendLeased { .. } => unreachable!("resolved to a publish"),
             Op::AdvanceToEdge(..) => unreachable!("resolved to an advance"),
             Op::AdvanceBy(by) => {
@@ -386,7 +410,8 @@ fn leases_for(op: &Op, known: &[(Lease, Lease)], rows: &[StoredRow]) -> (Vec<Lea
     };
     let picks: Vec<&Pick> = match op {
         Op::Ack(p) | Op::Retry(p, _) | Op::Fail(p, _, _) => vec![p],
-        Op::AckBatch(ps) => ps.iter().collect(),
+        Op::AckBatch(ps) | Op::Renew(ps) => ps.iter().collect(),
+        Op::Release(ps) => ps.iter().map(|(p, _)| p).collect(),
         Op::AckLive(stale_first) => {
             let mut out: Vec<(Lease, Lease)> = Vec::new();
             if *stale_first {
