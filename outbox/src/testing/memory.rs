@@ -597,9 +597,8 @@ impl State {
     fn release(&mut self, items: &[Release]) -> Vec<Released> {
         let mut done: HashMap<Lease, Released> = HashMap::new();
         for item in items {
-            if !done.contains_key(&item.lease) {
-                let outcome = self.release_one(*item);
-                done.insert(item.lease, outcome);
+            if let std::collections::hash_map::Entry::Vacant(slot) = done.entry(item.lease) {
+                slot.insert(self.release_one(*item));
             }
         }
         items.iter().map(|i| done[&i.lease]).collect()
