@@ -80,7 +80,8 @@ impl Proxy {
     /// are refused until [`Proxy::restore`].
     pub async fn cut(&self) {
         self.cut.send_replace(true);
-        if let Some(task) = self.accept.lock().unwrap().take() {
+        let task = self.accept.lock().unwrap().take();
+        if let Some(task) = task {
             task.abort();
             let _ = task.await;
         }
