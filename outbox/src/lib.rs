@@ -101,7 +101,22 @@
 //!   `<table>_wakeup` (`<schema>.<table>_wakeup` with an explicit schema).
 //! - **Publishing through generated functions** on a plain connection uses
 //!   [`Outbox::global`] (the defaults unless [`Outbox::set_global`] was called); to use
-//!   another outbox, pass `&mut outbox.on(&mut *tx)` ([`Outbox::on`]).
+//!   another outbox, pass `outbox.on(&mut *tx)` ([`Outbox::on`]).
+//! - **Sizes**: a payload holds at most 64 MiB ([`MAX_PAYLOAD_BYTES`]) and a message's
+//!   headers 64 KiB in all ([`MAX_HEADERS_BYTES`]): far below Postgres' own 1 GiB, which a
+//!   statement cannot carry without resetting the connection.
+//! - **Lease renewal** runs every third of `lease_ttl`; a row locked by another transaction
+//!   at that moment is reported [`Renewal::Busy`] and tried again next time, never
+//!   declared lost on that ground.
+//! - **Handler timeout** defaults to 5 minutes ([`DEFAULT_HANDLER_TIMEOUT`]).
+//! - **Worker writes with a lock timeout** (completions, renewal, release) use 200 ms
+//!   ([`store::postgres::LOCK_TIMEOUT`]) on a second pool the [`PgStore`] opens itself.
+//! - **A row no claim can take** is set aside for 1 s, doubling up to 5 minutes, and after
+//!   `max_deliveries` such failures deleted (archived with reason `max_deliveries`).
+//! - **Shutdown** gives back rows claimed but not started at once, rather than running
+//!   them, and returns within `graceful_timeout` + [`SHUTDOWN_GRACE`] (250 ms).
+//! - **A failed run of a cancelled timer** reports [`Completion::Cancelled`] (its row is
+//!   deleted); a successful one reports [`Completion::Deleted`] as usual.
 #![deny(missing_docs)]
 #![warn(unreachable_pub)]
 

@@ -67,41 +67,94 @@ use crate::store::{
 /// # Ok(()) }
 /// ```
 ///
+/// # Leases
+/// A claim leases its rows for `lease_ttl`; the worker **renews** every lease it holds —
+/// rows waiting in its buffer, running, or waiting for a batched ack — with one statement
+/// every third of `lease_ttl`, whatever the number of leases. So a handler may run far
+/// longer than `lease_ttl` and still run once: `lease_ttl` is how long a **dead** worker's
+/// rows wait before another worker takes them, and can be short (seconds). All workers
+/// serving a queue must use the same `lease_ttl`: expiry is judged by the claimer's value.
+/// A worker never claims a row it still holds.
+///
+/// When a renewal finds a lease lost (the worker could not renew it in time and another
+/// worker claimed the row) or the timer cancelled, the running handler learns it through
+/// [`Context::cancelled`](handler::Context::cancelled) and may stop early; a row whose lease
+/// was lost before it started never starts. Each handler has a timeout
+/// ([`HandlerOptions::timeout`](handler::HandlerOptions::timeout), 5 minutes by default): a
+/// run past it is stopped and counts as a failed run (terminal reason `timeout` when no
+/// retry is left), with a warning naming the row and the handler.
+///
 /// # Sizing
 /// A worker holds at most `fetch_batch_size + concurrency × ack_batch_size` leases at once
-/// (SPEC §7.7): the claimed rows waiting for a handler, the running ones, and successes
-/// waiting in the ack batch. Every one of them must finish within `lease_ttl`, or another
-/// worker reclaims the row and this worker's completion is dropped as `lease_lost`. Size
-/// `lease_ttl` above the handler's p99 time **plus** the wait in the buffer
-/// (`fetch_batch_size / concurrency × handler time`) with a wide margin; when handlers are
-/// slow, keep `fetch_batch_size` close to `concurrency`.
+/// (SPEC §7.7), plus the successes of at most two batched acks being written: the claimed
+/// rows waiting for a handler, the running ones, and successes waiting in the ack batch.
+/// Keep `fetch_batch_size` close to `concurrency` when handlers are slow, so claimed rows
+/// do not wait long in the buffer (another worker could run them meanwhile).
 ///
-/// A worker uses its pool for claims and completions (at most
-/// `concurrency + 2` statements in flight) plus one dedicated LISTEN connection. Any number
-/// of workers, in any number of processes, may serve the same queues (SPEC §7.6):
-/// `SKIP LOCKED` claims and token-fenced writes need no coordination. Past what one
-/// primary can absorb, split queues across databases, each with its own `Outbox`.
+/// Over a [`PgStore`](crate::PgStore) a worker needs `concurrency + 2` connections of the
+/// store's pool at once (a completion per handler slot, the batched acks, the renewal; the
+/// claim loop takes turns with them), checked by [`WorkerBuilder::build`](builder::WorkerBuilder::build); the
+/// store opens a second pool of the same size for writes with a short lock timeout (see
+/// its docs), and LISTEN uses one connection of its own. Any number of workers, in any
+/// number of processes, may serve the same queues (SPEC §7.6): `SKIP LOCKED` claims and
+/// token-fenced writes need no coordination. Past what one primary can absorb, split
+/// queues across databases, each with its own `Outbox`.
 ///
 /// # Waking up (SPEC §7.3)
 /// The worker LISTENs before its first scan. After a claim that did not fill a batch it
 /// asks once for the earliest deadline and lease expiry of its queues (two index probes per
 /// queue) and sleeps until then, until a notification for one of its queues moves that
 /// moment earlier, until one of its own completions makes a row due (a rearm applied, a
-/// retry scheduled), or until `idle_poll`. An idle worker issues no queries in between. If
-/// the LISTEN connection drops, it polls at least every second until LISTEN is back, and
-/// re-scans once it is.
+/// retry scheduled), or until `idle_poll`. An idle worker issues no queries in between
+/// (the lease renewal runs only while it holds leases). If the LISTEN connection drops, it
+/// polls at least every second until LISTEN is back, and re-scans once it is.
 ///
 /// # Failures (SPEC §7.2, §7.4)
-/// A handler error retries per [`RetryStrategy`](retry::RetryStrategy); a panic is a failed run; a payload that
-/// does not decode, a rejection, exhausted retries and too many deliveries are terminal
-/// (archived to the dead-letter table when it is on). A failed claim backs off (100 ms
-/// doubling to 5 s) and retries; a completion that fails on a broken connection is retried
-/// while the lease lasts, other statement errors leave the row to lease expiry.
+/// A handler error retries per [`RetryStrategy`](retry::RetryStrategy); a panic is a failed
+/// run; a payload that does not decode, a rejection, exhausted retries and too many
+/// deliveries are terminal (archived to the dead-letter table when it is on). One bad row
+/// never stalls the others:
+///
+/// - a row whose stored fields do not decode (headers that are not a string map) is a
+///   terminal `decode_error` on its own; the rest of its batch runs;
+/// - a claim that fails because of one row's data (a trigger or constraint that raises when
+///   the row is leased) is retried on halves of its rows down to that row, which is set
+///   aside in this worker's memory (1 s, doubling, at most 5 min) and, after
+///   `max_deliveries` such failures, deleted — archived with reason `max_deliveries` when
+///   the dead-letter queue is on — by a statement that updates nothing (a restart of the
+///   worker starts that count again);
+/// - a failed claim of another kind backs off (100 ms doubling to 5 s) and retries; the
+///   cause is logged at once and then at most every 10 s, with the real reason when the
+///   database cannot be reached (connection refused, not "pool timed out");
+/// - a completion that fails on a broken connection, a deadlock, a serialization failure or
+///   a lock timeout is retried while the lease lasts; other statement errors leave the row
+///   to lease expiry.
+///
+/// A process that crashes on a payload (an abort, running out of memory) takes the whole
+/// batch it had claimed with it: deliveries are counted when a row is claimed, so every row
+/// of that batch spends a delivery, and a crash loop ends each of them on
+/// `max_deliveries` after that many restarts. Keep `fetch_batch_size` small (close to
+/// `concurrency`) for handlers that may crash their process, and `max_deliveries` above the
+/// restarts you expect.
+///
+/// # Locks taken by your transactions
+/// Completions, renewals and releases never wait for a row lock while holding another (a
+/// short `lock_timeout`, then one row at a time), so they cannot deadlock with your
+/// transactions. A transaction of yours that extends or cancels timers and also writes
+/// domain rows should lock the **domain rows first, then the timer rows**: the worker's
+/// single-row completion may wait on a timer row your transaction holds, and that order
+/// keeps the waits one-way.
 ///
 /// # Shutdown (SPEC §7.5)
-/// [`RunningWorker::shutdown`] stops claiming, runs the rows already claimed, waits up to
-/// `graceful_timeout` for handlers and flushes batched acks. A handler still running then is
-/// abandoned; its row is redelivered once its lease expires. Nothing is lost either way.
+/// [`RunningWorker::shutdown`] stops claiming and gives back the rows claimed but not
+/// started (pending again, as if never claimed). Running handlers get until
+/// `graceful_timeout`; one still running then is stopped, and its row given back as a
+/// failed attempt, due at once (or ended with reason `aborted` when its strategy has no
+/// retry left). Batched acks are flushed. Everything is fenced by the lease tokens, so
+/// other workers can claim the rows at once instead of waiting for `lease_ttl`. The
+/// shutdown returns within `graceful_timeout` + [`SHUTDOWN_GRACE`] even when the database
+/// does not answer; what it could not give back is reported in the
+/// [`ShutdownReport`] and expires as usual. Nothing is lost either way.
 pub struct Worker<S> {
     store: S,
     routes: Arc<HashMap<String, Route>>,
@@ -159,8 +212,8 @@ pub struct ShutdownReport {
     pub unreleased: usize,
 }
 
-/// A started worker. Dropping it does not stop the worker; call
-/// [`RunningWorker::shutdown`].
+/// A started worker. Call [`RunningWorker::shutdown`] to stop it; dropping it stops the
+/// worker the same way, without waiting for it.
 #[derive(Debug)]
 pub struct RunningWorker {
     stop: watch::Sender<bool>,
@@ -168,9 +221,10 @@ pub struct RunningWorker {
 }
 
 impl RunningWorker {
-    /// Stops claiming, lets running handlers finish and flushes pending completions, all
-    /// within `graceful_timeout` (SPEC §7.5); handlers still running then are abandoned and
-    /// their rows are redelivered after their lease expires. Nothing is lost either way.
+    /// Stops claiming, gives back the rows not started, lets running handlers finish until
+    /// `graceful_timeout` and gives back the rows of those still running, and flushes pending
+    /// completions (see [`Worker`]'s docs, "Shutdown"). Returns within `graceful_timeout` +
+    /// [`SHUTDOWN_GRACE`]. Nothing is lost either way.
     pub async fn shutdown(self) -> ShutdownReport {
         let _ = self.stop.send(true);
         match self.task.await {
