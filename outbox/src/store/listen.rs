@@ -23,7 +23,8 @@ pub(crate) async fn start(pool: &PgPool, channel: &str) -> tokio::sync::mpsc::Re
         .min_connections(0)
         .max_lifetime(None)
         .idle_timeout(None)
-        .acquire_timeout(Duration::from_secs(5))
+        // Short: when the database is down, the cause is logged (below) within a second.
+        .acquire_timeout(Duration::from_secs(1))
         .connect_lazy_with((*pool.connect_options()).clone());
     let first = match listen(&own, channel).await {
         Ok(l) => Some(l),
