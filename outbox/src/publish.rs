@@ -393,58 +393,62 @@ pub(crate) async fn publish(
 ) -> Result<Published> {
     let resolved = message.validate()?;
     let (delay, at) = resolved.binds();
-    let headers = message.headers.map(Json);
-    match message.on_conflict {
-        OnConflict::Ignore => {
-            let statement = if message.timer_id.is_some() {
-                &sql.insert
-            } else {
-                &sql.plain
-            };
-            let row = sqlx::query(statement.clone())
-                .bind(message.queue)
-                .bind(message.payload)
-                .bind(headers)
-                .bind(delay)
-                .bind(at)
-                .bind(message.timer_id)
-                .fetch_optional(&mut *conn)
-                .await?;
-            Ok(match row {
-                Some(r) => {
-                    metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned()).increment(1);
-                    Published::Inserted { id: r.try_get(0)? }
-                }
-                None => Published::Skipped,
-            })
-        }
-        OnConflict::Extend => {
-            let row = sqlx::query(sql.extend.clone())
-                .bind(message.queue)
-                .bind(message.payload)
-                .bind(headers)
-                .bind(delay)
-                .bind(at)
-                .bind(message.timer_id)
-                .fetch_optional(&mut *conn)
-                .await?;
-            let Some(r) = row else {
-                return Ok(Published::Unchanged);
-            };
-            let id: i64 = r.try_get(0)?;
-            let inserted: bool = r.try_get(1)?;
-            let leased: bool = r.try_get(2)?;
-            Ok(if inserted {
-                metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned())
-                    .increment(1);
-                Published::Inserted { id }
-            } else if leased {
-                Published::RearmQueued { id }
-            } else {
-                Published::Extended { id }
-            })
+    let statement = match (message.on_conflict, message.timer_id) {
+        (OnConflict::Extend, _) => &sql.extend,
+        (OnConflict::Ignore, Some(_)) => &sql.insert,
+        (OnConflict::Ignore, None) => &sql.plain,
+    };
+    let row = sqlx::query(statement.clone())
+        .bind(message.queue)
+        .bind(message.payload)
+        .bind(message.headers.map(Json))
+        .bind(delay)
+        .bind(at)
+        .bind(message.timer_id)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let inserted = |id| {
+        metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned())
+            .increment(1);
+        Published::Inserted { id }
+    };
+    let Some(r) = row else {
+        // Nothing written: the key was taken, or the extend was not later.
+        return Ok(match message.on_conflict {
+            OnConflict::Ignore => Published::Skipped,
+            OnConflict::Extend => Published::Unchanged,
+        });
+    };
+    let id: i64 = r.try_get(0)?;
+    if message.on_conflict == OnConflict::Ignore {
+        return Ok(inserted(id));
+    }
+    let (was_inserted, leased): (bool, bool) = (r.try_get(1)?, r.try_get(2)?);
+    Ok(if was_inserted {
+        inserted(id)
+    } else if leased {
+        Published::RearmQueued { id }
+    } else {
+        Published::Extended { id }
+    })
+}
+
+/// The checks of a batch (SPEC §2.1, §2.3), before anything is written: the queue, the
+/// schedule, and every item's payload and headers. Both stores run them in this order.
+pub(crate) fn validate_batch(
+    queue: &str,
+    items: &[BatchItem<'_>],
+    schedule: Schedule,
+) -> Result<Resolved> {
+    validate_queue(queue)?;
+    let resolved = schedule.resolve()?;
+    for item in items {
+        validate_payload(item.payload)?;
+        if let Some(h) = item.headers {
+            validate_headers(h)?;
         }
     }
+    Ok(resolved)
 }
 
 /// Publishes a batch on `conn` ([`crate::Outbox::publish_batch`]).
@@ -455,14 +459,7 @@ pub(crate) async fn publish_batch(
     items: &[BatchItem<'_>],
     schedule: Schedule,
 ) -> Result<Vec<i64>> {
-    validate_queue(queue)?;
-    let resolved = schedule.resolve()?;
-    for item in items {
-        validate_payload(item.payload)?;
-        if let Some(h) = item.headers {
-            validate_headers(h)?;
-        }
-    }
+    let resolved = validate_batch(queue, items, schedule)?;
     if items.is_empty() {
         return Ok(Vec::new());
     }

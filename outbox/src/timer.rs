@@ -153,12 +153,13 @@ impl Publisher for Bound<'_> {
     }
 }
 
+/// So a `Bound` can be used for several calls: `&mut bound` each time.
 impl Publisher for &mut Bound<'_> {
     fn publish_message<'m>(
         self,
         message: Message<'m>,
     ) -> impl Future<Output = Result<Published>> + Send {
-        self.outbox.publish(self.conn, message)
+        self.outbox.on(self.conn).publish_message(message)
     }
 
     fn cancel_timer(
@@ -166,7 +167,7 @@ impl Publisher for &mut Bound<'_> {
         queue: &str,
         timer_id: &str,
     ) -> impl Future<Output = Result<Cancelled>> + Send {
-        self.outbox.cancel(self.conn, queue, timer_id)
+        self.outbox.on(self.conn).cancel_timer(queue, timer_id)
     }
 }
 

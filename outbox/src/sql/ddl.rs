@@ -119,31 +119,50 @@ ALTER TABLE {t}
     ADD COLUMN IF NOT EXISTS rearm_at timestamptz,
     ADD COLUMN IF NOT EXISTS rearm_payload bytea,
     ADD COLUMN IF NOT EXISTS rearm_headers jsonb;
-DO $outbox$
+{check}"#,
+        check = add_check_not_valid(
+            n,
+            &n.rearm_ck,
+            "rearm_at IS NULL OR acquired_token IS NOT NULL"
+        ),
+    )
+}
+
+fn rearm_validate(n: &Names) -> String {
+    validate_step(n, "the rearm upgrade, step 2 of 2 (SPEC §1.3)", &n.rearm_ck)
+}
+
+/// Adds a CHECK constraint `NOT VALID` unless one of that name exists: a catalog change
+/// under a lock held for milliseconds, the scan left to a step of its own.
+fn add_check_not_valid(n: &Names, name: &str, check: &str) -> String {
+    format!(
+        r#"DO $outbox$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_constraint
-                   WHERE conrelid = {tlit}::regclass AND conname = {ck_lit}) THEN
+                   WHERE conrelid = {tlit}::regclass AND conname = {name_lit}) THEN
         ALTER TABLE {t} ADD CONSTRAINT {ck}
-            CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL) NOT VALID;
+            CHECK ({check}) NOT VALID;
     END IF;
 END
 $outbox$;
 "#,
         tlit = n.table_literal(),
-        ck_lit = quote_literal(&n.rearm_ck),
-        ck = quote_ident(&n.rearm_ck),
+        name_lit = quote_literal(name),
+        t = n.qtable,
+        ck = quote_ident(name),
     )
 }
 
-fn rearm_validate(n: &Names) -> String {
+/// Validates a constraint added `NOT VALID`, in a transaction of its own.
+fn validate_step(n: &Names, title: &str, name: &str) -> String {
     format!(
-        r#"-- outbox: the rearm upgrade, step 2 of 2 (SPEC §1.3).
+        r#"-- outbox: {title}.
 -- Its own transaction: VALIDATE scans the table under SHARE UPDATE EXCLUSIVE, which lets
 -- reads and writes go on.
 ALTER TABLE {t} VALIDATE CONSTRAINT {ck};
 "#,
         t = n.qtable,
-        ck = quote_ident(&n.rearm_ck),
+        ck = quote_ident(name),
     )
 }
 
@@ -158,30 +177,15 @@ fn cancel_columns(n: &Names) -> String {
 -- a lock held for milliseconds); the next step scans the rows.
 ALTER TABLE {t}
     ADD COLUMN IF NOT EXISTS cancelled_at timestamptz;
-DO $outbox$
-BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_constraint
-                   WHERE conrelid = {tlit}::regclass AND conname = {ck_lit}) THEN
-        ALTER TABLE {t} ADD CONSTRAINT {ck}
-            CHECK (cancelled_at IS NULL OR acquired_token IS NOT NULL) NOT VALID;
-    END IF;
-END
-$outbox$;
-"#,
-        tlit = n.table_literal(),
-        ck_lit = quote_literal(&n.cancel_ck),
-        ck = quote_ident(&n.cancel_ck),
+{check}"#,
+        check = add_check_not_valid(
+            n,
+            &n.cancel_ck,
+            "cancelled_at IS NULL OR acquired_token IS NOT NULL"
+        ),
     )
 }
 
 fn cancel_validate(n: &Names) -> String {
-    format!(
-        r#"-- outbox: the cancel mark, step 2 of 2 (SPEC §1.3).
--- Its own transaction: VALIDATE scans the table under SHARE UPDATE EXCLUSIVE, which lets
--- reads and writes go on.
-ALTER TABLE {t} VALIDATE CONSTRAINT {ck};
-"#,
-        t = n.qtable,
-        ck = quote_ident(&n.cancel_ck),
-    )
+    validate_step(n, "the cancel mark, step 2 of 2 (SPEC §1.3)", &n.cancel_ck)
 }

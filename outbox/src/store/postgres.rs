@@ -46,7 +46,7 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 /// | for | from | at most |
 /// |---|---|---|
 /// | claims, wake-up reads; a completion that must wait for a row lock | the pool you give | 1 + the completions waiting |
-/// | completions, lease renewal, release at shutdown | a second pool the store opens on first use, with your pool's connect options and size plus `lock_timeout = 200ms` | `concurrency + 2` |
+/// | completions, lease renewal, release at shutdown | a second pool the store opens on first use, with your pool's connect options (not its `after_connect` hooks: put session settings such as `synchronous_commit` in the connect options) and size, plus `lock_timeout = 200ms` | `concurrency + 2` |
 /// | `LISTEN` for wake-ups | a connection of its own, outside both pools | 1 |
 ///
 /// Completions, renewal and release run with a short `lock_timeout` because an application
@@ -246,12 +246,7 @@ async fn ack_batch_on(sql: &Complete, db: &PgPool, leases: &[Lease]) -> Result<V
         .fetch_all(db)
         .await?
         .iter()
-        .map(|r| {
-            Ok(Lease {
-                id: r.try_get(0)?,
-                token: r.try_get(1)?,
-            })
-        })
+        .map(lease_at)
         .collect::<Result<_>>()?;
     let mut out = vec![Completion::LeaseLost; leases.len()];
     let mut rest_ids = Vec::new();
@@ -273,10 +268,7 @@ async fn ack_batch_on(sql: &Complete, db: &PgPool, leases: &[Lease]) -> Result<V
             .await?;
         let mut settled = HashMap::new();
         for r in rows {
-            let lease = Lease {
-                id: r.try_get(0)?,
-                token: r.try_get(1)?,
-            };
+            let lease = lease_at(&r)?;
             let at: Option<DateTime<Utc>> = r.try_get(2)?;
             settled.insert(
                 lease,
@@ -369,10 +361,7 @@ async fn renew_on(sql: &Complete, db: &PgPool, leases: &[Lease]) -> Result<Vec<R
         .await?;
     let mut held = HashMap::new();
     for r in rows {
-        let lease = Lease {
-            id: r.try_get(0)?,
-            token: r.try_get(1)?,
-        };
+        let lease = lease_at(&r)?;
         let cancelled: bool = r.try_get(2)?;
         held.insert(
             lease,
@@ -401,10 +390,7 @@ async fn release_on(sql: &Complete, db: &PgPool, items: &[Release]) -> Result<Ve
         .await?;
     let mut done = HashMap::new();
     for r in rows {
-        let lease = Lease {
-            id: r.try_get(0)?,
-            token: r.try_get(1)?,
-        };
+        let lease = lease_at(&r)?;
         let outcome: String = r.try_get(2)?;
         done.insert(
             lease,
@@ -629,6 +615,16 @@ impl Publisher for &PgStore {
     ) -> impl Future<Output = Result<Cancelled>> + Send {
         cancel_in_own_transaction(&self.pool, &self.outbox, queue, timer_id)
     }
+}
+
+/// The lease a batched statement's row reports in its first two columns `(id, token)`:
+/// outcomes are matched back by the whole lease, since a stale and a fresh lease of one row
+/// may share a batch.
+fn lease_at(row: &PgRow) -> Result<Lease> {
+    Ok(Lease {
+        id: row.try_get(0)?,
+        token: row.try_get(1)?,
+    })
 }
 
 /// Reads `(rows locked, rearm deadline)` from a locking completion statement.

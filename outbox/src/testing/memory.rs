@@ -17,8 +17,8 @@ use uuid::Uuid;
 use crate::cancel::Cancelled;
 use crate::error::{Error, Result};
 use crate::publish::{
-    micros, validate_headers, validate_payload, validate_queue, validate_timer_id, BatchItem,
-    Message, OnConflict, Published, Resolved, Schedule,
+    micros, validate_batch, validate_queue, validate_timer_id, BatchItem, Message, OnConflict,
+    Published, Resolved, Schedule,
 };
 use crate::read::{DeadLetter, StoredRow};
 use crate::store::{
@@ -757,14 +757,7 @@ impl State {
         items: &[BatchItem<'_>],
         schedule: Schedule,
     ) -> Result<Vec<i64>> {
-        validate_queue(queue)?;
-        let resolved = schedule.resolve()?;
-        for item in items {
-            validate_payload(item.payload)?;
-            if let Some(h) = item.headers {
-                validate_headers(h)?;
-            }
-        }
+        let resolved = validate_batch(queue, items, schedule)?;
         if items.is_empty() {
             return Ok(Vec::new());
         }
