@@ -536,3 +536,53 @@ async fn a_database_that_is_down_is_reported_with_its_cause() {
     let text = err.to_string().to_lowercase();
     assert!(text.contains("refused"), "{text}");
 }
+
+/// SPEC §3, §7.8: a cancel reaches a running handler through its context at the next lease
+/// renewal, told apart from a lost lease; the run's end then deletes the row.
+#[tokio::test]
+async fn a_cancel_reaches_the_running_handler() {
+    let f = Fixture::new().await;
+    publish_jobs(&f, &[1]).await;
+    let seen: Arc<Mutex<Vec<outbox::CancelReason>>> = Arc::default();
+    let started = Arc::new(Notify::new());
+    let lease_ttl = Duration::from_millis(300);
+    let w = {
+        let (seen, started) = (seen.clone(), started.clone());
+        fast(f.store.clone())
+            .lease_ttl(lease_ttl)
+            .timer::<Job>(move |_: Job, ctx: Context| {
+                let (seen, started) = (seen.clone(), started.clone());
+                async move {
+                    started.notify_one();
+                    let why = ctx.cancelled().await;
+                    seen.lock().unwrap().push(why);
+                    Err::<(), _>("stopped early")
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    started.notified().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    let c = cancel_job(f.outbox.on(&mut conn), "j1").await.unwrap();
+    assert!(matches!(c, outbox::Cancelled::Running { .. }), "{c:?}");
+    // Renewals run every lease_ttl / 3: bound by 3 × lease_ttl.
+    let t0 = std::time::Instant::now();
+    eventually(10, "the handler hears of the cancel", || async {
+        !seen.lock().unwrap().is_empty()
+    })
+    .await;
+    assert!(t0.elapsed() < 3 * lease_ttl, "{:?}", t0.elapsed());
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![outbox::CancelReason::TimerCancelled]
+    );
+    eventually(10, "the failed, cancelled run deletes the row", || async {
+        f.rows("jobs").await.is_empty()
+    })
+    .await;
+    w.shutdown().await;
+    assert!(f.store.dead_letters("jobs", 10).await.unwrap().is_empty());
+    f.cleanup().await;
+}
