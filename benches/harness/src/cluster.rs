@@ -235,6 +235,56 @@ impl Cluster {
     /// Runs a server binary, as the `postgres` OS user when we are root (initdb and the
     /// server refuse to run as root).
     fn pg_tool(&self, tool: &str, args: &[String]) -> Result<(), BoxError> {
+        self.control().pg_tool(tool, args)
+    }
+
+    /// A handle that can restart the server from another task while the cluster runs
+    /// (the fault matrix, `faults.rs`); it does not own the cluster.
+    pub fn control(&self) -> Control {
+        Control {
+            dir: self.dir.clone(),
+            bin: self.bin.clone(),
+            as_postgres: self.as_postgres,
+        }
+    }
+}
+
+/// Runs the server's tools against a running [`Cluster`] without owning it.
+#[derive(Debug, Clone)]
+pub struct Control {
+    dir: PathBuf,
+    bin: PathBuf,
+    as_postgres: bool,
+}
+
+impl Control {
+    /// `pg_ctl restart -m <mode>` (`fast`, `immediate` or `smart`), waiting until the
+    /// server accepts connections again. Blocking: call it from `spawn_blocking`.
+    pub fn restart(&self, mode: &str) -> Result<(), BoxError> {
+        let data = self.dir.join("data").display().to_string();
+        // `-l` again: without it the restarted server would write to pg_ctl's stdout,
+        // which we capture, and pg_ctl's output would never end.
+        let log = self.dir.join("server.log").display().to_string();
+        self.pg_tool(
+            "pg_ctl",
+            &[
+                "-D".to_owned(),
+                data,
+                "-l".to_owned(),
+                log,
+                "-m".to_owned(),
+                mode.to_owned(),
+                "-w".to_owned(),
+                "-t".to_owned(),
+                "60".to_owned(),
+                "restart".to_owned(),
+            ],
+        )
+    }
+
+    /// Runs a server binary, as the `postgres` OS user when we are root (initdb and the
+    /// server refuse to run as root).
+    fn pg_tool(&self, tool: &str, args: &[String]) -> Result<(), BoxError> {
         let exe = self.bin.join(tool);
         let mut cmd = if self.as_postgres {
             let mut c = Command::new("runuser");

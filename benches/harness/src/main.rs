@@ -6,6 +6,7 @@
 //! cargo run --release -p outbox-bench -- check                  # gate against the baseline
 //! cargo run --release -p outbox-bench -- run --vs-peer '/tmp/peer-venv/bin/python \
 //!     shared/peer/peer_bench.py --dsn postgresql+asyncpg://postgres@127.0.0.1:{port}/postgres --only {only}'
+//! cargo run --release -p outbox-bench -- faults                 # the fault matrix (docs/reliability.md)
 //! ```
 //!
 //! Without `--dsn` the harness starts a throwaway Postgres cluster with
@@ -13,6 +14,7 @@
 //! which of them are gated, and how to read them are in `docs/performance.md`.
 
 mod cluster;
+mod faults;
 mod payload;
 mod peer;
 mod probe;
@@ -36,10 +38,26 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[derive(Parser)]
 #[command(
     name = "outbox-bench",
-    about = "Benchmark harness and regression gate for outbox (SPEC §12)"
+    about = "Benchmark harness and regression gate for outbox (SPEC §12), and its fault matrix"
 )]
-struct Cli {
+struct Top {
     #[command(subcommand)]
+    cmd: TopCmd,
+}
+
+#[derive(Subcommand)]
+enum TopCmd {
+    #[command(flatten)]
+    Bench(Cmd),
+    /// Runs the fault matrix: one fault per scenario while real workers consume, then
+    /// accounts for every published row (docs/reliability.md); exits 1 if a row is lost.
+    Faults(faults::FaultArgs),
+    /// The worker process of the `kill-9` fault (started by `faults`).
+    #[command(hide = true)]
+    FaultWorker(faults::WorkerArgs),
+}
+
+struct Cli {
     cmd: Cmd,
 }
 
@@ -134,11 +152,18 @@ fn default_baseline() -> &'static str {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let top = Top::parse();
     // Dropping the future on Ctrl-C drops the cluster guard inside it, which stops and
     // removes the throwaway cluster.
+    let work = async {
+        match top.cmd {
+            TopCmd::Bench(cmd) => run(Cli { cmd }).await,
+            TopCmd::Faults(a) => faults::run(&a).await,
+            TopCmd::FaultWorker(a) => faults::child(&a).await,
+        }
+    };
     let result = tokio::select! {
-        r = run(cli) => r,
+        r = work => r,
         _ = tokio::signal::ctrl_c() => Err("interrupted".into()),
     };
     match result {

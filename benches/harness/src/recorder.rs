@@ -6,6 +6,9 @@
 //! completion committed, not only its handler called — so the timed window ends there.
 //! The second tells it that the claim loop has run out of due rows and gone idle, so the
 //! statements counted for a run do not depend on when the run was stopped.
+//!
+//! It also totals a few failure counters ([`TRACKED`]) for the fault matrix (`faults.rs`),
+//! which reports how often the worker met each kind of failure during a fault.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -16,6 +19,16 @@ use metrics::{
 };
 use tokio::sync::Notify;
 
+/// Worker counters totalled over the whole process (all labels together), never reset:
+/// the fault matrix reads them before and after a scenario.
+pub const TRACKED: &[&str] = &[
+    "outbox_lease_lost_total",
+    "outbox_claim_errors_total",
+    "outbox_completion_errors_total",
+    "outbox_retried_total",
+    "outbox_poison_rows_total",
+];
+
 /// Counts of one run; [`Watch::reset`] starts a new one.
 #[derive(Default)]
 pub struct Watch {
@@ -23,6 +36,7 @@ pub struct Watch {
     short_claims: AtomicU64,
     limit: AtomicU64,
     changed: Notify,
+    tracked: [AtomicU64; TRACKED.len()],
 }
 
 impl Watch {
@@ -40,6 +54,15 @@ impl Watch {
 
     pub fn short_claims(&self) -> u64 {
         self.short_claims.load(Ordering::SeqCst)
+    }
+
+    /// The process-wide totals of [`TRACKED`], in its order.
+    pub fn tracked(&self) -> Vec<(&'static str, u64)> {
+        TRACKED
+            .iter()
+            .zip(&self.tracked)
+            .map(|(name, n)| (*name, n.load(Ordering::SeqCst)))
+            .collect()
     }
 
     /// Waits until at least `n` completions have been written.
@@ -68,6 +91,19 @@ impl CounterFn for Acked {
     }
 }
 
+/// One of [`TRACKED`], by its index.
+struct Tracked(Arc<Watch>, usize);
+
+impl CounterFn for Tracked {
+    fn increment(&self, value: u64) {
+        self.0.tracked[self.1].fetch_add(value, Ordering::SeqCst);
+    }
+
+    fn absolute(&self, value: u64) {
+        self.0.tracked[self.1].fetch_max(value, Ordering::SeqCst);
+    }
+}
+
 struct ClaimSize(Arc<Watch>);
 
 impl HistogramFn for ClaimSize {
@@ -89,7 +125,10 @@ impl Recorder for BenchRecorder {
     fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
         match key.name() {
             "outbox_acked_total" => Counter::from_arc(Arc::new(Acked(self.0.clone()))),
-            _ => Counter::noop(),
+            name => match TRACKED.iter().position(|t| *t == name) {
+                Some(i) => Counter::from_arc(Arc::new(Tracked(self.0.clone(), i))),
+                None => Counter::noop(),
+            },
         }
     }
 

@@ -1,0 +1,1449 @@
+//! The fault matrix (`outbox-bench faults`, `docs/reliability.md`): real workers consume N
+//! plain messages and M keyed timers on a throwaway cluster while one fault is applied per
+//! scenario; afterwards every published row is accounted for.
+//!
+//! Each handler run that completes successfully records `(key, generation)`: in memory for
+//! in-process workers, as an autocommit `INSERT` into a side table for the `kill-9` worker
+//! processes (their memory dies with them). A key is a message's payload (`m<i>`, raw queue)
+//! or a timer's id (`t<i>`, `#[outbox::timer]`); the generation is 0 as published and grows
+//! with each extend of the `deadlock-storm` scenario, whose last committed extend is the
+//! version that must run. Then, per key:
+//!
+//! - **handled**: a successful run of its last version was recorded;
+//! - **dead-lettered**, **still pending**: a row for it is in the DLQ or still in the queue;
+//! - **lost**: none of those (must be 0);
+//! - **redelivered**: successful runs beyond the first of one version (duplicates that
+//!   at-least-once delivery allows: a completion that did not land, a lease that expired).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Read as _;
+use std::process::{ExitCode, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use outbox::{
+    BatchItem, Context, HandlerOptions, Outbox, PgStore, Published, RetryStrategy, RunningWorker,
+    Schedule, ShutdownReport, Worker,
+};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, Row};
+
+use crate::cluster::{Cluster, Control};
+use crate::recorder;
+use crate::report::Machine;
+use crate::BoxError;
+
+use self::timer::{extend_fault_timer, publish_fault_timer, FaultTimer};
+
+mod timer {
+    // The macro generates `cancel_fault_timer` too; the matrix does not cancel.
+    #![allow(dead_code)]
+    use serde::{Deserialize, Serialize};
+
+    /// The keyed timer of the matrix: its key again (so a run knows what it handles) and
+    /// the generation its last extend installed.
+    #[outbox::timer(queue = "fault.timers", max_deliveries = 10)]
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    pub struct FaultTimer {
+        pub key: String,
+        pub gen: u32,
+    }
+}
+
+/// The raw queue of the plain messages.
+const QUEUE: &str = "fault.messages";
+/// The queue of [`FaultTimer`].
+const TIMER_QUEUE: &str = <FaultTimer as outbox::Timer>::QUEUE;
+/// `application_name` of the workers' connections: what `terminate-storm` terminates.
+const WORKER_APP: &str = "outbox-fault-worker";
+/// `application_name` of the harness's own connections (never terminated).
+const ADMIN_APP: &str = "outbox-fault-admin";
+/// `application_name` of the `deadlock-storm` application transactions.
+const APP_APP: &str = "outbox-fault-app";
+/// `application_name` of the `kill-9` worker processes' recording connections.
+const RECORDER_APP: &str = "outbox-fault-recorder";
+/// The side table the `kill-9` worker processes record their runs in.
+const RUNS_TABLE: &str = "fault_runs";
+/// Timers are due from publish time to this much later, spread evenly.
+const TIMER_SPREAD: Duration = Duration::from_secs(3);
+/// The longest a scenario waits for its fault's trigger point (a share of the runs done).
+const TRIGGER_WAIT: Duration = Duration::from_secs(30);
+
+/// Every scenario, in run order.
+pub const SCENARIOS: &[&str] = &[
+    "terminate-storm",
+    "restart-fast",
+    "restart-immediate",
+    "kill-9",
+    "poison-rows",
+    "long-handlers",
+    "hung-handlers",
+    "shutdown-under-load",
+    "deadlock-storm",
+];
+
+/// `outbox-bench faults`.
+#[derive(Args, Debug)]
+pub struct FaultArgs {
+    /// Plain messages per scenario (raw queue `fault.messages`, due at once).
+    #[arg(long, default_value_t = 2000)]
+    messages: usize,
+    /// Keyed timers per scenario (`#[outbox::timer]` queue `fault.timers`), due over 3 s.
+    #[arg(long, default_value_t = 200)]
+    timers: usize,
+    /// Comma-separated scenario names (default: all).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// The longest a scenario waits for its queue to drain after the fault.
+    #[arg(long, default_value_t = 60)]
+    drain_timeout_secs: u64,
+    /// The server whose settings the throwaway cluster copies (as for `run`).
+    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
+    mirror: String,
+    /// Extra `name=value` server setting for the throwaway cluster (repeatable).
+    #[arg(long, value_name = "NAME=VALUE")]
+    pg_set: Vec<String>,
+}
+
+/// `outbox-bench fault-worker` (hidden): the worker process of the `kill-9` scenario. It
+/// serves both queues of `--table`, records each successful run in `fault_runs`, and
+/// shuts down gracefully when its standard input closes.
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    dsn: String,
+    #[arg(long)]
+    table: String,
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    #[arg(long, default_value_t = 2000)]
+    lease_ttl_ms: u64,
+    #[arg(long, default_value_t = 1)]
+    pace_min_ms: u64,
+    #[arg(long, default_value_t = 4)]
+    pace_max_ms: u64,
+}
+
+// ---------------------------------------------------------------------------------------
+// Handlers and what they record.
+
+/// Successful runs per `(key, generation)`, in memory.
+#[derive(Default)]
+struct Ledger {
+    runs: Mutex<HashMap<(String, u32), u32>>,
+    total: AtomicU64,
+}
+
+impl Ledger {
+    fn record(&self, key: String, gen: u32) {
+        *self
+            .runs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((key, gen))
+            .or_default() += 1;
+        self.total.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn total(&self) -> u64 {
+        self.total.load(Ordering::SeqCst)
+    }
+
+    fn snapshot(&self) -> HashMap<(String, u32), u32> {
+        self.runs.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// Where a successful run is recorded.
+#[derive(Clone)]
+enum Recorder {
+    Memory(Arc<Ledger>),
+    /// An autocommit insert into [`RUNS_TABLE`] (the `kill-9` worker processes).
+    Table(PgPool),
+}
+
+impl Recorder {
+    async fn record(&self, key: String, gen: u32) -> Result<(), String> {
+        match self {
+            Recorder::Memory(l) => {
+                l.record(key, gen);
+                Ok(())
+            }
+            Recorder::Table(pool) => sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {RUNS_TABLE} (key, gen, pid) VALUES ($1, $2, $3)"
+            )))
+            .bind(key)
+            .bind(i32::try_from(gen).unwrap_or(i32::MAX))
+            .bind(i32::try_from(std::process::id()).unwrap_or(0))
+            .execute(pool)
+            .await
+            .map(drop)
+            .map_err(|e| format!("recording the run: {e}")),
+        }
+    }
+}
+
+/// What a handler run does before it records itself.
+#[derive(Clone, Default)]
+struct Behavior {
+    /// Every run sleeps a random time in this range (ms), unless said otherwise below.
+    pace_ms: (u64, u64),
+    /// Timer runs sleep in this range instead, when set.
+    timer_pace_ms: Option<(u64, u64)>,
+    /// Keys whose every run sleeps `slow_ms`.
+    slow: Arc<HashSet<String>>,
+    slow_ms: u64,
+    /// Keys whose runs never return.
+    hung: Arc<HashSet<String>>,
+}
+
+impl Behavior {
+    fn paced(min: u64, max: u64) -> Self {
+        Behavior {
+            pace_ms: (min, max),
+            ..Behavior::default()
+        }
+    }
+
+    async fn run(&self, rec: &Recorder, key: String, gen: u32, timer: bool) -> Result<(), String> {
+        if self.hung.contains(&key) {
+            std::future::pending::<()>().await;
+        }
+        let ms = if self.slow.contains(&key) {
+            self.slow_ms
+        } else {
+            let (lo, hi) = match self.timer_pace_ms {
+                Some(p) if timer => p,
+                _ => self.pace_ms,
+            };
+            if hi > lo {
+                rand::random_range(lo..=hi)
+            } else {
+                lo
+            }
+        };
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        rec.record(key, gen).await
+    }
+}
+
+/// Worker knobs of a scenario.
+#[derive(Clone, Copy)]
+struct Knobs {
+    concurrency: usize,
+    fetch: usize,
+    ack_batch: usize,
+    lease_ttl: Duration,
+    graceful: Duration,
+    timeout: Option<Duration>,
+    retry: Option<RetryStrategy>,
+    max_deliveries: Option<u32>,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            concurrency: 4,
+            fetch: 10,
+            ack_batch: 1,
+            // Short, so a row whose completion did not land comes back within the run.
+            lease_ttl: Duration::from_secs(2),
+            graceful: Duration::from_secs(2),
+            timeout: None,
+            retry: None,
+            max_deliveries: None,
+        }
+    }
+}
+
+/// Starts a worker serving both queues, on a pool of its own whose connections carry
+/// [`WORKER_APP`]. Returns the pool too, to close it after the shutdown.
+fn start_worker(
+    opts: &PgConnectOptions,
+    outbox: &Outbox,
+    knobs: Knobs,
+    behavior: &Behavior,
+    rec: &Recorder,
+) -> Result<(RunningWorker, PgPool), BoxError> {
+    let pool = PgPoolOptions::new()
+        .max_connections(u32::try_from(knobs.concurrency + 2)?)
+        // As the PgStore docs recommend: the worker retries what fails on a dead connection.
+        .test_before_acquire(false)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_lazy_with(opts.clone().application_name(WORKER_APP));
+    let mut options = HandlerOptions::new();
+    if let Some(t) = knobs.timeout {
+        options = options.timeout(t);
+    }
+    if let Some(r) = knobs.retry {
+        options = options.retry(r);
+    }
+    if let Some(m) = knobs.max_deliveries {
+        options = options.max_deliveries(m);
+    }
+    let raw = {
+        let (b, rec) = (behavior.clone(), rec.clone());
+        move |payload: Vec<u8>, _: Context| {
+            let (b, rec) = (b.clone(), rec.clone());
+            async move {
+                let key = String::from_utf8_lossy(&payload).into_owned();
+                b.run(&rec, key, 0, false).await
+            }
+        }
+    };
+    let typed = {
+        let (b, rec) = (behavior.clone(), rec.clone());
+        move |t: FaultTimer, _: Context| {
+            let (b, rec) = (b.clone(), rec.clone());
+            async move { b.run(&rec, t.key, t.gen, true).await }
+        }
+    };
+    let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
+        .queue_with(QUEUE, raw, options)
+        .timer_with::<FaultTimer>(typed, options)
+        .concurrency(knobs.concurrency)
+        .fetch_batch_size(knobs.fetch)
+        .ack_batch_size(knobs.ack_batch)
+        .lease_ttl(knobs.lease_ttl)
+        .idle_poll(Duration::from_secs(1))
+        .graceful_timeout(knobs.graceful)
+        .build()?;
+    Ok((worker.start(), pool))
+}
+
+async fn stop_worker(w: RunningWorker, pool: PgPool) -> ShutdownReport {
+    let report = w.shutdown().await;
+    pool.close().await;
+    report
+}
+
+// ---------------------------------------------------------------------------------------
+// The matrix.
+
+/// What every scenario shares.
+struct Ctx {
+    dsn: String,
+    opts: PgConnectOptions,
+    /// The harness's pool (checks connections before use, so it survives restarts).
+    admin: PgPool,
+    control: Control,
+    messages: usize,
+    timers: usize,
+    drain_timeout: Duration,
+}
+
+/// One scenario's fresh tables and the keys published into them.
+struct Prepared {
+    outbox: Outbox,
+    keys: Vec<String>,
+}
+
+impl Prepared {
+    fn published(&self) -> usize {
+        self.keys.len()
+    }
+}
+
+/// One row of the final table.
+struct Outcome {
+    name: &'static str,
+    published: usize,
+    handled: usize,
+    lost: usize,
+    lost_keys: Vec<String>,
+    redelivered: u64,
+    dead: usize,
+    pending: usize,
+    wall: Duration,
+    checks: Vec<(String, bool)>,
+    notes: Vec<String>,
+}
+
+impl Outcome {
+    fn failed(&self) -> Vec<&str> {
+        self.checks
+            .iter()
+            .filter(|(_, ok)| !ok)
+            .map(|(what, _)| what.as_str())
+            .collect()
+    }
+}
+
+/// `outbox-bench faults`.
+pub async fn run(args: &FaultArgs) -> Result<ExitCode, BoxError> {
+    let selected: Vec<&'static str> = if args.only.is_empty() {
+        SCENARIOS.to_vec()
+    } else {
+        args.only
+            .iter()
+            .map(|n| {
+                SCENARIOS
+                    .iter()
+                    .copied()
+                    .find(|s| s == n)
+                    .ok_or_else(|| -> BoxError {
+                        format!("unknown fault `{n}`; known: {}", SCENARIOS.join(", ")).into()
+                    })
+            })
+            .collect::<Result<_, _>>()?
+    };
+    if args.messages == 0 && args.timers == 0 {
+        return Err("nothing to publish: --messages and --timers are both 0".into());
+    }
+    let watch = recorder::watch();
+    eprintln!("starting a throwaway Postgres cluster …");
+    let cluster = Cluster::start(Some(&args.mirror), &args.pg_set)
+        .await
+        .map_err(|e| format!("could not start the throwaway Postgres cluster: {e}"))?;
+    let dsn = cluster.dsn();
+    let opts: PgConnectOptions = dsn.parse()?;
+    let admin = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(60))
+        .connect_with(opts.clone().application_name(ADMIN_APP))
+        .await?;
+    let version: String = sqlx::query_scalar("SELECT current_setting('server_version')")
+        .fetch_one(&admin)
+        .await?;
+    let settings: Vec<String> = cluster
+        .settings
+        .iter()
+        .filter(|(k, _)| {
+            matches!(
+                k.as_str(),
+                "fsync" | "synchronous_commit" | "full_page_writes" | "shared_buffers"
+            )
+        })
+        .map(|(k, v)| format!("{k}={}", v.trim_matches('\'')))
+        .collect();
+    let machine = Machine::read(
+        &format!("PostgreSQL {version}"),
+        &format!("throwaway cluster ({})", settings.join(" ")),
+    );
+    println!("{}", machine.describe());
+    let ctx = Ctx {
+        dsn,
+        opts,
+        admin,
+        control: cluster.control(),
+        messages: args.messages,
+        timers: args.timers,
+        drain_timeout: Duration::from_secs(args.drain_timeout_secs),
+    };
+    let mut outcomes = Vec::new();
+    for name in selected {
+        eprintln!("── {name}");
+        let before = watch.tracked();
+        let mut o = match name {
+            "terminate-storm" => terminate_storm(&ctx).await?,
+            "restart-fast" => restart(&ctx, "restart-fast", "fast").await?,
+            "restart-immediate" => restart(&ctx, "restart-immediate", "immediate").await?,
+            "kill-9" => kill_9(&ctx).await?,
+            "poison-rows" => poison_rows(&ctx).await?,
+            "long-handlers" => long_handlers(&ctx).await?,
+            "hung-handlers" => hung_handlers(&ctx).await?,
+            "shutdown-under-load" => shutdown_under_load(&ctx).await?,
+            "deadlock-storm" => deadlock_storm(&ctx).await?,
+            other => return Err(format!("no scenario `{other}`").into()),
+        };
+        if name != "kill-9" {
+            let counters: Vec<String> = watch
+                .tracked()
+                .iter()
+                .zip(&before)
+                .filter(|((_, now), (_, was))| now > was)
+                .map(|((n, now), (_, was))| {
+                    format!(
+                        "{} {}",
+                        n.trim_start_matches("outbox_").trim_end_matches("_total"),
+                        now - was
+                    )
+                })
+                .collect();
+            if !counters.is_empty() {
+                o.notes
+                    .push(format!("worker metrics: {}", counters.join(", ")));
+            }
+        }
+        print_outcome(&o);
+        outcomes.push(o);
+    }
+    ctx.admin.close().await;
+    drop(cluster);
+
+    println!();
+    println!("{}", machine.describe());
+    println!(
+        "{} messages + {} timers per fault; lease_ttl 2 s unless stated\n",
+        args.messages, args.timers
+    );
+    println!("{}", markdown(&outcomes));
+    let lost: usize = outcomes.iter().map(|o| o.lost).sum();
+    let broken: Vec<String> = outcomes
+        .iter()
+        .flat_map(|o| {
+            o.failed()
+                .into_iter()
+                .map(move |f| format!("{}: {f}", o.name))
+        })
+        .collect();
+    if lost > 0 {
+        println!("FAULTS: {lost} row(s) lost");
+    }
+    for b in &broken {
+        println!("FAULTS: expectation not met: {b}");
+    }
+    if lost > 0 || !broken.is_empty() {
+        Ok(ExitCode::FAILURE)
+    } else {
+        println!("faults: ok ({} scenarios, nothing lost)", outcomes.len());
+        Ok(ExitCode::SUCCESS)
+    }
+}
+
+fn print_outcome(o: &Outcome) {
+    println!(
+        "{:<20} published {:>5}  handled {:>5}  lost {:>3}  redelivered {:>4}  dead-lettered {:>3}  pending {:>3}  {:>6.1} s  {}",
+        o.name,
+        o.published,
+        o.handled,
+        o.lost,
+        o.redelivered,
+        o.dead,
+        o.pending,
+        o.wall.as_secs_f64(),
+        verdict(o)
+    );
+    for n in &o.notes {
+        println!("    {n}");
+    }
+    for (what, ok) in &o.checks {
+        println!("    [{}] {what}", if *ok { "ok" } else { "FAILED" });
+    }
+    if !o.lost_keys.is_empty() {
+        let shown: Vec<&str> = o.lost_keys.iter().take(20).map(String::as_str).collect();
+        println!("    LOST: {}", shown.join(", "));
+    }
+}
+
+fn verdict(o: &Outcome) -> String {
+    let failed = o.failed();
+    if failed.is_empty() {
+        "ok".to_owned()
+    } else {
+        format!("FAILED: {}", failed.join("; "))
+    }
+}
+
+fn markdown(outcomes: &[Outcome]) -> String {
+    let mut s = String::from(
+        "| fault | published | handled | lost | redelivered | dead-lettered | still pending | wall (s) | result | notes |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---|---|\n",
+    );
+    for o in outcomes {
+        s.push_str(&format!(
+            "| `{}` | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} |\n",
+            o.name,
+            o.published,
+            o.handled,
+            o.lost,
+            o.redelivered,
+            o.dead,
+            o.pending,
+            o.wall.as_secs_f64(),
+            verdict(o),
+            o.notes.join("; ").replace('|', "/"),
+        ));
+    }
+    s
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared steps.
+
+/// Fresh tables `fault_<name>` (DLQ on), the messages and timers published in one
+/// transaction.
+async fn prepare(ctx: &Ctx, name: &str) -> Result<Prepared, BoxError> {
+    let outbox = outbox_for(name)?;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {}",
+        outbox.table(),
+        outbox.dead_letter_table()
+    )))
+    .execute(&ctx.admin)
+    .await?;
+    outbox.migrate(&ctx.admin).await?;
+    let messages: Vec<String> = (0..ctx.messages).map(|i| format!("m{i}")).collect();
+    let timers: Vec<String> = (0..ctx.timers).map(|i| format!("t{i}")).collect();
+    let mut tx = ctx.admin.begin().await?;
+    for chunk in messages.chunks(500) {
+        let items: Vec<BatchItem<'_>> =
+            chunk.iter().map(|k| BatchItem::new(k.as_bytes())).collect();
+        outbox
+            .publish_batch(&mut tx, QUEUE, &items, Schedule::now())
+            .await?;
+    }
+    for (i, key) in timers.iter().enumerate() {
+        let due = TIMER_SPREAD.mul_f64(i as f64 / timers.len() as f64);
+        let timer = FaultTimer {
+            key: key.clone(),
+            gen: 0,
+        };
+        publish_fault_timer(outbox.on(&mut tx), key, &timer, due).await?;
+    }
+    tx.commit().await?;
+    let mut keys = messages;
+    keys.extend(timers);
+    Ok(Prepared { outbox, keys })
+}
+
+/// The tables of scenario `name`: `fault_<name>` and its DLQ, which is on.
+fn outbox_for(name: &str) -> Result<Outbox, BoxError> {
+    Ok(Outbox::builder()
+        .table(table_for(name))
+        .dead_letter(true)
+        .build()?)
+}
+
+fn table_for(name: &str) -> String {
+    format!("fault_{}", name.replace('-', "_"))
+}
+
+/// `k` keys spread evenly over `prefix0 … prefix(count-1)`.
+fn pick(prefix: &str, count: usize, k: usize) -> Vec<String> {
+    let k = k.min(count);
+    (0..k)
+        .map(|j| format!("{prefix}{}", j * count / k.max(1)))
+        .collect()
+}
+
+/// Waits until `done()` reaches `share` of `published`, at most [`TRIGGER_WAIT`]; says
+/// when it gave up.
+async fn trigger_at<F, Fut>(name: &str, published: usize, share: f64, mut done: F) -> Option<String>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = u64>,
+{
+    let target = (published as f64 * share).ceil() as u64;
+    let end = Instant::now() + TRIGGER_WAIT;
+    loop {
+        let now = done().await;
+        if now >= target {
+            eprintln!("   {name}: fault at {now} runs done");
+            return None;
+        }
+        if Instant::now() > end {
+            return Some(format!(
+                "trigger point ({target} runs) not reached in {} s; fault applied at {now}",
+                TRIGGER_WAIT.as_secs()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Live rows of the scenario's table (every status), polled until there are none or the
+/// drain timeout passes. Errors (a restarting server) count as "not drained yet".
+async fn drain(ctx: &Ctx, outbox: &Outbox) -> bool {
+    let end = Instant::now() + ctx.drain_timeout;
+    let sql = format!("SELECT count(*) FROM {}", outbox.table());
+    loop {
+        let left: Result<i64, sqlx::Error> = sqlx::query_scalar(AssertSqlSafe(sql.clone()))
+            .fetch_one(&ctx.admin)
+            .await;
+        if matches!(left, Ok(0)) {
+            return true;
+        }
+        if Instant::now() > end {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The key and generation a stored payload of `queue` stands for.
+fn key_of(queue: &str, timer_id: Option<&str>, payload: &[u8]) -> (String, u32) {
+    if queue == QUEUE {
+        return (String::from_utf8_lossy(payload).into_owned(), 0);
+    }
+    match serde_json::from_slice::<FaultTimer>(payload) {
+        Ok(t) => (t.key, t.gen),
+        Err(_) => (timer_id.unwrap_or_default().to_owned(), 0),
+    }
+}
+
+/// Reads the queue and the DLQ and accounts for every published key.
+async fn tally(
+    ctx: &Ctx,
+    name: &'static str,
+    p: &Prepared,
+    runs: &HashMap<(String, u32), u32>,
+    last_gen: &HashMap<String, u32>,
+    wall: Duration,
+) -> Result<Outcome, BoxError> {
+    let t = p.outbox.table();
+    let live = sqlx::query(AssertSqlSafe(format!(
+        "SELECT queue, timer_id, payload, rearm_payload FROM {t}"
+    )))
+    .fetch_all(&ctx.admin)
+    .await?;
+    let mut in_queue: HashSet<(String, u32)> = HashSet::new();
+    for r in &live {
+        let queue: String = r.try_get("queue")?;
+        let timer_id: Option<String> = r.try_get("timer_id")?;
+        let payload: Vec<u8> = r.try_get("payload")?;
+        in_queue.insert(key_of(&queue, timer_id.as_deref(), &payload));
+        if let Some(rearm) = r.try_get::<Option<Vec<u8>>, _>("rearm_payload")? {
+            in_queue.insert(key_of(&queue, timer_id.as_deref(), &rearm));
+        }
+    }
+    let dead = sqlx::query(AssertSqlSafe(format!(
+        "SELECT queue, timer_id, payload, failure_reason FROM {}",
+        p.outbox.dead_letter_table()
+    )))
+    .fetch_all(&ctx.admin)
+    .await?;
+    let mut in_dlq: HashSet<(String, u32)> = HashSet::new();
+    let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &dead {
+        let queue: String = r.try_get("queue")?;
+        let timer_id: Option<String> = r.try_get("timer_id")?;
+        let payload: Vec<u8> = r.try_get("payload")?;
+        in_dlq.insert(key_of(&queue, timer_id.as_deref(), &payload));
+        *reasons
+            .entry(r.try_get::<String, _>("failure_reason")?)
+            .or_default() += 1;
+    }
+    let mut handled = 0;
+    let mut lost_keys = Vec::new();
+    for key in &p.keys {
+        let version = (key.clone(), last_gen.get(key).copied().unwrap_or(0));
+        if runs.get(&version).is_some_and(|&n| n > 0) {
+            handled += 1;
+        } else if !in_queue.contains(&version) && !in_dlq.contains(&version) {
+            lost_keys.push(format!("{}@{}", version.0, version.1));
+        }
+    }
+    let redelivered: u64 = runs.values().map(|&n| u64::from(n.saturating_sub(1))).sum();
+    let mut notes = Vec::new();
+    if !reasons.is_empty() {
+        let r: Vec<String> = reasons.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        notes.push(format!("DLQ: {}", r.join(", ")));
+    }
+    let mut o = Outcome {
+        name,
+        published: p.published(),
+        handled,
+        lost: lost_keys.len(),
+        lost_keys,
+        redelivered,
+        dead: dead.len(),
+        pending: live.len(),
+        wall,
+        checks: Vec::new(),
+        notes,
+    };
+    o.checks.push(("nothing lost".to_owned(), o.lost == 0));
+    o.checks.push((
+        format!("drained within {} s", ctx.drain_timeout.as_secs()),
+        o.pending == 0,
+    ));
+    Ok(o)
+}
+
+/// DLQ rows by reason.
+async fn dlq_reasons(ctx: &Ctx, outbox: &Outbox) -> Result<BTreeMap<String, i64>, BoxError> {
+    let rows = sqlx::query(AssertSqlSafe(format!(
+        "SELECT failure_reason, count(*) AS n FROM {} GROUP BY 1",
+        outbox.dead_letter_table()
+    )))
+    .fetch_all(&ctx.admin)
+    .await?;
+    let mut out = BTreeMap::new();
+    for r in rows {
+        out.insert(r.try_get::<String, _>(0)?, r.try_get::<i64, _>(1)?);
+    }
+    Ok(out)
+}
+
+fn shutdown_note(label: &str, r: &ShutdownReport) -> String {
+    format!(
+        "{label}: graceful {}, abandoned {}, released {}, retried {}, aborted {}, unreleased {}",
+        r.graceful, r.abandoned, r.released, r.retried, r.aborted, r.unreleased
+    )
+}
+
+/// The common shape: one in-process worker, a fault applied by `fault` once `share` of the
+/// rows ran, then drain and tally.
+async fn simple<F, Fut>(
+    ctx: &Ctx,
+    name: &'static str,
+    knobs: Knobs,
+    behavior: Behavior,
+    share: f64,
+    fault: F,
+) -> Result<Outcome, BoxError>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<String>, BoxError>>,
+{
+    let p = prepare(ctx, name).await?;
+    let ledger = Arc::new(Ledger::default());
+    let rec = Recorder::Memory(ledger.clone());
+    let started = Instant::now();
+    let (w, pool) = start_worker(&ctx.opts, &p.outbox, knobs, &behavior, &rec)?;
+    let mut notes = Vec::new();
+    let done = || {
+        let n = ledger.total();
+        async move { n }
+    };
+    notes.extend(trigger_at(name, p.published(), share, done).await);
+    notes.extend(fault().await?);
+    drain(ctx, &p.outbox).await;
+    let wall = started.elapsed();
+    let report = stop_worker(w, pool).await;
+    if !report.graceful {
+        notes.push(shutdown_note("final shutdown", &report));
+    }
+    let mut o = tally(ctx, name, &p, &ledger.snapshot(), &HashMap::new(), wall).await?;
+    o.notes.extend(notes);
+    Ok(o)
+}
+
+// ---------------------------------------------------------------------------------------
+// The scenarios.
+
+/// `pg_terminate_backend` on every worker backend, every 100 ms for 3 s.
+async fn terminate_storm(ctx: &Ctx) -> Result<Outcome, BoxError> {
+    let admin = ctx.admin.clone();
+    simple(
+        ctx,
+        "terminate-storm",
+        Knobs::default(),
+        Behavior::paced(1, 4),
+        0.2,
+        || async move {
+            let end = Instant::now() + Duration::from_secs(3);
+            let (mut rounds, mut killed) = (0u32, 0i64);
+            while Instant::now() < end {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+                     WHERE application_name = $1 AND pid <> pg_backend_pid()",
+                )
+                .bind(WORKER_APP)
+                .fetch_one(&admin)
+                .await?;
+                rounds += 1;
+                killed += n;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Ok(vec![format!(
+                "{killed} worker backends terminated in {rounds} rounds over 3 s"
+            )])
+        },
+    )
+    .await
+}
+
+/// `pg_ctl restart -m <mode>` of the whole cluster once 30 % of the rows ran.
+async fn restart(ctx: &Ctx, name: &'static str, mode: &'static str) -> Result<Outcome, BoxError> {
+    let control = ctx.control.clone();
+    simple(
+        ctx,
+        name,
+        Knobs::default(),
+        Behavior::paced(1, 4),
+        0.3,
+        || async move {
+            let t = Instant::now();
+            tokio::task::spawn_blocking(move || control.restart(mode)).await??;
+            Ok(vec![format!(
+                "pg_ctl restart -m {mode} took {:.1} s",
+                t.elapsed().as_secs_f64()
+            )])
+        },
+    )
+    .await
+}
+
+/// Rows whose headers are not a string map (set by SQL) and rows whose lease a trigger
+/// refuses: those end in the DLQ (`decode_error`, `max_deliveries`), the others run.
+async fn poison_rows(ctx: &Ctx) -> Result<Outcome, BoxError> {
+    let name = "poison-rows";
+    let p = prepare(ctx, name).await?;
+    let t = p.outbox.table().to_owned();
+    let bad_headers = spread(ctx, 4, 2, 1);
+    let bad_lease: Vec<String> = spread(ctx, 4, 2, 3)
+        .into_iter()
+        .filter(|k| !bad_headers.contains(k))
+        .collect();
+    let (hm, ht) = split_keys(&bad_headers);
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {t} SET headers = '{{\"n\": 1}}' \
+         WHERE (queue = $1 AND convert_from(payload, 'UTF8') = ANY($2)) \
+            OR (queue = $3 AND timer_id = ANY($4))"
+    )))
+    .bind(QUEUE)
+    .bind(&hm)
+    .bind(TIMER_QUEUE)
+    .bind(&ht)
+    .execute(&ctx.admin)
+    .await?;
+    let (lm, lt) = split_keys(&bad_lease);
+    let fun = format!("{}_poison", t.trim_matches('"'));
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE FUNCTION {fun}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.acquired_token IS NOT NULL AND ( \
+                (NEW.queue = '{QUEUE}' AND convert_from(NEW.payload, 'UTF8') = ANY(ARRAY[{}]::text[])) \
+             OR (NEW.queue = '{}' AND NEW.timer_id = ANY(ARRAY[{}]::text[]))) THEN \
+             RAISE EXCEPTION 'row % refuses a lease', NEW.id; END IF; \
+           RETURN NEW; END $$; \
+         CREATE TRIGGER poison BEFORE UPDATE ON {t} FOR EACH ROW EXECUTE FUNCTION {fun}()",
+        sql_list(&lm),
+        TIMER_QUEUE,
+        sql_list(&lt),
+    )))
+    .execute(&ctx.admin)
+    .await?;
+
+    let ledger = Arc::new(Ledger::default());
+    let rec = Recorder::Memory(ledger.clone());
+    let knobs = Knobs {
+        // Set aside 1 s, then 2 s; archived at the third observed failure.
+        max_deliveries: Some(2),
+        ..Knobs::default()
+    };
+    let started = Instant::now();
+    let (w, pool) = start_worker(&ctx.opts, &p.outbox, knobs, &Behavior::paced(1, 4), &rec)?;
+    drain(ctx, &p.outbox).await;
+    let wall = started.elapsed();
+    stop_worker(w, pool).await;
+    let mut o = tally(ctx, name, &p, &ledger.snapshot(), &HashMap::new(), wall).await?;
+    let reasons = dlq_reasons(ctx, &p.outbox).await?;
+    let poison = bad_headers.len() + bad_lease.len();
+    o.notes.insert(
+        0,
+        format!(
+            "{} rows with headers {{\"n\": 1}}, {} rows whose lease a trigger refuses; max_deliveries 2",
+            bad_headers.len(),
+            bad_lease.len()
+        ),
+    );
+    o.checks.push((
+        format!("{} decode_error in the DLQ", bad_headers.len()),
+        reasons.get("decode_error").copied().unwrap_or(0) == bad_headers.len() as i64,
+    ));
+    o.checks.push((
+        format!("{} max_deliveries in the DLQ", bad_lease.len()),
+        reasons.get("max_deliveries").copied().unwrap_or(0) == bad_lease.len() as i64,
+    ));
+    o.checks.push((
+        "every other row handled".to_owned(),
+        o.handled == p.published() - poison,
+    ));
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP FUNCTION {fun}() CASCADE")))
+        .execute(&ctx.admin)
+        .await?;
+    Ok(o)
+}
+
+/// `messages` message keys and `timers` timer keys spread evenly over the published ones,
+/// each moved `offset` places on (dropped when that leaves the published range).
+fn spread(ctx: &Ctx, messages: usize, timers: usize, offset: usize) -> Vec<String> {
+    let shift = |prefix: &str, count: usize, k: usize| -> Vec<String> {
+        pick(prefix, count, k)
+            .iter()
+            .map(|key| key_index(key) + offset)
+            .filter(|&i| i < count)
+            .map(|i| format!("{prefix}{i}"))
+            .collect()
+    };
+    let mut keys = shift("m", ctx.messages, messages);
+    keys.extend(shift("t", ctx.timers, timers));
+    keys
+}
+
+/// Message keys and timer keys apart.
+fn split_keys(keys: &[String]) -> (Vec<String>, Vec<String>) {
+    keys.iter().cloned().partition(|k| k.starts_with('m'))
+}
+
+/// `'a', 'b'` for keys made of `[a-z0-9]` only.
+fn sql_list(keys: &[String]) -> String {
+    keys.iter()
+        .filter(|k| k.chars().all(|c| c.is_ascii_alphanumeric()))
+        .map(|k| format!("'{k}'"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Handlers that run 3 × `lease_ttl` (1 s), claimed first so they fill every slot and
+/// the rows behind them wait in the buffer just as long: no run may happen twice.
+async fn long_handlers(ctx: &Ctx) -> Result<Outcome, BoxError> {
+    let slow: HashSet<String> = (0..6.min(ctx.messages))
+        .map(|i| format!("m{i}"))
+        .chain((0..2.min(ctx.timers)).map(|i| format!("t{i}")))
+        .collect();
+    let count = slow.len();
+    let knobs = Knobs {
+        concurrency: count.max(1),
+        lease_ttl: Duration::from_secs(1),
+        graceful: Duration::from_secs(5),
+        ..Knobs::default()
+    };
+    let behavior = Behavior {
+        pace_ms: (1, 4),
+        slow: Arc::new(slow),
+        slow_ms: 3000,
+        ..Behavior::default()
+    };
+    let mut o = simple(ctx, "long-handlers", knobs, behavior, 0.0, || async {
+        Ok(Vec::new())
+    })
+    .await?;
+    o.notes.insert(
+        0,
+        format!(
+            "{count} runs of 3 s with lease_ttl 1 s and concurrency {count}; 10 more rows buffered behind them"
+        ),
+    );
+    o.checks.push((
+        "no redelivery (leases renewed)".to_owned(),
+        o.redelivered == 0,
+    ));
+    Ok(o)
+}
+
+/// A few handlers never return; `timeout` 500 ms stops each run, three attempts, then the
+/// DLQ with reason `timeout`.
+async fn hung_handlers(ctx: &Ctx) -> Result<Outcome, BoxError> {
+    let hung: HashSet<String> = spread(ctx, 3, 2, 7).into_iter().collect();
+    let count = hung.len();
+    let knobs = Knobs {
+        timeout: Some(Duration::from_millis(500)),
+        retry: Some(RetryStrategy::constant(Duration::from_millis(100)).max_attempts(3)),
+        ..Knobs::default()
+    };
+    let behavior = Behavior {
+        pace_ms: (1, 4),
+        hung: Arc::new(hung),
+        ..Behavior::default()
+    };
+    let name = "hung-handlers";
+    let mut o = simple(ctx, name, knobs, behavior, 0.0, || async { Ok(Vec::new()) }).await?;
+    o.notes.insert(
+        0,
+        format!("{count} handlers never return; timeout 500 ms, 3 attempts 100 ms apart"),
+    );
+    let reasons = dlq_reasons(ctx, &outbox_for(name)?).await?;
+    o.checks.push((
+        format!("{count} timeout in the DLQ"),
+        reasons.get("timeout").copied().unwrap_or(0) == count as i64 && o.dead == count,
+    ));
+    o.checks.push((
+        "every other row handled".to_owned(),
+        o.handled == o.published - count,
+    ));
+    Ok(o)
+}
+
+fn key_index(key: &str) -> usize {
+    key[1..].parse().unwrap_or(usize::MAX)
+}
+
+/// A worker shut down at 30 % with `graceful_timeout` 50 ms while some 400 ms handlers
+/// run; a second worker finishes.
+async fn shutdown_under_load(ctx: &Ctx) -> Result<Outcome, BoxError> {
+    let name = "shutdown-under-load";
+    let p = prepare(ctx, name).await?;
+    let slow: HashSet<String> = (0..ctx.messages)
+        .step_by(40)
+        .map(|i| format!("m{i}"))
+        .chain((0..ctx.timers).step_by(10).map(|i| format!("t{i}")))
+        .collect();
+    let behavior = Behavior {
+        pace_ms: (1, 5),
+        slow: Arc::new(slow),
+        slow_ms: 400,
+        ..Behavior::default()
+    };
+    let knobs = Knobs {
+        concurrency: 8,
+        ack_batch: 4,
+        graceful: Duration::from_millis(50),
+        ..Knobs::default()
+    };
+    let ledger = Arc::new(Ledger::default());
+    let rec = Recorder::Memory(ledger.clone());
+    let started = Instant::now();
+    let (a, pool_a) = start_worker(&ctx.opts, &p.outbox, knobs, &behavior, &rec)?;
+    let mut notes = Vec::new();
+    let done = || {
+        let n = ledger.total();
+        async move { n }
+    };
+    notes.extend(trigger_at(name, p.published(), 0.3, done).await);
+    let t = Instant::now();
+    let report = stop_worker(a, pool_a).await;
+    let took = t.elapsed();
+    notes.push(shutdown_note(
+        &format!(
+            "first worker's shutdown ({:.0} ms)",
+            took.as_secs_f64() * 1e3
+        ),
+        &report,
+    ));
+    let (b, pool_b) = start_worker(&ctx.opts, &p.outbox, knobs, &behavior, &rec)?;
+    drain(ctx, &p.outbox).await;
+    let wall = started.elapsed();
+    stop_worker(b, pool_b).await;
+    let mut o = tally(ctx, name, &p, &ledger.snapshot(), &HashMap::new(), wall).await?;
+    o.notes.insert(
+        0,
+        "concurrency 8, ack_batch_size 4, graceful_timeout 50 ms; 1 row in 40 (timers: 1 in 10) takes 400 ms"
+            .to_owned(),
+    );
+    o.notes.extend(notes);
+    o.checks.push((
+        "first shutdown within graceful_timeout + 250 ms (+ 250 ms slack)".to_owned(),
+        took <= knobs.graceful + outbox::SHUTDOWN_GRACE + Duration::from_millis(250),
+    ));
+    Ok(o)
+}
+
+/// SIGKILL of a worker process at 35 %, then a new process finishes; runs are recorded in
+/// a side table by autocommit inserts.
+async fn kill_9(ctx: &Ctx) -> Result<Outcome, BoxError> {
+    let name = "kill-9";
+    let p = prepare(ctx, name).await?;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP TABLE IF EXISTS {RUNS_TABLE}; \
+         CREATE TABLE {RUNS_TABLE} (key text NOT NULL, gen int NOT NULL, pid int NOT NULL, \
+                                    at timestamptz NOT NULL DEFAULT clock_timestamp())"
+    )))
+    .execute(&ctx.admin)
+    .await?;
+    let exe = std::env::current_exe()?;
+    let table = table_for(name);
+    let spawn = || -> Result<tokio::process::Child, BoxError> {
+        Ok(tokio::process::Command::new(&exe)
+            .args(["fault-worker", "--dsn", &ctx.dsn, "--table", &table])
+            .stdin(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?)
+    };
+    let count_runs = || async move {
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!("SELECT count(*) FROM {RUNS_TABLE}")))
+            .fetch_one(&ctx.admin)
+            .await
+            .map_or(0, |n| u64::try_from(n).unwrap_or(0))
+    };
+    let started = Instant::now();
+    let mut first = spawn()?;
+    let mut notes = Vec::new();
+    notes.extend(trigger_at(name, p.published(), 0.35, count_runs).await);
+    let leased_before: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {} WHERE acquired_token IS NOT NULL",
+        p.outbox.table()
+    )))
+    .fetch_one(&ctx.admin)
+    .await?;
+    first.start_kill()?;
+    let status = first.wait().await?;
+    let at_kill = count_runs().await;
+    notes.push(format!(
+        "worker process killed ({status}) after {at_kill} runs, holding {leased_before} leases; a new process finished"
+    ));
+    let mut second = spawn()?;
+    drain(ctx, &p.outbox).await;
+    let wall = started.elapsed();
+    // Closing its standard input shuts the second process down gracefully.
+    drop(second.stdin.take());
+    match tokio::time::timeout(Duration::from_secs(10), second.wait()).await {
+        Ok(s) => {
+            let s = s?;
+            if !s.success() {
+                notes.push(format!("second worker process exited with {s}"));
+            }
+        }
+        Err(_) => {
+            second.start_kill()?;
+            second.wait().await?;
+            notes.push("second worker process did not stop in 10 s; killed".to_owned());
+        }
+    }
+    let rows = sqlx::query(AssertSqlSafe(format!(
+        "SELECT key, gen, count(*) AS n FROM {RUNS_TABLE} GROUP BY 1, 2"
+    )))
+    .fetch_all(&ctx.admin)
+    .await?;
+    let mut runs = HashMap::new();
+    for r in rows {
+        let key: String = r.try_get(0)?;
+        let gen: i32 = r.try_get(1)?;
+        let n: i64 = r.try_get(2)?;
+        runs.insert(
+            (key, u32::try_from(gen).unwrap_or(0)),
+            u32::try_from(n).unwrap_or(u32::MAX),
+        );
+    }
+    let mut o = tally(ctx, name, &p, &runs, &HashMap::new(), wall).await?;
+    o.notes.extend(notes);
+    o.notes
+        .push("worker metrics are in the killed processes (not shown)".to_owned());
+    Ok(o)
+}
+
+/// `outbox-bench fault-worker`: the worker process of `kill-9`.
+pub async fn child(a: &WorkerArgs) -> Result<ExitCode, BoxError> {
+    let opts: PgConnectOptions = a.dsn.parse()?;
+    let outbox = Outbox::builder()
+        .table(&a.table)
+        .dead_letter(true)
+        .build()?;
+    let recorder_pool = PgPoolOptions::new()
+        .max_connections(u32::try_from(a.concurrency)?)
+        .connect_lazy_with(opts.clone().application_name(RECORDER_APP));
+    let rec = Recorder::Table(recorder_pool.clone());
+    let knobs = Knobs {
+        concurrency: a.concurrency,
+        lease_ttl: Duration::from_millis(a.lease_ttl_ms),
+        ..Knobs::default()
+    };
+    let (w, pool) = start_worker(
+        &opts,
+        &outbox,
+        knobs,
+        &Behavior::paced(a.pace_min_ms, a.pace_max_ms),
+        &rec,
+    )?;
+    // Standard input closes when the parent says so, or when the parent dies.
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        let mut stdin = std::io::stdin();
+        while matches!(stdin.read(&mut buf), Ok(n) if n > 0) {}
+        let _ = tx.send(());
+    });
+    let _ = rx.await;
+    let report = stop_worker(w, pool).await;
+    recorder_pool.close().await;
+    if !report.graceful {
+        eprintln!(
+            "fault-worker {}: {}",
+            std::process::id(),
+            shutdown_note("shutdown", &report)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Application transactions extend random subsets of running timers, in random order,
+/// holding each row lock for a while, against batched acks and renewals (lease_ttl 1 s):
+/// no `40P01` may reach them, and each timer's last committed extend must run.
+async fn deadlock_storm(ctx: &Ctx) -> Result<Outcome, BoxError> {
+    const APPS: usize = 4;
+    const STORM: Duration = Duration::from_secs(4);
+    let name = "deadlock-storm";
+    let p = prepare(ctx, name).await?;
+    let ledger = Arc::new(Ledger::default());
+    let rec = Recorder::Memory(ledger.clone());
+    let knobs = Knobs {
+        concurrency: 16,
+        ack_batch: 8,
+        lease_ttl: Duration::from_secs(1),
+        ..Knobs::default()
+    };
+    let behavior = Behavior {
+        pace_ms: (1, 3),
+        // Timers run long enough for extends to land on them while they run.
+        timer_pace_ms: Some((50, 250)),
+        ..Behavior::default()
+    };
+    let app = PgPoolOptions::new()
+        .max_connections(u32::try_from(APPS)?)
+        .connect_with(ctx.opts.clone().application_name(APP_APP))
+        .await?;
+    // Generations: the next to install, and the last one committed, per key.
+    let last_gen: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let started = Instant::now();
+    let (w, pool) = start_worker(&ctx.opts, &p.outbox, knobs, &behavior, &rec)?;
+    let mut apps = Vec::new();
+    for part in 0..APPS {
+        let (app, outbox, last_gen) = (app.clone(), p.outbox.clone(), last_gen.clone());
+        apps.push(tokio::spawn(async move {
+            storm_app(app, outbox, part, APPS, STORM, last_gen).await
+        }));
+    }
+    let mut stats = AppStats::default();
+    for a in apps {
+        let s = a.await??;
+        stats.add(&s);
+    }
+    app.close().await;
+    drain(ctx, &p.outbox).await;
+    let wall = started.elapsed();
+    stop_worker(w, pool).await;
+    let last = last_gen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut o = tally(ctx, name, &p, &ledger.snapshot(), &last, wall).await?;
+    let errors: Vec<String> = stats
+        .errors
+        .iter()
+        .map(|(code, n)| format!("{code} ×{n}"))
+        .collect();
+    o.notes.insert(
+        0,
+        format!(
+            "{APPS} application tasks for {} s: {} transactions committed, {} extends ({} rearms queued on running timers), {} 40P01{}; worker concurrency 16, ack_batch_size 8, lease_ttl 1 s",
+            STORM.as_secs(),
+            stats.committed,
+            stats.extends,
+            stats.rearms,
+            stats.deadlocks,
+            if errors.is_empty() {
+                String::new()
+            } else {
+                format!(", other errors: {}", errors.join(", "))
+            }
+        ),
+    );
+    o.checks.push((
+        "no 40P01 in application transactions".to_owned(),
+        stats.deadlocks == 0,
+    ));
+    o.checks.push((
+        "every application transaction committed".to_owned(),
+        stats.errors.is_empty() && stats.deadlocks == 0,
+    ));
+    Ok(o)
+}
+
+#[derive(Default)]
+struct AppStats {
+    committed: u64,
+    extends: u64,
+    rearms: u64,
+    deadlocks: u64,
+    errors: BTreeMap<String, u64>,
+}
+
+impl AppStats {
+    fn add(&mut self, o: &AppStats) {
+        self.committed += o.committed;
+        self.extends += o.extends;
+        self.rearms += o.rearms;
+        self.deadlocks += o.deadlocks;
+        for (k, v) in &o.errors {
+            *self.errors.entry(k.clone()).or_default() += v;
+        }
+    }
+
+    fn failed(&mut self, sqlstate: Option<String>, text: String) {
+        match sqlstate.as_deref() {
+            Some("40P01") => self.deadlocks += 1,
+            Some(code) => *self.errors.entry(code.to_owned()).or_default() += 1,
+            None => *self.errors.entry(text).or_default() += 1,
+        }
+    }
+}
+
+/// One application task of `deadlock-storm`: owns the timers whose number is `part`
+/// modulo `parts` (so two tasks never extend the same timer and cannot deadlock with each
+/// other), and until `storm` has passed, extends a random subset of those that are leased,
+/// in random order, 25 ms apart, in one transaction.
+async fn storm_app(
+    app: PgPool,
+    outbox: Outbox,
+    part: usize,
+    parts: usize,
+    storm: Duration,
+    last_gen: Arc<Mutex<HashMap<String, u32>>>,
+) -> Result<AppStats, BoxError> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed + part as u64);
+    let mut stats = AppStats::default();
+    let mut next_gen: HashMap<String, u32> = HashMap::new();
+    let select = format!(
+        "SELECT timer_id FROM {} WHERE queue = $1 AND acquired_token IS NOT NULL AND timer_id IS NOT NULL",
+        outbox.table()
+    );
+    let end = Instant::now() + storm;
+    while Instant::now() < end {
+        let leased: Vec<String> = sqlx::query_scalar(AssertSqlSafe(select.clone()))
+            .bind(TIMER_QUEUE)
+            .fetch_all(&app)
+            .await?;
+        let mut mine: Vec<String> = leased
+            .into_iter()
+            .filter(|k| key_index(k) % parts == part)
+            .collect();
+        if mine.is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
+        mine.shuffle(&mut rng);
+        let take = rng.random_range(1..=mine.len().min(8));
+        mine.truncate(take);
+        let mut conn = app.acquire().await?;
+        let mut tx = conn.begin().await?;
+        let mut installed = Vec::new();
+        let mut failed = false;
+        for k in &mine {
+            let gen = next_gen.entry(k.clone()).or_insert(1);
+            let timer = FaultTimer {
+                key: k.clone(),
+                gen: *gen,
+            };
+            *gen += 1;
+            match extend_fault_timer(outbox.on(&mut tx), k, &timer, Duration::from_millis(300))
+                .await
+            {
+                Ok(done) => {
+                    stats.extends += 1;
+                    match done {
+                        Published::RearmQueued { .. } => {
+                            stats.rearms += 1;
+                            installed.push((k.clone(), timer.gen));
+                        }
+                        Published::Inserted { .. } | Published::Extended { .. } => {
+                            installed.push((k.clone(), timer.gen));
+                        }
+                        _ => {}
+                    }
+                }
+                Err(e) => {
+                    stats.failed(e.sqlstate(), e.to_string());
+                    failed = true;
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        if failed {
+            let _ = tx.rollback().await;
+            continue;
+        }
+        match tx.commit().await {
+            Ok(()) => {
+                stats.committed += 1;
+                let mut last = last_gen.lock().unwrap_or_else(|p| p.into_inner());
+                for (k, g) in installed {
+                    last.insert(k, g);
+                }
+            }
+            Err(e) => {
+                let code = e
+                    .as_database_error()
+                    .and_then(|d| d.code())
+                    .map(|c| c.into_owned());
+                stats.failed(code, e.to_string());
+            }
+        }
+    }
+    Ok(stats)
+}
