@@ -456,14 +456,15 @@ pub async fn run(args: &FaultArgs) -> Result<ExitCode, BoxError> {
             let counters: Vec<String> = watch
                 .tracked()
                 .iter()
-                .zip(&before)
-                .filter(|((_, now), (_, was))| now > was)
-                .map(|((n, now), (_, was))| {
-                    format!(
-                        "{} {}",
-                        n.trim_start_matches("outbox_").trim_end_matches("_total"),
-                        now - was
-                    )
+                .filter_map(|(k, &now)| {
+                    let was = before.get(k).copied().unwrap_or(0);
+                    (now > was).then(|| {
+                        format!(
+                            "{} {}",
+                            k.trim_start_matches("outbox_").replace("_total", ""),
+                            now - was
+                        )
+                    })
                 })
                 .collect();
             if !counters.is_empty() {
@@ -1134,6 +1135,7 @@ async fn kill_9(ctx: &Ctx) -> Result<Outcome, BoxError> {
     let spawn = || -> Result<tokio::process::Child, BoxError> {
         Ok(tokio::process::Command::new(&exe)
             .args(["fault-worker", "--dsn", &ctx.dsn, "--table", &table])
+            .args(["--pace-min-ms", "0", "--pace-max-ms", "1"])
             .stdin(Stdio::piped())
             .kill_on_drop(true)
             .spawn()?)
@@ -1148,17 +1150,36 @@ async fn kill_9(ctx: &Ctx) -> Result<Outcome, BoxError> {
     let mut first = spawn()?;
     let mut notes = Vec::new();
     notes.extend(trigger_at(name, p.published(), 0.35, count_runs).await);
-    let leased_before: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM {} WHERE acquired_token IS NOT NULL",
+    first.start_kill()?;
+    let status = first.wait().await?;
+    // The dead process's backends finish what they were executing (a statement already
+    // sent still commits) and go; then its rows are the ones still leased.
+    let gone = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < gone {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name IN ($1, $2)",
+        )
+        .bind(WORKER_APP)
+        .bind(RECORDER_APP)
+        .fetch_one(&ctx.admin)
+        .await?;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let at_kill = count_runs().await;
+    let (orphaned, ran): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT count(*), count(*) FILTER (WHERE EXISTS ( \
+             SELECT 1 FROM {RUNS_TABLE} r WHERE r.key = coalesce(t.timer_id, convert_from(t.payload, 'UTF8')))) \
+         FROM {} t WHERE acquired_token IS NOT NULL",
         p.outbox.table()
     )))
     .fetch_one(&ctx.admin)
     .await?;
-    first.start_kill()?;
-    let status = first.wait().await?;
-    let at_kill = count_runs().await;
     notes.push(format!(
-        "worker process killed ({status}) after {at_kill} runs, holding {leased_before} leases; a new process finished"
+        "worker process killed ({status}) after {at_kill} recorded runs; it left {orphaned} leased rows, \
+         {ran} of them with their run already recorded (to be run again); a new process finished"
     ));
     let mut second = spawn()?;
     drain(ctx, &p.outbox).await;

@@ -10,8 +10,9 @@
 //! It also totals a few failure counters ([`TRACKED`]) for the fault matrix (`faults.rs`),
 //! which reports how often the worker met each kind of failure during a fault.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use metrics::{
     Counter, CounterFn, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
@@ -19,8 +20,9 @@ use metrics::{
 };
 use tokio::sync::Notify;
 
-/// Worker counters totalled over the whole process (all labels together), never reset:
-/// the fault matrix reads them before and after a scenario.
+/// Worker counters totalled over the whole process, never reset: the fault matrix reads
+/// them before and after a scenario. Labels are summed, except `phase` (which completion
+/// lost its lease), kept as `<name>/<phase>`.
 pub const TRACKED: &[&str] = &[
     "outbox_lease_lost_total",
     "outbox_claim_errors_total",
@@ -36,7 +38,7 @@ pub struct Watch {
     short_claims: AtomicU64,
     limit: AtomicU64,
     changed: Notify,
-    tracked: [AtomicU64; TRACKED.len()],
+    tracked: Mutex<BTreeMap<String, Arc<AtomicU64>>>,
 }
 
 impl Watch {
@@ -56,13 +58,23 @@ impl Watch {
         self.short_claims.load(Ordering::SeqCst)
     }
 
-    /// The process-wide totals of [`TRACKED`], in its order.
-    pub fn tracked(&self) -> Vec<(&'static str, u64)> {
-        TRACKED
+    /// The process-wide totals of [`TRACKED`] seen so far, by name (and phase).
+    pub fn tracked(&self) -> BTreeMap<String, u64> {
+        self.tracked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .zip(&self.tracked)
-            .map(|(name, n)| (*name, n.load(Ordering::SeqCst)))
+            .map(|(k, n)| (k.clone(), n.load(Ordering::SeqCst)))
             .collect()
+    }
+
+    fn tracked_cell(&self, key: String) -> Arc<AtomicU64> {
+        self.tracked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key)
+            .or_default()
+            .clone()
     }
 
     /// Waits until at least `n` completions have been written.
@@ -91,16 +103,16 @@ impl CounterFn for Acked {
     }
 }
 
-/// One of [`TRACKED`], by its index.
-struct Tracked(Arc<Watch>, usize);
+/// One of [`TRACKED`].
+struct Tracked(Arc<AtomicU64>);
 
 impl CounterFn for Tracked {
     fn increment(&self, value: u64) {
-        self.0.tracked[self.1].fetch_add(value, Ordering::SeqCst);
+        self.0.fetch_add(value, Ordering::SeqCst);
     }
 
     fn absolute(&self, value: u64) {
-        self.0.tracked[self.1].fetch_max(value, Ordering::SeqCst);
+        self.0.fetch_max(value, Ordering::SeqCst);
     }
 }
 
@@ -125,10 +137,14 @@ impl Recorder for BenchRecorder {
     fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
         match key.name() {
             "outbox_acked_total" => Counter::from_arc(Arc::new(Acked(self.0.clone()))),
-            name => match TRACKED.iter().position(|t| *t == name) {
-                Some(i) => Counter::from_arc(Arc::new(Tracked(self.0.clone(), i))),
-                None => Counter::noop(),
-            },
+            name if TRACKED.contains(&name) => {
+                let cell = match key.labels().find(|l| l.key() == "phase") {
+                    Some(phase) => format!("{name}/{}", phase.value()),
+                    None => name.to_owned(),
+                };
+                Counter::from_arc(Arc::new(Tracked(self.0.tracked_cell(cell))))
+            }
+            _ => Counter::noop(),
         }
     }
 
