@@ -631,6 +631,9 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = u64>,
 {
+    if share <= 0.0 {
+        return None;
+    }
     let target = (published as f64 * share).ceil() as u64;
     let end = Instant::now() + TRIGGER_WAIT;
     loop {
@@ -791,7 +794,7 @@ async fn simple<F, Fut>(
     fault: F,
 ) -> Result<Outcome, BoxError>
 where
-    F: FnOnce() -> Fut,
+    F: FnOnce(Arc<Ledger>) -> Fut,
     Fut: std::future::Future<Output = Result<Vec<String>, BoxError>>,
 {
     let p = prepare(ctx, name).await?;
@@ -805,7 +808,7 @@ where
         async move { n }
     };
     notes.extend(trigger_at(name, p.published(), share, done).await);
-    notes.extend(fault().await?);
+    notes.extend(fault(ledger.clone()).await?);
     drain(ctx, &p.outbox).await;
     let wall = started.elapsed();
     let report = stop_worker(w, pool).await;
@@ -829,7 +832,7 @@ async fn terminate_storm(ctx: &Ctx) -> Result<Outcome, BoxError> {
         Knobs::default(),
         Behavior::paced(1, 4),
         0.2,
-        || async move {
+        |_| async move {
             let end = Instant::now() + Duration::from_secs(3);
             let (mut rounds, mut killed) = (0u32, 0i64);
             while Instant::now() < end {
@@ -861,12 +864,29 @@ async fn restart(ctx: &Ctx, name: &'static str, mode: &'static str) -> Result<Ou
         Knobs::default(),
         Behavior::paced(1, 4),
         0.3,
-        || async move {
+        |_| async move {
             let t = Instant::now();
             tokio::task::spawn_blocking(move || control.restart(mode)).await??;
+            let took = t.elapsed();
+            // The first completion written after pg_ctl returned: the worker is back.
+            let watch = recorder::watch();
+            let at = watch.acked();
+            let back = Instant::now();
+            let mut resumed = None;
+            while back.elapsed() < Duration::from_secs(30) {
+                if watch.acked() > at {
+                    resumed = Some(back.elapsed());
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             Ok(vec![format!(
-                "pg_ctl restart -m {mode} took {:.1} s",
-                t.elapsed().as_secs_f64()
+                "pg_ctl restart -m {mode} took {:.1} s; the worker's next ack landed {} after it returned",
+                took.as_secs_f64(),
+                resumed.map_or("not within 30 s".to_owned(), |d| format!(
+                    "{:.0} ms",
+                    d.as_secs_f64() * 1e3
+                ))
             )])
         },
     )
@@ -1004,7 +1024,7 @@ async fn long_handlers(ctx: &Ctx) -> Result<Outcome, BoxError> {
         slow_ms: 3000,
         ..Behavior::default()
     };
-    let mut o = simple(ctx, "long-handlers", knobs, behavior, 0.0, || async {
+    let mut o = simple(ctx, "long-handlers", knobs, behavior, 0.0, |_| async {
         Ok(Vec::new())
     })
     .await?;
@@ -1037,7 +1057,10 @@ async fn hung_handlers(ctx: &Ctx) -> Result<Outcome, BoxError> {
         ..Behavior::default()
     };
     let name = "hung-handlers";
-    let mut o = simple(ctx, name, knobs, behavior, 0.0, || async { Ok(Vec::new()) }).await?;
+    let mut o = simple(ctx, name, knobs, behavior, 0.0, |_| async {
+        Ok(Vec::new())
+    })
+    .await?;
     o.notes.insert(
         0,
         format!("{count} handlers never return; timeout 500 ms, 3 attempts 100 ms apart"),
