@@ -1031,7 +1031,7 @@ async fn long_handlers(ctx: &Ctx) -> Result<Outcome, BoxError> {
     o.notes.insert(
         0,
         format!(
-            "{count} runs of 3 s with lease_ttl 1 s and concurrency {count}; 10 more rows buffered behind them"
+            "{count} runs of 3 s with lease_ttl 1 s and concurrency {count}; the rows claimed behind them (fetch_batch_size 10) wait in the buffer as long"
         ),
     );
     o.checks.push((
