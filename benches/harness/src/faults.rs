@@ -724,17 +724,11 @@ async fn tally(
             .entry(r.try_get::<String, _>("failure_reason")?)
             .or_default() += 1;
     }
-    let mut handled = 0;
-    let mut lost_keys = Vec::new();
-    for key in &p.keys {
-        let version = (key.clone(), last_gen.get(key).copied().unwrap_or(0));
-        if runs.get(&version).is_some_and(|&n| n > 0) {
-            handled += 1;
-        } else if !in_queue.contains(&version) && !in_dlq.contains(&version) {
-            lost_keys.push(format!("{}@{}", version.0, version.1));
-        }
-    }
-    let redelivered: u64 = runs.values().map(|&n| u64::from(n.saturating_sub(1))).sum();
+    let Accounting {
+        handled,
+        lost_keys,
+        redelivered,
+    } = account(&p.keys, last_gen, runs, &in_queue, &in_dlq);
     let mut notes = Vec::new();
     if !reasons.is_empty() {
         let r: Vec<String> = reasons.iter().map(|(k, v)| format!("{k} {v}")).collect();
@@ -759,6 +753,44 @@ async fn tally(
         o.pending == 0,
     ));
     Ok(o)
+}
+
+/// What became of the published keys.
+#[derive(Debug, PartialEq)]
+struct Accounting {
+    /// Keys whose last version ran successfully.
+    handled: usize,
+    /// `key@version` of the keys whose last version neither ran nor is in the queue or
+    /// the DLQ.
+    lost_keys: Vec<String>,
+    /// Successful runs beyond the first, over every version.
+    redelivered: u64,
+}
+
+/// Accounts for every key: its last version is `last_gen[key]` (0 when absent).
+fn account(
+    keys: &[String],
+    last_gen: &HashMap<String, u32>,
+    runs: &HashMap<(String, u32), u32>,
+    in_queue: &HashSet<(String, u32)>,
+    in_dlq: &HashSet<(String, u32)>,
+) -> Accounting {
+    let mut handled = 0;
+    let mut lost_keys = Vec::new();
+    for key in keys {
+        let version = (key.clone(), last_gen.get(key).copied().unwrap_or(0));
+        if runs.get(&version).is_some_and(|&n| n > 0) {
+            handled += 1;
+        } else if !in_queue.contains(&version) && !in_dlq.contains(&version) {
+            lost_keys.push(format!("{}@{}", version.0, version.1));
+        }
+    }
+    let redelivered = runs.values().map(|&n| u64::from(n.saturating_sub(1))).sum();
+    Accounting {
+        handled,
+        lost_keys,
+        redelivered,
+    }
 }
 
 /// DLQ rows by reason.
@@ -1490,4 +1522,114 @@ async fn storm_app(
         }
     }
     Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(v: &[&str]) -> Vec<String> {
+        v.iter().map(|k| (*k).to_owned()).collect()
+    }
+
+    fn runs(v: &[(&str, u32, u32)]) -> HashMap<(String, u32), u32> {
+        v.iter().map(|&(k, g, n)| ((k.to_owned(), g), n)).collect()
+    }
+
+    fn set(v: &[(&str, u32)]) -> HashSet<(String, u32)> {
+        v.iter().map(|&(k, g)| (k.to_owned(), g)).collect()
+    }
+
+    #[test]
+    fn every_key_handled_once() {
+        let a = account(
+            &keys(&["m0", "m1", "t0"]),
+            &HashMap::new(),
+            &runs(&[("m0", 0, 1), ("m1", 0, 1), ("t0", 0, 1)]),
+            &HashSet::new(),
+            &HashSet::new(),
+        );
+        assert_eq!(
+            a,
+            Accounting {
+                handled: 3,
+                lost_keys: vec![],
+                redelivered: 0
+            }
+        );
+    }
+
+    #[test]
+    fn duplicates_are_redeliveries_not_extra_rows() {
+        let a = account(
+            &keys(&["m0", "m1"]),
+            &HashMap::new(),
+            &runs(&[("m0", 0, 3), ("m1", 0, 1)]),
+            &HashSet::new(),
+            &HashSet::new(),
+        );
+        assert_eq!((a.handled, a.redelivered), (2, 2));
+    }
+
+    #[test]
+    fn a_key_neither_run_nor_stored_is_lost_and_one_in_the_queue_or_dlq_is_not() {
+        let a = account(
+            &keys(&["m0", "m1", "m2", "m3"]),
+            &HashMap::new(),
+            &runs(&[("m0", 0, 1)]),
+            &set(&[("m1", 0)]),
+            &set(&[("m2", 0)]),
+        );
+        assert_eq!(a.handled, 1);
+        assert_eq!(a.lost_keys, vec!["m3@0".to_owned()]);
+    }
+
+    #[test]
+    fn only_the_last_committed_version_of_a_timer_counts() {
+        let last: HashMap<String, u32> = [("t0".to_owned(), 2), ("t1".to_owned(), 2)].into();
+        let a = account(
+            &keys(&["t0", "t1", "t2"]),
+            &last,
+            // t0 ran versions 0, 1 and 2; t1 ran 0 and 1 but not its last extend (2), which
+            // is nowhere else either; t2 was never extended.
+            &runs(&[
+                ("t0", 0, 1),
+                ("t0", 1, 1),
+                ("t0", 2, 1),
+                ("t1", 0, 1),
+                ("t1", 1, 1),
+                ("t2", 0, 1),
+            ]),
+            &set(&[("t1", 1)]),
+            &HashSet::new(),
+        );
+        assert_eq!(a.handled, 2);
+        assert_eq!(a.lost_keys, vec!["t1@2".to_owned()]);
+        assert_eq!(
+            a.redelivered, 0,
+            "runs of different versions are not duplicates"
+        );
+    }
+
+    #[test]
+    fn stored_payloads_map_to_their_key_and_version() {
+        assert_eq!(key_of(QUEUE, None, b"m17"), ("m17".to_owned(), 0));
+        let t = serde_json::to_vec(&FaultTimer {
+            key: "t3".to_owned(),
+            gen: 4,
+        })
+        .unwrap();
+        assert_eq!(key_of(TIMER_QUEUE, Some("t3"), &t), ("t3".to_owned(), 4));
+        assert_eq!(
+            key_of(TIMER_QUEUE, Some("t3"), b"not json"),
+            ("t3".to_owned(), 0)
+        );
+    }
+
+    #[test]
+    fn spread_keys_stay_in_range() {
+        assert_eq!(pick("m", 10, 3), keys(&["m0", "m3", "m6"]));
+        assert_eq!(pick("t", 0, 2), Vec::<String>::new());
+        assert_eq!(pick("t", 2, 5), keys(&["t0", "t1"]));
+    }
 }
