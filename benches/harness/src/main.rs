@@ -50,7 +50,8 @@ enum TopCmd {
     #[command(flatten)]
     Bench(Cmd),
     /// Runs the fault matrix: one fault per scenario while real workers consume, then
-    /// accounts for every published row (docs/reliability.md); exits 1 if a row is lost.
+    /// accounts for every published row (docs/reliability.md); exits 1 if a row is lost or
+    /// an expectation of the scenario is not met.
     Faults(faults::FaultArgs),
     /// The worker process of the `kill-9` fault (started by `faults`).
     #[command(hide = true)]
