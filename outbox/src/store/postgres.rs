@@ -237,53 +237,47 @@ async fn ack_on(sql: &Complete, db: &PgPool, lease: Lease) -> Result<Completion>
 }
 
 /// Success for many rows: the batched DELETE, and one follow-up for the rest (SPEC §5.2).
-async fn ack_batch_on(sql: &Complete, db: &PgPool, leases: &[Lease]) -> Result<Vec<Completion>> {
+/// The batched DELETE of successes (SPEC §5.2): the leases whose rows it deleted.
+async fn ack_batch_delete_on(
+    sql: &Complete,
+    db: &PgPool,
+    leases: &[Lease],
+) -> Result<HashSet<Lease>> {
     let ids: Vec<i64> = leases.iter().map(|l| l.id).collect();
     let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
-    let deleted: HashSet<Lease> = sqlx::query(sql.ack_batch_delete.clone())
+    sqlx::query(sql.ack_batch_delete.clone())
         .bind(&ids)
         .bind(&tokens)
         .fetch_all(db)
         .await?
         .iter()
         .map(lease_at)
-        .collect::<Result<_>>()?;
-    let mut out = vec![Completion::LeaseLost; leases.len()];
-    let mut rest_ids = Vec::new();
-    let mut rest_tokens = Vec::new();
-    for (i, l) in leases.iter().enumerate() {
-        if deleted.contains(l) {
-            out[i] = Completion::Deleted;
-        } else {
-            rest_ids.push(l.id);
-            rest_tokens.push(l.token);
-        }
+        .collect()
+}
+
+/// The batched follow-up for the rows the DELETE did not return: applies their rearm, or
+/// deletes them; a lease missing from the result is lost.
+async fn ack_batch_settle_on(
+    sql: &Complete,
+    db: &PgPool,
+    leases: &[Lease],
+) -> Result<HashMap<Lease, Completion>> {
+    let ids: Vec<i64> = leases.iter().map(|l| l.id).collect();
+    let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
+    let rows = sqlx::query(sql.ack_batch_settle.clone())
+        .bind(&ids)
+        .bind(&tokens)
+        .fetch_all(db)
+        .await?;
+    let mut settled = HashMap::new();
+    for r in rows {
+        let at: Option<DateTime<Utc>> = r.try_get(2)?;
+        settled.insert(
+            lease_at(&r)?,
+            at.map_or(Completion::Deleted, |at| Completion::Rearmed { at }),
+        );
     }
-    // The follow-up runs only for the rows the DELETE did not return (SPEC §5.2).
-    if !rest_ids.is_empty() {
-        let rows = sqlx::query(sql.ack_batch_settle.clone())
-            .bind(&rest_ids)
-            .bind(&rest_tokens)
-            .fetch_all(db)
-            .await?;
-        let mut settled = HashMap::new();
-        for r in rows {
-            let lease = lease_at(&r)?;
-            let at: Option<DateTime<Utc>> = r.try_get(2)?;
-            settled.insert(
-                lease,
-                at.map_or(Completion::Deleted, |at| Completion::Rearmed { at }),
-            );
-        }
-        for (i, l) in leases.iter().enumerate() {
-            if !deleted.contains(l) {
-                if let Some(&done) = settled.get(l) {
-                    out[i] = done;
-                }
-            }
-        }
-    }
-    Ok(out)
+    Ok(settled)
 }
 
 async fn retry_on(
@@ -447,17 +441,50 @@ impl Store for PgStore {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        match ack_batch_on(self.sql(), self.fenced(), leases).await {
-            // One row is locked by another transaction: finish the rows one at a time, so
-            // the others land at once and only the locked one waits (SPEC §7.4).
+        // A statement that meets a row locked by another transaction (or one row's bad data)
+        // changed nothing: its rows are finished one at a time, so the others land at once
+        // and only the locked one waits (SPEC §7.4). The DELETE commits on its own, so rows
+        // it deleted are never retried.
+        let one_by_one = |rest: Vec<Lease>| async move {
+            let done = join_all(rest.iter().map(|&l| self.ack(l))).await;
+            rest.into_iter()
+                .zip(done)
+                .map(|(l, c)| c.map(|c| (l, c)))
+                .collect::<Result<HashMap<Lease, Completion>>>()
+        };
+        let sql = self.sql();
+        let deleted = match ack_batch_delete_on(sql, self.fenced(), leases).await {
+            Ok(d) => d,
             Err(e) if e.is_lock_timeout() || e.is_row_fault() => {
-                join_all(leases.iter().map(|&l| self.ack(l)))
-                    .await
-                    .into_iter()
-                    .collect()
+                let done = one_by_one(leases.to_vec()).await?;
+                return Ok(leases.iter().map(|l| done[l]).collect());
             }
-            done => done,
-        }
+            Err(e) => return Err(e),
+        };
+        let rest: Vec<Lease> = leases
+            .iter()
+            .copied()
+            .filter(|l| !deleted.contains(l))
+            .collect();
+        // The follow-up runs only for the rows the DELETE did not return (SPEC §5.2).
+        let settled = if rest.is_empty() {
+            HashMap::new()
+        } else {
+            match ack_batch_settle_on(sql, self.fenced(), &rest).await {
+                Err(e) if e.is_lock_timeout() || e.is_row_fault() => one_by_one(rest).await?,
+                done => done?,
+            }
+        };
+        Ok(leases
+            .iter()
+            .map(|l| {
+                if deleted.contains(l) {
+                    Completion::Deleted
+                } else {
+                    settled.get(l).copied().unwrap_or(Completion::LeaseLost)
+                }
+            })
+            .collect())
     }
 
     async fn retry(&self, lease: Lease, delay: Duration) -> Result<Completion> {

@@ -175,6 +175,9 @@ impl Held {
                         changed
                     });
                 }
+                // A row whose completion is being written may be gone because that
+                // completion landed first: the completion reports what happened.
+                Renewal::Lost if e.phase == Phase::Completing => {}
                 Renewal::Lost => {
                     e.stop.send_replace(Some(CancelReason::LeaseLost));
                     lost.push((lease, e.queue.clone(), e.phase));
@@ -214,5 +217,62 @@ impl Held {
                 phase: e.phase,
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Utc;
+    use uuid::Uuid;
+
+    fn delivery(id: i64) -> Delivery {
+        Delivery {
+            lease: Lease {
+                id,
+                token: Uuid::new_v4(),
+            },
+            queue: "q".into(),
+            payload: Vec::new(),
+            headers: None,
+            timer_id: None,
+            attempts_count: 0,
+            deliveries_count: 1,
+            created_at: Utc::now(),
+            deadline: Utc::now(),
+            first_attempt_at: None,
+            claimed_at: Utc::now(),
+            decode_error: None,
+        }
+    }
+
+    /// A renewal that finds a row gone while the row's own completion is being written
+    /// does not call it lost: that completion may have deleted it first.
+    #[tokio::test]
+    async fn a_lost_renewal_of_a_completing_row_is_not_a_lost_lease() {
+        let held = Held::new(Duration::from_secs(30));
+        let (running, completing, buffered) = (delivery(1), delivery(2), delivery(3));
+        for d in [&running, &completing, &buffered] {
+            held.add(d, Instant::now());
+        }
+        let stop = held.start(running.lease).unwrap();
+        held.start(completing.lease).unwrap();
+        held.completing(completing.lease);
+        let lost = held.renewed(
+            &[
+                (running.lease, Renewal::Lost),
+                (completing.lease, Renewal::Lost),
+                (buffered.lease, Renewal::Lost),
+            ],
+            Instant::now(),
+        );
+        let ids: Vec<i64> = lost.iter().map(|(l, _, _)| l.id).collect();
+        assert_eq!(ids.len(), 2);
+        assert!(ids.contains(&1) && ids.contains(&3), "{ids:?}");
+        assert_eq!(*stop.borrow(), Some(CancelReason::LeaseLost));
+        assert!(
+            held.start(buffered.lease).is_none(),
+            "a lost buffered row never starts"
+        );
     }
 }

@@ -121,6 +121,40 @@ async fn a_batched_ack_never_deadlocks_with_an_application_transaction() {
     f.cleanup().await;
 }
 
+/// A batched ack whose DELETE lands but whose follow-up (for a row with a queued rearm) meets
+/// that row locked by an application transaction: the deleted rows report `Deleted`, not a
+/// lost lease, and the locked one applies its rearm once the transaction ends.
+#[tokio::test]
+async fn a_batched_ack_reports_what_its_delete_did_when_its_follow_up_waits() {
+    let f = Fixture::new().await;
+    let keys: Vec<String> = ["a", "b"].map(String::from).to_vec();
+    let ds = running(&f, 0, &keys).await;
+    let lease = |k: &str| {
+        ds.iter()
+            .find(|d| d.timer_id.as_deref() == Some(k))
+            .unwrap()
+            .lease
+    };
+    let (a, b) = (lease("a"), lease("b"));
+    let mut conn = f.pool.acquire().await.unwrap();
+    f.outbox.publish(&mut conn, extend("b")).await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    let mut later = extend("b");
+    later = later.schedule(Duration::from_secs(7200));
+    assert!(matches!(
+        f.outbox.publish(&mut tx, later).await.unwrap(),
+        Published::RearmQueued { .. }
+    ));
+    let store = f.store.clone();
+    let batch = tokio::spawn(async move { store.ack_batch(&[a, b]).await });
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    tx.commit().await.unwrap();
+    let done = within(batch).await.unwrap().unwrap();
+    assert_eq!(done[0], Completion::Deleted, "{done:?}");
+    assert!(matches!(done[1], Completion::Rearmed { .. }), "{done:?}");
+    f.cleanup().await;
+}
+
 /// Stress: application transactions, each extending its own random subset of running
 /// timers in random order (no two share a timer, so they cannot deadlock with each other),
 /// against batched acks, renewals and releases of those timers. Zero deadlocks in the
