@@ -61,7 +61,16 @@ pub enum Kind {
     ExtendRearm,
     /// `LATENESS_TIMERS` timers due 1–3 s ahead while a default worker is idle.
     Lateness,
+    /// `held` due rows claimed at once by a worker with `lease_ttl` 300 ms whose first
+    /// handler blocks for `RENEWAL_WINDOW` while the rest wait in its buffer: every lease is
+    /// held (and renewed) for the whole window. Measures what renewal costs; never gated.
+    Renewal { held: usize },
 }
+
+/// How long the renewal scenario holds its leases.
+const RENEWAL_WINDOW: Duration = Duration::from_secs(3);
+/// The renewal scenario's lease: renewed every 100 ms.
+const RENEWAL_TTL: Duration = Duration::from_millis(300);
 
 /// One named scenario.
 #[derive(Debug, Clone, Copy)]
@@ -80,6 +89,7 @@ impl Scenario {
     pub fn messages(&self) -> u64 {
         match self.kind {
             Kind::Lateness => LATENESS_TIMERS,
+            Kind::Renewal { held } => held as u64,
             _ => MESSAGES,
         }
     }
@@ -103,8 +113,9 @@ impl Scenario {
             // How many successes the acker finds waiting when it flushes depends on how
             // the handler and acker tasks interleave: between N/ack_batch and N DELETEs.
             Kind::Consumer { ack_batch, .. } if ack_batch > 1 => Some(&["DELETE"]),
-            // How many timers fall due per wake-up depends on the clock.
-            Kind::Lateness => None,
+            // How many timers fall due per wake-up depends on the clock; how many renewals
+            // fit in the window too.
+            Kind::Lateness | Kind::Renewal { .. } => None,
             _ => Some(&[]),
         }
     }
@@ -113,7 +124,7 @@ impl Scenario {
     /// for the informational `synchronous_commit = off` variants, whose counts are their
     /// durable twin's).
     pub fn gates_tuples_and_wal(&self) -> bool {
-        self.kind != Kind::Lateness && !self.async_commit
+        !matches!(self.kind, Kind::Lateness | Kind::Renewal { .. }) && !self.async_commit
     }
 
     /// The tuple counters gated exactly. Inserted, updated and deleted tuples follow from
@@ -128,7 +139,7 @@ impl Scenario {
             return &[];
         }
         match self.kind {
-            Kind::Lateness => &[],
+            Kind::Lateness | Kind::Renewal { .. } => &[],
             Kind::ExtendRearm => &GATED_TUPLES[..3],
             _ => GATED_TUPLES,
         }
@@ -136,12 +147,15 @@ impl Scenario {
 
     /// Whether throughput is meaningful (the lateness run waits for deadlines).
     pub fn has_throughput(&self) -> bool {
-        self.kind != Kind::Lateness
+        !matches!(self.kind, Kind::Lateness | Kind::Renewal { .. })
     }
 
     /// Consumer-shaped runs are seeded and then checkpointed, as the reference does.
     fn checkpoint_after_seed(&self) -> bool {
-        matches!(self.kind, Kind::Consumer { .. } | Kind::ExtendRearm)
+        matches!(
+            self.kind,
+            Kind::Consumer { .. } | Kind::ExtendRearm | Kind::Renewal { .. }
+        )
     }
 }
 
@@ -243,6 +257,18 @@ pub const ALL: &[Scenario] = &[
         name: "timers/lateness",
         kind: Kind::Lateness,
         peer: &["timers/lateness/poll1s", "timers/lateness/poll10s"],
+        async_commit: false,
+    },
+    Scenario {
+        name: "renewal/held10",
+        kind: Kind::Renewal { held: 10 },
+        peer: &[],
+        async_commit: false,
+    },
+    Scenario {
+        name: "renewal/held1000",
+        kind: Kind::Renewal { held: 1000 },
+        peer: &[],
         async_commit: false,
     },
 ];
@@ -427,7 +453,7 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
     // scenario uses are opened.
     let workers = match sc.kind {
         Kind::Consumer { workers, .. } => Some(workers),
-        Kind::ExtendRearm | Kind::Lateness => Some(1),
+        Kind::ExtendRearm | Kind::Lateness | Kind::Renewal { .. } => Some(1),
         _ => None,
     };
     let worker_pool = match workers {
@@ -438,7 +464,7 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
         None => None,
     };
     let app_pool = match sc.kind {
-        Kind::Consumer { .. } => None,
+        Kind::Consumer { .. } | Kind::Renewal { .. } => None,
         _ => Some(env.pool(Role::App, 4, sc.async_commit).await?),
     };
     let wal0 = probe::wal(&mut env.probe).await?;
@@ -463,6 +489,7 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
         (Kind::ExtendPending, (_, Some(a))) => run_extend_pending(a, &outbox).await?,
         (Kind::ExtendRearm, (Some(w), Some(a))) => run_extend_rearm(env, w, a, &outbox).await?,
         (Kind::Lateness, (Some(w), Some(a))) => run_lateness(w, a, &outbox, env.verbose).await?,
+        (Kind::Renewal { held }, (Some(w), _)) => run_renewal(env, w, &outbox, held).await?,
         _ => unreachable!("every kind gets the pools it uses"),
     };
 
@@ -528,9 +555,9 @@ async fn drop_tables(env: &mut Env, outbox: &Outbox) -> Result<(), BoxError> {
 async fn seed(sc: &Scenario, pool: &PgPool, outbox: &Outbox) -> Result<(), BoxError> {
     let mut tx = pool.begin().await?;
     match sc.kind {
-        Kind::Consumer { .. } => {
+        Kind::Consumer { .. } | Kind::Renewal { .. } => {
             let h = headers();
-            let payloads: Vec<Vec<u8>> = (0..MESSAGES).map(json).collect();
+            let payloads: Vec<Vec<u8>> = (0..sc.messages()).map(json).collect();
             for chunk in payloads.chunks(1000) {
                 let items: Vec<BatchItem<'_>> = chunk
                     .iter()
@@ -587,7 +614,7 @@ async fn verify(env: &mut Env, sc: &Scenario, outbox: &Outbox) -> Result<(), Box
     let t = outbox.table();
     let left = env.count(&format!("SELECT count(*) FROM {t}")).await?;
     let want = match sc.kind {
-        Kind::Consumer { .. } | Kind::Lateness => 0,
+        Kind::Consumer { .. } | Kind::Lateness | Kind::Renewal { .. } => 0,
         Kind::ProducerOneTx | Kind::ProducerBatch { .. } | Kind::ProducerPerTx => MESSAGES as i64,
         Kind::ExtendPending | Kind::ExtendRearm => TIMERS as i64,
     };
@@ -723,6 +750,59 @@ async fn run_consumer(
         return Err(format!("worker shutdown was not graceful: {report:?}").into());
     }
     seen.check("consumer")?;
+    Ok(Ran {
+        wall,
+        lateness: None,
+    })
+}
+
+/// Holds `held` leases for `RENEWAL_WINDOW`: one worker, concurrency 1, `fetch_batch_size`
+/// `held`, `lease_ttl` 300 ms; its first handler blocks for the window, the others wait in
+/// the buffer, then everything runs and is acked. The renewal statements of the window
+/// are the scenario's `UPDATE`s: one per renewal period (100 ms), whatever `held` is.
+async fn run_renewal(
+    env: &mut Env,
+    pool: &PgPool,
+    outbox: &Outbox,
+    held: usize,
+) -> Result<Ran, BoxError> {
+    let seen = Seen::new(held as u64);
+    let watch = recorder::watch();
+    watch.reset(held);
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let handler_seen = seen.clone();
+    let (handler_gate, handler_first) = (gate.clone(), first.clone());
+    let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
+        .timer::<Body>(move |b: Body, _ctx: Context| {
+            let (seen, gate, first) = (
+                handler_seen.clone(),
+                handler_gate.clone(),
+                handler_first.clone(),
+            );
+            async move {
+                if first.swap(false, Ordering::SeqCst) {
+                    gate.notified().await;
+                }
+                seen.mark(&b.0)
+            }
+        })
+        .concurrency(1)
+        .fetch_batch_size(held)
+        .lease_ttl(RENEWAL_TTL)
+        .build()?;
+    let t0 = Instant::now();
+    let running = worker.start();
+    tokio::time::sleep(RENEWAL_WINDOW).await;
+    gate.notify_one();
+    within("renewal", watch.acked_at_least(held as u64)).await?;
+    let wall = t0.elapsed();
+    wait_idle(env).await?;
+    let report = running.shutdown().await;
+    if !report.graceful {
+        return Err(format!("worker shutdown was not graceful: {report:?}").into());
+    }
+    seen.check("renewal")?;
     Ok(Ran {
         wall,
         lateness: None,
