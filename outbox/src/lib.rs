@@ -51,13 +51,14 @@
 //! | concern | where | SPEC |
 //! |---|---|---|
 //! | table names, identifiers, the [`Outbox`] handle | [`Outbox`], [`OutboxBuilder`] | §1 |
-//! | migrations and the rearm upgrade | [`migrate`], [`Outbox::migrate`], [`migration_steps`] | §1.3 |
+//! | migrations and the schema upgrades | [`migrate`], [`Outbox::migrate`], [`migration_steps`] | §1.3 |
 //! | publish, extend, batch | [`Outbox::publish`], [`Outbox::publish_batch`], [`Message`], [`Published`] | §2, §4, §5 |
-//! | cancel | [`Outbox::cancel`], [`Cancelled`] | §3 |
-//! | claim and fenced completions | [`Store`], [`PgStore`], [`Completion`] | §5.1, §5.2, §6 |
-//! | reading and validating | [`Outbox::pending`], [`Outbox::validate_schema`] | §8 |
+//! | cancel (sticks: a running timer is marked, and deleted however its run ends) | [`Outbox::cancel`], [`Cancelled`] | §3 |
+//! | claim, fenced completions, renewal, release | [`Store`], [`PgStore`], [`Completion`], [`ClaimRequest`] | §5.1, §5.2, §6, §7.5, §7.8 |
+//! | reading and validating | [`Outbox::pending`], [`PgStore::pending`], [`PgStore::dead_letters`], [`Outbox::validate_schema`] | §8 |
 //! | the typed layer | [`timer`] (macro), [`Timer`], [`Publisher`] | §9 |
 //! | workers | [`Worker`], [`WorkerBuilder`], [`RetryStrategy`], [`Context`], [`Outcome`] | §7 |
+//! | leases kept alive, poison rows, shutdown | [`Worker`] (its docs), [`Context::cancelled`], [`HandlerOptions::timeout`], [`ShutdownReport`] | §7.4, §7.5, §7.8 |
 //! | tests without a database | [`testing`] | §10 |
 //!
 //! ## Units and clocks
@@ -74,8 +75,9 @@
 //! bytes, a negative delay, `Extend` without a timer id, a header with NUL) is
 //! [`Error::InvalidArgument`] naming the field, returned **before any SQL runs**. Bad names
 //! are [`Error::InvalidName`], bad worker knobs [`Error::InvalidConfig`], both naming the
-//! offender. A table that predates the rearm upgrade gives [`Error::UpgradeRequired`],
-//! whose message points to `docs/upgrading.md`.
+//! offender. A table that predates a schema upgrade gives [`Error::UpgradeRequired`],
+//! whose message points to `docs/upgrading.md`; a database where the tables do not exist
+//! gives [`Error::NotMigrated`], which says to run [`migrate`].
 //!
 //! ## Decisions where the specification is silent
 //!
