@@ -243,8 +243,7 @@ async fn ack_batch_delete_on(
     db: &PgPool,
     leases: &[Lease],
 ) -> Result<HashSet<Lease>> {
-    let ids: Vec<i64> = leases.iter().map(|l| l.id).collect();
-    let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
+    let (ids, tokens) = columns(leases.iter().copied());
     sqlx::query(sql.ack_batch_delete.clone())
         .bind(&ids)
         .bind(&tokens)
@@ -262,8 +261,7 @@ async fn ack_batch_settle_on(
     db: &PgPool,
     leases: &[Lease],
 ) -> Result<HashMap<Lease, Completion>> {
-    let ids: Vec<i64> = leases.iter().map(|l| l.id).collect();
-    let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
+    let (ids, tokens) = columns(leases.iter().copied());
     let rows = sqlx::query(sql.ack_batch_settle.clone())
         .bind(&ids)
         .bind(&tokens)
@@ -346,8 +344,7 @@ async fn fail_on(
 }
 
 async fn renew_on(sql: &Complete, db: &PgPool, leases: &[Lease]) -> Result<Vec<Renewal>> {
-    let ids: Vec<i64> = leases.iter().map(|l| l.id).collect();
-    let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
+    let (ids, tokens) = columns(leases.iter().copied());
     let rows = sqlx::query(sql.renew.clone())
         .bind(&ids)
         .bind(&tokens)
@@ -373,8 +370,7 @@ async fn renew_on(sql: &Complete, db: &PgPool, leases: &[Lease]) -> Result<Vec<R
 }
 
 async fn release_on(sql: &Complete, db: &PgPool, items: &[Release]) -> Result<Vec<Released>> {
-    let ids: Vec<i64> = items.iter().map(|r| r.lease.id).collect();
-    let tokens: Vec<Uuid> = items.iter().map(|r| r.lease.token).collect();
+    let (ids, tokens) = columns(items.iter().map(|r| r.lease));
     let started: Vec<bool> = items.iter().map(|r| r.started).collect();
     let rows = sqlx::query(sql.release.clone())
         .bind(&ids)
@@ -642,6 +638,11 @@ impl Publisher for &PgStore {
     ) -> impl Future<Output = Result<Cancelled>> + Send {
         cancel_in_own_transaction(&self.pool, &self.outbox, queue, timer_id)
     }
+}
+
+/// Leases as the two array parameters `($1::bigint[], $2::uuid[])` of a batched statement.
+fn columns(leases: impl Iterator<Item = Lease>) -> (Vec<i64>, Vec<Uuid>) {
+    leases.map(|l| (l.id, l.token)).unzip()
 }
 
 /// The lease a batched statement's row reports in its first two columns `(id, token)`:

@@ -189,23 +189,12 @@ impl Held {
         lost
     }
 
-    /// Shutdown: no buffered row starts any more. Returns every held row.
-    pub(crate) fn close(&self) -> Vec<HeldRow> {
-        let mut inner = self.lock();
-        inner.closed = true;
-        inner
-            .rows
-            .values()
-            .map(|e| HeldRow {
-                lease: e.lease,
-                queue: e.queue.clone(),
-                attempts_count: e.attempts_count,
-                phase: e.phase,
-            })
-            .collect()
+    /// Shutdown: no buffered row starts any more.
+    pub(crate) fn close(&self) {
+        self.lock().closed = true;
     }
 
-    /// Every held row now (after `close`).
+    /// Every held row now.
     pub(crate) fn rows(&self) -> Vec<HeldRow> {
         self.lock()
             .rows
