@@ -35,14 +35,16 @@ FOR UPDATE"#
         // A running row is never deleted: its handler is still at work. The mark makes every
         // way the run ends delete the row instead of retrying, re-arming or archiving it; an
         // earlier mark is kept. The old version of the row says whether a rearm was dropped,
-        // so the outcome is right even without a transaction around the two statements.
+        // so the outcome is right even without a transaction around the two statements. Its
+        // values come from the locking CTE, which sees the row after any lock wait (see
+        // `sql::complete`'s `APPLY_REARM`).
         let mark = format!(
             r#"
 WITH old AS (
-    SELECT id, rearm_at IS NOT NULL AS had_rearm FROM {t}
+    SELECT id, rearm_at IS NOT NULL AS had_rearm, cancelled_at FROM {t}
     WHERE id = $1 AND acquired_token = $2 FOR UPDATE)
 UPDATE {t} t SET rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
-                 cancelled_at = coalesce(t.cancelled_at, now())
+                 cancelled_at = coalesce(old.cancelled_at, now())
 FROM old WHERE t.id = old.id
 RETURNING old.had_rearm"#
         );

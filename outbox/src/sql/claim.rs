@@ -35,16 +35,18 @@ fn candidates(t: &str, exclude: &str, only: Option<&str>, lock: bool) -> String 
     let lock = if lock { " FOR UPDATE SKIP LOCKED" } else { "" };
     format!(
         r#"
-    SELECT c.id, c.queue, c.next_attempt_at, false AS cancelled FROM unnest($1::text[]) AS q(queue)
+    SELECT c.id, c.queue, c.next_attempt_at, c.deliveries_count, false AS cancelled
+    FROM unnest($1::text[]) AS q(queue)
     CROSS JOIN LATERAL (
-        SELECT id, queue, next_attempt_at FROM {t}
+        SELECT id, queue, next_attempt_at, deliveries_count FROM {t}
         WHERE queue = q.queue AND acquired_token IS NULL AND next_attempt_at <= now()
           AND id <> ALL({exclude}::bigint[]){only}
         ORDER BY next_attempt_at LIMIT $2{lock}) c
     UNION ALL
-    SELECT c.id, c.queue, c.next_attempt_at, c.cancelled FROM unnest($1::text[]) AS q(queue)
+    SELECT c.id, c.queue, c.next_attempt_at, c.deliveries_count, c.cancelled
+    FROM unnest($1::text[]) AS q(queue)
     CROSS JOIN LATERAL (
-        SELECT id, queue, next_attempt_at,
+        SELECT id, queue, next_attempt_at, deliveries_count,
                cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled
         FROM {t}
         WHERE queue = q.queue AND acquired_token IS NOT NULL
@@ -55,14 +57,16 @@ fn candidates(t: &str, exclude: &str, only: Option<&str>, lock: bool) -> String 
 }
 
 /// A claim over `candidates`: one new token, `deliveries_count + 1`, cancelled rows deleted.
+/// The count comes from the locked candidate, not the updated table (see
+/// `sql::complete`'s `APPLY_REARM` for why).
 fn claim(t: &str, candidates: &str) -> String {
     format!(
         r#"
 WITH cand AS ({candidates}),
-due AS (SELECT id, cancelled FROM cand ORDER BY next_attempt_at, id LIMIT $2),
+due AS (SELECT id, deliveries_count, cancelled FROM cand ORDER BY next_attempt_at, id LIMIT $2),
 gone AS (DELETE FROM {t} t USING due WHERE t.id = due.id AND due.cancelled)
 UPDATE {t} t SET acquired_token = $4, acquired_at = now(),
-                 deliveries_count = t.deliveries_count + 1
+                 deliveries_count = due.deliveries_count + 1
 FROM due WHERE t.id = due.id AND NOT due.cancelled
 RETURNING {DELIVERY_COLUMNS}"#
     )

@@ -11,10 +11,23 @@ use crate::names::Names;
 /// history and `deliveries_count` reset. A rearm and a cancel mark together can only come
 /// from a publisher that predates the mark; the rearm wins (a ping is never lost) and the
 /// mark goes with the lease.
-const APPLY_REARM: &str = "next_attempt_at = t.rearm_at, payload = t.rearm_payload, \
-     headers = t.rearm_headers, rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL, \
+///
+/// The rearm's values come from `cur`, the locking CTE, never from the updated table's
+/// own columns: when the lock had to wait for an extend's transaction, the CTE sees the
+/// committed rearm, but the UPDATE's SET expressions are evaluated on the row version of the
+/// statement's snapshot, from before that extend (Postgres re-checks the UPDATE's row
+/// against the newest version and keeps the columns it does not set, but does not recompute
+/// what it sets). Every locking statement below follows this rule for every value another
+/// transaction may change on a leased row (the rearm columns and the cancel mark).
+const APPLY_REARM: &str = "next_attempt_at = cur.rearm_at, payload = cur.rearm_payload, \
+     headers = cur.rearm_headers, rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL, \
      acquired_token = NULL, acquired_at = NULL, cancelled_at = NULL, \
      attempts_count = 0, first_attempt_at = NULL, last_attempt_at = NULL, deliveries_count = 0";
+
+/// The columns of the locked row a locking CTE reads for `APPLY_REARM` and the other SET
+/// expressions (see there).
+const LOCKED_VALUES: &str = "rearm_at, rearm_payload, rearm_headers, attempts_count, \
+     first_attempt_at, last_attempt_at, deliveries_count, payload, headers";
 
 #[derive(Debug)]
 pub(crate) struct Complete {
@@ -72,7 +85,7 @@ impl Complete {
         let ack_settle = format!(
             r#"
 WITH cur AS (
-    SELECT id, rearm_at IS NOT NULL AS rearm FROM {t}
+    SELECT id, rearm_at IS NOT NULL AS rearm, {LOCKED_VALUES} FROM {t}
     WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
 deleted AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm),
 rearmed AS (
@@ -95,7 +108,9 @@ RETURNING t.id, l.token"#
         let ack_batch_settle = format!(
             r#"
 WITH cur AS (
-    SELECT t.id, l.token, t.rearm_at IS NOT NULL AS rearm FROM {t} t
+    SELECT t.id, l.token, t.rearm_at IS NOT NULL AS rearm,
+           t.rearm_at, t.rearm_payload, t.rearm_headers
+    FROM {t} t
     JOIN unnest($1::bigint[], $2::uuid[]) AS l(id, token)
       ON t.id = l.id AND t.acquired_token = l.token
     ORDER BY t.id FOR UPDATE OF t),
@@ -119,16 +134,16 @@ UNION ALL SELECT id, token, next_attempt_at, {notify} FROM rearmed"#,
             r#"
 WITH cur AS (
     SELECT id, rearm_at IS NOT NULL AS rearm,
-           cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled
+           cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled, {LOCKED_VALUES}
     FROM {t} WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
 gone AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND cur.cancelled),
 up AS (
     UPDATE {t} t SET
-        next_attempt_at = CASE WHEN cur.rearm THEN t.rearm_at ELSE now() + $3::interval END,
-        payload = CASE WHEN cur.rearm THEN t.rearm_payload ELSE t.payload END,
-        headers = CASE WHEN cur.rearm THEN t.rearm_headers ELSE t.headers END,
-        attempts_count = t.attempts_count + 1,
-        first_attempt_at = coalesce(t.first_attempt_at, now()),
+        next_attempt_at = CASE WHEN cur.rearm THEN cur.rearm_at ELSE now() + $3::interval END,
+        payload = CASE WHEN cur.rearm THEN cur.rearm_payload ELSE cur.payload END,
+        headers = CASE WHEN cur.rearm THEN cur.rearm_headers ELSE cur.headers END,
+        attempts_count = cur.attempts_count + 1,
+        first_attempt_at = coalesce(cur.first_attempt_at, now()),
         last_attempt_at = now(),
         rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
         acquired_token = NULL, acquired_at = NULL, cancelled_at = NULL
@@ -146,7 +161,8 @@ SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM up), (SELECT rea
 WITH cur AS (
     SELECT id, queue, payload, headers, timer_id, attempts_count, deliveries_count,
            created_at, rearm_at IS NOT NULL AS rearm,
-           cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled
+           cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled,
+           rearm_at, rearm_payload, rearm_headers
     FROM {t} WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
 archived AS (
     INSERT INTO {d} (original_id, queue, payload, headers, timer_id, attempts_count,
@@ -185,7 +201,10 @@ RETURNING t.id, l.token, t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL"#
             r#"
 WITH cur AS (
     SELECT t.id, l.token, l.started, t.rearm_at IS NOT NULL AS rearm,
-           t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL AS cancelled
+           t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL AS cancelled,
+           t.rearm_at, t.rearm_payload, t.rearm_headers, t.attempts_count,
+           t.first_attempt_at, t.last_attempt_at, t.deliveries_count, t.next_attempt_at,
+           t.payload, t.headers
     FROM {t} t
     JOIN unnest($1::bigint[], $2::uuid[], $3::bool[]) AS l(id, token, started)
       ON t.id = l.id AND t.acquired_token = l.token
@@ -195,22 +214,22 @@ gone AS (
     RETURNING cur.id, cur.token),
 back AS (
     UPDATE {t} t SET
-        next_attempt_at = CASE WHEN cur.rearm THEN t.rearm_at
+        next_attempt_at = CASE WHEN cur.rearm THEN cur.rearm_at
                                WHEN cur.started THEN now()
-                               ELSE t.next_attempt_at END,
-        payload = CASE WHEN cur.rearm THEN t.rearm_payload ELSE t.payload END,
-        headers = CASE WHEN cur.rearm THEN t.rearm_headers ELSE t.headers END,
-        attempts_count = CASE WHEN cur.started THEN t.attempts_count + 1
+                               ELSE cur.next_attempt_at END,
+        payload = CASE WHEN cur.rearm THEN cur.rearm_payload ELSE cur.payload END,
+        headers = CASE WHEN cur.rearm THEN cur.rearm_headers ELSE cur.headers END,
+        attempts_count = CASE WHEN cur.started THEN cur.attempts_count + 1
                               WHEN cur.rearm THEN 0
-                              ELSE t.attempts_count END,
-        first_attempt_at = CASE WHEN cur.started THEN coalesce(t.first_attempt_at, now())
+                              ELSE cur.attempts_count END,
+        first_attempt_at = CASE WHEN cur.started THEN coalesce(cur.first_attempt_at, now())
                                 WHEN cur.rearm THEN NULL
-                                ELSE t.first_attempt_at END,
+                                ELSE cur.first_attempt_at END,
         last_attempt_at = CASE WHEN cur.started THEN now()
                                WHEN cur.rearm THEN NULL
-                               ELSE t.last_attempt_at END,
-        deliveries_count = CASE WHEN cur.started THEN t.deliveries_count
-                                ELSE greatest(t.deliveries_count - 1, 0) END,
+                               ELSE cur.last_attempt_at END,
+        deliveries_count = CASE WHEN cur.started THEN cur.deliveries_count
+                                ELSE greatest(cur.deliveries_count - 1, 0) END,
         rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
         acquired_token = NULL, acquired_at = NULL, cancelled_at = NULL
     FROM cur WHERE t.id = cur.id AND NOT cur.cancelled

@@ -749,3 +749,77 @@ async fn a_rearm_dropped_between_the_acks_two_statements_still_deletes_the_row()
     }
     f.cleanup().await;
 }
+
+/// SPEC §5.1, §5.3, found by a new user: every completion that waits for an extend's row
+/// lock applies the rearm that extend committed — its deadline, its payload — whether the
+/// run ends with a retry, a terminal failure, a release at shutdown or a batched success,
+/// and whether a rearm was queued before (the extend moves it) or not. Before the fix, the
+/// completion's SET used the row as it was before the extend: a NOT NULL violation (no
+/// earlier rearm), or the older rearm installed (an earlier one).
+#[tokio::test]
+async fn a_completion_that_waits_for_an_extend_applies_that_extends_rearm() {
+    let f = Fixture::new().await;
+    for (i, end) in ["retry", "fail", "release", "batch"].iter().enumerate() {
+        for earlier_rearm in [false, true] {
+            let key = format!("{end}-{earlier_rearm}");
+            let d = running_timer(&f, &key, b"p0").await;
+            if earlier_rearm {
+                let p = publish(&f, extend(&key, b"older", secs(600))).await;
+                assert!(matches!(p, Published::RearmQueued { .. }), "{p:?}");
+            }
+            let rearm_at = secs(3600 + i as i64);
+            let mut conn = f.pool.acquire().await.unwrap();
+            let mut tx = conn.begin().await.unwrap();
+            let p = f
+                .outbox
+                .publish(&mut tx, extend(&key, b"newest", rearm_at))
+                .await
+                .unwrap();
+            assert!(matches!(p, Published::RearmQueued { .. }), "{p:?}");
+            let store = f.store.clone();
+            let lease = d.lease;
+            let end_name = end.to_string();
+            let completion = tokio::spawn(async move {
+                match end_name.as_str() {
+                    "retry" => store
+                        .retry(lease, Duration::from_secs(5))
+                        .await
+                        .map(|c| format!("{c:?}")),
+                    "fail" => store
+                        .fail(
+                            lease,
+                            Failure {
+                                reason: FailureReason::Rejected,
+                                last_error: Some("no"),
+                            },
+                        )
+                        .await
+                        .map(|c| format!("{c:?}")),
+                    "release" => store
+                        .release(&[outbox::Release {
+                            lease,
+                            started: true,
+                        }])
+                        .await
+                        .map(|r| format!("{r:?}")),
+                    _ => store.ack_batch(&[lease]).await.map(|c| format!("{c:?}")),
+                }
+            });
+            // Past the worker's lock timeout: the completion now waits on the plain pool.
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            assert!(!completion.is_finished(), "{key}: it waits for the extend");
+            tx.commit().await.unwrap();
+            let done = completion.await.unwrap();
+            let done = done.unwrap_or_else(|e| panic!("{key}: {e}"));
+            let row = f.only_row(Q).await;
+            assert_eq!(row.acquired_token, None, "{key}: {done} {row:?}");
+            assert_eq!(row.payload, b"newest", "{key}: {done}");
+            assert_eq!(row.next_attempt_at, rearm_at, "{key}: {done}");
+            assert_eq!(row.rearm_at, None, "{key}");
+            let mut conn = f.pool.acquire().await.unwrap();
+            let c = f.outbox.cancel(&mut conn, Q, &key).await.unwrap();
+            assert!(matches!(c, Cancelled::Deleted { .. }), "{key}: {c:?}");
+        }
+    }
+    f.cleanup().await;
+}
