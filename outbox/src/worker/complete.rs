@@ -6,8 +6,9 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
-use tokio::sync::{mpsc, watch, Mutex, Semaphore};
+use tokio::sync::{mpsc, watch, Mutex};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -228,18 +229,32 @@ fn lease_lost(queue: &str, phase: Phase) {
     );
 }
 
-/// How many batched completions may be written at once. More than one, so a batch that
-/// waits for a row lock held by an application transaction (its rows are then finished one
-/// at a time) does not hold up the batches behind it (SPEC §7.4).
+/// How many batched completions may be written at once: one normally, so successes pile up
+/// into full batches while it runs; a second when the first has waited longer than
+/// [`STALLED`] — it met a row locked by an application transaction and finishes its rows one
+/// at a time — so it does not hold up the batches behind it (SPEC §7.4).
 const FLUSHES_IN_FLIGHT: usize = 2;
+
+/// How long a batched completion runs before the acker starts the next one beside it:
+/// longer than the store's lock timeout (200 ms), so only a write that waits on a lock
+/// counts as stalled.
+const STALLED: Duration = Duration::from_millis(250);
 
 /// Collects successful completions and writes them in batches (SPEC §5.2): a batch is
 /// flushed when full or as soon as no more successes are waiting, and the rest at shutdown.
 pub(crate) async fn acker<S: Store>(shared: Arc<Shared<S>>, mut rx: mpsc::Receiver<PendingAck>) {
     let max = shared.config.ack_batch_size;
-    let slots = Arc::new(Semaphore::new(FLUSHES_IN_FLIGHT));
     let mut flushes = JoinSet::new();
-    while let Some(first) = rx.recv().await {
+    let mut newest = Instant::now();
+    loop {
+        while !flushes.is_empty() {
+            let may_start_another = flushes.len() < FLUSHES_IN_FLIGHT;
+            tokio::select! {
+                _ = flushes.join_next() => {}
+                () = tokio::time::sleep_until(newest + STALLED), if may_start_another => break,
+            }
+        }
+        let Some(first) = rx.recv().await else { break };
         let mut batch: Vec<PendingAck> = Vec::with_capacity(max);
         batch.push(first);
         while batch.len() < max {
@@ -248,15 +263,9 @@ pub(crate) async fn acker<S: Store>(shared: Arc<Shared<S>>, mut rx: mpsc::Receiv
                 Err(_) => break,
             }
         }
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            break;
-        };
+        newest = Instant::now();
         let shared = shared.clone();
-        flushes.spawn(async move {
-            flush(&shared, batch).await;
-            drop(slot);
-        });
-        while flushes.try_join_next().is_some() {}
+        flushes.spawn(async move { flush(&shared, batch).await });
     }
     while flushes.join_next().await.is_some() {}
 }
