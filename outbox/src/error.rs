@@ -79,8 +79,9 @@ pub enum Error {
         problems: Vec<SchemaProblem>,
     },
 
-    /// A typed payload could not be encoded to JSON.
-    #[error("could not encode the payload as JSON: {0}")]
+    /// A typed payload could not be encoded to JSON, or its JSON does not decode back into
+    /// its type (a `NaN` float, which JSON writes as `null`).
+    #[error("could not encode the payload as JSON that decodes back into its type: {0}")]
     Encode(#[source] serde_json::Error),
 
     /// Postgres or the connection failed.
@@ -218,6 +219,28 @@ impl Error {
     pub fn is_row_fault(&self) -> bool {
         self.sqlstate()
             .is_some_and(|c| c.starts_with("22") || c.starts_with("23") || c == "P0001")
+    }
+}
+
+/// Replaces "pool timed out" by the reason it did when that reason is the database being
+/// unreachable: sqlx reports only the timeout, so connect once directly and keep its error
+/// (connection refused, authentication failed, …). Anything else is returned as it was.
+pub(crate) async fn explain(pool: &sqlx::PgPool, e: Error) -> Error {
+    if !matches!(e, Error::Database(sqlx::Error::PoolTimedOut)) {
+        return e;
+    }
+    let options = pool.connect_options();
+    let direct = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        sqlx::ConnectOptions::connect(&*options),
+    );
+    match direct.await {
+        Ok(Err(cause)) => Error::Database(cause),
+        Ok(Ok(conn)) => {
+            drop(conn);
+            e
+        }
+        Err(_) => e,
     }
 }
 

@@ -10,7 +10,7 @@
 
 use sqlx::{Executor, PgPool};
 
-use crate::error::Result;
+use crate::error::{explain, Result};
 use crate::names::Names;
 use crate::sql::ddl::{Ddl, ADVISORY_LOCK};
 
@@ -49,7 +49,10 @@ pub(crate) fn steps(ddl: &Ddl) -> Vec<MigrationStep> {
 pub(crate) async fn run(ddl: &Ddl, names: &Names, pool: &PgPool, count: usize) -> Result<()> {
     let key = format!("outbox.migrate:{}", names.qtable);
     for step in ddl.steps.iter().take(count) {
-        let mut tx = pool.begin().await?;
+        let mut tx = match pool.begin().await {
+            Ok(tx) => tx,
+            Err(e) => return Err(explain(pool, e.into()).await),
+        };
         sqlx::query(ADVISORY_LOCK)
             .bind(&key)
             .execute(&mut *tx)

@@ -9,7 +9,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 use crate::cancel::Cancelled;
-use crate::error::{Error, Result};
+use crate::error::{explain, Error, Result};
 use crate::outbox::{Bound, Outbox};
 use crate::publish::{validate_queue, validate_timer_id, Message, OnConflict, Published, Schedule};
 
@@ -38,12 +38,19 @@ pub trait Timer: Serialize + DeserializeOwned + Send + Sync + 'static {
     /// `max_deliveries`, checked before the handler runs (SPEC §6). At least 1.
     const MAX_DELIVERIES: u32;
 
-    /// Encodes the payload as stored (JSON).
+    /// Encodes the payload as stored (JSON), and checks that it decodes back into `Self`:
+    /// a value whose JSON does not (a `NaN` or infinite float, which JSON writes as `null`;
+    /// a hand-written `Serialize` that does not match its `Deserialize`) would be accepted
+    /// now and then fail as `decode_error` when its worker claims it, so it is refused
+    /// here, before any SQL runs.
     ///
     /// # Errors
-    /// [`Error::Encode`] if serde_json refuses the value (for example a map with non-string keys).
+    /// [`Error::Encode`] if serde_json refuses the value (for example a map with
+    /// non-string keys) or its JSON does not decode back into the type.
     fn encode(&self) -> Result<Vec<u8>> {
-        serde_json::to_vec(self).map_err(Error::Encode)
+        let bytes = serde_json::to_vec(self).map_err(Error::Encode)?;
+        Self::decode(&bytes).map_err(Error::Encode)?;
+        Ok(bytes)
     }
 
     /// Decodes a stored payload.
@@ -179,7 +186,10 @@ pub(crate) async fn publish_autocommit(
     message: Message<'_>,
 ) -> Result<Published> {
     message.validate()?;
-    let mut conn = pool.acquire().await?;
+    let mut conn = match pool.acquire().await {
+        Ok(c) => c,
+        Err(e) => return Err(explain(pool, e.into()).await),
+    };
     outbox.publish(&mut conn, message).await
 }
 
@@ -193,7 +203,10 @@ pub(crate) async fn cancel_in_own_transaction(
 ) -> Result<Cancelled> {
     validate_queue(queue)?;
     validate_timer_id(timer_id)?;
-    let mut tx = pool.begin().await?;
+    let mut tx = match pool.begin().await {
+        Ok(tx) => tx,
+        Err(e) => return Err(explain(pool, e.into()).await),
+    };
     let out = outbox.cancel(&mut tx, queue, timer_id).await?;
     tx.commit().await?;
     Ok(out)

@@ -21,7 +21,7 @@ use super::{
     Lease, NextWakeup, Release, Released, Renewal, Store, Wakeup,
 };
 use crate::cancel::Cancelled;
-use crate::error::{Error, Result};
+use crate::error::{explain, Result};
 use crate::outbox::Outbox;
 use crate::publish::{interval, micros, validate_queue, Message, Published};
 use crate::read::{DeadLetter, StoredRow};
@@ -395,28 +395,6 @@ async fn release_on(sql: &Complete, db: &PgPool, items: &[Release]) -> Result<Ve
         .iter()
         .map(|r| done.get(&r.lease).copied().unwrap_or(Released::LeaseLost))
         .collect())
-}
-
-/// Replaces "pool timed out" by the reason it did when that reason is the database being
-/// unreachable: sqlx reports only the timeout, so connect once directly and keep its error
-/// (connection refused, authentication failed, …). Anything else is returned as it was.
-pub(crate) async fn explain(pool: &PgPool, e: Error) -> Error {
-    if !matches!(e, Error::Database(sqlx::Error::PoolTimedOut)) {
-        return e;
-    }
-    let options = pool.connect_options();
-    let direct = tokio::time::timeout(
-        Duration::from_secs(5),
-        sqlx::ConnectOptions::connect(&*options),
-    );
-    match direct.await {
-        Ok(Err(cause)) => Error::Database(cause),
-        Ok(Ok(conn)) => {
-            drop(conn);
-            e
-        }
-        Err(_) => e,
-    }
 }
 
 impl Store for PgStore {

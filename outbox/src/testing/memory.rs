@@ -68,6 +68,13 @@ use crate::timer::Publisher;
 ///   Postgres either stores a time it cannot hand back to chrono or rejects it with a
 ///   database error. Anything a worker produces is far inside both ranges.
 /// - Lookups scan every row: it is meant for tests, not for millions of rows.
+/// - The clock stands still within a step: an extend "now + 0" issued by a handler during
+///   `run_due` is not later than the deadline the run was claimed for, so it is
+///   `Unchanged`, where on Postgres (whose `now()` has moved on) it queues a rearm. Give
+///   such extends a delay, or `advance` the clock.
+/// - [`Worker::run_due`](crate::Worker::run_due) runs handlers without renewing leases, so
+///   [`Context::cancelled`](crate::Context::cancelled) never fires there; a worker
+///   [`start`](crate::Worker::start)ed over this store renews and signals as on Postgres.
 ///
 /// # Example
 ///

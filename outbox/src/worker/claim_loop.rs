@@ -19,6 +19,8 @@ use crate::store::{ClaimRequest, Delivery, Store, Wakeup};
 struct Throttle {
     last: Option<Instant>,
     suppressed: u32,
+    /// Whether the last failure was the connection's (rather than a statement's).
+    connection: bool,
 }
 
 impl Throttle {
@@ -31,6 +33,7 @@ impl Throttle {
             return;
         }
         let connection = e.is_connection_error();
+        self.connection = connection;
         tracing::warn!(
             error = %e,
             attempt,
@@ -44,7 +47,11 @@ impl Throttle {
 
     fn recovered(&mut self) {
         if self.last.take().is_some() {
-            tracing::info!("outbox: the database answers again");
+            if self.connection {
+                tracing::info!("outbox: the database answers again");
+            } else {
+                tracing::info!("outbox: claims work again");
+            }
         }
         self.suppressed = 0;
     }

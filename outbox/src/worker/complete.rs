@@ -122,10 +122,12 @@ async fn process<S: Store>(
             report(shared, &d.queue, Phase::Ack, done);
         }
         Decision::Retry { delay, error } => {
-            tracing::info!(delay_ms = delay.as_millis() as u64, error = %error, "outbox: handler failed; retry scheduled");
             let done = write_with_retry(shared, lease, || shared.store.retry(lease, delay)).await;
             if matches!(done, Some(Completion::RetryScheduled { .. })) {
+                tracing::info!(delay_ms = delay.as_millis() as u64, error = %error, "outbox: handler failed; retry scheduled");
                 metrics::counter!("outbox_retried_total", "queue" => d.queue.clone()).increment(1);
+            } else {
+                tracing::info!(error = %error, "outbox: handler failed");
             }
             report(shared, &d.queue, Phase::Retry, done);
         }
@@ -180,6 +182,9 @@ where
             Err(e) => {
                 tracing::error!(error = %e, "outbox: completion failed; the row will be redelivered after its lease expires");
                 metrics::counter!("outbox_completion_errors_total").increment(1);
+                // The row is no longer held (so no longer renewed): look again when its
+                // lease has expired, not only at the idle poll.
+                shared.wake_at_local(shared.held.until(lease) + Duration::from_millis(10));
                 return None;
             }
         }
@@ -225,7 +230,7 @@ fn lease_lost(queue: &str, phase: Phase) {
         .increment(1);
     tracing::warn!(
         phase,
-        "outbox: lease lost; the completion was dropped (another worker holds the row)"
+        "outbox: lease lost; the completion was dropped (the row is gone, or another worker holds it)"
     );
 }
 
@@ -332,7 +337,7 @@ pub(crate) async fn renew_once<S: Store>(shared: &Shared<S>, failures: &mut u32)
                     .increment(1);
                 tracing::warn!(
                     phase = label,
-                    "outbox: a held lease was lost (not renewed in time); its run's completion will write nothing"
+                    "outbox: a held lease was lost (the row is gone, or another worker took it after the lease expired); its run's completion will write nothing"
                 );
             }
         }

@@ -339,7 +339,8 @@ impl<T: Timer, H: Handler<T>> Erased for Typed<T, H> {
         payload: &[u8],
         ctx: Context,
     ) -> Result<BoxFuture<'static, HandlerResult>, String> {
-        let value = T::decode(payload).map_err(|e| e.to_string())?;
+        let value = T::decode(payload)
+            .map_err(|e| format!("the payload does not decode as {}: {e}", type_name::<T>()))?;
         Ok(self.handler.call(value, ctx))
     }
 }

@@ -194,7 +194,8 @@ pub struct ShutdownReport {
     /// True when every handler and completion finished within `graceful_timeout` and every
     /// lease left was given back.
     pub graceful: bool,
-    /// Handlers still running at `graceful_timeout`, stopped (their futures dropped).
+    /// Handlers still running at `graceful_timeout`, stopped (their futures dropped) and
+    /// their rows given back (counted in `retried` or `aborted`).
     pub abandoned: usize,
     /// Rows claimed but never started, given back: pending again, due as before,
     /// `deliveries_count − 1` (or at their queued rearm's deadline).
@@ -427,12 +428,25 @@ async fn shutdown<S: Store>(
             break;
         }
     }
-    report.abandoned = handlers.len();
-    if report.abandoned > 0 {
-        tracing::warn!(
-            abandoned = report.abandoned,
-            "outbox: handlers still running at graceful_timeout are stopped; their rows are given back"
-        );
+    if !handlers.is_empty() {
+        // Tasks still busy at the deadline: a handler still running, or a completion still
+        // waiting (on a row lock an application transaction holds, or on the database).
+        let rows = shared.held.rows();
+        let running = rows.iter().filter(|r| r.phase == Phase::Running).count();
+        let completing = rows.iter().filter(|r| r.phase == Phase::Completing).count();
+        report.abandoned = running;
+        if running > 0 {
+            tracing::warn!(
+                handlers = running,
+                "outbox: handlers still running at graceful_timeout are stopped; their rows are given back"
+            );
+        }
+        if completing > 0 {
+            tracing::warn!(
+                completions = completing,
+                "outbox: completions still waiting at graceful_timeout are abandoned; their rows are claimed again once their lease expires"
+            );
+        }
         handlers.abort_all();
         while handlers.join_next().await.is_some() {}
     }

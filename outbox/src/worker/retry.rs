@@ -67,7 +67,9 @@ impl RetryStrategy {
         }
     }
 
-    /// Never retry: a handler error is terminal at once.
+    /// Never retry: a failed run is terminal at once (reason `retry_exhausted`), whether the
+    /// handler returned an error or asked for `Outcome::RetryAfter`, and a run stopped at
+    /// shutdown ends with reason `aborted`.
     pub fn none() -> Self {
         Self::with(Backoff::None)
     }
@@ -139,9 +141,11 @@ impl RetryStrategy {
         Ok(())
     }
 
-    /// Whether `max_attempts` allows another run after the `failures`-th failed one.
+    /// Whether the strategy allows another run after the `failures`-th failed one: never for
+    /// [`RetryStrategy::none`], else as `max_attempts` says. An explicit
+    /// `Outcome::RetryAfter` and a run stopped at shutdown obey it too.
     pub(crate) fn allows_another(&self, failures: u32) -> bool {
-        self.max_attempts.is_none_or(|max| failures < max)
+        !matches!(self.backoff, Backoff::None) && self.max_attempts.is_none_or(|max| failures < max)
     }
 
     /// The delay after the `failures`-th failed run (1-based), or `None` to give up.
@@ -189,6 +193,20 @@ impl RetryStrategy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn none_allows_no_other_run_whatever_max_attempts_says() {
+        assert!(!RetryStrategy::none().allows_another(1));
+        assert!(!RetryStrategy::none().max_attempts(5).allows_another(1));
+        assert_eq!(
+            RetryStrategy::none().next_delay(1, Duration::ZERO, 0.5),
+            None
+        );
+        assert!(RetryStrategy::constant(Duration::ZERO).allows_another(1000));
+        assert!(!RetryStrategy::constant(Duration::ZERO)
+            .max_attempts(2)
+            .allows_another(2));
+    }
 
     const S: Duration = Duration::from_secs(1);
 

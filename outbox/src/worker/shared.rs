@@ -84,7 +84,11 @@ impl<S: Store> Shared<S> {
     }
 
     pub(crate) fn wake_at(&self, at: DateTime<Utc>) {
-        let local = self.local(at);
+        self.wake_at_local(self.local(at));
+    }
+
+    /// As [`Shared::wake_at`], on the local clock.
+    pub(crate) fn wake_at_local(&self, local: Instant) {
         let mut hint = self.hint.lock().unwrap_or_else(|p| p.into_inner());
         if hint.is_none_or(|h| local < h) {
             *hint = Some(local);

@@ -586,3 +586,83 @@ async fn a_cancel_reaches_the_running_handler() {
     assert!(f.store.dead_letters("jobs", 10).await.unwrap().is_empty());
     f.cleanup().await;
 }
+
+/// A completion that fails for good (here a trigger refuses the DELETE) leaves its row to
+/// lease expiry; the worker, idle and with the default 30 s idle poll, looks again when that
+/// lease has expired, not at the idle poll (found by a new-user trial).
+#[tokio::test]
+async fn a_failed_completion_is_retried_when_its_lease_expires() {
+    let f = Fixture::new().await;
+    let t = f.outbox.table();
+    let fun = format!("nodelete_{}", t.trim_matches('"'));
+    sql(
+        &f,
+        format!(
+            "CREATE FUNCTION {fun}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+               RAISE EXCEPTION 'not now'; END $$; \
+             CREATE TRIGGER nodelete BEFORE DELETE ON {t} FOR EACH ROW EXECUTE FUNCTION {fun}()"
+        ),
+    )
+    .await;
+    let runs = Runs::default();
+    let lease_ttl = Duration::from_secs(1);
+    let w = Worker::builder(f.store.clone())
+        .lease_ttl(lease_ttl)
+        .timer::<Job>(runs.job())
+        .build()
+        .unwrap()
+        .start();
+    publish_jobs(&f, &[1]).await;
+    eventually(10, "the first run", || async { runs.sorted().len() == 1 }).await;
+    sql(&f, format!("DROP TRIGGER nodelete ON {t}")).await;
+    let t0 = std::time::Instant::now();
+    eventually(10, "redelivered and completed", || async {
+        f.rows("jobs").await.is_empty()
+    })
+    .await;
+    assert!(t0.elapsed() < 3 * lease_ttl, "{:?}", t0.elapsed());
+    assert_eq!(
+        runs.sorted(),
+        vec![1, 1],
+        "run again after its lease expired"
+    );
+    w.shutdown().await;
+    sql(&f, format!("DROP FUNCTION {fun}()")).await;
+    f.cleanup().await;
+}
+
+/// A typed payload whose JSON does not decode back into its type (a NaN float, which JSON
+/// writes as `null`) is refused at publish with `Error::Encode`, before any SQL, instead of
+/// failing as `decode_error` when it fires (found by a new-user trial).
+#[tokio::test]
+async fn a_payload_that_does_not_survive_json_is_refused_at_publish() {
+    #[outbox::timer(queue = "floats", max_deliveries = 3)]
+    #[derive(Debug, serde::Serialize, serde::Deserialize)]
+    struct Floaty {
+        score: f64,
+    }
+    let f = Fixture::new().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    for bad in [f64::NAN, f64::INFINITY] {
+        let err = publish_floaty(
+            f.outbox.on(&mut conn),
+            "1",
+            &Floaty { score: bad },
+            Duration::ZERO,
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, Error::Encode(_)), "{err:?}");
+    }
+    assert!(f.rows("floats").await.is_empty(), "nothing was written");
+    let ok = publish_floaty(
+        f.outbox.on(&mut conn),
+        "1",
+        &Floaty { score: 0.5 },
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    assert!(matches!(ok, outbox::Published::Inserted { .. }), "{ok:?}");
+    f.cleanup().await;
+}
