@@ -142,8 +142,8 @@ impl PgStore {
     /// commit, which is how the project's race tests hold a claim open.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a bad queue name or a
-    /// `lease_ttl` beyond 64-bit microseconds; [`Error::Database`].
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad queue name or a
+    /// `lease_ttl` beyond 64-bit microseconds; [`Error::Database`](crate::Error::Database).
     pub async fn claim_on(
         &self,
         conn: &mut PgConnection,
@@ -187,8 +187,8 @@ impl PgStore {
     /// tests; [`Outbox::pending`] reads on your own connection.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a bad queue name;
-    /// [`Error::Database`].
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad queue name;
+    /// [`Error::Database`](crate::Error::Database).
     pub async fn pending(&self, queue: &str, limit: usize) -> Result<Vec<StoredRow>> {
         validate_queue(queue)?;
         let mut conn = self.pool.acquire().await?;
