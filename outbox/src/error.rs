@@ -71,6 +71,26 @@ pub enum Error {
         detail: String,
     },
 
+    /// A migration step could not run within the deadline of [`crate::MigrateOptions`]:
+    /// other sessions held what it needs the whole time (a table lock held by a long
+    /// transaction or an idle-in-transaction session; the advisory lock of another
+    /// `migrate()` busy with a long step; for a `CREATE INDEX CONCURRENTLY`, an older
+    /// snapshot anywhere in the database). Nothing of that step was applied (an
+    /// interrupted `CREATE INDEX CONCURRENTLY` may leave an INVALID index, which the next
+    /// `migrate()` drops and builds again); the steps before it stay applied. Run
+    /// `migrate()` again once those sessions are done.
+    #[error("migration step `{step}` could not run within {waited:?}: it kept waiting for other sessions (for table locks, another migrate(), or older snapshots a concurrent index build waits for; each try waits at most its lock_timeout, then gives way); sessions it waited for: {}", LockHolders(.holders))]
+    MigrationBlocked {
+        /// The step (its description, as in the file name).
+        step: String,
+        /// How long it kept trying.
+        waited: std::time::Duration,
+        /// The other sessions that held locks on the tables or the migrators' advisory
+        /// lock at the last try (and, for a `CREATE INDEX CONCURRENTLY`, those holding a
+        /// snapshot), where readable.
+        holders: Vec<LockHolder>,
+    },
+
     /// [`crate::validate_schema`] found the live database different from what this
     /// version needs. Every problem is listed.
     #[error("the outbox schema does not match this version: {}", SchemaProblems(.problems))]
@@ -105,6 +125,53 @@ impl fmt::Display for SchemaProblem {
         write!(f, "{}: {}", self.object, self.message)?;
         if self.needs_upgrade {
             write!(f, " (run the schema upgrade, see {UPGRADE_GUIDE})")?;
+        }
+        Ok(())
+    }
+}
+
+/// Another session a migration step waited for ([`Error::MigrationBlocked`]): one holding
+/// a lock on an outbox table, or (for a `CREATE INDEX CONCURRENTLY`, which waits for every
+/// older transaction of the database) one holding a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockHolder {
+    /// Its backend process id (`pg_terminate_backend` takes it).
+    pub pid: i32,
+    /// When its transaction began, if it is in one.
+    pub transaction_start: Option<chrono::DateTime<chrono::Utc>>,
+    /// `pg_stat_activity.state`, such as `idle in transaction`.
+    pub state: Option<String>,
+    /// The lock modes it holds on the outbox tables, such as `AccessShareLock`;
+    /// `advisory` for another `migrate()` holding the migrators' lock; `snapshot` for a
+    /// session whose open snapshot a concurrent index build waits for.
+    pub modes: Vec<String>,
+}
+
+impl fmt::Display for LockHolder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pid {}", self.pid)?;
+        if let Some(start) = self.transaction_start {
+            write!(f, ", transaction since {start}")?;
+        }
+        if let Some(state) = &self.state {
+            write!(f, ", {state}")?;
+        }
+        write!(f, " ({})", self.modes.join(", "))
+    }
+}
+
+struct LockHolders<'a>(&'a [LockHolder]);
+
+impl fmt::Display for LockHolders<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("none readable");
+        }
+        for (i, h) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{h}")?;
         }
         Ok(())
     }

@@ -51,7 +51,7 @@
 //! | concern | where | SPEC |
 //! |---|---|---|
 //! | table names, identifiers, the [`Outbox`] handle | [`Outbox`], [`OutboxBuilder`] | §1 |
-//! | migrations and the schema upgrades | [`migrate`], [`Outbox::migrate`], [`migration_steps`] | §1.3 |
+//! | migrations (online: catalog checks, lock timeouts, concurrent index builds) and the schema upgrades | [`migrate`], [`Outbox::migrate`], [`Outbox::migrate_with`], [`MigrateOptions`], [`Outbox::applied_migrations`], [`migration_steps`] | §1.3 |
 //! | publish, extend, batch | [`Outbox::publish`], [`Outbox::publish_batch`], [`Message`], [`Published`] | §2, §4, §5 |
 //! | cancel (sticks: a running timer is marked, and deleted however its run ends) | [`Outbox::cancel`], [`Cancelled`] | §3 |
 //! | claim, fenced completions, renewal, release | [`Store`], [`PgStore`], [`Completion`], [`ClaimRequest`] | §5.1, §5.2, §6, §7.5, §7.8 |
@@ -82,8 +82,10 @@
 //! ## Decisions where the specification is silent
 //!
 //! - **Dead-letter queue** is off by default ([`OutboxBuilder::dead_letter`]); the table is
-//!   still created by the migrations so it can be turned on without a schema change. Off, a
-//!   terminal failure deletes the row (or applies its rearm).
+//!   still created by the migrations so it can be turned on without recreating anything
+//!   (the `migrate()` of an outbox with it on adds its later upgrades: the redrive columns
+//!   and the `(failed_at)` index). Off, a terminal failure deletes the row (or applies its
+//!   rearm).
 //! - **`Published::Unchanged`** carries no id: reporting it would need a second statement
 //!   on a path that wrote nothing.
 //! - **Cancel outside a transaction** (a bare connection, autocommit) is still safe: each
@@ -110,6 +112,9 @@
 //! - **Lease renewal** runs every third of `lease_ttl`; a row locked by another transaction
 //!   at that moment is reported [`Renewal::Busy`] and tried again next time, never
 //!   declared lost on that ground.
+//! - **Migration lock waits**: each try of a step waits at most 3 s for its table locks,
+//!   and `migrate()` keeps trying for 5 minutes ([`MigrateOptions`]); applied steps are
+//!   recorded in `<table>_schema_migrations`, next to the queue table.
 //! - **Handler timeout** defaults to 5 minutes ([`DEFAULT_HANDLER_TIMEOUT`]).
 //! - **Worker writes with a lock timeout** (completions, renewal, release) use 200 ms
 //!   ([`store::postgres::LOCK_TIMEOUT`]) on a second pool the [`PgStore`] opens itself.
@@ -132,6 +137,7 @@ mod names;
 mod outbox;
 mod publish;
 mod read;
+mod shape;
 mod sql;
 pub mod store;
 pub mod testing;
@@ -143,8 +149,8 @@ mod worker;
 pub mod __private; // Not public API.
 
 pub use cancel::Cancelled;
-pub use error::{Error, Result, SchemaProblem, UPGRADE_GUIDE};
-pub use migrate::MigrationStep;
+pub use error::{Error, LockHolder, Result, SchemaProblem, UPGRADE_GUIDE};
+pub use migrate::{AppliedMigration, MigrateOptions, MigrationStep};
 pub use names::DEFAULT_TABLE;
 pub use outbox::{migrate, migration_steps, validate_schema, Bound, Outbox, OutboxBuilder};
 pub use outbox_macros::timer;

@@ -43,6 +43,8 @@ pub(crate) fn quote_literal(value: &str) -> String {
 /// forms ready to paste into SQL text.
 #[derive(Debug, Clone)]
 pub(crate) struct Names {
+    /// The quoted schema, when one is configured.
+    pub qschema: Option<String>,
     pub table_name: String,
     pub dlq_name: String,
     /// `"schema"."table"` or `"table"`.
@@ -56,6 +58,12 @@ pub(crate) struct Names {
     pub rearm_ck: String,
     pub cancel_ck: String,
     pub dlq_idx: String,
+    /// `(failed_at)` on the dead-letter table: purges by age.
+    pub dlq_failed_idx: String,
+    /// The table that records applied migration steps.
+    pub versions_name: String,
+    /// Its quoted, qualified form.
+    pub qversions: String,
     /// The LISTEN/NOTIFY channel (SPEC §2.4).
     pub channel: String,
 }
@@ -83,6 +91,7 @@ impl Names {
             None => format!("{table}_wakeup"),
         };
         let names = Names {
+            qschema: schema.as_deref().map(quote_ident),
             qtable: qualify(&table),
             qdlq: qualify(&dlq_table),
             pending_idx: format!("{table}_pending_idx"),
@@ -92,6 +101,9 @@ impl Names {
             rearm_ck: format!("{table}_rearm_ck"),
             cancel_ck: format!("{table}_cancel_ck"),
             dlq_idx: format!("{dlq_table}_queue_failed_at_idx"),
+            dlq_failed_idx: format!("{dlq_table}_failed_at_idx"),
+            qversions: qualify(&format!("{table}_schema_migrations")),
+            versions_name: format!("{table}_schema_migrations"),
             channel,
             table_name: table,
             dlq_name: dlq_table,
@@ -112,6 +124,8 @@ impl Names {
             &names.rearm_ck,
             &names.cancel_ck,
             &names.dlq_idx,
+            &names.dlq_failed_idx,
+            &names.versions_name,
             &names.channel,
         ]
         .into_iter()
@@ -120,6 +134,11 @@ impl Names {
             check_identifier(id)?;
         }
         Ok(names)
+    }
+
+    /// The quoted schema to put before an object's name, when one is configured.
+    pub(crate) fn schema_prefix(&self) -> Option<&str> {
+        self.qschema.as_deref()
     }
 
     /// The qualified table name as a SQL string literal, for `'...'::regclass`.

@@ -9,7 +9,7 @@ use sqlx::{PgConnection, PgPool};
 
 use crate::cancel::Cancelled;
 use crate::error::Result;
-use crate::migrate::MigrationStep;
+use crate::migrate::{AppliedMigration, MigrateOptions, MigrationStep};
 use crate::names::{Names, DEFAULT_TABLE};
 use crate::publish::{BatchItem, Message, Published, Schedule};
 use crate::read::StoredRow;
@@ -90,6 +90,12 @@ impl Outbox {
     /// The quoted, schema-qualified dead-letter table, as it appears in SQL text.
     pub fn dead_letter_table(&self) -> &str {
         &self.inner.names.qdlq
+    }
+
+    /// The quoted, schema-qualified table where [`Outbox::migrate`] records the steps it
+    /// applied (`<table>_schema_migrations`), as it appears in SQL text.
+    pub fn migrations_table(&self) -> &str {
+        &self.inner.names.qversions
     }
 
     /// Whether terminal failures are archived to the dead-letter table.
@@ -200,20 +206,67 @@ impl Outbox {
     }
 
     /// The migration steps for this outbox's names, in order. Each runs in its own
-    /// transaction. Useful for users with their own migration tooling and non-default names.
+    /// transaction, except those with [`MigrationStep::transaction`] false (a
+    /// `CREATE INDEX CONCURRENTLY`, which Postgres refuses inside a transaction block).
+    /// Useful for users with their own migration tooling and non-default names.
     pub fn migration_steps(&self) -> Vec<MigrationStep> {
         crate::migrate::steps(&self.inner.sql.ddl)
     }
 
-    /// Applies every migration step for this outbox's names, each in its own transaction,
-    /// serialised against concurrent migrators by a transaction-scoped advisory lock.
-    /// Idempotent. The schema named by [`OutboxBuilder::schema`] must exist.
+    /// Brings this outbox's tables to the schema this version needs, safe to call at every
+    /// start-up, from several processes at once, on a busy database:
+    ///
+    /// - a step already applied (by an earlier `migrate()`, or by the files of `migrations/`
+    ///   run with another tool) is recognised in the catalog and skipped, so on an up-to-date
+    ///   schema this reads the catalog and takes **no lock** on the queue and dead-letter
+    ///   tables (Postgres' `ALTER TABLE … IF NOT EXISTS` would take an exclusive lock first,
+    ///   queue behind any open transaction on the table, and stop every publish and claim
+    ///   queued behind it);
+    /// - a step that must run waits for its table locks at most
+    ///   [`MigrateOptions::lock_timeout`] at a time (3 s by default): when that runs out, the
+    ///   step is rolled back, so the sessions queued behind it go on, and tried again with
+    ///   back-off until [`MigrateOptions::deadline`] (5 min), logging which step waits for
+    ///   which sessions;
+    /// - a new index on an existing table is built `CONCURRENTLY`, outside a transaction,
+    ///   which lets writes go on but waits for every transaction in the database older than
+    ///   the build; an INVALID index left by an interrupted build is dropped and built
+    ///   again;
+    /// - each step runs on its own, on a connection of `pool` (its `after_connect` settings
+    ///   apply), serialised against concurrent migrators by an advisory lock that is polled
+    ///   within the deadline, and is recorded with its time ([`Outbox::applied_migrations`]);
+    /// - indexes and CHECKs are recognised by definition, as [`Outbox::validate_schema`]
+    ///   matches them, so renaming one does not make a step run again;
+    /// - without the dead-letter queue ([`OutboxBuilder::dead_letter`]), the steps that only
+    ///   upgrade the dead-letter table (its redrive columns and `(failed_at)` index) are
+    ///   left for the `migrate()` of an outbox that has it on.
+    ///
+    /// The schema named by [`OutboxBuilder::schema`] must exist.
     ///
     /// # Errors
-    /// [`Error::Database`](crate::Error::Database) if a statement fails (for example a
-    /// missing schema or missing privileges); the steps already committed stay.
+    /// [`Error::MigrationBlocked`](crate::Error::MigrationBlocked) naming the step and the
+    /// sessions that held its tables past the deadline;
+    /// [`Error::Database`](crate::Error::Database) if a statement fails (for example
+    /// missing privileges). The steps already applied stay.
     pub async fn migrate(&self, pool: &PgPool) -> Result<()> {
-        crate::migrate::run(&self.inner.sql.ddl, &self.inner.names, pool, usize::MAX).await
+        self.migrate_with(pool, MigrateOptions::default()).await
+    }
+
+    /// [`Outbox::migrate`] with another lock timeout or deadline.
+    ///
+    /// # Errors
+    /// As [`Outbox::migrate`], and
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for options out of range.
+    pub async fn migrate_with(&self, pool: &PgPool, options: MigrateOptions) -> Result<()> {
+        let (ddl, names) = (&self.inner.sql.ddl, &self.inner.names);
+        crate::migrate::run(
+            ddl,
+            names,
+            self.inner.dead_letter,
+            pool,
+            usize::MAX,
+            options,
+        )
+        .await
     }
 
     /// Applies only the base shape (SPEC §1.3 step 1), as a deployment that predates rearm
@@ -222,15 +275,31 @@ impl Outbox {
     /// # Errors
     /// As [`Outbox::migrate`].
     pub async fn migrate_base_only(&self, pool: &PgPool) -> Result<()> {
-        crate::migrate::run(&self.inner.sql.ddl, &self.inner.names, pool, 1).await
+        let (ddl, names) = (&self.inner.sql.ddl, &self.inner.names);
+        crate::migrate::run(ddl, names, true, pool, 1, MigrateOptions::default()).await
+    }
+
+    /// The migration steps recorded as applied to this outbox's tables, by version: when
+    /// `migrate()` applied each, or found it already in place. Empty before the first
+    /// `migrate()` of this version (steps applied only through the `migrations/` files with
+    /// another tool are recorded by that tool, for example in sqlx's `_sqlx_migrations`).
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn applied_migrations(&self, pool: &PgPool) -> Result<Vec<AppliedMigration>> {
+        crate::migrate::applied(&self.inner.sql.ddl, &self.inner.names, pool).await
     }
 
     /// Checks the live schema against this version's needs (SPEC §8) and returns **every**
     /// problem at once: missing tables or columns, wrong types or nullability, missing
     /// indexes or ones with the wrong columns, uniqueness or partial predicate, missing or
     /// drifted `<t>_lease_ck` / `<t>_rearm_ck` (matched by definition, not by name), and
-    /// dead-letter table drift when the dead-letter queue is on. Missing rearm columns or
-    /// `<t>_rearm_ck` are flagged as needing the rearm upgrade (`docs/upgrading.md`).
+    /// dead-letter table drift when the dead-letter queue is on. What an upgrade step of an
+    /// older deployment adds (rearm and cancel-mark columns and CHECKs, the dead-letter
+    /// `redriven_at`/`redriven_id` columns and `(failed_at)` index) is flagged
+    /// `needs_upgrade` (`docs/upgrading.md`). An index left INVALID by an interrupted
+    /// `CREATE INDEX CONCURRENTLY` is reported as INVALID: Postgres keeps it up to date on
+    /// every write but never uses it, and [`Outbox::migrate`] drops and builds it again.
     ///
     /// # Errors
     /// [`Error::SchemaMismatch`](crate::Error::SchemaMismatch) listing the problems;

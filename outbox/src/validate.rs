@@ -7,6 +7,7 @@ use sqlx::{PgPool, Row};
 
 use crate::error::{Error, Result, SchemaProblem};
 use crate::names::Names;
+use crate::shape::{self, LiveIndex, WantedIndex};
 use crate::sql::catalog;
 
 /// `(column, format_type output, NOT NULL, added by an upgrade of older deployments)`.
@@ -43,32 +44,9 @@ const DLQ_COLUMNS: &[(&str, &str, bool, bool)] = &[
     ("failed_at", "timestamp with time zone", true, false),
     ("failure_reason", "character varying(64)", true, false),
     ("last_error", "text", false, false),
+    ("redriven_at", "timestamp with time zone", false, true),
+    ("redriven_id", "bigint", false, true),
 ];
-
-/// An index this version needs: key columns, uniqueness and partial predicate (as
-/// `pg_get_expr` prints it, normalised).
-struct WantedIndex<'a> {
-    name: &'a str,
-    columns: &'a [&'a str],
-    unique: bool,
-    predicate: Option<&'a str>,
-}
-
-/// Live index facts.
-struct LiveIndex {
-    columns: Vec<String>,
-    unique: bool,
-    predicate: Option<String>,
-}
-
-/// Strips what `pg_get_expr`/`pg_get_constraintdef` add or a user may vary: parentheses,
-/// white space, letter case.
-fn normalise(expr: &str) -> String {
-    expr.chars()
-        .filter(|c| !c.is_whitespace() && *c != '(' && *c != ')')
-        .flat_map(char::to_lowercase)
-        .collect()
-}
 
 /// Compares the live schema with what this version needs ([`crate::Outbox::validate_schema`]).
 pub(crate) async fn validate(n: &Names, dead_letter: bool, pool: &PgPool) -> Result<()> {
@@ -83,18 +61,10 @@ pub(crate) async fn validate(n: &Names, dead_letter: bool, pool: &PgPool) -> Res
         let dlq_exists =
             check_columns(pool, &n.qdlq, &n.dlq_name, DLQ_COLUMNS, &mut problems).await?;
         if dlq_exists {
-            let live = live_indexes(pool, &n.qdlq).await?;
-            check_index(
-                &n.dlq_name,
-                &WantedIndex {
-                    name: &n.dlq_idx,
-                    columns: &["queue", "failed_at"],
-                    unique: false,
-                    predicate: None,
-                },
-                &live,
-                &mut problems,
-            );
+            let live = shape::live_indexes(pool, &n.qdlq).await?;
+            for want in shape::dlq_indexes(n) {
+                check_index(&n.dlq_name, &want, &live, &mut problems);
+            }
         }
     }
     if problems.is_empty() {
@@ -166,43 +136,17 @@ async fn check_columns(
     Ok(true)
 }
 
-async fn live_indexes(pool: &PgPool, qualified: &str) -> Result<Vec<LiveIndex>> {
-    let rows = sqlx::query(catalog::INDEXES)
-        .bind(qualified)
-        .fetch_all(pool)
-        .await?;
-    rows.iter()
-        .map(|r| {
-            Ok(LiveIndex {
-                columns: r.try_get(0)?,
-                unique: r.try_get(1)?,
-                predicate: r.try_get(2)?,
-            })
-        })
-        .collect()
-}
-
-/// Looks for an index with the wanted key columns and reports the closest miss.
+/// Looks for a valid index with the wanted key columns and reports the closest miss. An
+/// INVALID index of the wanted name (an interrupted `CREATE INDEX CONCURRENTLY`: Postgres
+/// keeps it and updates it on every write, but never reads it) is reported as such, not as
+/// missing.
 fn check_index(
     table: &str,
-    want: &WantedIndex<'_>,
+    want: &WantedIndex,
     live: &[LiveIndex],
     problems: &mut Vec<SchemaProblem>,
 ) {
-    let same_columns: Vec<&LiveIndex> = live
-        .iter()
-        .filter(|i| {
-            i.columns
-                .iter()
-                .map(String::as_str)
-                .eq(want.columns.iter().copied())
-        })
-        .collect();
-    let want_pred = want.predicate.map(normalise);
-    let fits = |i: &&LiveIndex| {
-        i.predicate.as_deref().map(normalise) == want_pred && (i.unique || !want.unique)
-    };
-    if same_columns.iter().any(fits) {
+    if want.present_in(live) {
         return;
     }
     let object = format!(
@@ -210,21 +154,30 @@ fn check_index(
         want.name,
         want.columns.join(", ")
     );
-    let message = if let Some(i) = same_columns.first() {
-        match (&i.predicate, want.predicate) {
+    let same_columns = want.same_columns(live);
+    let (message, upgrade) = if let Some(i) = same_columns.first() {
+        let message = match (&i.predicate, want.predicate) {
             (None, Some(p)) => format!("index is not partial; it needs `WHERE {p}`"),
-            (Some(live), Some(p)) if normalise(live) != normalise(p) => {
+            (Some(live), Some(p)) if shape::normalise(live) != shape::normalise(p) => {
                 format!("partial index has `WHERE {live}`, expected `WHERE {p}`")
             }
             (Some(live), None) => {
                 format!("index is partial (`WHERE {live}`); it must cover every row")
             }
             _ => "index is not UNIQUE".to_owned(),
-        }
+        };
+        (message, false)
+    } else if want.invalid_in(live) {
+        let message = "index is INVALID (an interrupted CREATE INDEX CONCURRENTLY left it); \
+                       `migrate()` drops and builds it again"
+            .to_owned();
+        (message, want.upgrade)
+    } else if want.upgrade {
+        ("index is missing".to_owned(), true)
     } else {
-        "index is missing; run the migrations".to_owned()
+        ("index is missing; run the migrations".to_owned(), false)
     };
-    problems.push(problem(object, message, false));
+    problems.push(problem(object, message, upgrade));
 }
 
 async fn check_queue_indexes(
@@ -232,27 +185,8 @@ async fn check_queue_indexes(
     n: &Names,
     problems: &mut Vec<SchemaProblem>,
 ) -> Result<()> {
-    let live = live_indexes(pool, &n.qtable).await?;
-    for want in [
-        WantedIndex {
-            name: &n.pending_idx,
-            columns: &["queue", "next_attempt_at"],
-            unique: false,
-            predicate: Some("acquired_token IS NULL"),
-        },
-        WantedIndex {
-            name: &n.lease_idx,
-            columns: &["queue", "acquired_at"],
-            unique: false,
-            predicate: Some("acquired_token IS NOT NULL"),
-        },
-        WantedIndex {
-            name: &n.timer_uq,
-            columns: &["queue", "timer_id"],
-            unique: true,
-            predicate: Some("timer_id IS NOT NULL"),
-        },
-    ] {
+    let live = shape::live_indexes(pool, &n.qtable).await?;
+    for want in shape::queue_indexes(n) {
         check_index(&n.table_name, &want, &live, problems);
     }
     Ok(())
@@ -263,80 +197,19 @@ async fn check_queue_constraints(
     n: &Names,
     problems: &mut Vec<SchemaProblem>,
 ) -> Result<()> {
-    let rows = sqlx::query(catalog::CHECKS)
-        .bind(&n.qtable)
-        .fetch_all(pool)
-        .await?;
-    let mut live = Vec::new();
-    for r in rows {
-        let def: String = r.try_get(0)?;
-        let valid: bool = r.try_get(1)?;
-        // pg_get_constraintdef appends " NOT VALID" to an unvalidated CHECK; convalidated
-        // already says so.
-        let def = def.trim_end().strip_suffix("NOT VALID").unwrap_or(&def);
-        live.push((normalise(def), valid));
-    }
-    // Accepted spellings of each CHECK, normalised (either operand order).
-    let lease = [
-        normalise("CHECK ((acquired_token IS NULL) = (acquired_at IS NULL))"),
-        normalise("CHECK ((acquired_at IS NULL) = (acquired_token IS NULL))"),
-    ];
-    let rearm = [
-        normalise("CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL)"),
-        normalise("CHECK (acquired_token IS NOT NULL OR rearm_at IS NULL)"),
-    ];
-    let cancel = [
-        normalise("CHECK (cancelled_at IS NULL OR acquired_token IS NOT NULL)"),
-        normalise("CHECK (acquired_token IS NOT NULL OR cancelled_at IS NULL)"),
-    ];
-    for (name, forms, upgrade, def) in [
-        (
-            &n.lease_ck,
-            &lease,
-            false,
-            "CHECK ((acquired_token IS NULL) = (acquired_at IS NULL))",
-        ),
-        (
-            &n.rearm_ck,
-            &rearm,
-            true,
-            "CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL)",
-        ),
-        (
-            &n.cancel_ck,
-            &cancel,
-            true,
-            "CHECK (cancelled_at IS NULL OR acquired_token IS NOT NULL)",
-        ),
-    ] {
-        let found: Vec<bool> = live
-            .iter()
-            .filter(|(d, _)| forms.contains(d))
-            .map(|(_, v)| *v)
-            .collect();
-        let object = format!("{}: constraint {name}", n.table_name);
-        if found.is_empty() {
-            problems.push(problem(object, format!("`{def}` is missing"), upgrade));
-        } else if !found.contains(&true) {
-            problems.push(problem(
+    let live = shape::live_checks(pool, &n.qtable).await?;
+    for want in shape::queue_checks(n) {
+        let object = format!("{}: constraint {}", n.table_name, want.name);
+        let def = want.def;
+        match want.state(&live) {
+            None => problems.push(problem(object, format!("`{def}` is missing"), want.upgrade)),
+            Some(false) => problems.push(problem(
                 object,
                 format!("`{def}` is NOT VALID; run its VALIDATE CONSTRAINT step"),
-                upgrade,
-            ));
+                want.upgrade,
+            )),
+            Some(true) => {}
         }
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::normalise;
-
-    #[test]
-    fn normalise_ignores_parens_space_case() {
-        assert_eq!(
-            normalise("CHECK (((acquired_token IS NULL) = (acquired_at IS NULL)))"),
-            normalise("check ((acquired_token is null) = (acquired_at is null))")
-        );
-    }
 }

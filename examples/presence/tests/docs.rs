@@ -109,6 +109,28 @@ async fn following_the_upgrade_guide_on_a_base_table() {
         assert!(text.contains(&want), "{text:#?}");
     }
     assert_eq!(text.len(), 6, "{text:#?}");
+    // With the dead-letter queue on, its upgrade's pieces too.
+    let with_dlq = Outbox::builder()
+        .table(&table)
+        .dead_letter(true)
+        .build()
+        .unwrap();
+    let Err(Error::SchemaMismatch { problems: dlq }) = with_dlq.validate_schema(&pool).await else {
+        panic!("a base-shape table must not validate");
+    };
+    let dlq: Vec<String> = dlq.iter().map(ToString::to_string).collect();
+    println!("{}", dlq.join("\n"));
+    for col in ["redriven_at", "redriven_id"] {
+        let want = format!(
+            "{table}_dlq.{col}: column is missing (run the schema upgrade, see docs/upgrading.md)"
+        );
+        assert!(dlq.contains(&want), "{dlq:#?}");
+    }
+    let want = format!(
+        "{table}_dlq: index {table}_dlq_failed_at_idx on (failed_at): index is missing (run the schema upgrade, see docs/upgrading.md)"
+    );
+    assert!(dlq.contains(&want), "{dlq:#?}");
+    assert_eq!(dlq.len(), 9, "{dlq:#?}");
     assert!(problems.iter().all(|p| p.needs_upgrade), "{problems:#?}");
 
     // The error an extend gets.
@@ -160,10 +182,32 @@ async fn following_the_upgrade_guide_on_a_base_table() {
         assert_eq!(problems.len(), left_after + 1, "{problems:#?}");
         run(steps[validate].sql.clone()).await;
     }
+    // The dead-letter redrive columns (a transaction), then the `(failed_at)` index, built
+    // CONCURRENTLY and so outside any transaction.
     outbox
         .validate_schema(&pool)
         .await
-        .expect("upgraded table validates");
+        .expect("upgraded queue table validates");
+    run(steps[5].sql.clone()).await;
+    let Err(Error::SchemaMismatch { problems }) = with_dlq.validate_schema(&pool).await else {
+        panic!("the missing (failed_at) index must be reported");
+    };
+    assert_eq!(problems.len(), 1, "{problems:#?}");
+    assert!(
+        problems[0]
+            .object
+            .ends_with("_failed_at_idx on (failed_at)"),
+        "{problems:#?}"
+    );
+    assert!(!steps[6].transaction);
+    sqlx::raw_sql(AssertSqlSafe(steps[6].sql.clone()))
+        .execute(&pool)
+        .await
+        .unwrap();
+    with_dlq
+        .validate_schema(&pool)
+        .await
+        .expect("upgraded tables validate");
     let done = presence::server::extend_presence_expiry(
         outbox.on(&mut conn),
         "1",
@@ -178,9 +222,10 @@ async fn following_the_upgrade_guide_on_a_base_table() {
     );
 
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE {}; DROP TABLE {}",
+        "DROP TABLE {}, {}, {}",
         outbox.table(),
-        outbox.dead_letter_table()
+        outbox.dead_letter_table(),
+        outbox.migrations_table()
     )))
     .execute(&pool)
     .await
@@ -208,9 +253,10 @@ async fn not_valid_rearm_check_is_reported_as_not_valid() {
         .unwrap();
     let result = outbox.validate_schema(&pool).await;
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE {}; DROP TABLE {}",
+        "DROP TABLE {}, {}, {}",
         outbox.table(),
-        outbox.dead_letter_table()
+        outbox.dead_letter_table(),
+        outbox.migrations_table()
     )))
     .execute(&pool)
     .await

@@ -61,9 +61,10 @@ async fn no_wrong_transitions_under_load_with_pings_during_expiry() {
         .await
         .expect("cleanup connection");
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE IF EXISTS \"{users_table}\"; DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {}",
+        "DROP TABLE IF EXISTS \"{users_table}\", {}, {}, {}",
         outbox.table(),
-        outbox.dead_letter_table()
+        outbox.dead_letter_table(),
+        outbox.migrations_table()
     )))
     .execute(&cleanup)
     .await

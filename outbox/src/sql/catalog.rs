@@ -1,5 +1,6 @@
-//! Catalog reads of `validate_schema` (SPEC §8). Static: they take the table as a bind
-//! parameter, not as text.
+//! Catalog reads of `validate_schema` (SPEC §8) and `migrate()` (SPEC §1.3). Static: they
+//! take the table as a bind parameter, not as text. Reading the catalog takes no lock on
+//! the tables it describes.
 
 /// `$1` qualified table name → its oid, or NULL when it does not exist.
 pub(crate) const TABLE_OID: &str = "SELECT to_regclass($1)::oid::bigint";
@@ -10,18 +11,45 @@ SELECT attname::text, format_type(atttypid, atttypmod), attnotnull
 FROM pg_attribute
 WHERE attrelid = $1::bigint::oid AND attnum > 0 AND NOT attisdropped"#;
 
-/// `$1` qualified table name → `(key columns in order, unique, partial predicate)` of every
-/// valid index.
+/// `$1` qualified table name → `(key columns in order, unique, partial predicate, valid,
+/// name)` of every index. An index is not valid (`indisvalid` false) while a
+/// `CREATE INDEX CONCURRENTLY` builds it, and for good when that build was interrupted.
 pub(crate) const INDEXES: &str = r#"
 SELECT array(SELECT a.attname::text
              FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
              JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
              ORDER BY k.ord),
-       i.indisunique, pg_get_expr(i.indpred, i.indrelid)
-FROM pg_index i
-WHERE i.indrelid = to_regclass($1) AND i.indisvalid"#;
+       i.indisunique, pg_get_expr(i.indpred, i.indrelid), i.indisvalid, c.relname::text
+FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+WHERE i.indrelid = to_regclass($1)"#;
 
 /// `$1` qualified table name → `(definition, validated)` of every CHECK constraint.
 pub(crate) const CHECKS: &str = r#"
 SELECT pg_get_constraintdef(oid), convalidated FROM pg_constraint
 WHERE conrelid = to_regclass($1) AND contype = 'c'"#;
+
+/// `$1 bigint[]` table oids, `$2` the migrators' advisory lock key → `(pid, transaction
+/// start, state, mode)` of the other sessions holding a lock on those tables, or that lock
+/// (mode `advisory`: another `migrate()`): who a migration step waits for. A bigint
+/// advisory key shows in `pg_locks` split into `classid` (high half) and `objid` (low half).
+pub(crate) const LOCK_HOLDERS: &str = r#"
+SELECT DISTINCT a.pid, a.xact_start, a.state,
+       CASE WHEN l.locktype = 'advisory' THEN 'advisory' ELSE l.mode END
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.granted AND l.pid <> pg_backend_pid()
+  AND (l.relation = ANY($1::bigint[]::oid[])
+       OR (l.locktype = 'advisory' AND l.objsubid = 1
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtextextended($2, 0)))
+ORDER BY a.pid"#;
+
+/// `(pid, transaction start, state, 'snapshot')` of the other sessions of this database that
+/// hold a snapshot: who a `CREATE INDEX CONCURRENTLY` waits for (it waits for every
+/// transaction older than its build, whatever tables they use).
+pub(crate) const SNAPSHOT_HOLDERS: &str = r#"
+SELECT a.pid, a.xact_start, a.state, 'snapshot'::text
+FROM pg_stat_activity a
+WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+  AND a.backend_xmin IS NOT NULL
+ORDER BY a.xact_start NULLS LAST, a.pid
+LIMIT 20"#;

@@ -8,41 +8,235 @@ use sqlx::SqlStr;
 use super::statement;
 use crate::names::{quote_ident, quote_literal, Names};
 
-/// Serialises concurrent migrators of one table: `$1` the table's key. Two processes running
-/// `CREATE TABLE IF NOT EXISTS` at once can still collide on the catalog; the lock makes
-/// them take turns. Transaction-scoped, so it ends with the step.
-pub(crate) const ADVISORY_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
+/// Serialises concurrent migrators of one table: `$1` the table's key; true if taken. Two
+/// processes running `CREATE TABLE IF NOT EXISTS` at once can still collide on the catalog;
+/// the lock makes them take turns. Transaction-scoped, so it ends with the step. A `try`
+/// lock, polled: a statement waiting for the lock would hold a snapshot, which a
+/// concurrent index build of the lock's holder would wait for (see `migrate`).
+pub(crate) const ADVISORY_TRY_LOCK: &str =
+    "SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))";
 
-/// One rendered step: sqlx-style version, description and script.
+/// The same lock held by a session, for a step that runs outside a transaction
+/// (`CREATE INDEX CONCURRENTLY`); released by [`ADVISORY_UNLOCK`] or when the session ends.
+pub(crate) const ADVISORY_TRY_SESSION_LOCK: &str =
+    "SELECT pg_try_advisory_lock(hashtextextended($1, 0))";
+
+/// Releases [`ADVISORY_TRY_SESSION_LOCK`].
+pub(crate) const ADVISORY_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtextextended($1, 0))";
+
+/// One rendered step: sqlx-style version, description and script, how it runs, and how the
+/// catalog shows it has been applied.
 #[derive(Debug)]
 pub(crate) struct Step {
     pub version: i64,
     pub description: &'static str,
     pub script: SqlStr,
+    /// False for a step that must run outside a transaction (`CREATE INDEX CONCURRENTLY`);
+    /// its file starts with sqlx's `-- no-transaction` marker.
+    pub transaction: bool,
+    /// What the catalog holds once the step has been applied.
+    pub done: Done,
+    /// For a step outside a transaction: the same change as one statement inside a
+    /// transaction, used when the table was created by the same `migrate()` call (a brand
+    /// new table has no readers whose snapshots a concurrent build would wait for).
+    pub fresh_script: Option<SqlStr>,
+}
+
+impl Step {
+    /// Whether the step only upgrades the dead-letter table (its columns or indexes).
+    pub(crate) fn dead_letter_only(&self) -> bool {
+        matches!(
+            self.done,
+            Done::Columns {
+                table: Table::DeadLetter,
+                ..
+            } | Done::Index {
+                table: Table::DeadLetter,
+                ..
+            }
+        )
+    }
+}
+
+/// Which table a catalog fact is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Table {
+    Queue,
+    DeadLetter,
+}
+
+/// What the catalog holds once a step has been applied, so that `migrate()` can skip an
+/// applied step by reading the catalog only, without its DDL's table locks (SPEC §1.3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Done {
+    /// Both tables exist, with every index and the lease CHECK of the base shape.
+    Base {
+        queue_indexes: Vec<String>,
+        dlq_indexes: Vec<String>,
+        check: String,
+    },
+    /// These columns exist on the table, and the named CHECK exists (validated or not).
+    ColumnsAndCheck {
+        table: Table,
+        columns: &'static [&'static str],
+        check: String,
+    },
+    /// The named CHECK exists on the table and is validated.
+    Validated { table: Table, check: String },
+    /// These columns exist on the table.
+    Columns {
+        table: Table,
+        columns: &'static [&'static str],
+    },
+    /// The named index exists on the table and is valid (an interrupted concurrent build
+    /// leaves it INVALID: the step then drops and builds it again).
+    Index { table: Table, name: String },
 }
 
 #[derive(Debug)]
 pub(crate) struct Ddl {
-    /// In order; each runs in its own transaction.
+    /// In order; each runs on its own (a transaction each, or none for a concurrent index).
     pub steps: Vec<Step>,
+    /// Creates the table that records applied steps.
+    pub versions_create: SqlStr,
+    /// `$1` version, `$2` description, `$3` found already applied: records a step.
+    pub versions_record: SqlStr,
+    /// The recorded steps: `(version, description, applied_at, found)` by version.
+    pub versions_list: SqlStr,
+    /// Drops an INVALID index left by an interrupted concurrent build (outside a
+    /// transaction, concurrently): one statement per index name, rendered on demand.
+    drop_invalid: Vec<(String, SqlStr)>,
 }
 
 impl Ddl {
     pub(crate) fn render(n: &Names) -> Self {
-        let step = |version, description, script: String| Step {
+        let step = |version, description, script: String, done| Step {
             version,
             description,
+            transaction: !script.starts_with("-- no-transaction"),
             script: statement(&script),
+            done,
+            fresh_script: None,
         };
+        let rearm_check = n.rearm_ck.clone();
+        let cancel_check = n.cancel_ck.clone();
+        let versions = &n.qversions;
         Ddl {
             steps: vec![
-                step(20240101000001, "outbox_base", base(n)),
-                step(20240101000002, "outbox_rearm_columns", rearm_columns(n)),
-                step(20240101000003, "outbox_rearm_validate", rearm_validate(n)),
-                step(20240101000004, "outbox_cancel_columns", cancel_columns(n)),
-                step(20240101000005, "outbox_cancel_validate", cancel_validate(n)),
+                step(
+                    20240101000001,
+                    "outbox_base",
+                    base(n),
+                    Done::Base {
+                        queue_indexes: vec![
+                            n.pending_idx.clone(),
+                            n.lease_idx.clone(),
+                            n.timer_uq.clone(),
+                        ],
+                        dlq_indexes: vec![n.dlq_idx.clone()],
+                        check: n.lease_ck.clone(),
+                    },
+                ),
+                step(
+                    20240101000002,
+                    "outbox_rearm_columns",
+                    rearm_columns(n),
+                    Done::ColumnsAndCheck {
+                        table: Table::Queue,
+                        columns: &["rearm_at", "rearm_payload", "rearm_headers"],
+                        check: rearm_check.clone(),
+                    },
+                ),
+                step(
+                    20240101000003,
+                    "outbox_rearm_validate",
+                    rearm_validate(n),
+                    Done::Validated {
+                        table: Table::Queue,
+                        check: rearm_check,
+                    },
+                ),
+                step(
+                    20240101000004,
+                    "outbox_cancel_columns",
+                    cancel_columns(n),
+                    Done::ColumnsAndCheck {
+                        table: Table::Queue,
+                        columns: &["cancelled_at"],
+                        check: cancel_check.clone(),
+                    },
+                ),
+                step(
+                    20240101000005,
+                    "outbox_cancel_validate",
+                    cancel_validate(n),
+                    Done::Validated {
+                        table: Table::Queue,
+                        check: cancel_check,
+                    },
+                ),
+                step(
+                    20240101000006,
+                    "outbox_dlq_redrive_columns",
+                    dlq_redrive_columns(n),
+                    Done::Columns {
+                        table: Table::DeadLetter,
+                        columns: &["redriven_at", "redriven_id"],
+                    },
+                ),
+                Step {
+                    fresh_script: Some(statement(&format!(
+                        "CREATE INDEX IF NOT EXISTS {} ON {} (failed_at)",
+                        quote_ident(&n.dlq_failed_idx),
+                        n.qdlq
+                    ))),
+                    ..step(
+                        20240101000007,
+                        "outbox_dlq_failed_at_index",
+                        dlq_failed_at_index(n),
+                        Done::Index {
+                            table: Table::DeadLetter,
+                            name: n.dlq_failed_idx.clone(),
+                        },
+                    )
+                },
             ],
+            versions_create: statement(&format!(
+                "CREATE TABLE IF NOT EXISTS {versions} (\
+                 version bigint PRIMARY KEY, \
+                 description text NOT NULL, \
+                 applied_at timestamptz NOT NULL DEFAULT now(), \
+                 found boolean NOT NULL DEFAULT false)"
+            )),
+            versions_record: statement(&format!(
+                "INSERT INTO {versions} (version, description, found) VALUES ($1, $2, $3) \
+                 ON CONFLICT (version) DO NOTHING"
+            )),
+            versions_list: statement(&format!(
+                "SELECT version, description, applied_at, found FROM {versions} ORDER BY version"
+            )),
+            drop_invalid: [&n.dlq_failed_idx]
+                .into_iter()
+                .map(|name| {
+                    let qualified = match n.schema_prefix() {
+                        Some(s) => format!("{s}.{}", quote_ident(name)),
+                        None => quote_ident(name),
+                    };
+                    (
+                        name.clone(),
+                        statement(&format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}")),
+                    )
+                })
+                .collect(),
         }
+    }
+
+    /// The statement that drops the index `name` concurrently, if it is one a step builds.
+    pub(crate) fn drop_index(&self, name: &str) -> Option<SqlStr> {
+        self.drop_invalid
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, sql)| sql.clone())
     }
 
     #[cfg(test)]
@@ -188,4 +382,32 @@ ALTER TABLE {t}
 
 fn cancel_validate(n: &Names) -> String {
     validate_step(n, "the cancel mark, step 2 of 2 (SPEC §1.3)", &n.cancel_ck)
+}
+
+fn dlq_redrive_columns(n: &Names) -> String {
+    format!(
+        r#"-- outbox: dead-letter redrive (SPEC §1.2).
+-- When a dead letter is re-published, `redriven_at` and `redriven_id` (the new queue row)
+-- link it to its new life, so a row is redriven once. Nullable columns without defaults:
+-- no table rewrite, a catalog change under a lock held for milliseconds.
+ALTER TABLE {d}
+    ADD COLUMN IF NOT EXISTS redriven_at timestamptz,
+    ADD COLUMN IF NOT EXISTS redriven_id bigint;
+"#,
+        d = n.qdlq,
+    )
+}
+
+fn dlq_failed_at_index(n: &Names) -> String {
+    format!(
+        r#"-- no-transaction
+-- outbox: purges of dead letters by age (SPEC §1.2). Built CONCURRENTLY, outside a
+-- transaction, so writes to the table go on during the build (it waits for every older
+-- snapshot in the database first). An interrupted build leaves an INVALID index, which
+-- `outbox::migrate` drops and builds again.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {idx} ON {d} (failed_at);
+"#,
+        idx = quote_ident(&n.dlq_failed_idx),
+        d = n.qdlq,
+    )
 }

@@ -117,9 +117,10 @@ impl Fixture {
     /// Drops the test's tables.
     pub async fn cleanup(self) {
         let sql = format!(
-            "DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {}",
+            "DROP TABLE IF EXISTS {}, {}, {}",
             self.outbox.table(),
-            self.outbox.dead_letter_table()
+            self.outbox.dead_letter_table(),
+            self.outbox.migrations_table()
         );
         sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&self.pool)

@@ -17,9 +17,10 @@ fn problems(e: Error) -> Vec<SchemaProblem> {
 
 async fn drop_tables(pool: &sqlx::PgPool, outbox: &Outbox) {
     let sql = format!(
-        "DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {}",
+        "DROP TABLE IF EXISTS {}, {}, {}",
         outbox.table(),
-        outbox.dead_letter_table()
+        outbox.dead_letter_table(),
+        outbox.migrations_table()
     );
     sqlx::raw_sql(AssertSqlSafe(&*sql))
         .execute(pool)
@@ -45,11 +46,12 @@ async fn base_shape_with_rows_is_upgraded_in_place() {
         .filter(|p| p.needs_upgrade)
         .map(|p| p.object.clone())
         .collect();
-    assert_eq!(before.len(), 6, "{before:#?}");
+    assert_eq!(before.len(), 9, "{before:#?}");
     assert_eq!(
         upgrade.len(),
-        6,
-        "three rearm columns, the cancel mark and both CHECKs: {before:#?}"
+        9,
+        "three rearm columns, the cancel mark, both CHECKs, the two dead-letter redrive \
+         columns and the dead-letter (failed_at) index: {before:#?}"
     );
     assert!(before
         .iter()
@@ -286,7 +288,8 @@ async fn quoted_names_in_a_custom_schema_work_everywhere() {
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(tables, 2);
+    // The queue, its dead-letter table and the table of applied migration steps.
+    assert_eq!(tables, 3);
     sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP SCHEMA \"{}\" CASCADE",
         schema.replace('"', "\"\"")
