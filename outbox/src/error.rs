@@ -104,6 +104,23 @@ pub enum Error {
     #[error("could not encode the payload as JSON that decodes back into its type: {0}")]
     Encode(#[source] serde_json::Error),
 
+    /// A handler's transaction could not complete its row: the worker's lease on the row
+    /// was lost (the row is gone, or another worker took it after the lease expired), so
+    /// the whole transaction was rolled back and none of the handler's writes is visible.
+    #[error("the lease of row {id} was lost (the row is gone, or another worker holds it); the handler's transaction was rolled back")]
+    LeaseLost {
+        /// The row id.
+        id: i64,
+    },
+
+    /// [`Context::begin`](crate::Context::begin) cannot give a transaction: the store has
+    /// no database (the in-memory store), or this run already began one.
+    #[error("no handler transaction: {reason}")]
+    TransactionUnavailable {
+        /// Why.
+        reason: String,
+    },
+
     /// Postgres or the connection failed.
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),

@@ -153,13 +153,14 @@ pub use error::{Error, LockHolder, Result, SchemaProblem, UPGRADE_GUIDE};
 pub use migrate::{AppliedMigration, MigrateOptions, MigrationStep};
 pub use names::DEFAULT_TABLE;
 pub use outbox::{migrate, migration_steps, validate_schema, Bound, Outbox, OutboxBuilder};
-pub use outbox_macros::timer;
+pub use outbox_macros::{timer, FromRef};
 pub use publish::{
     BatchItem, Headers, Message, OnConflict, Published, Schedule, MAX_DELAY, MAX_HEADERS_BYTES,
     MAX_NAME_BYTES, MAX_PAYLOAD_BYTES,
 };
 pub use read::{DeadLetter, StoredRow};
 pub use store::postgres::PgStore;
+pub use store::transaction::{HandlerTransaction, TransactionSource};
 pub use store::{
     ClaimRequest, Completion, Delivery, Failure, FailureReason, Lease, NextWakeup, Release,
     Released, Renewal, Store, Wakeup,
@@ -167,7 +168,7 @@ pub use store::{
 pub use timer::{cancel_timer, extend_timer, publish_timer, Publisher, Timer};
 pub use worker::builder::WorkerBuilder;
 pub use worker::handler::{
-    CancelReason, Context, Decision, Handler, HandlerOptions, HandlerResult, IntoOutcome, Outcome,
+    CancelReason, Context, Decision, FromRef, Handler, HandlerOptions, IntoOutcome, Outcome,
     DEFAULT_HANDLER_TIMEOUT, DEFAULT_MAX_DELIVERIES,
 };
 pub use worker::retry::{RetryStrategy, MAX_RETRY_DELAY};

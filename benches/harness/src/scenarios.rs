@@ -42,11 +42,13 @@ pub const GATED_TUPLES: &[&str] = &["ins", "upd", "del", "hot_upd", "dead"];
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     /// N due rows, a worker with `workers` handlers claiming `batch` at a time and acking
-    /// `ack_batch` per statement.
+    /// `ack_batch` per statement. With `tx`, each handler inserts its message into an
+    /// application table in its own transaction and completes its row in it (SPEC §7.9).
     Consumer {
         workers: usize,
         batch: usize,
         ack_batch: usize,
+        tx: bool,
     },
     /// N single publishes in one transaction.
     ProducerOneTx,
@@ -172,6 +174,28 @@ const fn consumer(
             workers,
             batch,
             ack_batch,
+            tx: false,
+        },
+        peer,
+        async_commit: false,
+    }
+}
+
+/// A consumer whose handlers write their message to an application table and complete the
+/// row in that transaction (SPEC §7.9, §12 `consumer/tx`).
+const fn consumer_tx(
+    name: &'static str,
+    workers: usize,
+    batch: usize,
+    peer: &'static [&'static str],
+) -> Scenario {
+    Scenario {
+        name,
+        kind: Kind::Consumer {
+            workers,
+            batch,
+            ack_batch: 1,
+            tx: true,
         },
         peer,
         async_commit: false,
@@ -231,6 +255,8 @@ pub const ALL: &[Scenario] = &[
     async_commit("consumer/w4/b100/async", CONSUMER_W4_B100),
     CONSUMER_TFBS100,
     async_commit("consumer/w1/b100/tfbs100/async", CONSUMER_TFBS100),
+    consumer_tx("consumer/tx/w1/b10", 1, 10, &["consumer/tx/w1/b10"]),
+    consumer_tx("consumer/tx/w4/b10", 4, 10, &["consumer/tx/w4/b10"]),
     Scenario {
         name: "producer/w1/b100",
         kind: Kind::ProducerOneTx,
@@ -444,6 +470,14 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
         true,
     )
     .await?;
+    if let Kind::Consumer { tx: true, .. } = sc.kind {
+        // The application's table, as the reference's: one row per message.
+        let effects = effects_table(&outbox);
+        env.exec(&format!(
+            "CREATE TABLE {effects} (msg text PRIMARY KEY) WITH (autovacuum_enabled = off)"
+        ))
+        .await?;
+    }
     if sc.checkpoint_after_seed() {
         env.exec("CHECKPOINT").await?;
     }
@@ -478,9 +512,18 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
                 workers,
                 batch,
                 ack_batch,
+                tx,
             },
             (Some(w), _),
-        ) => run_consumer(env, w, &outbox, workers, batch, ack_batch).await?,
+        ) => {
+            let shape = ConsumerShape {
+                workers,
+                batch,
+                ack_batch,
+                effects: tx.then(|| effects_table(&outbox)),
+            };
+            run_consumer(env, w, &outbox, shape).await?
+        }
         (Kind::ProducerOneTx, (_, Some(a))) => run_producer_one_tx(a, &outbox).await?,
         (Kind::ProducerBatch { batch }, (_, Some(a))) => {
             run_producer_batch(a, &outbox, batch).await?
@@ -544,12 +587,18 @@ pub fn wal_diff(a: &Wal, b: &Wal) -> WalTotals {
 
 async fn drop_tables(env: &mut Env, outbox: &Outbox) -> Result<(), BoxError> {
     env.exec(&format!(
-        "DROP TABLE IF EXISTS {}, {}, {}",
+        "DROP TABLE IF EXISTS {}, {}, {}, {}",
         outbox.table(),
         outbox.dead_letter_table(),
-        outbox.migrations_table()
+        outbox.migrations_table(),
+        effects_table(outbox)
     ))
     .await
+}
+
+/// The application table of a `consumer/tx` scenario: `<table>_effects`.
+fn effects_table(outbox: &Outbox) -> String {
+    format!("\"{}_effects\"", outbox.table().trim_matches('"'))
 }
 
 /// Rows the scenario needs before its window opens.
@@ -621,6 +670,20 @@ async fn verify(env: &mut Env, sc: &Scenario, outbox: &Outbox) -> Result<(), Box
     };
     if left != want {
         return Err(format!("{}: {left} rows left in {t}, expected {want}", sc.name).into());
+    }
+    if let Kind::Consumer { tx: true, .. } = sc.kind {
+        // Exactly once: every message written once (the primary key refuses a second).
+        let effects = effects_table(outbox);
+        let written = env
+            .count(&format!("SELECT count(*) FROM {effects}"))
+            .await?;
+        if written != MESSAGES as i64 {
+            return Err(format!(
+                "{}: {written} rows in {effects}, expected {MESSAGES}",
+                sc.name
+            )
+            .into());
+        }
     }
     if sc.kind == Kind::ExtendRearm {
         // Every run ended by applying its rearm: a fresh pending timer an hour ahead.
@@ -720,26 +783,52 @@ async fn wait_idle(env: &mut Env) -> Result<(), BoxError> {
     }
 }
 
+/// How a consumer scenario's worker is set up.
+struct ConsumerShape {
+    workers: usize,
+    batch: usize,
+    ack_batch: usize,
+    /// The application table each handler writes to in its own transaction, if any.
+    effects: Option<String>,
+}
+
 async fn run_consumer(
     env: &mut Env,
     pool: &PgPool,
     outbox: &Outbox,
-    workers: usize,
-    batch: usize,
-    ack_batch: usize,
+    shape: ConsumerShape,
 ) -> Result<Ran, BoxError> {
     let seen = Seen::new(MESSAGES);
     let watch = recorder::watch();
-    watch.reset(batch);
+    watch.reset(shape.batch);
     let handler_seen = seen.clone();
-    let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
-        .timer::<Body>(move |b: Body, _ctx: Context| {
+    let builder = Worker::builder(PgStore::new(pool.clone(), outbox.clone()));
+    let builder = match shape.effects {
+        None => builder.timer::<Body>(move |b: Body, _ctx: Context| {
             let seen = handler_seen.clone();
             async move { seen.mark(&b.0) }
-        })
-        .concurrency(workers)
-        .fetch_batch_size(batch)
-        .ack_batch_size(ack_batch)
+        }),
+        Some(effects) => {
+            let insert: Arc<str> = format!("INSERT INTO {effects} (msg) VALUES ($1)").into();
+            builder.timer::<Body>(move |b: Body, ctx: Context| {
+                let (seen, insert) = (handler_seen.clone(), insert.clone());
+                async move {
+                    let mut tx = ctx.begin().await?;
+                    sqlx::query(AssertSqlSafe(&*insert))
+                        .bind(&b.0)
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    seen.mark(&b.0);
+                    Ok::<(), outbox::Error>(())
+                }
+            })
+        }
+    };
+    let worker = builder
+        .concurrency(shape.workers)
+        .fetch_batch_size(shape.batch)
+        .ack_batch_size(shape.ack_batch)
         .build()?;
     let t0 = Instant::now();
     let running = worker.start();

@@ -8,8 +8,9 @@
 //!   one transaction.
 //! - `GET /users/{id}` reads the user's state.
 //! - The expiry handler locks the user's row and goes offline only if `last_seen + timeout`
-//!   has passed, in one transaction (SPEC §5.4: a rearm does not undo what a running
-//!   handler did, so the handler must re-check).
+//!   has passed (SPEC §5.4: a rearm does not undo what a running handler did, so the
+//!   handler must re-check), in its own transaction, which also completes the timer's row
+//!   (SPEC §7.9). It gets the service's state from the worker (`Context::state`).
 //! - `GET /stats` and `GET /metrics` report what the service and the worker did.
 
 use sqlx::AssertSqlSafe;
@@ -411,11 +412,9 @@ impl Server {
             metrics,
         });
 
-        let handler_app = app.clone();
         let worker = Worker::builder(PgStore::new(worker_pool.clone(), config.outbox.clone()))
-            .timer::<PresenceExpiry>(move |t: PresenceExpiry, ctx: Context| {
-                expire(handler_app.clone(), t, ctx)
-            })
+            .state(app.clone())
+            .timer::<PresenceExpiry>(expire)
             .concurrency(config.concurrency)
             .fetch_batch_size(config.concurrency)
             .build()?
@@ -536,9 +535,13 @@ pub struct Audit {
     pub logged_out_with_timer: Vec<i64>,
 }
 
-/// The expiry handler (SPEC §5.4): re-check `last_seen` under the user's row lock, in the
-/// same transaction as the offline transition.
-async fn expire(app: Arc<App>, t: PresenceExpiry, ctx: Context) -> Result<(), sqlx::Error> {
+/// The expiry handler (SPEC §5.4, §7.9): re-check `last_seen` under the user's row lock and
+/// go offline, in the handler's own transaction, which also completes the timer's row
+/// (`tx.commit()`): the offline transition and the completion commit together, so a crash
+/// or a lost lease between them cannot leave one without the other. Lock order: the
+/// user's row first, then (at commit) the timer's, as the ping and logout requests do.
+async fn expire(t: PresenceExpiry, ctx: Context<Arc<App>>) -> Result<(), outbox::Error> {
+    let app = ctx.state::<Arc<App>>();
     bump(&app.counters.fired);
     if !app.handler_delay.is_zero() {
         // Stand-in for real work (notifying the user's contacts, say). A ping that lands
@@ -546,33 +549,28 @@ async fn expire(app: Arc<App>, t: PresenceExpiry, ctx: Context) -> Result<(), sq
         tokio::time::sleep(app.handler_delay).await;
     }
     let result = async {
-        let mut tx = app.pool.begin().await?;
+        let mut tx = ctx.begin().await?;
         let row: Option<(bool, bool)> = sqlx::query_as(AssertSqlSafe(&*app.sql.lock_for_expiry))
             .bind(t.user_id)
             .bind(app.timeout.as_micros() as i64)
             .fetch_optional(&mut *tx)
             .await?;
-        match row {
+        let counter = match row {
             Some((true, true)) => {
                 sqlx::query(AssertSqlSafe(&*app.sql.go_offline))
                     .bind(t.user_id)
                     .execute(&mut *tx)
                     .await?;
-                tx.commit().await?;
-                bump(&app.counters.went_offline);
+                &app.counters.went_offline
             }
-            Some((true, false)) => {
-                // A newer ping: its extend moved the timer or queued a rearm, which fires
-                // for the newer deadline.
-                tx.commit().await?;
-                bump(&app.counters.kept_online);
-            }
-            Some((false, _)) | None => {
-                tx.commit().await?;
-                bump(&app.counters.already_offline);
-            }
-        }
-        Ok::<(), sqlx::Error>(())
+            // A newer ping: its extend moved the timer or queued a rearm, which fires for
+            // the newer deadline.
+            Some((true, false)) => &app.counters.kept_online,
+            Some((false, _)) | None => &app.counters.already_offline,
+        };
+        tx.commit().await?;
+        bump(counter);
+        Ok::<(), outbox::Error>(())
     }
     .await;
     if let Err(e) = &result {

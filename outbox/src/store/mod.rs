@@ -25,9 +25,12 @@
 //!   [`MemoryStore::rows`](crate::testing::MemoryStore::rows), …): what an operator or a
 //!   test reads is not part of what a worker does.
 //! - **Capabilities only a database has** — a handler doing its own writes in the same
-//!   transaction as its row's completion — belong in traits of their own that only
-//!   `PgStore` implements, so asking for one on a store that cannot offer it fails to
-//!   compile instead of pretending to work.
+//!   transaction as its row's completion (SPEC §7.9) — are offered through
+//!   [`Store::transactions`], which only `PgStore` answers. A store without it makes
+//!   [`Context::begin`](crate::Context::begin) return a typed
+//!   [`Error::TransactionUnavailable`] instead of pretending to work. (A compile-time split
+//!   was weighed and set aside: it would make a handler written for `PgStore` impossible to
+//!   register on the in-memory store, which is how handlers are tested without a database.)
 //!
 //! The contract grows by groups: keeping a running handler's lease alive and giving rows
 //! back at shutdown belong with completing (fenced by the same token), and registering a
@@ -47,6 +50,7 @@ use crate::publish::{Headers, MAX_DELAY};
 pub(crate) mod listen;
 pub mod postgres;
 pub(crate) mod rows;
+pub(crate) mod transaction;
 
 /// The fence of every write after a claim: the row id and the lease token of the claim
 /// (SPEC §5.1). A write whose token no longer matches changes nothing and reports
@@ -454,6 +458,15 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Whether terminal failures are archived.
     fn dead_letter_enabled(&self) -> bool;
+
+    /// What this store offers for handlers that complete their row in their own
+    /// transaction ([`Context::begin`](crate::Context::begin), SPEC §7.9): only
+    /// [`PgStore`](crate::PgStore) offers it. A store without (the default) makes
+    /// `Context::begin` return [`Error::TransactionUnavailable`]: a typed refusal, never a
+    /// pretend transaction.
+    fn transactions(&self) -> Option<transaction::TransactionSource> {
+        None
+    }
 
     /// The most connections the store can have open for a worker's statements at once, if
     /// it is bounded (a pool's size); `None` (the default) when it is not. A worker's

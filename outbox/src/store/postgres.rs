@@ -45,7 +45,7 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 ///
 /// | for | from | at most |
 /// |---|---|---|
-/// | claims, wake-up reads; a completion that must wait for a row lock | the pool you give | 1 + the completions waiting |
+/// | claims, wake-up reads; handlers' own transactions ([`Context::begin`](crate::Context::begin)); a completion that must wait for a row lock | the pool you give | 1 + one per handler slot (its transaction while it runs, or its completion after) |
 /// | completions, lease renewal, release at shutdown | a second pool the store opens on first use, with your pool's connect options (not its `after_connect` hooks: put session settings such as `synchronous_commit` in the connect options) and size, plus `lock_timeout = 200ms` | `concurrency + 2` |
 /// | `LISTEN` for wake-ups | a connection of its own, outside both pools | 1 |
 ///
@@ -219,11 +219,16 @@ impl PgStore {
 
 /// Success on one row (SPEC §5.2): the DELETE, and only when it matched nothing the
 /// follow-up that decides under the row lock.
-async fn ack_on(sql: &Complete, db: &PgPool, lease: Lease) -> Result<Completion> {
+/// On `db`: a connection of the store's pools, or a handler's transaction (SPEC §7.9).
+pub(crate) async fn ack_on(
+    sql: &Complete,
+    db: &mut PgConnection,
+    lease: Lease,
+) -> Result<Completion> {
     let done = sqlx::query(sql.ack_delete.clone())
         .bind(lease.id)
         .bind(lease.token)
-        .execute(db)
+        .execute(&mut *db)
         .await?;
     if done.rows_affected() == 1 {
         return Ok(Completion::Deleted);
@@ -231,7 +236,7 @@ async fn ack_on(sql: &Complete, db: &PgPool, lease: Lease) -> Result<Completion>
     let row = sqlx::query(sql.ack_settle.clone())
         .bind(lease.id)
         .bind(lease.token)
-        .fetch_one(db)
+        .fetch_one(&mut *db)
         .await?;
     settled(&row)
 }
@@ -408,7 +413,11 @@ impl Store for PgStore {
 
     async fn ack(&self, lease: Lease) -> Result<Completion> {
         let sql = self.sql();
-        self.single(|db| ack_on(sql, db, lease)).await
+        self.single(|db| async move {
+            let mut conn = db.acquire().await?;
+            ack_on(sql, &mut conn, lease).await
+        })
+        .await
     }
 
     async fn ack_batch(&self, leases: &[Lease]) -> Result<Vec<Completion>> {
@@ -591,6 +600,13 @@ impl Store for PgStore {
 
     fn dead_letter_enabled(&self) -> bool {
         self.outbox.dead_letter_enabled()
+    }
+
+    fn transactions(&self) -> Option<super::transaction::TransactionSource> {
+        Some(super::transaction::TransactionSource::new(
+            self.pool.clone(),
+            self.outbox.clone(),
+        ))
     }
 
     /// The pool's `max_connections` (the store's own pool has the same size).

@@ -60,6 +60,12 @@ use crate::timer::Publisher;
 /// - There are no transactions: each call is atomic on its own and calls are serialised.
 ///   What a transaction would add (a rolled-back publish leaving no row, lock waits) is
 ///   covered by the Postgres-only tests.
+/// - A handler's own transaction ([`Context::begin`](crate::Context::begin), SPEC §7.9) is
+///   **refused** with [`Error::TransactionUnavailable`]: there is no database to run the
+///   handler's SQL, and a pretend transaction would report a success nothing backs. The
+///   run fails like any handler error (the harness reports it). Test transactional
+///   handlers against Postgres (`Worker::run_due` drains a `PgStore` the same way), or
+///   keep the database writes behind a function you can swap in tests.
 /// - Among rows with the **same** deadline, a claim with a `limit` that cuts through them
 ///   takes the lowest ids; Postgres takes them in index order (usually, but not always, the
 ///   same). The returned deliveries are ordered by deadline, then id, in both stores.

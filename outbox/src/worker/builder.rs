@@ -1,6 +1,7 @@
 //! [`WorkerBuilder`]: handlers and knobs, all checked by [`WorkerBuilder::build`].
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::config::Config;
@@ -19,41 +20,85 @@ impl<S: Store> Worker<S> {
             routes: Vec::new(),
             config: Config::default(),
             invalid_queue: None,
+            state: Arc::new(()),
         }
     }
 }
 
 /// Builds a [`Worker`]; see there. Setters never fail: every value is
-/// checked by [`WorkerBuilder::build`].
-pub struct WorkerBuilder<S> {
+/// checked by [`WorkerBuilder::build`]. `St` is the state handlers registered from now on
+/// receive ([`WorkerBuilder::state`]).
+pub struct WorkerBuilder<S, St = ()> {
     store: S,
     routes: Vec<Route>,
     config: Config,
     invalid_queue: Option<Error>,
+    state: Arc<St>,
 }
 
 impl<S: Store> WorkerBuilder<S> {
+    /// Gives the worker's handlers a shared state (SPEC §7.10): handlers registered after
+    /// this take a [`Context<St>`](crate::Context) and ask for the state, or a piece of it,
+    /// by type with [`Context::state`](crate::Context::state) — the state itself, or a field
+    /// of a state struct that derives [`FromRef`](crate::FromRef). Asking for a type the
+    /// worker was not given does not compile. Given once, before the handlers that use it.
+    ///
+    /// ```no_run
+    /// use outbox::{Context, Outbox, PgStore, Worker};
+    ///
+    /// #[derive(Clone, outbox::FromRef)]
+    /// struct AppState {
+    ///     db: sqlx::PgPool,
+    /// }
+    ///
+    /// async fn on_job(_: Vec<u8>, ctx: Context<AppState>) -> Result<(), sqlx::Error> {
+    ///     let db = ctx.state::<sqlx::PgPool>();
+    ///     sqlx::query("SELECT 1").execute(&db).await?;
+    ///     Ok(())
+    /// }
+    ///
+    /// # fn f(pool: sqlx::PgPool) -> Result<(), outbox::Error> {
+    /// let worker = Worker::builder(PgStore::new(pool.clone(), Outbox::default()))
+    ///     .state(AppState { db: pool })
+    ///     .queue("jobs", on_job)
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn state<St: Send + Sync + 'static>(self, state: St) -> WorkerBuilder<S, St> {
+        WorkerBuilder {
+            store: self.store,
+            routes: self.routes,
+            config: self.config,
+            invalid_queue: self.invalid_queue,
+            state: Arc::new(state),
+        }
+    }
+}
+
+impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// Handles the `#[timer]` type `T` (its queue is `T::QUEUE`, its `max_deliveries`
     /// `T::MAX_DELIVERIES`) with `handler`: an `async fn(T, Context) -> R` where `R` is
     /// `()`, [`Outcome`](crate::Outcome) or a `Result` of those with a displayable error. A handler for
     /// another payload type does not compile. Retries use [`RetryStrategy::default`](crate::RetryStrategy::default).
-    pub fn timer<T: Timer>(self, handler: impl Handler<T>) -> Self {
+    pub fn timer<T: Timer>(self, handler: impl Handler<T, St>) -> Self {
         self.timer_with::<T>(handler, HandlerOptions::default())
     }
 
     /// As [`WorkerBuilder::timer`], with a retry strategy or a `max_deliveries` override.
     pub fn timer_with<T: Timer>(
         mut self,
-        handler: impl Handler<T>,
+        handler: impl Handler<T, St>,
         options: HandlerOptions,
     ) -> Self {
-        self.routes.push(Route::typed::<T, _>(handler, options));
+        let state = self.state.clone();
+        self.routes
+            .push(Route::typed::<T, _, St>(handler, state, options));
         self
     }
 
     /// Handles the raw queue `queue` with `handler`: an `async fn(Vec<u8>, Context) -> R`
     /// over the stored bytes. `max_deliveries` is [`DEFAULT_MAX_DELIVERIES`](crate::DEFAULT_MAX_DELIVERIES).
-    pub fn queue(self, queue: impl Into<String>, handler: impl Handler<Vec<u8>>) -> Self {
+    pub fn queue(self, queue: impl Into<String>, handler: impl Handler<Vec<u8>, St>) -> Self {
         self.queue_with(queue, handler, HandlerOptions::default())
     }
 
@@ -61,14 +106,15 @@ impl<S: Store> WorkerBuilder<S> {
     pub fn queue_with(
         mut self,
         queue: impl Into<String>,
-        handler: impl Handler<Vec<u8>>,
+        handler: impl Handler<Vec<u8>, St>,
         options: HandlerOptions,
     ) -> Self {
         let queue = queue.into();
         if let Err(e) = validate_queue(&queue) {
             self.invalid_queue.get_or_insert(e);
         }
-        self.routes.push(Route::raw(queue, handler, options));
+        let state = self.state.clone();
+        self.routes.push(Route::raw(queue, handler, state, options));
         self
     }
 
@@ -168,8 +214,9 @@ impl<S: Store> WorkerBuilder<S> {
                     "max_connections",
                     format!(
                         "the store's pool holds {has} connection(s); a worker with concurrency {c} needs {needs}: \
-                         {c} for completions written at once, 1 for the batched acks, 1 for the lease renewal \
-                         (LISTEN uses a connection of its own, outside the pool); claims share these",
+                         {c} for the handler slots (each handler's own transaction while it runs, or its completion after), \
+                         1 for claims, 1 for the batched acks and the lease renewal \
+                         (LISTEN uses a connection of its own, outside the pool)",
                         c = self.config.concurrency
                     ),
                 ));

@@ -17,6 +17,7 @@ use super::handler::{decide, Decision};
 use super::leases::Phase as HeldPhase;
 use super::shared::{backoff, Shared};
 use crate::error::Result;
+use crate::store::transaction::TransactionAccess;
 use crate::store::{Completion, Delivery, Failure, Lease, Renewal, Store};
 
 /// A success waiting in the acker's batch.
@@ -83,7 +84,7 @@ pub(crate) async fn handler_task<S: Store>(
 
 /// Handles one delivery and writes its fenced completion.
 async fn process<S: Store>(
-    shared: &Shared<S>,
+    shared: &Arc<Shared<S>>,
     d: Delivery,
     stop: watch::Receiver<Option<super::handler::CancelReason>>,
     acks: Option<&mpsc::Sender<PendingAck>>,
@@ -103,7 +104,10 @@ async fn process<S: Store>(
     metrics::histogram!("outbox_firing_lateness_seconds", "queue" => d.queue.clone())
         .record(lateness);
     let started = Instant::now();
-    let decision = decide(route, &d, Some(stop)).await;
+    let owner = shared.clone();
+    let transaction = TransactionAccess::new(shared.store.transactions(), lease)
+        .before_commit(Arc::new(move || owner.held.completing(lease)));
+    let decision = decide(route, &d, Some(stop), transaction).await;
     metrics::histogram!("outbox_handler_duration_seconds", "queue" => d.queue.clone())
         .record(started.elapsed().as_secs_f64());
     shared.held.completing(lease);
@@ -130,6 +134,10 @@ async fn process<S: Store>(
                 tracing::info!(error = %error, "outbox: handler failed");
             }
             report(shared, &d.queue, Phase::Retry, done);
+        }
+        Decision::Completed { completion } => {
+            // Written by the handler's own transaction (SPEC §7.9).
+            report(shared, &d.queue, Phase::Ack, Some(completion));
         }
         Decision::Fail { reason, error } => {
             tracing::warn!(reason = %reason, error = error.as_deref().unwrap_or(""), "outbox: terminal failure");

@@ -15,8 +15,10 @@ use futures::FutureExt;
 use tokio::sync::watch;
 
 use super::retry::RetryStrategy;
+use crate::error::Result;
 use crate::publish::Headers;
-use crate::store::{Delivery, FailureReason};
+use crate::store::transaction::{HandlerTransaction, RunTransaction, TransactionAccess};
+use crate::store::{Completion, Delivery, FailureReason};
 use crate::timer::Timer;
 
 /// Why a running handler is asked to stop ([`Context::cancelled`]).
@@ -32,10 +34,11 @@ pub enum CancelReason {
     TimerCancelled,
 }
 
-/// What a handler knows about the delivery it runs for, and how it learns that it should
-/// stop early ([`Context::cancelled`]).
-#[derive(Debug, Clone)]
-pub struct Context {
+/// What a handler knows about the delivery it runs for, how it learns that it should stop
+/// early ([`Context::cancelled`]), and the worker's shared state `St`
+/// ([`Context::state`], given once with [`WorkerBuilder::state`](crate::WorkerBuilder::state);
+/// `()` when none was given).
+pub struct Context<St = ()> {
     id: i64,
     queue: String,
     timer_id: Option<String>,
@@ -46,10 +49,50 @@ pub struct Context {
     claimed_at: DateTime<Utc>,
     created_at: DateTime<Utc>,
     stop: Option<watch::Receiver<Option<CancelReason>>>,
+    state: Arc<St>,
+    transaction: TransactionAccess,
+}
+
+impl<St> Clone for Context<St> {
+    fn clone(&self) -> Self {
+        Context {
+            id: self.id,
+            queue: self.queue.clone(),
+            timer_id: self.timer_id.clone(),
+            headers: self.headers.clone(),
+            attempt: self.attempt,
+            delivery: self.delivery,
+            deadline: self.deadline,
+            claimed_at: self.claimed_at,
+            created_at: self.created_at,
+            stop: self.stop.clone(),
+            state: self.state.clone(),
+            transaction: self.transaction.clone(),
+        }
+    }
+}
+
+impl<St> std::fmt::Debug for Context<St> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("id", &self.id)
+            .field("queue", &self.queue)
+            .field("timer_id", &self.timer_id)
+            .field("attempt", &self.attempt)
+            .field("delivery", &self.delivery)
+            .field("deadline", &self.deadline)
+            .field("claimed_at", &self.claimed_at)
+            .field("state", &type_name::<St>())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Context {
-    pub(crate) fn new(d: &Delivery, stop: Option<watch::Receiver<Option<CancelReason>>>) -> Self {
+    pub(crate) fn new(
+        d: &Delivery,
+        stop: Option<watch::Receiver<Option<CancelReason>>>,
+        transaction: TransactionAccess,
+    ) -> Self {
         Context {
             id: d.lease.id,
             queue: d.queue.clone(),
@@ -63,7 +106,84 @@ impl Context {
             claimed_at: d.claimed_at,
             created_at: d.created_at,
             stop,
+            state: Arc::new(()),
+            transaction,
         }
+    }
+
+    /// The same context with the worker's state.
+    pub(crate) fn with_state<St>(self, state: Arc<St>) -> Context<St> {
+        Context {
+            id: self.id,
+            queue: self.queue,
+            timer_id: self.timer_id,
+            headers: self.headers,
+            attempt: self.attempt,
+            delivery: self.delivery,
+            deadline: self.deadline,
+            claimed_at: self.claimed_at,
+            created_at: self.created_at,
+            stop: self.stop,
+            state,
+            transaction: self.transaction,
+        }
+    }
+}
+
+impl<St> Context<St> {
+    /// A piece of the worker's state, by type: the state itself (`ctx.state::<AppState>()`),
+    /// or any type the state converts into by [`FromRef`] — a field of a state struct that
+    /// derives it (`ctx.state::<PgPool>()`). Cloned: keep the pieces cheap to clone (pools,
+    /// `Arc`s). Asking for a type the worker was not given does not compile.
+    ///
+    /// ```
+    /// #[derive(Clone, outbox::FromRef)]
+    /// struct AppState {
+    ///     greeting: std::sync::Arc<str>,
+    ///     visits: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// }
+    ///
+    /// async fn handler(_: Vec<u8>, ctx: outbox::Context<AppState>) {
+    ///     let greeting = ctx.state::<std::sync::Arc<str>>();
+    ///     println!("{greeting}");
+    /// }
+    /// ```
+    pub fn state<X: FromRef<St>>(&self) -> X {
+        X::from_ref(&self.state)
+    }
+
+    /// Begins this run's transaction on the worker's database (SPEC §7.9): write your
+    /// changes through it (`&mut *tx`), then [`commit`](HandlerTransaction::commit) it,
+    /// which completes this run's row **in the same transaction** — your writes and the
+    /// row's completion commit together or not at all. A worker that lost the row's lease
+    /// commits nothing ([`Error::LeaseLost`](crate::Error::LeaseLost)).
+    ///
+    /// ```no_run
+    /// async fn on_expiry(user_id: Vec<u8>, ctx: outbox::Context) -> Result<(), outbox::Error> {
+    ///     let mut tx = ctx.begin().await?;
+    ///     sqlx::query("UPDATE users SET online = false WHERE id = $1")
+    ///         .bind(i64::from(user_id[0]))
+    ///         .execute(&mut *tx)
+    ///         .await?;
+    ///     tx.commit().await?; // the row is completed in this transaction
+    ///     Ok(())
+    /// }
+    /// ```
+    ///
+    /// One transaction per run; it holds one connection of the store's pool while open
+    /// (the worker's sizing counts one per handler slot). A run that began one and returns
+    /// without committing or rolling it back **fails** ("transaction not committed"); a
+    /// run that returns an error or `Outcome::Retry`/`Reject` rolls it back first (its
+    /// writes vanish) and is retried or rejected as usual; a run that committed is complete,
+    /// whatever it returns afterwards.
+    ///
+    /// # Errors
+    /// [`Error::TransactionUnavailable`](crate::Error::TransactionUnavailable) on a store
+    /// without database transactions (the in-memory store) or for a second `begin` in one
+    /// run; [`Error::Database`](crate::Error::Database) if the pool cannot give a
+    /// connection.
+    pub async fn begin(&self) -> Result<HandlerTransaction> {
+        self.transaction.begin().await
     }
 
     /// Completes when the worker asks this run to stop, with the reason: the lease was lost
@@ -150,82 +270,92 @@ impl Context {
     }
 }
 
-/// An explicit handler outcome (SPEC §7.2). Returning `Ok(())` is the same as
-/// [`Outcome::Ack`]; returning `Err(e)` retries according to the strategy.
+/// Converts the worker's state `S` into a piece a handler asks for with
+/// [`Context::state`] (SPEC §7.10). Every `Clone` type converts from itself; derive it on a
+/// state struct (`#[derive(Clone, outbox::FromRef)]`) to let handlers ask for each field by
+/// its type, or implement it by hand.
+#[diagnostic::on_unimplemented(
+    message = "the worker was not given state of type `{Self}`",
+    label = "handlers of this worker can ask only for its state `{S}` or what `{S}` converts into",
+    note = "give the worker its state once with `WorkerBuilder::state(...)`: a value of this type, or a struct with a field of this type and `#[derive(Clone, outbox::FromRef)]`"
+)]
+pub trait FromRef<S> {
+    /// The piece of `state`.
+    fn from_ref(state: &S) -> Self;
+}
+
+impl<T: Clone> FromRef<T> for T {
+    fn from_ref(state: &T) -> Self {
+        state.clone()
+    }
+}
+
+/// How a run ended (SPEC §7.2): the one type every handler's return value converts into
+/// ([`IntoOutcome`]). Return it directly, or return `()`, `Result<(), E>` or
+/// `Result<Outcome, E>`: `()` and `Ok(())` are [`Outcome::Ack`], `Err(e)` is
+/// [`Outcome::Retry`] with `e`'s text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Outcome {
     /// Success: the row is deleted (or its queued rearm applied).
     Ack,
-    /// Failed, try again after this delay (database clock, capped at
-    /// [`MAX_RETRY_DELAY`](crate::MAX_RETRY_DELAY)), regardless of the strategy's delay;
+    /// A failed run, retried after the delay of the handler's
+    /// [`RetryStrategy`](crate::RetryStrategy) (terminal, reason `retry_exhausted`, when the
+    /// strategy allows no more); the text is kept as the row's last error.
+    Retry(String),
+    /// A failed run, tried again after this delay (database clock, capped at
+    /// [`MAX_RETRY_DELAY`](crate::MAX_RETRY_DELAY)) instead of the strategy's;
     /// `max_attempts` of the strategy still applies.
     RetryAfter(Duration),
     /// Terminal failure now, reason `rejected`, with this error text.
     Reject(String),
 }
 
-/// What a handler's return value means. Implemented for `()`, [`Outcome`], and
-/// `Result<T, E>` where `T: IntoOutcome` and `E: Display` (an error retries per strategy;
-/// its text is kept as the last error).
+/// What a handler's return value means: converts into [`Outcome`]. Implemented for `()`,
+/// [`Outcome`], and `Result<T, E>` where `T: IntoOutcome` and `E: Display` (an error is
+/// [`Outcome::Retry`] with its text).
 pub trait IntoOutcome: Send {
-    /// Converts into the worker's decision input.
-    fn into_outcome(self) -> HandlerResult;
-}
-
-/// A handler's result as the worker sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HandlerResult {
-    /// Success.
-    Ack,
-    /// Failure: retry per strategy.
-    Error(String),
-    /// Failure: retry after this delay.
-    RetryAfter(Duration),
-    /// Terminal failure.
-    Reject(String),
+    /// The outcome.
+    fn into_outcome(self) -> Outcome;
 }
 
 impl IntoOutcome for () {
-    fn into_outcome(self) -> HandlerResult {
-        HandlerResult::Ack
+    fn into_outcome(self) -> Outcome {
+        Outcome::Ack
     }
 }
 
 impl IntoOutcome for Outcome {
-    fn into_outcome(self) -> HandlerResult {
-        match self {
-            Outcome::Ack => HandlerResult::Ack,
-            Outcome::RetryAfter(d) => HandlerResult::RetryAfter(d),
-            Outcome::Reject(e) => HandlerResult::Reject(e),
-        }
+    fn into_outcome(self) -> Outcome {
+        self
     }
 }
 
 impl<T: IntoOutcome, E: Display + Send> IntoOutcome for Result<T, E> {
-    fn into_outcome(self) -> HandlerResult {
+    fn into_outcome(self) -> Outcome {
         match self {
             Ok(t) => t.into_outcome(),
-            Err(e) => HandlerResult::Error(e.to_string()),
+            Err(e) => Outcome::Retry(e.to_string()),
         }
     }
 }
 
-/// An async function of a payload `T` and a [`Context`]: `async fn(T, Context) -> R` where
-/// `R: IntoOutcome`, or a closure of that shape. For typed timers `T` is the `#[timer]`
-/// struct; for raw queues it is `Vec<u8>`.
-pub trait Handler<T>: Send + Sync + 'static {
+/// An async function of a payload `T` and a [`Context`]: `async fn(T, Context<St>) -> R`
+/// where `R: IntoOutcome`, or a closure of that shape. For typed timers `T` is the
+/// `#[timer]` struct; for raw queues it is `Vec<u8>`. `St` is the worker's state (`()`
+/// unless given with [`WorkerBuilder::state`](crate::WorkerBuilder::state)).
+pub trait Handler<T, St = ()>: Send + Sync + 'static {
     /// Runs the handler.
-    fn call(&self, payload: T, ctx: Context) -> BoxFuture<'static, HandlerResult>;
+    fn call(&self, payload: T, ctx: Context<St>) -> BoxFuture<'static, Outcome>;
 }
 
-impl<T, F, Fut> Handler<T> for F
+impl<T, St, F, Fut> Handler<T, St> for F
 where
-    F: Fn(T, Context) -> Fut + Send + Sync + 'static,
+    F: Fn(T, Context<St>) -> Fut + Send + Sync + 'static,
     Fut: Future + Send + 'static,
     Fut::Output: IntoOutcome,
 {
-    fn call(&self, payload: T, ctx: Context) -> BoxFuture<'static, HandlerResult> {
+    fn call(&self, payload: T, ctx: Context<St>) -> BoxFuture<'static, Outcome> {
         let fut = self(payload, ctx);
         Box::pin(async move { fut.await.into_outcome() })
     }
@@ -316,46 +446,53 @@ pub enum Decision {
         /// The error text, if any.
         error: Option<String>,
     },
+    /// The handler committed its transaction ([`Context::begin`]), which completed the
+    /// row: nothing is left to write.
+    Completed {
+        /// What the completion in the handler's transaction did.
+        completion: Completion,
+    },
 }
 
 /// Decodes and calls, type-erased.
 pub(crate) trait Erased: Send + Sync + 'static {
     /// `Err` carries the decode error text.
-    fn dispatch(
-        &self,
-        payload: &[u8],
-        ctx: Context,
-    ) -> Result<BoxFuture<'static, HandlerResult>, String>;
+    fn dispatch(&self, payload: &[u8], ctx: Context)
+        -> Result<BoxFuture<'static, Outcome>, String>;
 }
 
-struct Typed<T, H> {
+struct Typed<T, H, St> {
     handler: H,
+    state: Arc<St>,
     _t: PhantomData<fn(T)>,
 }
 
-impl<T: Timer, H: Handler<T>> Erased for Typed<T, H> {
+impl<T: Timer, St: Send + Sync + 'static, H: Handler<T, St>> Erased for Typed<T, H, St> {
     fn dispatch(
         &self,
         payload: &[u8],
         ctx: Context,
-    ) -> Result<BoxFuture<'static, HandlerResult>, String> {
+    ) -> Result<BoxFuture<'static, Outcome>, String> {
         let value = T::decode(payload)
             .map_err(|e| format!("the payload does not decode as {}: {e}", type_name::<T>()))?;
-        Ok(self.handler.call(value, ctx))
+        Ok(self.handler.call(value, ctx.with_state(self.state.clone())))
     }
 }
 
-struct Raw<H> {
+struct Raw<H, St> {
     handler: H,
+    state: Arc<St>,
 }
 
-impl<H: Handler<Vec<u8>>> Erased for Raw<H> {
+impl<St: Send + Sync + 'static, H: Handler<Vec<u8>, St>> Erased for Raw<H, St> {
     fn dispatch(
         &self,
         payload: &[u8],
         ctx: Context,
-    ) -> Result<BoxFuture<'static, HandlerResult>, String> {
-        Ok(self.handler.call(payload.to_vec(), ctx))
+    ) -> Result<BoxFuture<'static, Outcome>, String> {
+        Ok(self
+            .handler
+            .call(payload.to_vec(), ctx.with_state(self.state.clone())))
     }
 }
 
@@ -372,12 +509,18 @@ pub(crate) struct Route {
 }
 
 impl Route {
-    pub(crate) fn typed<T: Timer, H: Handler<T>>(handler: H, options: HandlerOptions) -> Self {
+    pub(crate) fn typed<T, H, St>(handler: H, state: Arc<St>, options: HandlerOptions) -> Self
+    where
+        T: Timer,
+        St: Send + Sync + 'static,
+        H: Handler<T, St>,
+    {
         Route {
             queue: T::QUEUE.to_owned(),
             name: type_name::<T>().to_owned(),
             handler: Arc::new(Typed {
                 handler,
+                state,
                 _t: PhantomData,
             }),
             max_deliveries: options.max_deliveries.unwrap_or(T::MAX_DELIVERIES),
@@ -386,15 +529,20 @@ impl Route {
         }
     }
 
-    pub(crate) fn raw<H: Handler<Vec<u8>>>(
+    pub(crate) fn raw<H, St>(
         queue: String,
         handler: H,
+        state: Arc<St>,
         options: HandlerOptions,
-    ) -> Self {
+    ) -> Self
+    where
+        St: Send + Sync + 'static,
+        H: Handler<Vec<u8>, St>,
+    {
         Route {
             queue,
             name: format!("raw handler {}", type_name::<H>()),
-            handler: Arc::new(Raw { handler }),
+            handler: Arc::new(Raw { handler, state }),
             max_deliveries: options.max_deliveries.unwrap_or(DEFAULT_MAX_DELIVERIES),
             retry: options.retry,
             timeout: options.timeout,
@@ -410,6 +558,7 @@ pub(crate) async fn decide(
     route: &Route,
     delivery: &Delivery,
     stop: Option<watch::Receiver<Option<CancelReason>>>,
+    transaction: TransactionAccess,
 ) -> Decision {
     if i64::from(delivery.deliveries_count) > i64::from(route.max_deliveries) {
         return Decision::Fail {
@@ -428,12 +577,12 @@ pub(crate) async fn decide(
             error: Some(format!("the stored row does not decode: {problem}")),
         };
     }
-    let ctx = Context::new(delivery, stop);
+    let ctx = Context::new(delivery, stop, transaction.clone());
     // A panic is a failed run wherever it happens: while decoding (a hand-written
     // Deserialize), in the synchronous part of a handler closure, or in its future. None
     // may take the worker's handler task down.
     let panicked = |p: Box<dyn std::any::Any + Send>| {
-        HandlerResult::Error(format!("handler panicked: {}", panic_text(&*p)))
+        Outcome::Retry(format!("handler panicked: {}", panic_text(&*p)))
     };
     let dispatched = std::panic::catch_unwind(AssertUnwindSafe(|| {
         route.handler.dispatch(&delivery.payload, ctx)
@@ -458,7 +607,7 @@ pub(crate) async fn decide(
                         timeout_ms = limit.as_millis() as u64,
                         "outbox: handler timed out; its run is stopped and counts as failed"
                     );
-                    HandlerResult::Error(format!("handler timed out after {limit:?}"))
+                    Outcome::Retry(format!("handler timed out after {limit:?}"))
                 }
             }
         }
@@ -470,6 +619,33 @@ pub(crate) async fn decide(
         }
         Err(p) => panicked(p),
     };
+    // What the handler did with its transaction decides before what it returned (SPEC
+    // §7.9). Its future has been dropped by now, and with it an open transaction, which
+    // sqlx rolls back.
+    let result = match (transaction.state(), result) {
+        (RunTransaction::None | RunTransaction::RolledBack, result) => result,
+        (RunTransaction::Committed(completion), result) => {
+            if result != Outcome::Ack {
+                tracing::warn!(
+                    outcome = ?result,
+                    "outbox: the handler committed its transaction (which completed the row) and then reported a failure; the commit stands"
+                );
+            }
+            return Decision::Completed { completion };
+        }
+        (RunTransaction::Failed { lease_lost: true, .. }, _) => {
+            return Decision::Completed {
+                completion: Completion::LeaseLost,
+            };
+        }
+        (RunTransaction::Failed { error, .. }, Outcome::Ack) => Outcome::Retry(format!(
+            "the handler's transaction failed to commit (rolled back): {error}"
+        )),
+        (RunTransaction::Open, Outcome::Ack) => Outcome::Retry(
+            "transaction not committed: the handler began a transaction and returned without committing or rolling it back (it was rolled back)".to_owned(),
+        ),
+        (RunTransaction::Failed { .. } | RunTransaction::Open, failed) => failed,
+    };
     let failures = u32::try_from(delivery.attempts_count)
         .unwrap_or(0)
         .saturating_add(1);
@@ -478,12 +654,12 @@ pub(crate) async fn decide(
         .and_then(|first| (delivery.claimed_at - first).to_std().ok())
         .unwrap_or_default();
     match result {
-        HandlerResult::Ack => Decision::Ack,
-        HandlerResult::Reject(e) => Decision::Fail {
+        Outcome::Ack => Decision::Ack,
+        Outcome::Reject(e) => Decision::Fail {
             reason: FailureReason::Rejected,
             error: Some(e),
         },
-        HandlerResult::Error(error) => {
+        Outcome::Retry(error) => {
             match route
                 .retry
                 .next_delay(failures, elapsed, rand::random::<f64>())
@@ -499,7 +675,7 @@ pub(crate) async fn decide(
                 },
             }
         }
-        HandlerResult::RetryAfter(delay) => {
+        Outcome::RetryAfter(delay) => {
             let delay = delay.min(super::retry::MAX_RETRY_DELAY);
             // An explicit delay replaces the strategy's, but its attempt limit still holds.
             if route.retry.allows_another(failures) {

@@ -35,6 +35,7 @@ use self::handler::{decide, Decision, Route};
 use self::leases::Phase;
 use self::shared::Shared;
 use crate::error::Result;
+use crate::store::transaction::TransactionAccess;
 use crate::store::{
     ClaimRequest, Completion, Delivery, Failure, FailureReason, Release, Released, Store,
 };
@@ -92,8 +93,9 @@ use crate::store::{
 /// do not wait long in the buffer (another worker could run them meanwhile).
 ///
 /// Over a [`PgStore`](crate::PgStore) a worker needs `concurrency + 2` connections of the
-/// store's pool at once (a completion per handler slot, the batched acks, the renewal; the
-/// claim loop takes turns with them), checked by [`WorkerBuilder::build`](builder::WorkerBuilder::build); the
+/// store's pool at once (per handler slot one: the handler's own transaction while it runs
+/// ([`Context::begin`](handler::Context::begin)), or its completion after; one for claims;
+/// one for the batched acks and the renewal), checked by [`WorkerBuilder::build`](builder::WorkerBuilder::build); the
 /// store opens a second pool of the same size for writes with a short lock timeout (see
 /// its docs), and LISTEN uses one connection of its own. Any number of workers, in any
 /// number of processes, may serve the same queues (SPEC §7.6): `SKIP LOCKED` claims and
@@ -296,8 +298,10 @@ impl<S: Store> Worker<S> {
                 let Some(route) = self.routes.get(&d.queue) else {
                     continue;
                 };
-                let decision = decide(route, &d, None).await;
+                let transaction = TransactionAccess::new(self.store.transactions(), d.lease);
+                let decision = decide(route, &d, None, transaction).await;
                 let completion = match &decision {
+                    Decision::Completed { completion } => *completion,
                     Decision::Ack => self.store.ack(d.lease).await?,
                     Decision::Retry { delay, .. } => self.store.retry(d.lease, *delay).await?,
                     Decision::Fail { reason, error } => {

@@ -141,3 +141,49 @@ async fn run_due_drains_a_postgres_store() {
     assert_eq!(f.rows("reminders").await.len(), 1, "the future timer stays");
     f.cleanup().await;
 }
+
+/// SPEC §7.9 on the in-memory store: a handler that asks for its own transaction gets a
+/// typed refusal (the store has no database to run its SQL), never a pretend success; the
+/// run fails like any handler error, and the harness reports it.
+#[tokio::test]
+async fn a_transaction_on_the_memory_store_is_refused_with_a_typed_error() {
+    let store = MemoryStore::new().with_dead_letter(true);
+    let refusals = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let worker = {
+        let refusals = refusals.clone();
+        Worker::builder(store.clone())
+            .timer_with::<Reminder>(
+                move |_: Reminder, ctx: Context| {
+                    let refusals = refusals.clone();
+                    async move {
+                        let err = ctx.begin().await.unwrap_err();
+                        refusals.lock().unwrap().push(err.to_string());
+                        assert!(
+                            matches!(err, outbox::Error::TransactionUnavailable { .. }),
+                            "{err:?}"
+                        );
+                        Err::<(), _>(err)
+                    }
+                },
+                HandlerOptions::new().retry(RetryStrategy::none()),
+            )
+            .build()
+            .unwrap()
+    };
+    publish_reminder(&store, "r", &Reminder { n: 1 }, Duration::ZERO)
+        .await
+        .unwrap();
+    let ran = worker.run_due().await.unwrap();
+    assert_eq!(ran.len(), 1);
+    assert!(
+        matches!(
+            &ran[0].decision,
+            Decision::Fail { reason: FailureReason::RetryExhausted, error: Some(e) }
+                if e.contains("no handler transaction")
+        ),
+        "{:?}",
+        ran[0].decision
+    );
+    assert_eq!(refusals.lock().unwrap().len(), 1);
+    assert!(refusals.lock().unwrap()[0].contains("in-memory store"));
+}
