@@ -46,6 +46,7 @@ fn expand(input: TokenStream) -> syn::Result<TokenStream> {
     };
     let name = &input.ident;
     let mut impls = Vec::new();
+    let mut seen: Vec<String> = Vec::new();
     let fields: Vec<_> = match &data.fields {
         Fields::Named(f) => f.named.iter().collect(),
         Fields::Unnamed(f) => f.unnamed.iter().collect(),
@@ -67,6 +68,33 @@ fn expand(input: TokenStream) -> syn::Result<TokenStream> {
             continue;
         }
         let ty = &field.ty;
+        let spelled = quote!(#ty)
+            .to_string()
+            .replace(" :: ", "::")
+            .replace(":: ", "::")
+            .replace(" <", "<")
+            .replace("< ", "<")
+            .replace(" >", ">")
+            .replace(" ,", ",");
+        if seen.contains(&spelled) {
+            return Err(syn::Error::new_spanned(
+                ty,
+                format!(
+                    "a second field of type `{spelled}`: a handler asking for `{spelled}` would be ambiguous; \
+                     mark all but one `#[from_ref(skip)]`, or wrap one in a type of its own"
+                ),
+            ));
+        }
+        if spelled
+            .split(|c: char| !c.is_alphanumeric() && c != '_')
+            .any(|w| w == "Self")
+        {
+            return Err(syn::Error::new_spanned(
+                ty,
+                format!("name the state type instead of `Self` in this field's type (`{spelled}`), or mark it `#[from_ref(skip)]`"),
+            ));
+        }
+        seen.push(spelled);
         let access = match &field.ident {
             Some(ident) => quote!(#ident),
             None => {

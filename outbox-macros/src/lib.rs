@@ -150,6 +150,33 @@ use quote::quote;
 use crate::model::Errors;
 use crate::validate::Checked;
 
+/// Derives `outbox::FromRef<Self>` for the type of each field of a state struct, so a
+/// handler of a worker given this state ([`WorkerBuilder::state`]) can ask its context for
+/// a field by type: `ctx.state::<PgPool>()` (SPEC §7.10). Each field's type must be
+/// `Clone` (keep them cheap: pools, `Arc`s).
+///
+/// ```
+/// #[derive(Clone, outbox::FromRef)]
+/// struct AppState {
+///     db: sqlx::PgPool,
+///     name: std::sync::Arc<str>,
+///     #[from_ref(skip)]
+///     other_name: std::sync::Arc<str>,
+/// }
+/// ```
+///
+/// `#[from_ref(skip)]` leaves a field out (two fields of one type are refused: a handler
+/// asking for that type would be ambiguous; skip all but one, or wrap one in a type of its
+/// own); `#[from_ref(crate =
+/// "path")]` on the struct names the runtime when `outbox` is re-exported or renamed.
+/// Generic structs are refused; implement `FromRef` by hand for those.
+///
+/// [`WorkerBuilder::state`]: https://docs.rs/outbox/latest/outbox/struct.WorkerBuilder.html#method.state
+#[proc_macro_derive(FromRef, attributes(from_ref))]
+pub fn derive_from_ref(input: TokenStream) -> TokenStream {
+    from_ref::derive(input.into()).into()
+}
+
 /// Turns a payload struct into a typed timer (SPEC §9).
 ///
 /// ```
@@ -189,32 +216,6 @@ use crate::validate::Checked;
 ///
 /// The [`outbox-macros` crate docs](https://docs.rs/outbox-macros) show the equivalent
 /// hand-written code and every compile-time check.
-/// Derives `outbox::FromRef<Self>` for the type of each field of a state struct, so a
-/// handler of a worker given this state ([`WorkerBuilder::state`]) can ask its context for
-/// a field by type: `ctx.state::<PgPool>()` (SPEC §7.10). Each field's type must be
-/// `Clone` (keep them cheap: pools, `Arc`s).
-///
-/// ```
-/// #[derive(Clone, outbox::FromRef)]
-/// struct AppState {
-///     db: sqlx::PgPool,
-///     name: std::sync::Arc<str>,
-///     #[from_ref(skip)]
-///     other_name: std::sync::Arc<str>,
-/// }
-/// ```
-///
-/// `#[from_ref(skip)]` leaves a field out (two fields of one type would give two
-/// conflicting impls: wrap one in a type of its own, or skip it); `#[from_ref(crate =
-/// "path")]` on the struct names the runtime when `outbox` is re-exported or renamed.
-/// Generic structs are refused; implement `FromRef` by hand for those.
-///
-/// [`WorkerBuilder::state`]: https://docs.rs/outbox/latest/outbox/struct.WorkerBuilder.html#method.state
-#[proc_macro_derive(FromRef, attributes(from_ref))]
-pub fn derive_from_ref(input: TokenStream) -> TokenStream {
-    from_ref::derive(input.into()).into()
-}
-
 #[proc_macro_attribute]
 pub fn timer(args: TokenStream, item: TokenStream) -> TokenStream {
     timer_impl(args.into(), item.into()).into()

@@ -3,10 +3,25 @@
 //! and commits it through [`HandlerTransaction::commit`], which runs its row's fenced
 //! completion inside that transaction before `COMMIT`. The handler's writes and the
 //! completion then commit together or not at all.
+//!
+//! The run's transaction goes through these states, which the worker reads once the
+//! handler has returned (or was stopped):
+//!
+//! ```text
+//! None ─begin─▶ Open ─commit─▶ Committing ─▶ Committed | Failed
+//!                 ├─rollback─▶ RolledBack
+//!                 ├─dropped──▶ Dropped            (rolled back by sqlx)
+//!                 └─handler returned, still open elsewhere─▶ Abandoned (can no longer commit)
+//! ```
+//!
+//! The commit itself runs in a task of its own, so stopping the handler (its timeout,
+//! shutdown) never cuts a `COMMIT` in flight: the worker waits for it and reports what it
+//! did.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use sqlx::{PgConnection, PgPool, Postgres};
+use tokio::sync::watch;
 
 use super::{Completion, Lease};
 use crate::error::{Error, Result};
@@ -26,19 +41,36 @@ impl TransactionSource {
     }
 }
 
-/// Where one run's transaction stands, as the worker reads it when the handler returns.
+/// Where one run's transaction stands (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum RunTransaction {
     /// No transaction was begun.
     None,
-    /// Begun, and neither committed nor rolled back (yet, or ever: dropped).
+    /// Begun, and neither committed nor rolled back yet.
     Open,
+    /// `commit` is running.
+    Committing,
     /// Committed: the row's completion is done.
     Committed(Completion),
     /// Rolled back by the handler.
     RolledBack,
+    /// Dropped open by the handler (an early return, a panic, its timeout): rolled back.
+    Dropped,
+    /// Still open when the run ended (moved out of the handler): it can no longer commit.
+    Abandoned,
     /// The commit failed and everything was rolled back; the text says why.
     Failed { lease_lost: bool, error: String },
+}
+
+/// What the worker does around a commit: the lease is kept from being reported lost while
+/// the commit may delete the row, and is no longer held once it did.
+pub(crate) trait CommitHooks: Send + Sync {
+    /// The commit starts.
+    fn committing(&self);
+    /// The commit failed: everything was rolled back, the run goes on.
+    fn failed(&self);
+    /// The commit landed: the row is completed.
+    fn committed(&self);
 }
 
 /// One run's access to a handler transaction, held by its [`Context`](crate::Context).
@@ -46,17 +78,15 @@ pub(crate) enum RunTransaction {
 pub(crate) struct TransactionAccess {
     source: Option<TransactionSource>,
     lease: Lease,
-    state: Arc<Mutex<RunTransaction>>,
-    /// Run just before the completion in the transaction: the worker marks the lease as
-    /// completing, so a renewal that finds the row gone meanwhile does not report it lost.
-    before_commit: Option<Arc<dyn Fn() + Send + Sync>>,
+    state: Arc<watch::Sender<RunTransaction>>,
+    hooks: Option<Arc<dyn CommitHooks>>,
 }
 
 impl std::fmt::Debug for TransactionAccess {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TransactionAccess")
             .field("lease", &self.lease)
-            .field("state", &self.state())
+            .field("state", &*self.state.borrow())
             .finish_non_exhaustive()
     }
 }
@@ -66,30 +96,43 @@ impl TransactionAccess {
         TransactionAccess {
             source,
             lease,
-            state: Arc::new(Mutex::new(RunTransaction::None)),
-            before_commit: None,
+            state: Arc::new(watch::channel(RunTransaction::None).0),
+            hooks: None,
         }
     }
 
-    /// Sets the hook run just before the completion in the transaction.
-    pub(crate) fn before_commit(mut self, hook: Arc<dyn Fn() + Send + Sync>) -> Self {
-        self.before_commit = Some(hook);
+    /// Sets what the worker does around a commit.
+    pub(crate) fn hooks(mut self, hooks: Arc<dyn CommitHooks>) -> Self {
+        self.hooks = Some(hooks);
         self
     }
 
-    /// Where the run's transaction stands.
-    pub(crate) fn state(&self) -> RunTransaction {
-        self.lock().clone()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, RunTransaction> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
     fn set(&self, state: RunTransaction) {
-        *self.lock() = state;
+        self.state.send_replace(state);
+    }
+
+    /// Moves from `from` to `to`; false if the state was another.
+    fn transition(&self, from: &RunTransaction, to: RunTransaction) -> bool {
+        self.state.send_if_modified(|s| {
+            if s == from {
+                *s = to;
+                true
+            } else {
+                false
+            }
+        })
+    }
+
+    /// The state once the run has ended: waits for a commit in flight, and turns a
+    /// transaction still open (moved out of the handler) into `Abandoned`, so a later
+    /// `commit` of it refuses.
+    pub(crate) async fn settle(&self) -> RunTransaction {
+        let mut rx = self.state.subscribe();
+        // The sender lives in `self`, so the wait ends only with a state change.
+        let _ = rx.wait_for(|s| *s != RunTransaction::Committing).await;
+        self.transition(&RunTransaction::Open, RunTransaction::Abandoned);
+        let state = self.state.borrow().clone();
+        state
     }
 
     pub(crate) async fn begin(&self) -> Result<HandlerTransaction> {
@@ -101,18 +144,29 @@ impl TransactionAccess {
                     .to_owned(),
             });
         };
-        if *self.lock() != RunTransaction::None {
+        if *self.state.borrow() != RunTransaction::None {
             return Err(Error::TransactionUnavailable {
                 reason: "this run already began its transaction (one per run)".to_owned(),
             });
         }
-        let tx = match source.pool.begin().await {
+        // READ COMMITTED whatever the session's default: the completion must see the row
+        // as renewals and extends left it (SPEC §5.3), which a snapshot taken at the start
+        // of the transaction would refuse with a serialization failure.
+        let begun = source
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await;
+        let tx = match begun {
             Ok(tx) => tx,
             Err(e) => return Err(crate::error::explain(&source.pool, e.into()).await),
         };
-        self.set(RunTransaction::Open);
+        if !self.transition(&RunTransaction::None, RunTransaction::Open) {
+            return Err(Error::TransactionUnavailable {
+                reason: "this run already began its transaction (one per run)".to_owned(),
+            });
+        }
         Ok(HandlerTransaction {
-            tx,
+            tx: Some(tx),
             outbox: source.outbox.clone(),
             access: self.clone(),
         })
@@ -120,17 +174,22 @@ impl TransactionAccess {
 }
 
 /// A handler's transaction ([`Context::begin`](crate::Context::begin)) on the worker's
-/// database, in `READ COMMITTED` (Postgres' default). Write through it as through any sqlx
-/// transaction (`&mut *tx` is a `&mut PgConnection`), then end it with
+/// database, always `READ COMMITTED` (do not raise it with `SET TRANSACTION`: a renewal
+/// of the run's lease or an extend of its timer during the run would then make the commit
+/// fail with a serialization error). Write through it as through any sqlx transaction
+/// (`&mut *tx` is a `&mut PgConnection`), then end it with
 /// [`commit`](HandlerTransaction::commit), which completes the handler's row in the same
 /// transaction, or [`rollback`](HandlerTransaction::rollback).
 ///
 /// Dropped without either (an early `?`, a panic, a timeout), it is rolled back and the run
 /// **fails** ("transaction not committed"): it is retried per the strategy, and none of its
-/// writes is visible.
+/// writes is visible. Moved out of the handler (into a spawned task) and still open when
+/// the handler returns, the run fails the same way and the transaction can no longer
+/// commit.
 #[must_use = "commit it (`tx.commit().await`), which also completes the row, or roll it back; a transaction dropped open rolls back and fails the run"]
 pub struct HandlerTransaction {
-    tx: sqlx::Transaction<'static, Postgres>,
+    /// `None` once committed or rolled back.
+    tx: Option<sqlx::Transaction<'static, Postgres>>,
     outbox: Outbox,
     access: TransactionAccess,
 }
@@ -143,16 +202,30 @@ impl std::fmt::Debug for HandlerTransaction {
     }
 }
 
+impl Drop for HandlerTransaction {
+    fn drop(&mut self) {
+        if self.tx.is_some() {
+            // sqlx rolls the transaction back as the connection goes back to the pool.
+            self.access
+                .transition(&RunTransaction::Open, RunTransaction::Dropped);
+        }
+    }
+}
+
 impl std::ops::Deref for HandlerTransaction {
     type Target = PgConnection;
     fn deref(&self) -> &PgConnection {
-        &self.tx
+        self.tx
+            .as_deref()
+            .expect("a HandlerTransaction holds its transaction until commit or rollback")
     }
 }
 
 impl std::ops::DerefMut for HandlerTransaction {
     fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.tx
+        self.tx
+            .as_deref_mut()
+            .expect("a HandlerTransaction holds its transaction until commit or rollback")
     }
 }
 
@@ -169,44 +242,41 @@ impl HandlerTransaction {
     /// rows first and the timer second; a deadlock or a `lock_timeout` you set still rolls
     /// everything back and counts as a failed run.
     ///
+    /// Once started, the commit finishes even if the handler is stopped meanwhile (its
+    /// timeout, shutdown): the worker waits for it and reports what it did.
+    ///
     /// # Errors
     /// [`Error::LeaseLost`]: another worker holds the row (or it is gone), so nothing is
     /// committed; [`Error::Database`] if a statement or the `COMMIT` fails (rolled back;
-    /// the run counts as failed and is retried per the strategy). A handler returning the
-    /// error with `?` is all it takes.
+    /// the run counts as failed and is retried per the strategy);
+    /// [`Error::TransactionUnavailable`] if the run already ended (the transaction was moved
+    /// out of the handler): rolled back. Returning the error with `?` is all it takes.
     pub async fn commit(mut self) -> Result<Completion> {
-        let lease = self.access.lease;
-        if let Some(hook) = &self.access.before_commit {
-            hook();
+        let tx = self.tx.take().expect("held until commit or rollback");
+        let access = self.access.clone();
+        if !access.transition(&RunTransaction::Open, RunTransaction::Committing) {
+            drop(tx);
+            return Err(Error::TransactionUnavailable {
+                reason: "the run this transaction belongs to has ended; it was rolled back"
+                    .to_owned(),
+            });
         }
-        let done =
-            crate::store::postgres::ack_on(&self.outbox.sql().complete, &mut self.tx, lease).await;
-        let failed = |lease_lost: bool, error: &Error| RunTransaction::Failed {
-            lease_lost,
-            error: error.to_string(),
-        };
-        match done {
-            Ok(Completion::LeaseLost) => {
-                let e = Error::LeaseLost { id: lease.id };
-                self.access.set(failed(true, &e));
-                let _ = self.tx.rollback().await;
-                Err(e)
-            }
-            Ok(completion) => match self.tx.commit().await {
-                Ok(()) => {
-                    self.access.set(RunTransaction::Committed(completion));
-                    Ok(completion)
-                }
-                Err(e) => {
-                    let e = Error::from(e);
-                    self.access.set(failed(false, &e));
-                    Err(e)
-                }
-            },
+        if let Some(hooks) = &access.hooks {
+            hooks.committing();
+        }
+        let outbox = self.outbox.clone();
+        let task = tokio::spawn(commit_in_task(tx, outbox, access.clone()));
+        match task.await {
+            Ok(done) => done,
             Err(e) => {
-                self.access.set(failed(false, &e));
-                let _ = self.tx.rollback().await;
-                Err(e)
+                let error = Error::TransactionUnavailable {
+                    reason: format!("the commit task failed: {e}"),
+                };
+                access.set(RunTransaction::Failed {
+                    lease_lost: false,
+                    error: error.to_string(),
+                });
+                Err(error)
             }
         }
     }
@@ -218,9 +288,50 @@ impl HandlerTransaction {
     /// # Errors
     /// [`Error::Database`] if the `ROLLBACK` fails (the connection is closed, which rolls
     /// back too).
-    pub async fn rollback(self) -> Result<()> {
-        self.access.set(RunTransaction::RolledBack);
-        self.tx.rollback().await?;
+    pub async fn rollback(mut self) -> Result<()> {
+        let tx = self.tx.take().expect("held until commit or rollback");
+        self.access
+            .transition(&RunTransaction::Open, RunTransaction::RolledBack);
+        tx.rollback().await?;
         Ok(())
     }
+}
+
+/// The completion and the `COMMIT`, in a task of its own (see the module docs).
+async fn commit_in_task(
+    mut tx: sqlx::Transaction<'static, Postgres>,
+    outbox: Outbox,
+    access: TransactionAccess,
+) -> Result<Completion> {
+    let lease = access.lease;
+    let done = crate::store::postgres::ack_on(&outbox.sql().complete, &mut tx, lease).await;
+    let result = match done {
+        Ok(Completion::LeaseLost) => {
+            let _ = tx.rollback().await;
+            Err(Error::LeaseLost { id: lease.id })
+        }
+        Ok(completion) => tx.commit().await.map(|()| completion).map_err(Error::from),
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    };
+    match &result {
+        Ok(completion) => {
+            access.set(RunTransaction::Committed(*completion));
+            if let Some(hooks) = &access.hooks {
+                hooks.committed();
+            }
+        }
+        Err(e) => {
+            access.set(RunTransaction::Failed {
+                lease_lost: matches!(e, Error::LeaseLost { .. }),
+                error: e.to_string(),
+            });
+            if let Some(hooks) = &access.hooks {
+                hooks.failed();
+            }
+        }
+    }
+    result
 }

@@ -36,12 +36,14 @@ pub struct WorkerBuilder<S, St = ()> {
     state: Arc<St>,
 }
 
-impl<S: Store> WorkerBuilder<S> {
+impl<S: Store, Old> WorkerBuilder<S, Old> {
     /// Gives the worker's handlers a shared state (SPEC §7.10): handlers registered after
     /// this take a [`Context<St>`](crate::Context) and ask for the state, or a piece of it,
     /// by type with [`Context::state`](crate::Context::state) — the state itself, or a field
     /// of a state struct that derives [`FromRef`](crate::FromRef). Asking for a type the
-    /// worker was not given does not compile. Given once, before the handlers that use it.
+    /// worker was not given does not compile. Give it once, before the handlers that use
+    /// it: handlers registered earlier keep the state they were registered with, and a
+    /// second call replaces the state for the handlers registered after it.
     ///
     /// ```no_run
     /// use outbox::{Context, Outbox, PgStore, Worker};

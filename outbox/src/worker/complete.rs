@@ -17,7 +17,7 @@ use super::handler::{decide, Decision};
 use super::leases::Phase as HeldPhase;
 use super::shared::{backoff, Shared};
 use crate::error::Result;
-use crate::store::transaction::TransactionAccess;
+use crate::store::transaction::{CommitHooks, TransactionAccess};
 use crate::store::{Completion, Delivery, Failure, Lease, Renewal, Store};
 
 /// A success waiting in the acker's batch.
@@ -104,9 +104,11 @@ async fn process<S: Store>(
     metrics::histogram!("outbox_firing_lateness_seconds", "queue" => d.queue.clone())
         .record(lateness);
     let started = Instant::now();
-    let owner = shared.clone();
-    let transaction = TransactionAccess::new(shared.store.transactions(), lease)
-        .before_commit(Arc::new(move || owner.held.completing(lease)));
+    let hooks = Arc::new(HeldCommit {
+        shared: shared.clone(),
+        lease,
+    });
+    let transaction = TransactionAccess::new(shared.store.transactions(), lease).hooks(hooks);
     let decision = decide(route, &d, Some(stop), transaction).await;
     metrics::histogram!("outbox_handler_duration_seconds", "queue" => d.queue.clone())
         .record(started.elapsed().as_secs_f64());
@@ -159,6 +161,28 @@ async fn process<S: Store>(
         }
     }
     shared.held.remove(lease);
+}
+
+/// The held-lease bookkeeping around a handler's own commit (SPEC §7.9): while it runs, a
+/// renewal that finds the row gone is not a lost lease (the commit may have deleted it);
+/// once it landed, the row is no longer held (shutdown has nothing to give back).
+struct HeldCommit<S: Store> {
+    shared: Arc<Shared<S>>,
+    lease: Lease,
+}
+
+impl<S: Store> CommitHooks for HeldCommit<S> {
+    fn committing(&self) {
+        self.shared.held.committing(self.lease, true);
+    }
+
+    fn failed(&self) {
+        self.shared.held.committing(self.lease, false);
+    }
+
+    fn committed(&self) {
+        self.shared.held.remove(self.lease);
+    }
 }
 
 /// Runs a fenced write, retrying while the lease lasts (renewals extend it) when the

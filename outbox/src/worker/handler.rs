@@ -152,8 +152,9 @@ impl<St> Context<St> {
         X::from_ref(&self.state)
     }
 
-    /// Begins this run's transaction on the worker's database (SPEC §7.9): write your
-    /// changes through it (`&mut *tx`), then [`commit`](HandlerTransaction::commit) it,
+    /// Begins this run's transaction on the worker's database (SPEC §7.9), always `READ
+    /// COMMITTED` whatever the session's default: write your changes through it
+    /// (`&mut *tx`), then [`commit`](HandlerTransaction::commit) it,
     /// which completes this run's row **in the same transaction** — your writes and the
     /// row's completion commit together or not at all. A worker that lost the row's lease
     /// commits nothing ([`Error::LeaseLost`](crate::Error::LeaseLost)).
@@ -175,7 +176,8 @@ impl<St> Context<St> {
     /// without committing or rolling it back **fails** ("transaction not committed"); a
     /// run that returns an error or `Outcome::Retry`/`Reject` rolls it back first (its
     /// writes vanish) and is retried or rejected as usual; a run that committed is complete,
-    /// whatever it returns afterwards.
+    /// whatever it returns afterwards. A transaction moved out of the handler and still
+    /// open when the handler returns fails the run too, and can no longer commit.
     ///
     /// # Errors
     /// [`Error::TransactionUnavailable`](crate::Error::TransactionUnavailable) on a store
@@ -277,7 +279,8 @@ impl<St> Context<St> {
 #[diagnostic::on_unimplemented(
     message = "the worker was not given state of type `{Self}`",
     label = "handlers of this worker can ask only for its state `{S}` or what `{S}` converts into",
-    note = "give the worker its state once with `WorkerBuilder::state(...)`: a value of this type, or a struct with a field of this type and `#[derive(Clone, outbox::FromRef)]`"
+    note = "give the worker its state once with `WorkerBuilder::state(...)`: a value of this type, or a struct with a field of this type and `#[derive(Clone, outbox::FromRef)]`",
+    note = "the state itself can be asked for by its own type only when it is `Clone`"
 )]
 pub trait FromRef<S> {
     /// The piece of `state`.
@@ -301,7 +304,8 @@ pub enum Outcome {
     Ack,
     /// A failed run, retried after the delay of the handler's
     /// [`RetryStrategy`](crate::RetryStrategy) (terminal, reason `retry_exhausted`, when the
-    /// strategy allows no more); the text is kept as the row's last error.
+    /// strategy allows no more). The text is logged with the retry, and stored as
+    /// `last_error` of the dead letter when the run ends terminally.
     Retry(String),
     /// A failed run, tried again after this delay (database clock, capped at
     /// [`MAX_RETRY_DELAY`](crate::MAX_RETRY_DELAY)) instead of the strategy's;
@@ -620,9 +624,8 @@ pub(crate) async fn decide(
         Err(p) => panicked(p),
     };
     // What the handler did with its transaction decides before what it returned (SPEC
-    // §7.9). Its future has been dropped by now, and with it an open transaction, which
-    // sqlx rolls back.
-    let result = match (transaction.state(), result) {
+    // §7.9). Its future is done or dropped by now; a commit in flight is waited for.
+    let result = match (transaction.settle().await, result) {
         (RunTransaction::None | RunTransaction::RolledBack, result) => result,
         (RunTransaction::Committed(completion), result) => {
             if result != Outcome::Ack {
@@ -641,10 +644,14 @@ pub(crate) async fn decide(
         (RunTransaction::Failed { error, .. }, Outcome::Ack) => Outcome::Retry(format!(
             "the handler's transaction failed to commit (rolled back): {error}"
         )),
-        (RunTransaction::Open, Outcome::Ack) => Outcome::Retry(
+        (RunTransaction::Dropped, Outcome::Ack) => Outcome::Retry(
             "transaction not committed: the handler began a transaction and returned without committing or rolling it back (it was rolled back)".to_owned(),
         ),
-        (RunTransaction::Failed { .. } | RunTransaction::Open, failed) => failed,
+        (RunTransaction::Abandoned, Outcome::Ack) => Outcome::Retry(
+            "transaction not committed: the handler returned while its transaction was still open elsewhere; it can no longer commit, and rolls back when dropped".to_owned(),
+        ),
+        // Open and Committing are resolved by `settle`.
+        (_, failed) => failed,
     };
     let failures = u32::try_from(delivery.attempts_count)
         .unwrap_or(0)

@@ -32,6 +32,9 @@ struct Entry {
     /// Failed runs before this one, for the release of a run stopped at shutdown.
     attempts_count: i32,
     phase: Phase,
+    /// The running handler's own transaction is committing (SPEC §7.9): the commit may
+    /// delete the row at any moment.
+    committing: bool,
     /// The local instant the lease expires unless renewed.
     until: Instant,
     /// Tells the running handler it should stop; `Some` once the lease is lost or the timer
@@ -84,6 +87,7 @@ impl Held {
                 queue: d.queue.clone(),
                 attempts_count: d.attempts_count,
                 phase: Phase::Buffered,
+                committing: false,
                 until: claimed + self.lease_ttl,
                 stop,
             },
@@ -116,6 +120,15 @@ impl Held {
         if let Some(e) = self.lock().rows.get_mut(&lease.id) {
             if e.lease == lease {
                 e.phase = Phase::Completing;
+            }
+        }
+    }
+
+    /// The running handler's own commit starts (`true`) or failed (`false`).
+    pub(crate) fn committing(&self, lease: Lease, on: bool) {
+        if let Some(e) = self.lock().rows.get_mut(&lease.id) {
+            if e.lease == lease {
+                e.committing = on;
             }
         }
     }
@@ -177,7 +190,7 @@ impl Held {
                 }
                 // A row whose completion is being written may be gone because that
                 // completion landed first: the completion reports what happened.
-                Renewal::Lost if e.phase == Phase::Completing => {}
+                Renewal::Lost if e.phase == Phase::Completing || e.committing => {}
                 Renewal::Lost => {
                     e.stop.send_replace(Some(CancelReason::LeaseLost));
                     lost.push((lease, e.queue.clone(), e.phase));

@@ -578,3 +578,248 @@ async fn a_pool_of_concurrency_plus_two_serves_transactional_handlers() {
     drop_table(&f, &table).await;
     f.cleanup().await;
 }
+
+/// Found by a trial: a session whose default isolation is REPEATABLE READ made every commit
+/// that followed a lease renewal fail with a serialization error. The handler's
+/// transaction is READ COMMITTED whatever the session's default.
+#[tokio::test]
+async fn a_renewal_during_the_transaction_does_not_fail_the_commit_under_a_stricter_default() {
+    let f = Fixture::new().await;
+    let table = effects_table(&f).await;
+    let options: sqlx::postgres::PgConnectOptions = outbox_tests::database_url().parse().unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.options([("default_transaction_isolation", "repeatable read")]))
+        .await
+        .unwrap();
+    let store = outbox::PgStore::new(pool, f.outbox.clone());
+    let levels = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let worker = {
+        let (sql, levels) = (insert(&table), levels.clone());
+        Worker::builder(store)
+            .idle_poll(Duration::from_millis(100))
+            .lease_ttl(Duration::from_millis(300))
+            .timer_with::<Job>(
+                move |job: Job, ctx: Context| {
+                    let (sql, levels) = (sql.clone(), levels.clone());
+                    async move {
+                        let mut tx = ctx.begin().await?;
+                        let level: String = sqlx::query_scalar("SHOW transaction_isolation")
+                            .fetch_one(&mut *tx)
+                            .await?;
+                        levels.lock().unwrap().push(level);
+                        sqlx::query(AssertSqlSafe(sql))
+                            .bind(job.n)
+                            .bind(ctx.attempt() as i32)
+                            .execute(&mut *tx)
+                            .await?;
+                        // Past two renewal periods (lease_ttl / 3).
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                        tx.commit().await?;
+                        Ok::<_, Error>(())
+                    }
+                },
+                HandlerOptions::new().retry(RetryStrategy::none()),
+            )
+            .build()
+            .unwrap()
+            .start()
+    };
+    publish(&f, 1, Duration::ZERO).await;
+    eventually(10, "the job ran", || async {
+        f.rows("tx.jobs").await.is_empty()
+    })
+    .await;
+    worker.shutdown().await;
+    assert_eq!(*levels.lock().unwrap(), vec!["read committed".to_owned()]);
+    assert_eq!(
+        effects(&f.pool, &table).await,
+        vec![(1, 1)],
+        "committed on the first run"
+    );
+    assert!(f
+        .store
+        .dead_letters("tx.jobs", 10)
+        .await
+        .unwrap()
+        .is_empty());
+    drop_table(&f, &table).await;
+    f.cleanup().await;
+}
+
+/// Found by a trial: a handler stopped by its timeout while its COMMIT was in flight was
+/// reported as a failed run (and its retry as a lost lease), though the commit landed.
+/// The commit now finishes on its own and the run reports it: `Decision::Completed`.
+#[tokio::test]
+async fn a_timeout_during_the_commit_reports_what_the_commit_did() {
+    let f = Fixture::new().await;
+    let table = effects_table(&f).await;
+    // A deferred trigger makes the COMMIT itself slow.
+    let name = table.trim_matches('"');
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE FUNCTION \"{name}_slow\"() RETURNS trigger LANGUAGE plpgsql AS \
+           $$BEGIN PERFORM pg_sleep(0.6); RETURN NULL; END$$; \
+         CREATE CONSTRAINT TRIGGER \"{name}_slow\" AFTER INSERT ON {table} \
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION \"{name}_slow\"()"
+    )))
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let worker = {
+        let sql = insert(&table);
+        Worker::builder(f.store.clone())
+            .timer_with::<Job>(
+                move |job: Job, ctx: Context| {
+                    let sql = sql.clone();
+                    async move {
+                        let mut tx = ctx.begin().await?;
+                        sqlx::query(AssertSqlSafe(sql))
+                            .bind(job.n)
+                            .bind(1)
+                            .execute(&mut *tx)
+                            .await?;
+                        tx.commit().await?;
+                        Ok::<_, Error>(())
+                    }
+                },
+                HandlerOptions::new().timeout(Duration::from_millis(200)),
+            )
+            .build()
+            .unwrap()
+    };
+    publish(&f, 9, Duration::ZERO).await;
+    let ran = worker.run_due().await.unwrap();
+    assert_eq!(ran.len(), 1);
+    assert_eq!(
+        ran[0].decision,
+        outbox::Decision::Completed {
+            completion: Completion::Deleted
+        }
+    );
+    assert_eq!(ran[0].completion, Completion::Deleted);
+    assert_eq!(effects(&f.pool, &table).await, vec![(9, 1)]);
+    assert!(f.rows("tx.jobs").await.is_empty());
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP TABLE {table}; DROP FUNCTION \"{name}_slow\"()"
+    )))
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    f.cleanup().await;
+}
+
+/// Found by a trial: a transaction moved out of the handler (into a spawned task) and
+/// still open when the handler returned was reported as rolled back, and could then commit
+/// after the worker had scheduled the retry. The run fails, and the escaped transaction
+/// can no longer commit: its writes never land.
+#[tokio::test]
+async fn a_transaction_still_open_when_the_handler_returns_can_no_longer_commit() {
+    let f = Fixture::new().await;
+    let table = effects_table(&f).await;
+    let late = Arc::new(std::sync::Mutex::new(None));
+    let worker = {
+        let (sql, late) = (insert(&table), late.clone());
+        Worker::builder(f.store.clone())
+            .timer_with::<Job>(
+                move |job: Job, ctx: Context| {
+                    let (sql, late) = (sql.clone(), late.clone());
+                    async move {
+                        let mut tx = ctx.begin().await?;
+                        sqlx::query(AssertSqlSafe(sql))
+                            .bind(job.n)
+                            .bind(1)
+                            .execute(&mut *tx)
+                            .await?;
+                        let handle = tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            tx.commit().await
+                        });
+                        *late.lock().unwrap() = Some(handle);
+                        Ok::<_, Error>(())
+                    }
+                },
+                HandlerOptions::new().retry(RetryStrategy::none()),
+            )
+            .build()
+            .unwrap()
+    };
+    publish(&f, 4, Duration::ZERO).await;
+    let ran = worker.run_due().await.unwrap();
+    assert_eq!(ran.len(), 1);
+    match &ran[0].decision {
+        outbox::Decision::Fail { error: Some(e), .. } => {
+            assert!(e.contains("still open elsewhere"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let handle = late.lock().unwrap().take().unwrap();
+    let committed = handle.await.unwrap();
+    assert!(
+        matches!(committed, Err(Error::TransactionUnavailable { .. })),
+        "{committed:?}"
+    );
+    assert!(
+        effects(&f.pool, &table).await.is_empty(),
+        "nothing committed"
+    );
+    drop_table(&f, &table).await;
+    f.cleanup().await;
+}
+
+/// Found by a trial: at shutdown, a handler that had committed and kept working was counted
+/// as a lease not given back, and one whose commit had failed was not given back at all
+/// (its row waited for lease expiry). Now the committed row is no longer held, and the
+/// failed one is stopped and given back like any running handler.
+#[tokio::test]
+async fn shutdown_after_a_commit_or_a_failed_commit_accounts_for_each_row() {
+    let f = Fixture::new().await;
+    let table = effects_table(&f).await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let (sql, started) = (insert(&table), started.clone());
+        fast(&f)
+            .concurrency(2)
+            .graceful_timeout(Duration::from_millis(300))
+            .timer::<Job>(move |job: Job, ctx: Context| {
+                let (sql, started) = (sql.clone(), started.clone());
+                async move {
+                    let mut tx = ctx.begin().await?;
+                    if job.n == 1 {
+                        sqlx::query(AssertSqlSafe(sql))
+                            .bind(job.n)
+                            .bind(1)
+                            .execute(&mut *tx)
+                            .await?;
+                        tx.commit().await?;
+                    } else {
+                        // A failed statement: the commit fails (rolled back).
+                        let _ = tx.execute("SELECT 1 / 0").await;
+                        assert!(tx.commit().await.is_err());
+                    }
+                    started.fetch_add(1, Ordering::SeqCst);
+                    // Keeps working past graceful_timeout.
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    Ok::<_, Error>(())
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    publish(&f, 1, Duration::ZERO).await;
+    publish(&f, 2, Duration::ZERO).await;
+    eventually(10, "both handlers passed their commit", || async {
+        started.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    let report = worker.shutdown().await;
+    assert_eq!(report.abandoned, 1, "{report:?}");
+    assert_eq!(report.retried, 1, "{report:?}");
+    assert_eq!(report.unreleased, 0, "{report:?}");
+    let rows = f.rows("tx.jobs").await;
+    assert_eq!(rows.len(), 1, "job 1 committed, job 2 given back");
+    assert_eq!(rows[0].acquired_token, None, "given back, not left leased");
+    assert_eq!(effects(&f.pool, &table).await, vec![(1, 1)]);
+    drop_table(&f, &table).await;
+    f.cleanup().await;
+}
