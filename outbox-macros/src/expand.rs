@@ -17,10 +17,11 @@ use syn::ext::IdentExt;
 
 use crate::model::Model;
 
-/// The names of the three generated functions for a payload type.
+/// The names of the generated functions for a payload type.
 pub(crate) struct FnNames {
     pub(crate) publish: Ident,
     pub(crate) extend: Ident,
+    pub(crate) extend_with_slack: Ident,
     pub(crate) cancel: Ident,
 }
 
@@ -32,11 +33,12 @@ pub(crate) fn fn_names(ident: &Ident) -> FnNames {
     FnNames {
         publish: format_ident!("publish_{}", snake, span = span),
         extend: format_ident!("extend_{}", snake, span = span),
+        extend_with_slack: format_ident!("extend_{}_with_slack", snake, span = span),
         cancel: format_ident!("cancel_{}", snake, span = span),
     }
 }
 
-/// The `Timer` impl, the payload bound check and the three functions.
+/// The `Timer` impl, the payload bound check and the four functions.
 pub(crate) fn expand(model: &Model) -> TokenStream {
     let Model {
         ident, vis, krate, ..
@@ -60,10 +62,16 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
     let FnNames {
         publish,
         extend,
+        extend_with_slack,
         cancel,
     } = &names;
     let docs = Docs::new(model);
-    let (doc_publish, doc_extend, doc_cancel) = (&docs.publish, &docs.extend, &docs.cancel);
+    let (doc_publish, doc_extend, doc_slack, doc_cancel) = (
+        &docs.publish,
+        &docs.extend,
+        &docs.extend_with_slack,
+        &docs.cancel,
+    );
 
     quote! {
         #[doc(hidden)]
@@ -76,7 +84,7 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
         };
 
         #[doc = #doc_publish]
-        #[allow(dead_code)] // a user may need only some of the three
+        #[allow(dead_code)] // a user may need only some of the four
         #vis async fn #publish(
             __conn: impl #krate::Publisher,
             __timer_id: &#private::str,
@@ -87,7 +95,7 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
         }
 
         #[doc = #doc_extend]
-        #[allow(dead_code)] // a user may need only some of the three
+        #[allow(dead_code)] // a user may need only some of the four
         #vis async fn #extend(
             __conn: impl #krate::Publisher,
             __timer_id: &#private::str,
@@ -97,8 +105,23 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
             #krate::extend_timer::<#ident>(__conn, __timer_id, __payload, __schedule).await
         }
 
+        #[doc = #doc_slack]
+        #[allow(dead_code)] // a user may need only some of the four
+        #vis async fn #extend_with_slack(
+            __conn: impl #krate::Publisher,
+            __timer_id: &#private::str,
+            __payload: &#ident,
+            __schedule: impl #private::Into<#krate::Schedule>,
+            __slack: #private::Duration,
+        ) -> #private::Result<#krate::Published, #krate::Error> {
+            #krate::extend_timer_with_slack::<#ident>(
+                __conn, __timer_id, __payload, __schedule, __slack,
+            )
+            .await
+        }
+
         #[doc = #doc_cancel]
-        #[allow(dead_code)] // a user may need only some of the three
+        #[allow(dead_code)] // a user may need only some of the four
         #vis async fn #cancel(
             __conn: impl #krate::Publisher,
             __timer_id: &#private::str,
@@ -114,6 +137,7 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
 struct Docs {
     publish: String,
     extend: String,
+    extend_with_slack: String,
     cancel: String,
 }
 
@@ -151,6 +175,19 @@ impl Docs {
              changes nothing (`Published::Unchanged`): a timer never moves earlier.\
              {common} Same as `outbox::extend_timer::<{ty}, _>`.{errors_publish}"
         );
+        let extend_with_slack = format!(
+            "As `extend_{snake}`, but a move of a pending timer's deadline (or of a queued \
+             rearm's) by `__slack` or less writes nothing (`Published::Unchanged`), so a \
+             timer extended on every request writes its row about once per `__slack` (a \
+             `Duration`). A running timer without a queued rearm always gets the rearm.\n\n\
+             The timer may then fire up to `__slack` **earlier** than this call asked: the \
+             handler must re-check the activity the timer stands for and, when the real \
+             deadline has not passed, extend the timer again to it instead of acting. A \
+             timer never fires later than asked.\
+             {common} Same as `outbox::extend_timer_with_slack::<{ty}, _>`.{errors_publish} \
+             A `__slack` over `outbox::MAX_SLACK` is `Error::InvalidArgument` too.",
+            snake = ty.to_string().to_snake_case()
+        );
         let cancel = format!(
             "Cancels the `{ty}` timer `__timer_id` in queue `{queue}`.\n\n\
              A pending timer is deleted (`Cancelled::Deleted`). A running timer is never \
@@ -164,6 +201,7 @@ impl Docs {
         Docs {
             publish,
             extend,
+            extend_with_slack,
             cancel,
         }
     }
@@ -173,13 +211,14 @@ impl Docs {
 mod tests {
     use super::*;
 
-    fn names(ty: &str) -> [String; 3] {
+    fn names(ty: &str) -> [String; 4] {
         let ident: Ident = syn::parse_str(ty).unwrap();
         let n = fn_names(&ident);
         [
             n.publish.to_string(),
             n.extend.to_string(),
             n.cancel.to_string(),
+            n.extend_with_slack.to_string(),
         ]
     }
 
@@ -190,12 +229,14 @@ mod tests {
             [
                 "publish_presence_expiry",
                 "extend_presence_expiry",
-                "cancel_presence_expiry"
+                "cancel_presence_expiry",
+                "extend_presence_expiry_with_slack"
             ]
         );
         assert_eq!(names("Tick")[0], "publish_tick");
         assert_eq!(names("HTTPTimeout")[0], "publish_http_timeout");
         assert_eq!(names("r#Match")[1], "extend_match");
         assert_eq!(names("Retry2Later")[2], "cancel_retry2_later");
+        assert_eq!(names("r#Match")[3], "extend_match_with_slack");
     }
 }

@@ -86,7 +86,8 @@
 //! carries a doc comment (with an
 //! `# Errors` section), so it passes `#![deny(missing_docs)]`.
 //!
-//! - `publish_<snake>`, `extend_<snake>` and `cancel_<snake>` are named after the struct
+//! - `publish_<snake>`, `extend_<snake>`, `extend_<snake>_with_slack` and `cancel_<snake>`
+//!   are named after the struct
 //!   in snake case (`PresenceExpiry` → `presence_expiry`) and have the struct's
 //!   visibility (`pub`, `pub(crate)`, private, …). Their outcomes are SPEC §2.2's
 //!   [`Published`](https://docs.rs/outbox/latest/outbox/enum.Published.html) and §3's
@@ -202,6 +203,10 @@ pub fn derive_from_ref(input: TokenStream) -> TokenStream {
 /// - `extend_presence_expiry(conn, timer_id, &payload, schedule)`: schedules the timer or
 ///   moves it later (`Inserted`, `Extended`, `Unchanged`), and queues a rearm when its
 ///   handler is running (`RearmQueued`);
+/// - `extend_presence_expiry_with_slack(conn, timer_id, &payload, schedule, slack)`: the
+///   same, but a move of a waiting timer (or of a queued rearm) by `slack` (a `Duration`)
+///   or less writes nothing (`Unchanged`); the timer may then fire up to `slack` early, so
+///   its handler re-checks and extends it again to the real deadline;
 /// - `cancel_presence_expiry(conn, timer_id)`: `Deleted`, `RearmDropped`, `Running` or
 ///   `NotFound`.
 ///

@@ -156,16 +156,18 @@ pub use outbox::{migrate, migration_steps, validate_schema, Bound, Outbox, Outbo
 pub use outbox_macros::{timer, FromRef};
 pub use publish::{
     BatchItem, Headers, Message, OnConflict, Published, Schedule, MAX_DELAY, MAX_HEADERS_BYTES,
-    MAX_NAME_BYTES, MAX_PAYLOAD_BYTES,
+    MAX_NAME_BYTES, MAX_PAYLOAD_BYTES, MAX_SLACK,
 };
 pub use read::{DeadLetter, StoredRow};
 pub use store::postgres::PgStore;
 pub use store::transaction::{HandlerTransaction, TransactionSource};
 pub use store::{
-    ClaimRequest, Completion, Delivery, Failure, FailureReason, Lease, NextWakeup, Release,
-    Released, Renewal, Store, Wakeup,
+    AutovacuumOff, ClaimRequest, Completion, Delivery, Failure, FailureReason, Lease, NextWakeup,
+    Release, Released, Renewal, Store, Wakeup,
 };
-pub use timer::{cancel_timer, extend_timer, publish_timer, Publisher, Timer};
+pub use timer::{
+    cancel_timer, extend_timer, extend_timer_with_slack, publish_timer, Publisher, Timer,
+};
 pub use worker::builder::WorkerBuilder;
 pub use worker::handler::{
     CancelReason, Context, Decision, FromRef, Handler, HandlerOptions, IntoOutcome, Outcome,
@@ -173,5 +175,6 @@ pub use worker::handler::{
 };
 pub use worker::retry::{RetryStrategy, MAX_RETRY_DELAY};
 pub use worker::{
-    Dispatched, RunningWorker, ShutdownReport, Worker, RUN_DUE_LIMIT, SHUTDOWN_GRACE,
+    Dispatched, RunningWorker, ShutdownReport, Worker, DEFAULT_ACK_BATCH_SIZE, RUN_DUE_LIMIT,
+    SHUTDOWN_GRACE,
 };

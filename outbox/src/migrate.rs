@@ -144,6 +144,8 @@ pub(crate) fn steps(ddl: &Ddl) -> Vec<MigrationStep> {
 struct TableFacts {
     oid: Option<i64>,
     columns: HashSet<String>,
+    /// The storage parameters the table sets (names only).
+    parameters: HashSet<String>,
     indexes: Vec<LiveIndex>,
     checks: Vec<LiveCheck>,
 }
@@ -220,6 +222,10 @@ impl Facts {
                 columns.iter().all(|c| t.columns.contains(*c))
             }
             Done::Index { table, name } => index(self.table(*table), name),
+            Done::Settings { table, parameters } => {
+                let t = self.table(*table);
+                parameters.iter().any(|p| t.parameters.contains(*p))
+            }
         }
     }
 }
@@ -260,9 +266,17 @@ async fn table_facts(db: &mut PgConnection, qualified: &str) -> Result<TableFact
         .iter()
         .map(|r| r.try_get::<String, _>(0))
         .collect::<std::result::Result<_, _>>()?;
+    let parameters = sqlx::query(catalog::STORAGE_PARAMETERS)
+        .bind(oid)
+        .fetch_all(&mut *db)
+        .await?
+        .iter()
+        .map(|r| r.try_get::<String, _>(0))
+        .collect::<std::result::Result<_, _>>()?;
     Ok(TableFacts {
         oid: Some(oid),
         columns,
+        parameters,
         indexes: shape::live_indexes(&mut *db, qualified).await?,
         checks: shape::live_checks(&mut *db, qualified).await?,
     })
@@ -290,7 +304,9 @@ pub(crate) async fn run(
         if !dead_letter && step.dead_letter_only() {
             continue;
         }
-        if facts.holds(&step.done, names) {
+        // Settings are applied once: recorded means done, even if an operator reset them.
+        let once = matches!(step.done, Done::Settings { .. }) && recorded.contains(&step.version);
+        if once || facts.holds(&step.done, names) {
             if !recorded.contains(&step.version) {
                 if !facts.versions {
                     create_versions(ddl, names, pool, &mut facts, started, options).await?;

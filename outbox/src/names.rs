@@ -66,6 +66,9 @@ pub(crate) struct Names {
     pub qversions: String,
     /// The LISTEN/NOTIFY channel (SPEC §2.4).
     pub channel: String,
+    /// Whether statements notify `channel` when they make a row due (default true; an
+    /// `Outbox` built with `notify(false)` renders them without `pg_notify`).
+    pub notify: bool,
 }
 
 impl Names {
@@ -105,6 +108,7 @@ impl Names {
             qversions: qualify(&format!("{table}_schema_migrations")),
             versions_name: format!("{table}_schema_migrations"),
             channel,
+            notify: true,
             table_name: table,
             dlq_name: dlq_table,
         };

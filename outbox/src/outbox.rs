@@ -103,6 +103,11 @@ impl Outbox {
         self.inner.dead_letter
     }
 
+    /// Whether its statements notify [`Outbox::channel`] (see [`OutboxBuilder::notify`]).
+    pub fn notifies(&self) -> bool {
+        self.inner.names.notify
+    }
+
     /// The channel workers `LISTEN` on and publishes notify (SPEC §2.4).
     pub fn channel(&self) -> &str {
         &self.inner.names.channel
@@ -110,7 +115,9 @@ impl Outbox {
 
     /// The claim statement's SQL text, for operators who want to `EXPLAIN` it. Parameters:
     /// `$1 text[]` queues, `$2 bigint` limit, `$3 interval` lease TTL, `$4 uuid` token,
-    /// `$5 bigint[]` ids never to claim (usually empty).
+    /// `$5 bigint[]` ids never to claim (usually empty), `$6 bigint[]` the most rows of each
+    /// queue, parallel to `$1` (the limit for each, unless a handler's `max_concurrency`
+    /// says less).
     pub fn claim_sql(&self) -> &str {
         self.inner.sql.claim.claim.as_str()
     }
@@ -325,6 +332,7 @@ pub struct OutboxBuilder {
     table: String,
     dlq_table: Option<String>,
     dead_letter: bool,
+    notify: bool,
 }
 
 impl Default for OutboxBuilder {
@@ -334,6 +342,7 @@ impl Default for OutboxBuilder {
             table: DEFAULT_TABLE.to_owned(),
             dlq_table: None,
             dead_letter: false,
+            notify: true,
         }
     }
 }
@@ -372,6 +381,23 @@ impl OutboxBuilder {
         self
     }
 
+    /// Whether publishes, and completions that make a row due again (an applied rearm, a
+    /// scheduled retry), wake workers with `NOTIFY` on [`Outbox::channel`] (default on).
+    ///
+    /// Postgres serialises the commits of all transactions that notified, database-wide, on
+    /// one lock held until the commit is flushed, so with many connections publishing at once
+    /// notifications cap the commit rate (measured in `docs/performance.md`, "Growth
+    /// curves"). Off, the statements are the same without `pg_notify`, and workers find new
+    /// rows only by what they already know: the deadlines they read after each claim and
+    /// their [`idle_poll`](crate::WorkerBuilder::idle_poll) ceiling (default 30 s). Set
+    /// `idle_poll` on the workers to the latency a newly published row may wait, e.g.
+    /// 200 ms. A process built with notifications on still notifies (and workers still
+    /// `LISTEN`), so the setting belongs to each publishing process.
+    pub fn notify(mut self, on: bool) -> Self {
+        self.notify = on;
+        self
+    }
+
     /// Checks the names and renders every statement.
     ///
     /// # Errors
@@ -379,7 +405,8 @@ impl OutboxBuilder {
     /// is empty, holds a NUL byte or would exceed 63 bytes (the table name itself, or a
     /// derived index, constraint or channel name such as `<table>_timer_id_uq`).
     pub fn build(self) -> Result<Outbox> {
-        let names = Names::new(self.schema, self.table, self.dlq_table)?;
+        let mut names = Names::new(self.schema, self.table, self.dlq_table)?;
+        names.notify = self.notify;
         let sql = Statements::render(&names);
         Ok(Outbox {
             inner: Arc::new(Inner {

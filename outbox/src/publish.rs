@@ -127,6 +127,11 @@ impl Resolved {
     }
 }
 
+/// A validated slack (at most [`MAX_SLACK`]) as whole microseconds.
+pub(crate) fn slack_micros(slack: Duration) -> i64 {
+    slack.as_micros().min(MAX_SLACK.as_micros()) as i64
+}
+
 /// A duration as whole microseconds, for an `interval` parameter.
 pub(crate) fn micros(d: Duration) -> Result<i64> {
     i64::try_from(d.as_micros())
@@ -181,9 +186,12 @@ pub enum OnConflict {
     #[default]
     Ignore,
     /// Move the live row's deadline later (SPEC §4), or queue a rearm when its handler is
-    /// running (SPEC §5).
+    /// running (SPEC §5). See [`Message::slack`] to skip small moves.
     Extend,
 }
+
+/// Largest extend slack accepted by [`Message::slack`]: the same bound as [`MAX_DELAY`].
+pub const MAX_SLACK: Duration = MAX_DELAY;
 
 /// One message to publish: a queue, a payload and options (SPEC §2.1).
 ///
@@ -203,6 +211,7 @@ pub struct Message<'a> {
     pub(crate) schedule: Schedule,
     pub(crate) timer_id: Option<&'a str>,
     pub(crate) on_conflict: OnConflict,
+    pub(crate) slack: Duration,
 }
 
 impl<'a> Message<'a> {
@@ -215,6 +224,7 @@ impl<'a> Message<'a> {
             schedule: Schedule::now(),
             timer_id: None,
             on_conflict: OnConflict::Ignore,
+            slack: Duration::ZERO,
         }
     }
 
@@ -242,6 +252,50 @@ impl<'a> Message<'a> {
         self
     }
 
+    /// An [`OnConflict::Extend`] that would move a **pending** timer's deadline later by
+    /// `slack` or less writes nothing and returns [`Published::Unchanged`] (default:
+    /// zero, so every later deadline is written).
+    ///
+    /// A timer extended on every request (a presence ping, a session touch) otherwise
+    /// writes a new version of its row each time; with a slack it writes at most about
+    /// once per `slack` while the requests keep coming, and Postgres keeps fewer dead row
+    /// versions and index entries to clean up.
+    ///
+    /// **The contract you accept**: the timer may fire up to `slack` **earlier** than the
+    /// latest extend asked (it fires at the deadline last written). Its handler must
+    /// re-check the activity the timer stands for (for example `last_seen + timeout` in
+    /// the same transaction as its decision) and, when the deadline has not really passed,
+    /// extend the timer again to the real deadline (`Schedule::at(last_seen + timeout)`)
+    /// instead of acting. A timer never fires later than asked and never moves earlier.
+    ///
+    /// Which deadline the slack is measured from:
+    /// - pending row: its deadline; written when `new > deadline + slack`;
+    /// - running row (handler leased it) without a queued rearm: the slack does **not**
+    ///   apply: any deadline later than the one the run was claimed for queues a rearm
+    ///   (the run's completion would otherwise delete the row, and a handler that already
+    ///   decided could not see the newer activity);
+    /// - running row with a queued rearm: the rearm's deadline; moved when
+    ///   `new > rearm + slack` (the rearm fires, up to `slack` early, as a pending timer
+    ///   would).
+    ///
+    /// The comparison runs in the database on `timestamptz` values (microseconds).
+    /// `slack` needs [`OnConflict::Extend`]; more than [`MAX_SLACK`] or a slack without
+    /// `Extend` is [`Error::InvalidArgument`] (`field = "slack"`) before any SQL runs.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use outbox::{Message, OnConflict};
+    /// let msg = Message::new("presence.expiry", br#"{"user_id":7}"#)
+    ///     .timer_id("7")
+    ///     .schedule(Duration::from_secs(30))
+    ///     .on_conflict(OnConflict::Extend)
+    ///     .slack(Duration::from_secs(10));
+    /// ```
+    pub fn slack(mut self, slack: Duration) -> Self {
+        self.slack = slack;
+        self
+    }
+
     /// Checks every rule of SPEC §2.1; nothing has touched the database yet.
     pub(crate) fn validate(&self) -> Result<Resolved> {
         validate_queue(self.queue)?;
@@ -251,6 +305,18 @@ impl<'a> Message<'a> {
             return Err(Error::invalid(
                 "on_conflict",
                 "`Extend` needs a `timer_id`: only keyed timers can be extended",
+            ));
+        }
+        if !self.slack.is_zero() && self.on_conflict != OnConflict::Extend {
+            return Err(Error::invalid(
+                "slack",
+                "a slack needs `OnConflict::Extend`: only an extend can skip a small move",
+            ));
+        }
+        if self.slack > MAX_SLACK {
+            return Err(Error::invalid(
+                "slack",
+                "is longer than 10 000 years (overflow)",
             ));
         }
         validate_payload(self.payload)?;
@@ -350,7 +416,9 @@ pub enum Published {
     },
     /// [`OnConflict::Extend`] whose deadline is not later than what the live row already
     /// holds (its deadline, or for a running row the later of its claimed deadline and its
-    /// queued rearm). Nothing changed: a late, out-of-order extend never shortens a timer.
+    /// queued rearm), or not later by more than the extend's [`Message::slack`]. Nothing
+    /// changed: a late, out-of-order extend never shortens a timer. With a slack the timer
+    /// may fire up to the slack before this extend's deadline (see [`Message::slack`]).
     Unchanged,
 }
 
@@ -398,15 +466,17 @@ pub(crate) async fn publish(
         (OnConflict::Ignore, Some(_)) => &sql.insert,
         (OnConflict::Ignore, None) => &sql.plain,
     };
-    let row = sqlx::query(statement.clone())
+    let mut query = sqlx::query(statement.clone())
         .bind(message.queue)
         .bind(message.payload)
         .bind(message.headers.map(Json))
         .bind(delay)
         .bind(at)
-        .bind(message.timer_id)
-        .fetch_optional(&mut *conn)
-        .await?;
+        .bind(message.timer_id);
+    if message.on_conflict == OnConflict::Extend {
+        query = query.bind(interval(slack_micros(message.slack)));
+    }
+    let row = query.fetch_optional(&mut *conn).await?;
     let inserted = |id| {
         metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned())
             .increment(1);

@@ -2,6 +2,7 @@
 //! that typed functions publish through, and the typed publish / extend / cancel helpers.
 
 use std::future::Future;
+use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -240,6 +241,33 @@ pub async fn extend_timer<T: Timer>(
     schedule: impl Into<Schedule>,
 ) -> Result<Published> {
     send_timer(conn, timer_id, payload, schedule.into(), OnConflict::Extend).await
+}
+
+/// [`extend_timer`] with a slack: a move of a pending timer's deadline (or of a queued
+/// rearm's) by `slack` or less writes nothing and returns [`Published::Unchanged`], so a
+/// timer extended on every request writes its row about once per `slack`. The timer may
+/// then fire up to `slack` **earlier** than this extend asked: its handler must re-check
+/// the activity it stands for and extend the timer again to the real deadline instead of
+/// acting (the full rules: [`Message::slack`]). What `extend_<snake>_with_slack` generated
+/// by `#[timer]` calls.
+///
+/// # Errors
+/// As [`publish_timer`]; a `slack` over [`MAX_SLACK`](crate::MAX_SLACK) is
+/// [`Error::InvalidArgument`] (`field = "slack"`) before any SQL runs.
+pub async fn extend_timer_with_slack<T: Timer>(
+    conn: impl Publisher,
+    timer_id: &str,
+    payload: &T,
+    schedule: impl Into<Schedule>,
+    slack: Duration,
+) -> Result<Published> {
+    let bytes = payload.encode()?;
+    let message = Message::new(T::QUEUE, &bytes)
+        .timer_id(timer_id)
+        .schedule(schedule)
+        .on_conflict(OnConflict::Extend)
+        .slack(slack);
+    conn.publish_message(message).await
 }
 
 /// Cancels the timer `(T::QUEUE, timer_id)` (SPEC §3). What `cancel_<snake>` calls.

@@ -7,6 +7,9 @@
 //! cargo run --release -p outbox-bench -- run --vs-peer '/tmp/peer-venv/bin/python \
 //!     shared/peer/peer_bench.py --dsn postgresql+asyncpg://postgres@127.0.0.1:{port}/postgres --only {only}'
 //! cargo run --release -p outbox-bench -- faults                 # the fault matrix (docs/reliability.md)
+//! cargo run --release -p outbox-bench -- run --scale --json scale.jsonl   # growth curves
+//! cargo run --release -p outbox-bench -- run --soak 3 --json soak.jsonl   # soak, 3 minutes
+//! cargo run --release -p outbox-bench -- plot --scale scale.jsonl --soak soak.jsonl
 //! ```
 //!
 //! Without `--dsn` the harness starts a throwaway Postgres cluster with
@@ -15,12 +18,17 @@
 
 mod cluster;
 mod faults;
+mod long;
 mod payload;
 mod peer;
+mod plot;
 mod probe;
+mod processes;
 mod recorder;
 mod report;
+mod scale;
 mod scenarios;
+mod soak;
 
 use sqlx::AssertSqlSafe;
 use std::path::PathBuf;
@@ -56,6 +64,14 @@ enum TopCmd {
     /// The worker process of the `kill-9` fault (started by `faults`).
     #[command(hide = true)]
     FaultWorker(faults::WorkerArgs),
+    /// Draws the SVG plots of `run --scale` / `run --soak` from their `--json` lines.
+    Plot(plot::PlotArgs),
+    /// Consumer throughput with 1, 2, 4, … worker processes on one database
+    /// (docs/performance.md, "Several processes").
+    Processes(processes::ProcessesArgs),
+    /// A worker process of `processes` (started by it).
+    #[command(hide = true)]
+    ProcessWorker(processes::ChildArgs),
 }
 
 struct Cli {
@@ -65,7 +81,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Runs the scenarios and prints their figures (and a Markdown summary).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Runs the gated scenarios and compares them with the baseline; exits 1 on a regression.
     Check(CheckArgs),
 }
@@ -132,6 +148,12 @@ struct RunArgs {
     /// Writes every measurement as one JSON object per line to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    #[command(flatten)]
+    scale: scale::ScaleArgs,
+    #[command(flatten)]
+    soak: soak::SoakArgs,
+    #[command(flatten)]
+    plots: plot::PlotDir,
 }
 
 #[derive(Args)]
@@ -161,6 +183,9 @@ async fn main() -> ExitCode {
             TopCmd::Bench(cmd) => run(Cli { cmd }).await,
             TopCmd::Faults(a) => faults::run(&a).await,
             TopCmd::FaultWorker(a) => faults::child(&a).await,
+            TopCmd::Plot(a) => plot::run(&a).map(|()| ExitCode::SUCCESS),
+            TopCmd::Processes(a) => processes::run(&a).await,
+            TopCmd::ProcessWorker(a) => processes::child(&a).await,
         }
     };
     let result = tokio::select! {
@@ -208,12 +233,19 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
             );
         }
     }
+    // The soak needs autovacuum whatever the mirrored server says (see soak.rs).
+    let mut pg_set = common.pg_set.clone();
+    if let Cmd::Run(a) = &cli.cmd {
+        if a.soak.soak.is_some() {
+            pg_set.push(format!("autovacuum={}", a.soak.autovacuum));
+        }
+    }
     let mut cluster = None;
     let (dsn, server) = match &common.dsn {
         Some(d) => (d.clone(), "given server".to_owned()),
         None => {
             eprintln!("starting a throwaway Postgres cluster with pg_stat_statements …");
-            let started = cluster::Cluster::start(Some(&common.mirror), &common.pg_set)
+            let started = cluster::Cluster::start(Some(&common.mirror), &pg_set)
                 .await
                 .map_err(|e| {
                     format!(
@@ -234,10 +266,10 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
                 .map(|(k, v)| format!("{k}={}", v.trim_matches('\'')))
                 .collect();
             eprintln!("cluster on port {}: {}", c.port(), settings.join(" "));
-            let server = if common.pg_set.is_empty() {
+            let server = if pg_set.is_empty() {
                 "throwaway cluster".to_owned()
             } else {
-                format!("throwaway cluster with {}", common.pg_set.join(" "))
+                format!("throwaway cluster with {}", pg_set.join(" "))
             };
             (c.dsn(), server)
         }
@@ -296,6 +328,20 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
         port: opts.get_port(),
         dsn: dsn.clone(),
     };
+
+    if let Cmd::Run(a) = &cli.cmd {
+        if a.scale.scale || a.soak.soak.is_some() {
+            if a.write_baseline || a.vs_peer.is_some() || !common.only.is_empty() {
+                return Err(
+                    "--scale and --soak run no scenario: drop --write-baseline, \
+                            --vs-peer and --only"
+                        .into(),
+                );
+            }
+            let json = a.json.as_deref();
+            return long::run(&mut env, &a.scale, &a.soak, &a.plots, json).await;
+        }
+    }
 
     let (repeat, vs_peer) = match &cli.cmd {
         Cmd::Run(a) => (a.repeat.max(1), a.vs_peer.clone()),
@@ -370,6 +416,9 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
 
     println!();
     println!("{}", report::summary_table(&results));
+    if let Some(line) = report::against_commit_limit(&results) {
+        println!("{line}\n");
+    }
     if !peers.is_empty() {
         println!("outbox vs reference (same server, same sitting):\n");
         println!("{}", report::peer_table(&results, &peers));

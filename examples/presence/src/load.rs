@@ -267,8 +267,8 @@ impl Report {
                 st.logouts, st.cancel_deleted, st.cancel_rearm_dropped, st.cancel_running, st.cancel_not_found
             );
             s += &format!(
-                "  timers fired     {} (went offline {}, kept online by a newer ping {}, already offline {}, handler errors {})\n",
-                st.fired, st.went_offline, st.kept_online, st.already_offline, st.handler_errors
+                "  timers fired     {} (went offline {}, kept online by a newer ping {} (re-armed by the handler {}), already offline {}, handler errors {})\n",
+                st.fired, st.went_offline, st.kept_online, st.rearmed_by_handler, st.already_offline, st.handler_errors
             );
             s += &format!(
                 "  rearms applied   {}   retried {}   terminal {}   lease lost {}\n",
@@ -352,9 +352,19 @@ struct Plan {
     until: Duration,
 }
 
+/// The most requests of the simulated users in flight at once. Load driver and service
+/// share one process here, so every request in flight holds two sockets of its file
+/// descriptors (a client's and the server's accepted one); ten thousand users pinging at
+/// once would exhaust the process's limit (seen: `accept error: Too many open files`, then
+/// a run that stops making progress). A user whose turn waits sends its ping late, as over
+/// a slow network; the checks use the time the request actually went out.
+const IN_FLIGHT: usize = 512;
+
 struct Shared {
     config: LoadConfig,
     client: reqwest::Client,
+    /// Bounds the users' requests in flight ([`IN_FLIGHT`]).
+    in_flight: Semaphore,
     timeout: Duration,
     edge_window: Duration,
     start: Instant,
@@ -389,6 +399,7 @@ impl Shared {
     }
 
     async fn ping(&self, i: usize) {
+        let _turn = self.in_flight.acquire().await;
         let sent = Instant::now();
         self.update(i, |t| {
             t.sent += 1;
@@ -421,6 +432,7 @@ impl Shared {
     }
 
     async fn logout(&self, i: usize) {
+        let _turn = self.in_flight.acquire().await;
         self.update(i, |t| {
             t.inflight = true;
             t.logout_started = Some(Instant::now());
@@ -766,6 +778,7 @@ pub async fn run(config: LoadConfig) -> Result<Report, LoadError> {
             ..config
         },
         client: client.clone(),
+        in_flight: Semaphore::new(IN_FLIGHT),
         timeout,
         edge_window: handler_delay + Duration::from_millis(20),
         start,
@@ -782,8 +795,17 @@ pub async fn run(config: LoadConfig) -> Result<Report, LoadError> {
     let config = &sh.config;
     let (stop_users, users_stopped) = watch::channel(false);
     let mut users = JoinSet::new();
+    // The users who log out: their tasks end once their logout was answered, which the
+    // final check waits for (a logout queued behind other requests, IN_FLIGHT, may still
+    // be on its way when the run's time is up).
+    let mut leaving = JoinSet::new();
     for (i, plan) in plans.iter().enumerate() {
-        users.spawn(user(
+        let set = if plan.class == Class::Logout {
+            &mut leaving
+        } else {
+            &mut users
+        };
+        set.spawn(user(
             sh.clone(),
             i,
             *plan,
@@ -833,6 +855,12 @@ pub async fn run(config: LoadConfig) -> Result<Report, LoadError> {
 
     let _ = stop_observer.send(true);
     let _ = observer.await;
+    // Every logout planned within the run has been answered before the final check reads
+    // the users (bounded: a service that stops answering fails the check instead).
+    let _ = tokio::time::timeout(timeout + Duration::from_secs(10), async {
+        while leaving.join_next().await.is_some() {}
+    })
+    .await;
 
     // The final check: every user, while steady users keep pinging.
     let permits = Arc::new(Semaphore::new(32));
@@ -873,6 +901,7 @@ pub async fn run(config: LoadConfig) -> Result<Report, LoadError> {
     final_failures.sort();
     let _ = stop_users.send(true);
     while users.join_next().await.is_some() {}
+    while leaving.join_next().await.is_some() {}
     let elapsed = start.elapsed();
     let server = fetch_stats(&client, &url, config.first_user_id, config.users)
         .await

@@ -60,6 +60,22 @@ struct ServeArgs {
     /// Expiry handlers running at once.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// Slack of a ping's extend, milliseconds: a ping that would move the waiting timer
+    /// by this much or less writes nothing to it, and the expiry handler re-arms a timer
+    /// that fired early; 0 writes on every ping (default: 40 % of the timeout, so a user
+    /// who pings at least every 60 % of the timeout never makes the timer fire early).
+    #[arg(long)]
+    slack_ms: Option<u64>,
+    /// The worker's ack_batch_size (completions per statement; 1 = one per run).
+    #[arg(long, default_value_t = 1)]
+    ack_batch_size: usize,
+    /// Ping each connection as it leaves the pools (one more round trip per request).
+    #[arg(long)]
+    test_before_acquire: bool,
+    /// `synchronous_commit = off` for the requests' connections: a ping's commit does not
+    /// wait for the WAL flush (a database crash may forget the last acknowledged pings).
+    #[arg(long)]
+    async_commit: bool,
     /// Connections for requests and handlers.
     #[arg(long, default_value_t = 16)]
     pool_size: u32,
@@ -169,6 +185,13 @@ impl ServeArgs {
         c.handler_delay =
             Duration::from_millis(self.handler_delay_ms.unwrap_or(defaults.handler_delay_ms));
         c.concurrency = self.concurrency;
+        c.slack = match self.slack_ms {
+            Some(ms) => Duration::from_millis(ms),
+            None => c.timeout.mul_f64(0.4),
+        };
+        c.ack_batch_size = self.ack_batch_size;
+        c.test_before_acquire = self.test_before_acquire;
+        c.async_commit = self.async_commit;
         c.pool_size = self.pool_size;
         c.outbox = Outbox::builder()
             .table(self.table.as_deref().unwrap_or(defaults.table))
@@ -251,12 +274,14 @@ async fn run(command: Command) -> Result<bool, String> {
                 .map_err(|e| e.to_string())?;
             let load = load.config(server.url(), 30.0)?;
             println!(
-                "presence demo: serving on {}, {} users for {:.0} s, timeout {:?}, handler delay {:?}, timers in {}, users in {}",
+                "presence demo: serving on {}, {} users for {:.0} s, timeout {:?}, slack {:?}, handler delay {:?}, ack batch {}, timers in {}, users in {}",
                 server.url(),
                 load.users,
                 load.duration.as_secs_f64(),
                 config.timeout,
+                config.slack,
                 config.handler_delay,
+                config.ack_batch_size,
                 config.outbox.table(),
                 config.users_table
             );

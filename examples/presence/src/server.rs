@@ -2,15 +2,19 @@
 //! outbox timers, and the worker that runs the expiry handler.
 //!
 //! - `POST /users/{id}/ping` sets `online = true, last_seen = now()` and extends the user's
-//!   [`PresenceExpiry`] timer to `now() + timeout`, **in one transaction**. A ping that lands
-//!   while the expiry handler runs queues a rearm: the timer fires again for the new deadline.
+//!   [`PresenceExpiry`] timer to `now() + timeout`, **in one transaction**, with a slack
+//!   ([`ServerConfig::slack`]): a ping that would move a waiting timer by less than the
+//!   slack writes nothing to the timer's row. A ping that lands while the expiry handler
+//!   runs queues a rearm: the timer fires again for the new deadline.
 //! - `DELETE /users/{id}/session` (log out) sets the user offline and cancels the timer, in
 //!   one transaction.
 //! - `GET /users/{id}` reads the user's state.
 //! - The expiry handler locks the user's row and goes offline only if `last_seen + timeout`
 //!   has passed (SPEC §5.4: a rearm does not undo what a running handler did, so the
-//!   handler must re-check), in its own transaction, which also completes the timer's row
-//!   (SPEC §7.9). It gets the service's state from the worker (`Context::state`).
+//!   handler must re-check); otherwise it extends the timer to `last_seen + timeout` (a
+//!   timer extended with a slack may fire up to the slack early, and this puts it back).
+//!   Both in its own transaction, which also completes the timer's row (SPEC §7.9). It
+//!   gets the service's state from the worker (`Context::state`).
 //! - `GET /stats` and `GET /metrics` report what the service and the worker did.
 
 use sqlx::AssertSqlSafe;
@@ -26,7 +30,7 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use chrono::{DateTime, Utc};
 use outbox::{
-    Cancelled, Context, Outbox, PgStore, Published, RunningWorker, ShutdownReport, Worker,
+    Cancelled, Context, Outbox, PgStore, Published, RunningWorker, Schedule, ShutdownReport, Worker,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -150,16 +154,40 @@ pub fn redact(url: &str) -> String {
     }
 }
 
-/// A pool of at most `max` connections. Fails within ~5 s with [`Error::Unreachable`]
-/// when Postgres is down.
+/// A pool of at most `max` connections, without a test on acquire (see [`connect_with`]).
+/// Fails within ~5 s with [`Error::Unreachable`] when Postgres is down.
 pub async fn connect(url: &str, max: u32) -> Result<PgPool, Error> {
+    connect_with(url, max, false).await
+}
+
+/// [`connect`], choosing whether to ping each connection as it leaves the pool
+/// (`test_before_acquire`): one round trip more per request, which the service does
+/// without (a statement on a dead connection fails that request, and sqlx drops the
+/// connection).
+pub async fn connect_with(url: &str, max: u32, test_before_acquire: bool) -> Result<PgPool, Error> {
+    connect_pool(url, max, test_before_acquire, false).await
+}
+
+/// [`connect_with`]; `async_commit` sets `synchronous_commit = off` on the pool's
+/// connections (sent at connect, no round trip per request): a commit returns before its
+/// WAL is flushed, and a crash of the database server may forget the last few hundred
+/// milliseconds of acknowledged commits.
+pub async fn connect_pool(
+    url: &str,
+    max: u32,
+    test_before_acquire: bool,
+    async_commit: bool,
+) -> Result<PgPool, Error> {
     let opts: PgConnectOptions = url.parse::<PgConnectOptions>().map_err(|e| {
         Error::Config(format!(
             "DATABASE_URL {} is not a Postgres URL: {e}",
             redact(url)
         ))
     })?;
-    let opts = opts.disable_statement_logging();
+    let mut opts = opts.disable_statement_logging();
+    if async_commit {
+        opts = opts.options([("synchronous_commit", "off")]);
+    }
     let unreachable = |source| Error::Unreachable {
         url: redact(url),
         source,
@@ -172,6 +200,7 @@ pub async fn connect(url: &str, max: u32) -> Result<PgPool, Error> {
     }
     PgPoolOptions::new()
         .max_connections(max)
+        .test_before_acquire(test_before_acquire)
         .acquire_timeout(Duration::from_secs(5))
         .connect_with(opts)
         .await
@@ -192,6 +221,22 @@ pub struct ServerConfig {
     pub handler_delay: Duration,
     /// Expiry handlers running at once.
     pub concurrency: usize,
+    /// The slack of a ping's extend (`extend_presence_expiry_with_slack`): a ping that
+    /// would move the waiting timer later by this much or less writes nothing to the
+    /// timer's row, so a user pinging every few seconds writes it about once per slack.
+    /// The timer may then fire up to the slack early; the expiry handler finds the user
+    /// still active and extends the timer to `last_seen + timeout`. Zero: every ping
+    /// writes. Must be shorter than the timeout.
+    pub slack: Duration,
+    /// The worker's `ack_batch_size` (1: one completion statement per run).
+    pub ack_batch_size: usize,
+    /// Ping every connection as it leaves the pools (a round trip per request).
+    pub test_before_acquire: bool,
+    /// `synchronous_commit = off` on the requests' pool (see [`connect_pool`]): a ping's
+    /// commit does not wait for the WAL flush. A crash of the database server may then
+    /// forget the last acknowledged pings (their users can go offline early); the expiry
+    /// handlers' pool keeps durable commits.
+    pub async_commit: bool,
     /// Connections for HTTP requests and expiry handlers. The worker's claims and
     /// completions use a pool of their own (`concurrency + 3`), so a burst of requests
     /// cannot delay timers.
@@ -206,8 +251,9 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
-    /// Defaults: 127.0.0.1:3000, 30 s timeout, no handler delay, 8 expiry handlers, 16
-    /// connections, the default outbox tables, table `presence_users`, no reset.
+    /// Defaults: 127.0.0.1:3000, 30 s timeout, no handler delay, 8 expiry handlers, no
+    /// slack, one completion per run, no connection test on acquire, 16 connections, the
+    /// default outbox tables, table `presence_users`, no reset.
     pub fn new(database_url: impl Into<String>) -> Self {
         ServerConfig {
             database_url: database_url.into(),
@@ -215,6 +261,10 @@ impl ServerConfig {
             timeout: Duration::from_secs(30),
             handler_delay: Duration::ZERO,
             concurrency: 8,
+            slack: Duration::ZERO,
+            ack_batch_size: 1,
+            test_before_acquire: false,
+            async_commit: false,
             pool_size: 16,
             outbox: Outbox::default(),
             users_table: DEFAULT_USERS_TABLE.to_owned(),
@@ -240,6 +290,11 @@ impl ServerConfig {
                 "timeout {:?}: must be within 200 ms..=24 h",
                 self.timeout
             )));
+        }
+        if self.slack >= self.timeout {
+            return Err(Error::Config(
+                "slack must be shorter than the timeout".into(),
+            ));
         }
         if self.handler_delay >= self.timeout {
             return Err(Error::Config(
@@ -300,8 +355,11 @@ impl UserSql {
             // (and the ping's extend queues a rearm or a new timer) or the state after it.
             // `now()` is this transaction's start, after the claim, so for the deadline the
             // timer was due at the condition below holds.
+            // Also the real deadline, `last_seen + timeout`, to extend the timer to when the
+            // user is still active.
             lock_for_expiry: format!(
-                "SELECT online, last_seen + $2::bigint * interval '1 microsecond' <= now() \
+                "SELECT online, last_seen + $2::bigint * interval '1 microsecond' <= now(), \
+                        last_seen + $2::bigint * interval '1 microsecond' \
                  FROM {u} WHERE user_id = $1 FOR UPDATE"
             ),
             go_offline: format!(
@@ -339,6 +397,7 @@ struct Counters {
     fired: AtomicU64,
     went_offline: AtomicU64,
     kept_online: AtomicU64,
+    rearmed_by_handler: AtomicU64,
     already_offline: AtomicU64,
     handler_errors: AtomicU64,
 }
@@ -352,6 +411,7 @@ struct App {
     outbox: Outbox,
     sql: UserSql,
     timeout: Duration,
+    slack: Duration,
     handler_delay: Duration,
     counters: Counters,
     metrics: Option<&'static telemetry::Registry>,
@@ -385,8 +445,19 @@ impl Server {
     pub async fn start(config: ServerConfig) -> Result<Server, Error> {
         config.validate()?;
         let metrics = telemetry::install();
-        let pool = connect(&config.database_url, config.pool_size).await?;
-        let worker_pool = connect(&config.database_url, config.concurrency as u32 + 3).await?;
+        let pool = connect_pool(
+            &config.database_url,
+            config.pool_size,
+            config.test_before_acquire,
+            config.async_commit,
+        )
+        .await?;
+        let worker_pool = connect_with(
+            &config.database_url,
+            config.concurrency as u32 + 3,
+            config.test_before_acquire,
+        )
+        .await?;
         config.outbox.migrate(&pool).await?;
         config.outbox.validate_schema(&pool).await?;
         let sql = UserSql::new(&config.users_table, &config.outbox);
@@ -407,6 +478,7 @@ impl Server {
             outbox: config.outbox.clone(),
             sql,
             timeout: config.timeout,
+            slack: config.slack,
             handler_delay: config.handler_delay,
             counters: Counters::default(),
             metrics,
@@ -417,6 +489,7 @@ impl Server {
             .timer::<PresenceExpiry>(expire)
             .concurrency(config.concurrency)
             .fetch_batch_size(config.concurrency)
+            .ack_batch_size(config.ack_batch_size)
             .build()?
             .start();
 
@@ -540,6 +613,13 @@ pub struct Audit {
 /// (`tx.commit()`): the offline transition and the completion commit together, so a crash
 /// or a lost lease between them cannot leave one without the other. Lock order: the
 /// user's row first, then (at commit) the timer's, as the ping and logout requests do.
+///
+/// A user still active (`last_seen + timeout` not passed) keeps the timer: the handler
+/// extends it to exactly `last_seen + timeout`. That is the contract of the ping's slack
+/// (the timer fired up to the slack early because a ping within the slack wrote nothing),
+/// and it also covers a ping that committed before this check: either its extend queued a
+/// rearm at least as late (then this extend changes nothing) or it wrote nothing. The
+/// extend lands on this run's own leased row, so it queues a rearm that `commit` applies.
 async fn expire(t: PresenceExpiry, ctx: Context<Arc<App>>) -> Result<(), outbox::Error> {
     let app = ctx.state::<Arc<App>>();
     bump(&app.counters.fired);
@@ -550,23 +630,36 @@ async fn expire(t: PresenceExpiry, ctx: Context<Arc<App>>) -> Result<(), outbox:
     }
     let result = async {
         let mut tx = ctx.begin().await?;
-        let row: Option<(bool, bool)> = sqlx::query_as(AssertSqlSafe(&*app.sql.lock_for_expiry))
-            .bind(t.user_id)
-            .bind(app.timeout.as_micros() as i64)
-            .fetch_optional(&mut *tx)
-            .await?;
+        let row: Option<(bool, bool, DateTime<Utc>)> =
+            sqlx::query_as(AssertSqlSafe(&*app.sql.lock_for_expiry))
+                .bind(t.user_id)
+                .bind(app.timeout.as_micros() as i64)
+                .fetch_optional(&mut *tx)
+                .await?;
         let counter = match row {
-            Some((true, true)) => {
+            Some((true, true, _)) => {
                 sqlx::query(AssertSqlSafe(&*app.sql.go_offline))
                     .bind(t.user_id)
                     .execute(&mut *tx)
                     .await?;
                 &app.counters.went_offline
             }
-            // A newer ping: its extend moved the timer or queued a rearm, which fires for
-            // the newer deadline.
-            Some((true, false)) => &app.counters.kept_online,
-            Some((false, _)) | None => &app.counters.already_offline,
+            // A newer ping: the timer must fire again at its real deadline. A ping whose
+            // extend queued a rearm at least as late makes this an `Unchanged`.
+            Some((true, false, deadline)) => {
+                let rearm = extend_presence_expiry(
+                    &mut app.outbox.on(&mut tx),
+                    &t.user_id.to_string(),
+                    &t,
+                    Schedule::at(deadline),
+                )
+                .await?;
+                if matches!(rearm, Published::RearmQueued { .. }) {
+                    bump(&app.counters.rearmed_by_handler);
+                }
+                &app.counters.kept_online
+            }
+            Some((false, _, _)) | None => &app.counters.already_offline,
         };
         tx.commit().await?;
         bump(counter);
@@ -623,11 +716,12 @@ async fn ping(
         .bind(user_id)
         .fetch_one(&mut *tx)
         .await?;
-    let timer = extend_presence_expiry(
+    let timer = extend_presence_expiry_with_slack(
         &mut app.outbox.on(&mut tx),
         &user_id.to_string(),
         &PresenceExpiry { user_id },
         app.timeout,
+        app.slack,
     )
     .await?;
     tx.commit().await?;
@@ -782,7 +876,7 @@ pub struct Stats {
     pub pings_extended: u64,
     /// Pings that landed while the expiry handler ran and queued a rearm.
     pub pings_rearm_queued: u64,
-    /// Pings whose extend changed nothing.
+    /// Pings whose extend changed nothing (not later, or within the slack).
     pub pings_unchanged: u64,
     /// Logouts committed.
     pub logouts: u64,
@@ -800,6 +894,11 @@ pub struct Stats {
     pub went_offline: u64,
     /// Runs that found a newer ping and left the user online.
     pub kept_online: u64,
+    /// Of those, runs whose own extend queued the rearm (the timer had fired early
+    /// because of the slack, or the ping's extend did not reach the row first).
+    pub rearmed_by_handler: u64,
+    /// The slack of a ping's extend, milliseconds.
+    pub slack_ms: u64,
     /// Runs that found the user already offline (logged out) or unknown.
     pub already_offline: u64,
     /// Runs that failed (retried by the worker).
@@ -845,6 +944,8 @@ impl App {
             fired: get(&c.fired),
             went_offline: get(&c.went_offline),
             kept_online: get(&c.kept_online),
+            rearmed_by_handler: get(&c.rearmed_by_handler),
+            slack_ms: self.slack.as_millis() as u64,
             already_offline: get(&c.already_offline),
             handler_errors: get(&c.handler_errors),
             rearms_applied: m.map(|m| m.counter("outbox_rearmed_total")),

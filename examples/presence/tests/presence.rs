@@ -21,6 +21,32 @@ fn database_url() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_wrong_transitions_under_load_with_pings_during_expiry() {
+    let stats = run(Duration::ZERO).await;
+    assert_eq!(
+        stats.rearmed_by_handler, 0,
+        "without a slack a ping's extend queues every rearm: {stats:#?}"
+    );
+}
+
+/// Issue 14: pings extend with a slack of 1.5 s (75 % of the timeout, more than the
+/// demo's default, so steady users' timers do fire early): pings within the slack write
+/// nothing, the expiry handler finds those users active and re-arms their timers, and
+/// still no transition is wrong and no online user is left without a timer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_wrong_transitions_with_an_extend_slack() {
+    let stats = run(Duration::from_millis(1500)).await;
+    assert!(
+        stats.pings_unchanged >= 100,
+        "pings within the slack: {stats:#?}"
+    );
+    assert!(
+        stats.rearmed_by_handler >= 10,
+        "timers that fired early and were re-armed by the handler: {stats:#?}"
+    );
+}
+
+/// The load and every check of a run; returns the server's final stats.
+async fn run(slack: Duration) -> presence::server::Stats {
     let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
     let users_table = format!("presence_users_{suffix}");
     let outbox = Outbox::builder()
@@ -30,6 +56,7 @@ async fn no_wrong_transitions_under_load_with_pings_during_expiry() {
     let mut config = ServerConfig::new(database_url());
     config.listen = ([127, 0, 0, 1], 0).into();
     config.timeout = Duration::from_secs(2);
+    config.slack = slack;
     // Simulated work in the expiry handler: pings timed at the timeout land during it.
     config.handler_delay = Duration::from_millis(50);
     config.outbox = outbox.clone();
@@ -126,4 +153,5 @@ async fn no_wrong_transitions_under_load_with_pings_during_expiry() {
     assert_eq!(stats.handler_errors, 0, "{stats:#?}");
     assert_eq!(stats.lease_lost, Some(0), "{stats:#?}");
     assert!(!report.silent.is_empty() && !report.edge.is_empty() && !report.logout.is_empty());
+    stats
 }

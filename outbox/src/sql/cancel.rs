@@ -31,21 +31,27 @@ FOR UPDATE"#
         // that redundant; on a bare connection (autocommit) the lock ends with the SELECT,
         // and the repeated condition turns a lost race into "0 rows" and a retry of the
         // loop instead of a wrong write.
-        let delete = format!("DELETE FROM {t} WHERE id = $1 AND acquired_token IS NULL");
+        // `IS NOT DISTINCT FROM NULL`, not `IS NULL`: the latter is the predicate of the
+        // partial pending index, which stale statistics make look cheaper than the primary
+        // key (see `sql::complete`).
+        let delete = format!(
+            "DELETE FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM NULL::uuid"
+        );
         // A running row is never deleted: its handler is still at work. The mark makes every
         // way the run ends delete the row instead of retrying, re-arming or archiving it; an
         // earlier mark is kept. The old version of the row says whether a rearm was dropped,
         // so the outcome is right even without a transaction around the two statements. Its
         // values come from the locking CTE, which sees the row after any lock wait (see
-        // `sql::complete`'s `APPLY_REARM`).
+        // `sql::complete`'s `APPLY_REARM`). `t.id = $1` keeps the write on the primary key
+        // whatever the statistics say (see `sql::complete`).
         let mark = format!(
             r#"
 WITH old AS (
     SELECT id, rearm_at IS NOT NULL AS had_rearm, cancelled_at FROM {t}
-    WHERE id = $1 AND acquired_token = $2 FOR UPDATE)
+    WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 FOR UPDATE)
 UPDATE {t} t SET rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
                  cancelled_at = coalesce(old.cancelled_at, now())
-FROM old WHERE t.id = old.id
+FROM old WHERE t.id = $1 AND t.id = old.id
 RETURNING old.had_rearm"#
         );
         Cancel {
@@ -55,7 +61,6 @@ RETURNING old.had_rearm"#
         }
     }
 
-    #[cfg(test)]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("cancel.lock", self.lock.as_str()),

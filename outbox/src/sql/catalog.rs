@@ -5,6 +5,12 @@
 /// `$1` qualified table name → its oid, or NULL when it does not exist.
 pub(crate) const TABLE_OID: &str = "SELECT to_regclass($1)::oid::bigint";
 
+/// `$1` table oid → the names of the storage parameters the table sets (`reloptions`).
+pub(crate) const STORAGE_PARAMETERS: &str = r#"
+SELECT split_part(o, '=', 1)
+FROM pg_class, unnest(coalesce(reloptions, '{}')) AS o
+WHERE oid = $1::bigint::oid"#;
+
 /// `$1` table oid → `(column, format_type, NOT NULL)` of every live column.
 pub(crate) const COLUMNS: &str = r#"
 SELECT attname::text, format_type(atttypid, atttypmod), attnotnull
@@ -53,3 +59,15 @@ WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
   AND a.backend_xmin IS NOT NULL
 ORDER BY a.xact_start NULLS LAST, a.pid
 LIMIT 20"#;
+
+/// `$1` qualified table name → `(server autovacuum off, table autovacuum off)`: the
+/// `autovacuum` setting and the table's `autovacuum_enabled` reloption (absent = on).
+/// Without autovacuum a queue table, whose rows are all inserted, updated and deleted
+/// within minutes, keeps every dead row version and index entry until a manual VACUUM.
+/// `option_value::bool` reads every spelling Postgres accepts (`false`, `off`, `0`, `no`).
+pub(crate) const AUTOVACUUM_OFF: &str = r#"
+SELECT NOT current_setting('autovacuum')::bool,
+       coalesce((SELECT NOT o.option_value::bool
+                 FROM pg_class c, pg_options_to_table(c.reloptions) o
+                 WHERE c.oid = to_regclass($1) AND o.option_name = 'autovacuum_enabled'),
+                false)"#;

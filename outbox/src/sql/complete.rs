@@ -66,6 +66,15 @@ impl Complete {
     pub(crate) fn render(n: &Names) -> Self {
         let t = &n.qtable;
         let d = &n.qdlq;
+        // Plans that do not depend on the statistics (issue 14): with statistics from when
+        // the table was nearly empty, the planner believes any scan returns a row or two, so
+        // it may take the whole table (or a whole partial index) as the cheapest way in.
+        // Every write below therefore (1) names its rows' ids directly (`t.id = $1`,
+        // `t.id = ANY($1)`) besides any join, so the primary key bounds it whatever the join
+        // order, and (2) fences with `acquired_token IS NOT DISTINCT FROM $token`, not `=`:
+        // `=` implies `acquired_token IS NOT NULL`, the predicate of the partial lease
+        // index, which a planner that thinks that index holds one entry scans whole instead
+        // of the primary key. A lease's token is never NULL, so both compare the same.
         // A row made due again by a completion (a rearm applied, a retry scheduled) is
         // announced like a publish, so every worker on the queue can move its wake-up, not
         // only the one that wrote it (it may be busy, or shutting down). The common delete
@@ -76,7 +85,7 @@ impl Complete {
         // (READ COMMITTED), so a freshly queued rearm makes it match nothing and we fall
         // through to the settle statement below.
         let ack_delete =
-            format!("DELETE FROM {t} WHERE id = $1 AND acquired_token = $2 AND rearm_at IS NULL");
+            format!("DELETE FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 AND rearm_at IS NULL");
         // The follow-up, run only when the DELETE matched nothing. It locks the row first and
         // decides under the lock: a cancel may have dropped the rearm between our two
         // statements (the DELETE skipped the row for a rearm that is gone now), and then the
@@ -86,11 +95,11 @@ impl Complete {
             r#"
 WITH cur AS (
     SELECT id, rearm_at IS NOT NULL AS rearm, {LOCKED_VALUES} FROM {t}
-    WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
-deleted AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm),
+    WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 FOR UPDATE),
+deleted AS (DELETE FROM {t} t USING cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.rearm),
 rearmed AS (
     UPDATE {t} t SET {APPLY_REARM} FROM cur
-    WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at, t.queue)
+    WHERE t.id = $1 AND t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at, t.queue)
 SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
        (SELECT {notify} FROM rearmed)"#,
             notify = notify(n, "rearmed")
@@ -100,7 +109,8 @@ SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
         let ack_batch_delete = format!(
             r#"
 DELETE FROM {t} t USING unnest($1::bigint[], $2::uuid[]) AS l(id, token)
-WHERE t.id = l.id AND t.acquired_token = l.token AND t.rearm_at IS NULL
+WHERE t.id = ANY($1::bigint[]) AND t.id = l.id AND t.acquired_token IS NOT DISTINCT FROM l.token
+  AND t.rearm_at IS NULL
 RETURNING t.id, l.token"#
         );
         // The batched follow-up, for the ids the DELETE did not return; same reasoning as
@@ -112,14 +122,15 @@ WITH cur AS (
            t.rearm_at, t.rearm_payload, t.rearm_headers
     FROM {t} t
     JOIN unnest($1::bigint[], $2::uuid[]) AS l(id, token)
-      ON t.id = l.id AND t.acquired_token = l.token
+      ON t.id = l.id AND t.acquired_token IS NOT DISTINCT FROM l.token
+    WHERE t.id = ANY($1::bigint[])
     ORDER BY t.id FOR UPDATE OF t),
 deleted AS (
-    DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm
+    DELETE FROM {t} t USING cur WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND NOT cur.rearm
     RETURNING cur.id, cur.token),
 rearmed AS (
     UPDATE {t} t SET {APPLY_REARM} FROM cur
-    WHERE t.id = cur.id AND cur.rearm
+    WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND cur.rearm
     RETURNING cur.id, cur.token, t.next_attempt_at, t.queue)
 SELECT id, token, NULL::timestamptz, NULL::text FROM deleted
 UNION ALL SELECT id, token, next_attempt_at, {notify} FROM rearmed"#,
@@ -135,8 +146,8 @@ UNION ALL SELECT id, token, next_attempt_at, {notify} FROM rearmed"#,
 WITH cur AS (
     SELECT id, rearm_at IS NOT NULL AS rearm,
            cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled, {LOCKED_VALUES}
-    FROM {t} WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
-gone AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND cur.cancelled),
+    FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 FOR UPDATE),
+gone AS (DELETE FROM {t} t USING cur WHERE t.id = $1 AND t.id = cur.id AND cur.cancelled),
 up AS (
     UPDATE {t} t SET
         next_attempt_at = CASE WHEN cur.rearm THEN cur.rearm_at ELSE now() + $3::interval END,
@@ -147,7 +158,7 @@ up AS (
         last_attempt_at = now(),
         rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
         acquired_token = NULL, acquired_at = NULL, cancelled_at = NULL
-    FROM cur WHERE t.id = cur.id AND NOT cur.cancelled
+    FROM cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.cancelled
     RETURNING t.next_attempt_at, cur.rearm, t.queue)
 SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM up), (SELECT rearm FROM up),
        (SELECT {notify} FROM up)"#,
@@ -163,16 +174,16 @@ WITH cur AS (
            created_at, rearm_at IS NOT NULL AS rearm,
            cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled,
            rearm_at, rearm_payload, rearm_headers
-    FROM {t} WHERE id = $1 AND acquired_token = $2 FOR UPDATE),
+    FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 FOR UPDATE),
 archived AS (
     INSERT INTO {d} (original_id, queue, payload, headers, timer_id, attempts_count,
                      deliveries_count, created_at, failure_reason, last_error)
     SELECT id, queue, payload, headers, timer_id, attempts_count + $5,
            deliveries_count, created_at, $3, $4 FROM cur WHERE NOT cur.cancelled),
-deleted AS (DELETE FROM {t} t USING cur WHERE t.id = cur.id AND NOT cur.rearm),
+deleted AS (DELETE FROM {t} t USING cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.rearm),
 rearmed AS (
     UPDATE {t} t SET {APPLY_REARM} FROM cur
-    WHERE t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at, t.queue)
+    WHERE t.id = $1 AND t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at, t.queue)
 SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
        (SELECT {notify} FROM rearmed), (SELECT bool_or(cancelled) FROM cur)"#,
             notify = notify(n, "rearmed")
@@ -181,7 +192,7 @@ SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
         // taken when no rearm is queued (the rearm applies like a success's, via ack_settle).
         let fail_delete = format!(
             r#"
-DELETE FROM {t} WHERE id = $1 AND acquired_token = $2 AND rearm_at IS NULL
+DELETE FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 AND rearm_at IS NULL
 RETURNING cancelled_at IS NOT NULL"#
         );
         // SPEC §7.8: one statement renews every lease the worker holds. It locks the rows it
@@ -192,7 +203,7 @@ RETURNING cancelled_at IS NOT NULL"#
             r#"
 UPDATE {t} t SET acquired_at = now()
 FROM unnest($1::bigint[], $2::uuid[]) AS l(id, token)
-WHERE t.id = l.id AND t.acquired_token = l.token
+WHERE t.id = ANY($1::bigint[]) AND t.id = l.id AND t.acquired_token IS NOT DISTINCT FROM l.token
 RETURNING t.id, l.token, t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL"#
         );
         // SPEC §7.5: the release table. Rows are locked in id order, and the worker runs it
@@ -207,10 +218,11 @@ WITH cur AS (
            t.payload, t.headers
     FROM {t} t
     JOIN unnest($1::bigint[], $2::uuid[], $3::bool[]) AS l(id, token, started)
-      ON t.id = l.id AND t.acquired_token = l.token
+      ON t.id = l.id AND t.acquired_token IS NOT DISTINCT FROM l.token
+    WHERE t.id = ANY($1::bigint[])
     ORDER BY t.id FOR UPDATE OF t),
 gone AS (
-    DELETE FROM {t} t USING cur WHERE t.id = cur.id AND cur.cancelled
+    DELETE FROM {t} t USING cur WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND cur.cancelled
     RETURNING cur.id, cur.token),
 back AS (
     UPDATE {t} t SET
@@ -232,7 +244,7 @@ back AS (
                                 ELSE greatest(cur.deliveries_count - 1, 0) END,
         rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
         acquired_token = NULL, acquired_at = NULL, cancelled_at = NULL
-    FROM cur WHERE t.id = cur.id AND NOT cur.cancelled
+    FROM cur WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND NOT cur.cancelled
     RETURNING cur.id, cur.token, cur.started, t.next_attempt_at, t.queue)
 SELECT id, token, 'cancelled', NULL::text FROM gone
 UNION ALL
@@ -270,7 +282,6 @@ SELECT count(*) FROM gone"#
         }
     }
 
-    #[cfg(test)]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("complete.ack_delete", self.ack_delete.as_str()),

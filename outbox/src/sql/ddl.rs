@@ -91,7 +91,25 @@ pub(crate) enum Done {
     /// The named index exists on the table and is valid (an interrupted concurrent build
     /// leaves it INVALID: the step then drops and builds it again).
     Index { table: Table, name: String },
+    /// Storage settings: applied once. The step counts as applied when it is recorded, or
+    /// when the table already sets any of these parameters (an operator's own choice wins
+    /// and is never overwritten).
+    Settings {
+        table: Table,
+        parameters: &'static [&'static str],
+    },
 }
+
+/// The per-table autovacuum parameters step 0008 sets (see `autovacuum_settings`).
+pub(crate) const AUTOVACUUM_PARAMETERS: &[&str] = &[
+    "autovacuum_vacuum_threshold",
+    "autovacuum_vacuum_scale_factor",
+    "autovacuum_vacuum_insert_threshold",
+    "autovacuum_vacuum_insert_scale_factor",
+    "autovacuum_analyze_threshold",
+    "autovacuum_analyze_scale_factor",
+    "autovacuum_vacuum_cost_delay",
+];
 
 #[derive(Debug)]
 pub(crate) struct Ddl {
@@ -200,6 +218,15 @@ impl Ddl {
                         },
                     )
                 },
+                step(
+                    20240101000008,
+                    "outbox_autovacuum_settings",
+                    autovacuum_settings(n),
+                    Done::Settings {
+                        table: Table::Queue,
+                        parameters: AUTOVACUUM_PARAMETERS,
+                    },
+                ),
             ],
             versions_create: statement(&format!(
                 "CREATE TABLE IF NOT EXISTS {versions} (\
@@ -239,7 +266,6 @@ impl Ddl {
             .map(|(_, sql)| sql.clone())
     }
 
-    #[cfg(test)]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         self.steps
             .iter()
@@ -395,6 +421,31 @@ ALTER TABLE {d}
     ADD COLUMN IF NOT EXISTS redriven_id bigint;
 "#,
         d = n.qdlq,
+    )
+}
+
+fn autovacuum_settings(n: &Names) -> String {
+    format!(
+        r#"-- outbox: autovacuum settings for the queue table (docs/performance.md, "Autovacuum").
+-- Every message is inserted, updated when claimed and deleted when acked; every extend and
+-- every renewal writes a new row version. The defaults vacuum a table once 20 % of its live
+-- rows are dead: with 100 000 live timers, 20 000 dead versions that every claim's index
+-- scan walks over first. Here a vacuum starts after 1 000 dead versions plus 1 % of the live
+-- rows, runs unthrottled (the table is hot and small next to what it churns), and the
+-- statistics follow a burst of inserts after 1 000 rows plus 2 %. Storage parameters only:
+-- a catalog change under a SHARE UPDATE EXCLUSIVE lock, which reads and writes do not wait
+-- for. Applied once: an operator's later change to any of these is kept.
+ALTER TABLE {t} SET (
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_insert_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0.01,
+    autovacuum_analyze_threshold = 1000,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 0
+);
+"#,
+        t = n.qtable,
     )
 }
 

@@ -61,9 +61,9 @@ impl Statements {
         }
     }
 
-    /// Every statement with a name, for the snapshot test.
-    #[cfg(test)]
-    fn all(&self) -> Vec<(&'static str, &str)> {
+    /// Every statement with a name: for the snapshot test, and for the plan tests of the
+    /// project's own test suite (through `__private::statements`).
+    pub(crate) fn all(&self) -> Vec<(&'static str, &str)> {
         let mut out = Vec::new();
         out.extend(self.publish.all());
         out.extend(self.cancel.all());
@@ -76,8 +76,13 @@ impl Statements {
 }
 
 /// The NOTIFY payload of SPEC §2.4, `<deadline as epoch milliseconds>:<queue>`, as an
-/// expression over the row alias `row`. Never payload data.
+/// expression over the row alias `row`. Never payload data. Without notifications
+/// (`OutboxBuilder::notify(false)`) a NULL of the same type: the statements keep their
+/// shape and their results, and their commits skip the notification queue's lock.
 fn notify(n: &Names, row: &str) -> String {
+    if !n.notify {
+        return "NULL::text".to_owned();
+    }
     format!(
         "pg_notify({channel}, floor(extract(epoch FROM {row}.next_attempt_at) * 1000)::bigint::text || ':' || {row}.queue)::text",
         channel = crate::names::quote_literal(&n.channel)
@@ -100,5 +105,29 @@ mod tests {
             text.push_str(&format!("-- {name}\n{sql}\n\n"));
         }
         insta::assert_snapshot!("statements_default_names", text);
+    }
+
+    /// Without notifications no statement notifies, and every statement keeps its shape.
+    #[test]
+    fn statements_without_notifications() {
+        let names = Names::new(None, crate::names::DEFAULT_TABLE.to_owned(), None)
+            .expect("default names are valid");
+        let quiet = Names {
+            notify: false,
+            ..names.clone()
+        };
+        let with = Statements::render(&names);
+        let without = Statements::render(&quiet);
+        let (with, without) = (with.all(), without.all());
+        assert_eq!(with.len(), without.len());
+        assert!(with.iter().any(|(_, sql)| sql.contains("pg_notify")));
+        for ((name, a), (_, b)) in with.iter().zip(&without) {
+            assert!(!b.contains("pg_notify"), "{name} notifies");
+            assert_eq!(
+                a.matches("pg_notify").count(),
+                b.matches("NULL::text").count() - a.matches("NULL::text").count(),
+                "{name}: each notification replaced by a NULL"
+            );
+        }
     }
 }

@@ -16,7 +16,7 @@ pub(crate) struct Publish {
     pub plain: SqlStr,
     /// A keyed timer, `OnConflict::Ignore`.
     pub insert: SqlStr,
-    /// A keyed timer, `OnConflict::Extend`.
+    /// A keyed timer, `OnConflict::Extend`; `$7` the slack interval.
     pub extend: SqlStr,
     /// Many messages of one queue.
     pub batch: SqlStr,
@@ -54,6 +54,11 @@ SELECT ins.id, {notify} FROM ins"#,
         // always ends with a queued rearm (SPEC §5.3). `xmax = 0` marks a fresh insert.
         // The newest intent wins (SPEC §3): an extend that queues a rearm on a running row
         // clears a cancel mark left by an earlier cancel (a pending row never has one).
+        // `$7` is the slack (issue 14): a move of a pending deadline or of a queued rearm by
+        // at most the slack writes nothing. It never applies to a running row without a
+        // rearm (`t.rearm_at + $7` is NULL, which `greatest` ignores): that row's
+        // completion would delete it. Failing the WHERE of DO UPDATE only locks the row,
+        // so a skipped extend adds no row version and no index entry.
         let pending = "t.acquired_token IS NULL";
         let extend = format!(
             r#"
@@ -70,8 +75,8 @@ WITH up AS (
         rearm_payload    = CASE WHEN {pending} THEN t.rearm_payload ELSE excluded.payload END,
         rearm_headers    = CASE WHEN {pending} THEN t.rearm_headers ELSE excluded.headers END,
         cancelled_at     = NULL
-    WHERE excluded.next_attempt_at > CASE WHEN {pending} THEN t.next_attempt_at
-                                          ELSE greatest(t.next_attempt_at, t.rearm_at) END
+    WHERE excluded.next_attempt_at > CASE WHEN {pending} THEN t.next_attempt_at + $7::interval
+                                          ELSE greatest(t.next_attempt_at, t.rearm_at + $7::interval) END
     RETURNING t.id, t.queue, t.next_attempt_at, (t.xmax = 0) AS inserted,
               (t.acquired_token IS NOT NULL) AS leased)
 SELECT up.id, up.inserted, up.leased,
@@ -102,7 +107,6 @@ FROM ins"#,
         }
     }
 
-    #[cfg(test)]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("publish.plain", self.plain.as_str()),

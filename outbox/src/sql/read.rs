@@ -43,7 +43,6 @@ WHERE queue = $1 ORDER BY failed_at, id LIMIT $2"#
         }
     }
 
-    #[cfg(test)]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("read.pending", self.pending.as_str()),

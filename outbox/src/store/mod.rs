@@ -12,7 +12,7 @@
 //! | claiming | [`Store::claim`] | due rows and rows whose lease expired, `FOR UPDATE SKIP LOCKED`, one new lease token per claim |
 //! | completing | [`Store::ack`], [`Store::ack_batch`], [`Store::retry`], [`Store::fail`] | every write matches the row id **and** the lease token; a queued rearm is applied by the same write |
 //! | waking up | [`Store::next_wakeup`], [`Store::wakeups`] | sleep until the earliest deadline or a notification, never poll in a loop |
-//! | clock and settings | [`Store::now`], [`Store::dead_letter_enabled`] | deadlines and lease ages come from the store's clock |
+//! | clock and settings | [`Store::now`], [`Store::dead_letter_enabled`], [`Store::autovacuum_off`] | deadlines and lease ages come from the store's clock |
 //!
 //! Everything else lives outside the trait, so a store is small to implement and the worker
 //! cannot reach what it should not:
@@ -190,11 +190,25 @@ pub const MAX_LAST_ERROR_BYTES: usize = 16 * 1024;
 
 /// The queues of a claim or wake-up query, each once: a queue named twice would get two
 /// candidate branches whose duplicates eat into the claim's LIMIT.
-pub(crate) fn distinct(queues: &[String]) -> Vec<String> {
-    let mut q = queues.to_vec();
-    q.sort_unstable();
-    q.dedup();
-    q
+/// Puts claimed rows in claim order: round robin across queues, each queue's rows by
+/// (deadline, id) — what the claim statement selects by (SPEC §6 v2).
+pub(crate) fn fair_order(rows: &mut Vec<Delivery>) {
+    rows.sort_by(|a, b| {
+        (&a.queue, a.deadline, a.lease.id).cmp(&(&b.queue, b.deadline, b.lease.id))
+    });
+    let mut turn = Vec::with_capacity(rows.len());
+    for (i, r) in rows.iter().enumerate() {
+        let t = match i.checked_sub(1).map(|p| &rows[p]) {
+            Some(prev) if prev.queue == r.queue => turn[i - 1] + 1,
+            _ => 0usize,
+        };
+        turn.push(t);
+    }
+    let mut keyed: Vec<(usize, Delivery)> = turn.into_iter().zip(rows.drain(..)).collect();
+    keyed.sort_by(|(ta, a), (tb, b)| {
+        (ta, a.deadline, a.lease.id).cmp(&(tb, b.deadline, b.lease.id))
+    });
+    rows.extend(keyed.into_iter().map(|(_, d)| d));
 }
 
 /// Retry delays longer than [`crate::MAX_DELAY`] are rejected before any SQL: the deadline
@@ -244,6 +258,23 @@ impl NextWakeup {
             (a, b) => a.or(b),
         }
     }
+}
+
+/// Why autovacuum will not clean a queue table ([`Store::autovacuum_off`]). At least one
+/// of `server` and `table_option` is `true`.
+///
+/// Every row of a queue table is inserted, updated (claimed, extended, retried) and
+/// deleted within minutes, so each message leaves dead row versions and dead index
+/// entries behind. Postgres reclaims them only by `VACUUM`; without autovacuum they grow
+/// without bound, and every claim and extend walks further through dead index entries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AutovacuumOff {
+    /// The queue table, as it appears in SQL text (quoted, schema-qualified).
+    pub table: String,
+    /// The server runs with `autovacuum = off`.
+    pub server: bool,
+    /// The table has the storage parameter `autovacuum_enabled = false`.
+    pub table_option: bool,
 }
 
 /// A hint that work may be due, pushed by the store to sleeping workers (SPEC §7.3).
@@ -316,7 +347,12 @@ pub enum Released {
 }
 
 /// What a claim asks for (SPEC §6): up to `limit` due rows of `queues`, counting a leased
-/// row as due again once its lease is older than `lease_ttl`.
+/// row as due again once its lease is older than `lease_ttl`, and at most
+/// `queue_limits[i]` rows of `queues[i]` when set.
+///
+/// A claim takes the queues' rows **round robin**: every queue's earliest due row before
+/// any queue's second, each queue's rows by deadline. A backlog of one queue, however old,
+/// never holds back the due rows of another; the claimed rows come back in that order.
 ///
 /// ```
 /// use std::time::Duration;
@@ -340,6 +376,11 @@ pub struct ClaimRequest<'a> {
     /// When set, claim only among these rows: how a worker isolates the one row that makes
     /// a claim fail. Default unset (every due row).
     pub only: Option<&'a [i64]>,
+    /// When set, the most rows to claim of each queue, parallel to `queues` (its length must
+    /// be theirs); each is also bounded by `limit`, and a queue named twice gets the smaller
+    /// of its limits. Default unset: `limit` for every queue. How a worker keeps a queue
+    /// within its handler's `max_concurrency`.
+    pub queue_limits: Option<&'a [usize]>,
 }
 
 impl<'a> ClaimRequest<'a> {
@@ -352,7 +393,50 @@ impl<'a> ClaimRequest<'a> {
             lease_ttl,
             exclude: &[],
             only: None,
+            queue_limits: None,
         }
+    }
+
+    /// Claims at most `limits[i]` rows of `queues[i]`.
+    pub fn queue_limits(mut self, limits: &'a [usize]) -> Self {
+        self.queue_limits = Some(limits);
+        self
+    }
+
+    /// The distinct queues with something to take, sorted, each with its limit (`limit` or
+    /// its own, whichever is smaller), as the claim statement binds them.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `queue_limits` is not as long as `queues`.
+    pub(crate) fn per_queue(&self) -> Result<(Vec<String>, Vec<i64>)> {
+        let limits = match self.queue_limits {
+            Some(l) if l.len() != self.queues.len() => {
+                return Err(Error::InvalidArgument {
+                    field: "queue_limits",
+                    reason: format!(
+                        "{} limits for {} queues; give one per queue",
+                        l.len(),
+                        self.queues.len()
+                    ),
+                })
+            }
+            l => l,
+        };
+        let mut pairs: Vec<(&String, usize)> = self
+            .queues
+            .iter()
+            .enumerate()
+            .map(|(i, q)| (q, limits.map_or(self.limit, |l| l[i].min(self.limit))))
+            .collect();
+        // Sorted by queue, the smallest limit first, so dedup keeps the smallest; a queue
+        // with nothing to take is left out (its rows are neither read nor locked).
+        pairs.sort_unstable();
+        pairs.dedup_by(|a, b| a.0 == b.0);
+        Ok(pairs
+            .into_iter()
+            .filter(|&(_, l)| l > 0)
+            .map(|(q, l)| (q.clone(), i64::try_from(l).unwrap_or(i64::MAX)))
+            .unzip())
     }
 
     /// Never claims the rows `ids`.
@@ -466,6 +550,13 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// pretend transaction.
     fn transactions(&self) -> Option<transaction::TransactionSource> {
         None
+    }
+
+    /// Whether autovacuum is off for the store's queue table, checked once when a worker
+    /// starts (it logs a warning naming the table). `None` (the default) when it is on or
+    /// the store has no such thing (the in-memory store).
+    fn autovacuum_off(&self) -> impl Future<Output = Result<Option<AutovacuumOff>>> + Send {
+        async { Ok(None) }
     }
 
     /// The most connections the store can have open for a worker's statements at once, if

@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use super::rows::delivery_from_row;
 use super::{
-    check_retry_delay, clean_error_text, distinct, ClaimRequest, Completion, Delivery, Failure,
+    check_retry_delay, clean_error_text, fair_order, ClaimRequest, Completion, Delivery, Failure,
     Lease, NextWakeup, Release, Released, Renewal, Store, Wakeup,
 };
 use crate::cancel::Cancelled;
@@ -153,10 +153,10 @@ impl PgStore {
             validate_queue(q)?;
         }
         let ttl = interval(micros(request.lease_ttl)?);
-        if request.queues.is_empty() || request.limit == 0 {
+        let (queues, caps) = request.per_queue()?;
+        if queues.is_empty() || request.limit == 0 {
             return Ok(Vec::new());
         }
-        let queues = distinct(request.queues);
         let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
         let sql = &self.outbox.sql().claim;
         let query = match request.only {
@@ -167,7 +167,8 @@ impl PgStore {
         .bind(limit)
         .bind(ttl)
         .bind(Uuid::new_v4())
-        .bind(request.exclude);
+        .bind(request.exclude)
+        .bind(&caps);
         let query = match request.only {
             None => query,
             Some(ids) => query.bind(ids),
@@ -178,7 +179,7 @@ impl PgStore {
             .map(delivery_from_row)
             .collect::<Result<Vec<_>>>()?;
         // RETURNING follows the update order, not the CTE's; restore the contract's order.
-        out.sort_by_key(|d| (d.deadline, d.lease.id));
+        fair_order(&mut out);
         Ok(out)
     }
 
@@ -570,15 +571,17 @@ impl Store for PgStore {
             validate_queue(q)?;
         }
         let ttl = interval(micros(request.lease_ttl)?);
-        if request.queues.is_empty() || request.limit == 0 {
+        let (queues, caps) = request.per_queue()?;
+        if queues.is_empty() || request.limit == 0 {
             return Ok(Vec::new());
         }
         let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
         let rows = sqlx::query(self.outbox.sql().claim.peek.clone())
-            .bind(distinct(request.queues))
+            .bind(queues)
             .bind(limit)
             .bind(ttl)
             .bind(request.exclude)
+            .bind(caps)
             .fetch_all(&self.pool)
             .await?;
         rows.iter()
@@ -607,6 +610,20 @@ impl Store for PgStore {
             self.pool.clone(),
             self.outbox.clone(),
         ))
+    }
+
+    /// One catalog read: the `autovacuum` setting and the queue table's
+    /// `autovacuum_enabled` storage parameter.
+    async fn autovacuum_off(&self) -> Result<Option<super::AutovacuumOff>> {
+        let (server, table): (bool, bool) = sqlx::query_as(crate::sql::catalog::AUTOVACUUM_OFF)
+            .bind(self.outbox.table())
+            .fetch_one(&self.pool)
+            .await?;
+        Ok((server || table).then(|| super::AutovacuumOff {
+            table: self.outbox.table().to_owned(),
+            server,
+            table_option: table,
+        }))
     }
 
     /// The pool's `max_connections` (the store's own pool has the same size).

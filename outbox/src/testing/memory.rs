@@ -17,8 +17,8 @@ use uuid::Uuid;
 use crate::cancel::Cancelled;
 use crate::error::{Error, Result};
 use crate::publish::{
-    micros, validate_batch, validate_queue, validate_timer_id, BatchItem, Message, OnConflict,
-    Published, Resolved, Schedule,
+    micros, slack_micros, validate_batch, validate_queue, validate_timer_id, BatchItem, Message,
+    OnConflict, Published, Resolved, Schedule,
 };
 use crate::read::{DeadLetter, StoredRow};
 use crate::store::{
@@ -296,12 +296,14 @@ impl State {
         if message.on_conflict == OnConflict::Ignore {
             return Ok(Published::Skipped);
         }
+        let slack = TimeDelta::microseconds(slack_micros(message.slack));
         let Some(row) = self.rows.get_mut(&existing) else {
             return Ok(Published::Skipped);
         };
         if row.acquired_token.is_none() {
-            // SPEC §4: later only; new payload and headers; retry history reset.
-            if at <= row.next_attempt_at {
+            // SPEC §4: later only (by more than the slack); new payload and headers; retry
+            // history reset.
+            if at <= row.next_attempt_at + slack {
                 return Ok(Published::Unchanged);
             }
             row.next_attempt_at = at;
@@ -312,10 +314,11 @@ impl State {
             row.last_attempt_at = None;
             Ok(Published::Extended { id: row.id })
         } else {
-            // SPEC §5: later than greatest(claimed deadline, rearm_at); `greatest` ignores NULL.
-            let current = row
-                .rearm_at
-                .map_or(row.next_attempt_at, |r| r.max(row.next_attempt_at));
+            // SPEC §5: later than greatest(claimed deadline, rearm_at + slack); `greatest`
+            // ignores NULL, so the slack never applies to a running row without a rearm.
+            let current = row.rearm_at.map_or(row.next_attempt_at, |r| {
+                (r + slack).max(row.next_attempt_at)
+            });
             if at <= current {
                 return Ok(Published::Unchanged);
             }
@@ -361,7 +364,8 @@ impl State {
         }
         let ttl = micros(request.lease_ttl)?;
         let limit = request.limit;
-        if request.queues.is_empty() || limit == 0 {
+        let (queues, caps) = request.per_queue()?;
+        if queues.is_empty() || limit == 0 {
             return Ok(Vec::new());
         }
         let now = self.now;
@@ -369,11 +373,12 @@ impl State {
         let allowed = |r: &StoredRow| {
             !request.exclude.contains(&r.id) && request.only.is_none_or(|ids| ids.contains(&r.id))
         };
-        // Two branches per queue (named twice or not), each with its own LIMIT; then the
-        // best `limit` candidates by (deadline, id).
-        let queues = crate::store::distinct(request.queues);
-        let mut candidates: Vec<(DateTime<Utc>, i64)> = Vec::new();
-        for q in &queues {
+        // Two branches per queue (named twice or not), each with the claim's LIMIT; each
+        // queue's candidates by (deadline, id) within its cap; then the best `limit` round
+        // robin across queues — the claim statement's FAIR_ORDER and `turn <= cap`.
+        let mut candidates: Vec<(usize, DateTime<Utc>, i64)> = Vec::new();
+        for (q, cap) in queues.iter().zip(caps) {
+            let cap = usize::try_from(cap).unwrap_or(usize::MAX);
             let mut due: Vec<&StoredRow> = self
                 .rows
                 .values()
@@ -385,7 +390,8 @@ impl State {
                 })
                 .collect();
             due.sort_by_key(|r| row_order(r));
-            candidates.extend(due.iter().take(limit).map(|r| row_order(r)));
+            let mut mine: Vec<(DateTime<Utc>, i64)> =
+                due.iter().take(limit).map(|r| row_order(r)).collect();
 
             let mut expired: Vec<&StoredRow> = self
                 .rows
@@ -399,11 +405,18 @@ impl State {
                 })
                 .collect();
             expired.sort_by_key(|r| (r.acquired_at, r.id));
-            candidates.extend(expired.iter().take(limit).map(|r| row_order(r)));
+            mine.extend(expired.iter().take(limit).map(|r| row_order(r)));
+            mine.sort();
+            candidates.extend(
+                mine.into_iter()
+                    .take(cap)
+                    .enumerate()
+                    .map(|(turn, (at, id))| (turn, at, id)),
+            );
         }
         candidates.sort();
         candidates.truncate(limit);
-        Ok(candidates)
+        Ok(candidates.into_iter().map(|(_, at, id)| (at, id)).collect())
     }
 
     /// The claim statement of `store/postgres.rs` (SPEC §6).
@@ -445,7 +458,7 @@ impl State {
                 decode_error: None,
             });
         }
-        out.sort_by_key(|d| (d.deadline, d.lease.id));
+        crate::store::fair_order(&mut out);
         Ok(out)
     }
 

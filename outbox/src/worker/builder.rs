@@ -149,9 +149,13 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
         self
     }
 
-    /// Successful completions per batched statement (default 1: one `DELETE` per row,
-    /// range 1..=10 000). Above 1, successes are collected and flushed when the batch is
-    /// full, whenever no more are waiting (idle), and at shutdown.
+    /// The most successful completions one ack statement writes (default
+    /// [`DEFAULT_ACK_BATCH_SIZE`](crate::DEFAULT_ACK_BATCH_SIZE), range 1..=10 000). Acks
+    /// are pipelined: a finished handler hands its success to the worker's completer and
+    /// takes the next row at once, and the completer writes everything waiting, up to this
+    /// cap, in one fenced `DELETE` as soon as its previous one returned (no linger: a lone
+    /// success is written at once). `1` writes one `DELETE` per row from the handler task,
+    /// before it takes the next row. See [`Worker`](crate::Worker)'s "Acks" and "Sizing".
     pub fn ack_batch_size(mut self, n: usize) -> Self {
         self.config.ack_batch_size = n;
         self
@@ -195,6 +199,17 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
                         "timeout",
                         format!(
                             "must be within 1ms..=7 days for queue `{}`, got {t:?}",
+                            route.queue
+                        ),
+                    ));
+                }
+            }
+            if let Some(n) = route.max_concurrency {
+                if !(1..=10_000).contains(&n) {
+                    return Err(Error::config(
+                        "max_concurrency",
+                        format!(
+                            "must be within 1..=10000 for queue `{}`, got {n}",
                             route.queue
                         ),
                     ));

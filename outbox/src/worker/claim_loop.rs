@@ -78,7 +78,7 @@ pub(crate) async fn claim_loop<S: Store>(
             return;
         }
         // Claim only when every buffered row has been taken by a handler, so the leases we
-        // hold stay within fetch_batch_size + concurrency × ack_batch_size (SPEC §7.7).
+        // hold stay within fetch_batch_size + concurrency + 3 × ack_batch_size (SPEC §7.7).
         let permits = tokio::select! {
             p = deliveries.reserve_many(limit) => match p { Ok(p) => p, Err(_) => return },
             _ = stopped.changed() => return,
@@ -86,7 +86,11 @@ pub(crate) async fn claim_loop<S: Store>(
         // Never claim a row we still hold (its lease may have run out while we run it)
         // or one set aside as poison.
         let exclude = shared.exclude();
-        let request = ClaimRequest::new(queues, limit, config.lease_ttl).excluding(&exclude);
+        let limits = queue_limits(shared, queues, limit);
+        let mut request = ClaimRequest::new(queues, limit, config.lease_ttl).excluding(&exclude);
+        if let Some(l) = &limits {
+            request = request.queue_limits(l);
+        }
         // Not raced against the stop signal: once Postgres commits a claim its rows are
         // ours, and dropping the future then would strand them until their lease expires.
         // The claim is one short statement; shutdown releases what it returns. (Shutdown
@@ -134,8 +138,19 @@ pub(crate) async fn claim_loop<S: Store>(
         }
         // Idle: sleep until the earliest deadline, a notification, a completion's hint or
         // the idle ceiling (SPEC §7.3). One index-backed query; none while asleep.
+        // Queues at their max_concurrency are left out: their due rows cannot be taken now,
+        // and the run that frees a slot wakes us (see `complete.rs`).
         let exclude = shared.exclude();
-        let request = ClaimRequest::new(queues, limit, config.lease_ttl).excluding(&exclude);
+        let open: Vec<String> = match &limits {
+            None => queues.to_vec(),
+            Some(l) => queues
+                .iter()
+                .zip(l)
+                .filter(|(_, &n)| n > 0)
+                .map(|(q, _)| q.clone())
+                .collect(),
+        };
+        let request = ClaimRequest::new(&open, limit, config.lease_ttl).excluding(&exclude);
         let next = tokio::select! {
             r = shared.store.next_wakeup(request) => r,
             _ = stopped.changed() => return,
@@ -213,6 +228,33 @@ pub(crate) async fn claim_loop<S: Store>(
             }
         }
     }
+}
+
+/// The claim's per-queue limits (SPEC §6 v2): what each queue's `max_concurrency` leaves
+/// free of the rows it holds (buffered or running), `limit` for a queue without one; `None`
+/// when no queue has one.
+fn queue_limits<S: Store>(
+    shared: &Shared<S>,
+    queues: &[String],
+    limit: usize,
+) -> Option<Vec<usize>> {
+    if shared.routes.values().all(|r| r.max_concurrency.is_none()) {
+        return None;
+    }
+    let active = shared.held.active_by_queue();
+    Some(
+        queues
+            .iter()
+            .map(
+                |q| match shared.routes.get(q).and_then(|r| r.max_concurrency) {
+                    Some(max) => max
+                        .saturating_sub(active.get(q).copied().unwrap_or(0))
+                        .min(limit),
+                    None => limit,
+                },
+            )
+            .collect(),
+    )
 }
 
 /// Receives the next hint, or waits forever when there is no hint channel.

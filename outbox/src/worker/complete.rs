@@ -1,6 +1,6 @@
 //! Running and completing (SPEC §5.1, §5.2, §7.2, §7.4, §7.8): the handler tasks take claimed
 //! rows from the claim loop, run them through their route, and write the fenced completion
-//! — at once, or through the acker that batches successes; the renewal loop keeps every
+//! — at once, or through the completer that pipelines and coalesces successes; the renewal loop keeps every
 //! held lease alive meanwhile. A completion that fails on a broken connection, a deadlock
 //! or a lock timeout is retried while its lease lasts.
 
@@ -20,7 +20,7 @@ use crate::error::Result;
 use crate::store::transaction::{CommitHooks, TransactionAccess};
 use crate::store::{Completion, Delivery, Failure, Lease, Renewal, Store};
 
-/// A success waiting in the acker's batch.
+/// A success waiting for the completer.
 #[derive(Debug, Clone)]
 pub(crate) struct PendingAck {
     /// The fence of the delete.
@@ -113,6 +113,13 @@ async fn process<S: Store>(
     metrics::histogram!("outbox_handler_duration_seconds", "queue" => d.queue.clone())
         .record(started.elapsed().as_secs_f64());
     shared.held.completing(lease);
+    // A queue at its max_concurrency is left out of claims; the slot this run frees makes
+    // the idle claim loop look again at once (SPEC §6 v2).
+    if let Some(max) = route.max_concurrency {
+        if shared.held.active(&d.queue) + 1 >= max {
+            shared.wake_at_local(Instant::now());
+        }
+    }
     match decision {
         Decision::Ack => {
             if let Some(acks) = acks {
@@ -272,14 +279,19 @@ fn lease_lost(queue: &str, phase: Phase) {
 /// at a time — so it does not hold up the batches behind it (SPEC §7.4).
 const FLUSHES_IN_FLIGHT: usize = 2;
 
-/// How long a batched completion runs before the acker starts the next one beside it:
+/// How long a batched completion runs before the completer starts the next one beside it:
 /// longer than the store's lock timeout (200 ms), so only a write that waits on a lock
 /// counts as stalled.
 const STALLED: Duration = Duration::from_millis(250);
 
-/// Collects successful completions and writes them in batches (SPEC §5.2): a batch is
-/// flushed when full or as soon as no more successes are waiting, and the rest at shutdown.
-pub(crate) async fn acker<S: Store>(shared: Arc<Shared<S>>, mut rx: mpsc::Receiver<PendingAck>) {
+/// The completer (SPEC §7.1 v2, §5.2): takes the successes handler tasks hand over and
+/// writes everything waiting, up to `ack_batch_size`, in one fenced statement as soon as the
+/// previous statement returned. No linger timer: a lone success is written at once, a burst
+/// that arrived during one commit shares the next. At shutdown it writes what is left.
+pub(crate) async fn completer<S: Store>(
+    shared: Arc<Shared<S>>,
+    mut rx: mpsc::Receiver<PendingAck>,
+) {
     let max = shared.config.ack_batch_size;
     let mut flushes = JoinSet::new();
     let mut newest = Instant::now();

@@ -4,6 +4,15 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
+/// The default cap on successful completions written by one statement (`ack_batch_size`).
+///
+/// A finished handler hands its success to the worker's completer and takes the next row at
+/// once; the completer writes everything that is ready in one fenced `DELETE` as soon as its
+/// previous write returned — no linger timer, so a lone success is written at once and a
+/// burst shares one commit. 100 keeps one statement's row list and WAL short while a burst
+/// behind a slow commit still fits in one or two statements.
+pub const DEFAULT_ACK_BATCH_SIZE: usize = 100;
+
 /// Worker knobs (SPEC §7.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Config {
@@ -22,7 +31,7 @@ impl Default for Config {
             fetch_batch_size: 10,
             lease_ttl: Duration::from_secs(60),
             idle_poll: Duration::from_secs(30),
-            ack_batch_size: 1,
+            ack_batch_size: DEFAULT_ACK_BATCH_SIZE,
             graceful_timeout: Duration::from_secs(15),
         }
     }
@@ -46,7 +55,7 @@ fn check_range<T: PartialOrd + std::fmt::Debug>(
 
 impl Config {
     /// The connections a worker needs from its store's pool at once (SPEC §7.4): one
-    /// completion per handler slot, the acker, the renewal. The claim loop and the lease
+    /// completion per handler slot, the completer, the renewal. The claim loop and the lease
     /// release at shutdown take turns with them; LISTEN is outside the pool.
     pub(crate) fn connections_needed(&self) -> u32 {
         u32::try_from(self.concurrency)

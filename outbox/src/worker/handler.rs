@@ -371,6 +371,7 @@ pub struct HandlerOptions {
     pub(crate) retry: RetryStrategy,
     pub(crate) max_deliveries: Option<u32>,
     pub(crate) timeout: Option<Duration>,
+    pub(crate) max_concurrency: Option<usize>,
 }
 
 /// How long a handler may run before it is stopped, unless set otherwise
@@ -383,6 +384,7 @@ impl Default for HandlerOptions {
             retry: RetryStrategy::default(),
             max_deliveries: None,
             timeout: Some(DEFAULT_HANDLER_TIMEOUT),
+            max_concurrency: None,
         }
     }
 }
@@ -419,6 +421,20 @@ impl HandlerOptions {
     /// handler runs, so a long timeout never lets a second worker run the row meanwhile.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
+        self
+    }
+
+    /// The most rows of this queue the worker holds at once, running or claimed and waiting
+    /// for a slot (default: no limit of its own, only the worker's `concurrency`; range
+    /// 1..=10 000, checked by the worker's `build()`). A worker serving several queues
+    /// keeps slots free for the others this way: with `concurrency(8)` and a slow queue
+    /// limited to 4, a backlog of that queue never runs more than 4 at once, and the other
+    /// queues' rows are claimed and run on the remaining slots as they fall due. The claim
+    /// takes at most the free part of the limit from that queue (a queue with none free is
+    /// left out of the claim), so rows beyond it stay unleased in the table for other
+    /// workers; with several workers the limit is per worker.
+    pub fn max_concurrency(mut self, n: usize) -> Self {
+        self.max_concurrency = Some(n);
         self
     }
 
@@ -510,6 +526,8 @@ pub(crate) struct Route {
     pub max_deliveries: u32,
     pub retry: RetryStrategy,
     pub timeout: Option<Duration>,
+    /// The most rows of the queue held at once (buffered or running), if limited.
+    pub max_concurrency: Option<usize>,
 }
 
 impl Route {
@@ -530,6 +548,7 @@ impl Route {
             max_deliveries: options.max_deliveries.unwrap_or(T::MAX_DELIVERIES),
             retry: options.retry,
             timeout: options.timeout,
+            max_concurrency: options.max_concurrency,
         }
     }
 
@@ -550,6 +569,7 @@ impl Route {
             max_deliveries: options.max_deliveries.unwrap_or(DEFAULT_MAX_DELIVERIES),
             retry: options.retry,
             timeout: options.timeout,
+            max_concurrency: options.max_concurrency,
         }
     }
 }

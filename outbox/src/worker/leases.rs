@@ -160,6 +160,27 @@ impl Held {
         self.lock().rows.values().map(|e| e.lease).collect()
     }
 
+    /// How many rows of `queue` wait for a slot or run: what counts against the queue's
+    /// `max_concurrency`.
+    pub(crate) fn active(&self, queue: &str) -> usize {
+        self.lock()
+            .rows
+            .values()
+            .filter(|e| e.queue == queue && e.phase != Phase::Completing)
+            .count()
+    }
+
+    /// [`Held::active`] of every queue with such rows, in one pass.
+    pub(crate) fn active_by_queue(&self) -> HashMap<String, usize> {
+        let mut out = HashMap::new();
+        for e in self.lock().rows.values() {
+            if e.phase != Phase::Completing {
+                *out.entry(e.queue.clone()).or_insert(0) += 1;
+            }
+        }
+        out
+    }
+
     /// How many rows are held.
     pub(crate) fn len(&self) -> usize {
         self.lock().rows.len()

@@ -1,4 +1,4 @@
-//! What the claim loop, the handler tasks, the acker and the renewal loop share: the store,
+//! What the claim loop, the handler tasks, the completer and the renewal loop share: the store,
 //! the routes, the knobs, the held leases, the rows set aside as poison, the mapping from
 //! the store's clock to the local one, and the wake-up hint a completion leaves for the idle
 //! claim loop (SPEC §7.3).
@@ -17,7 +17,7 @@ use super::leases::Held;
 use super::quarantine::Quarantine;
 use crate::store::Store;
 
-/// State shared by the claim loop, handler tasks and the acker.
+/// State shared by the claim loop, handler tasks and the completer.
 pub(crate) struct Shared<S> {
     pub(crate) store: S,
     pub(crate) routes: Arc<HashMap<String, Route>>,

@@ -133,6 +133,7 @@ async fn claim_plan_uses_both_partial_indexes_on_a_large_backlog() {
         })
         .bind(uuid::Uuid::new_v4())
         .bind(Vec::<i64>::new())
+        .bind(vec![10i64, 10])
         .fetch_all(&f.pool)
         .await
         .unwrap();
@@ -158,8 +159,18 @@ async fn claim_plan_uses_both_partial_indexes_on_a_large_backlog() {
         .await
         .unwrap();
     assert_eq!(got.len(), 10);
-    assert!(got
-        .windows(2)
-        .all(|w| (w[0].deadline, w[0].lease.id) <= (w[1].deadline, w[1].lease.id)));
+    // Round robin across the two queues, each queue's rows by deadline.
+    let queue_order: Vec<&str> = got.iter().map(|d| d.queue.as_str()).collect();
+    assert!(
+        queue_order.chunks(2).all(|p| p.len() == 2 && p[0] != p[1]),
+        "{queue_order:?}"
+    );
+    for q in &queues {
+        let mine: Vec<_> = got.iter().filter(|d| &d.queue == q).collect();
+        assert_eq!(mine.len(), 5);
+        assert!(mine
+            .windows(2)
+            .all(|w| (w[0].deadline, w[0].lease.id) <= (w[1].deadline, w[1].lease.id)));
+    }
     f.cleanup().await;
 }

@@ -329,6 +329,64 @@ async fn the_limit_is_respected<H: Harness>(h: &H) {
     assert!(claim(h, &[Q], 3).await.is_empty());
 }
 
+/// SPEC §6 (v2): a claim takes the served queues round robin, each queue's rows by
+/// deadline, so one queue's backlog of older rows never holds back another's due rows; and
+/// per-queue limits cap each queue's share.
+async fn claims_take_queues_round_robin_within_their_limits<H: Harness>(h: &H) {
+    for i in 0..5u8 {
+        publish(h, Message::new(Q, &[b'a', b'0' + i])).await; // ids 1..=5 at 0..=4
+        h.advance(secs(1)).await;
+    }
+    publish(h, Message::new(Q2, b"b")).await; // id 6 at 5
+    h.advance(secs(1)).await;
+
+    let got = claim(h, &[Q, Q2], 3).await;
+    assert_eq!(
+        ids(&got),
+        vec![1, 6, 2],
+        "each queue's oldest row first, then each queue's second"
+    );
+
+    let queues = [Q.to_owned(), Q2.to_owned()];
+    let bad = h
+        .store()
+        .claim(ClaimRequest::new(&queues, 10, TTL).queue_limits(&[1]))
+        .await;
+    assert!(
+        matches!(
+            bad,
+            Err(Error::InvalidArgument {
+                field: "queue_limits",
+                ..
+            })
+        ),
+        "{bad:?}"
+    );
+    let limits = [1, 0];
+    let got = h
+        .store()
+        .claim(ClaimRequest::new(&queues, 10, TTL).queue_limits(&limits))
+        .await
+        .expect("claim");
+    assert_eq!(ids(&got), vec![3], "at most one of {Q}, none of {Q2}");
+
+    // A queue named twice gets the smaller of its limits.
+    let twice = [Q.to_owned(), Q.to_owned()];
+    let got = h
+        .store()
+        .claim(ClaimRequest::new(&twice, 10, TTL).queue_limits(&[5, 1]))
+        .await
+        .expect("claim");
+    assert_eq!(ids(&got), vec![4]);
+    let all_zero = h
+        .store()
+        .claim(ClaimRequest::new(&queues, 10, TTL).queue_limits(&[0, 0]))
+        .await
+        .expect("claim");
+    assert!(all_zero.is_empty());
+    assert_eq!(ids(&claim(h, &[Q, Q2], 10).await), vec![5]);
+}
+
 async fn the_queue_filter<H: Harness>(h: &H) {
     publish(h, Message::new(Q, b"q1")).await; // 1 at 0
     h.advance(secs(1)).await;
@@ -1770,6 +1828,70 @@ async fn fail_unclaimed_ends_only_unheld_rows<H: Harness>(h: &H) {
     assert_eq!(dead[1].deliveries_count, 1);
 }
 
+/// Issue 14: an extend with a slack writes only a move of more than the slack, of a pending
+/// deadline or of a queued rearm; a running row without a rearm always gets one.
+async fn an_extend_with_slack_skips_small_moves<H: Harness>(h: &H) {
+    let slack = secs(10);
+    publish(h, extend("k", b"p0", at(60))).await;
+    let pending = timer_row(1, "k", b"p0", at(60));
+
+    // Pending row: a move of at most the slack writes nothing (payload kept too).
+    for due in [at(61), at(70)] {
+        assert_eq!(
+            publish(h, extend("k", b"small", due).slack(slack)).await,
+            Published::Unchanged
+        );
+    }
+    assert_eq!(only_row(h).await, pending);
+    // More than the slack: written as a plain extend would.
+    assert_eq!(
+        publish(h, extend("k", b"p1", at(70) + us(1)).slack(slack)).await,
+        Published::Extended { id: 1 }
+    );
+    assert_eq!(only_row(h).await, timer_row(1, "k", b"p1", at(70) + us(1)));
+    // A zero slack is the plain extend.
+    assert_eq!(
+        publish(h, extend("k", b"p2", at(71)).slack(Duration::ZERO)).await,
+        Published::Extended { id: 1 }
+    );
+
+    // Running row without a rearm: the slack does not apply, any later deadline queues.
+    h.advance(secs(71)).await;
+    let d = claim_one(h).await;
+    let running = leased(timer_row(1, "k", b"p2", at(71)), &d, at(71), 1);
+    assert_eq!(
+        publish(h, extend("k", b"r1", at(72)).slack(secs(3600))).await,
+        Published::RearmQueued { id: 1 }
+    );
+    let queued = with_rearm(running.clone(), at(72), b"r1");
+    assert_eq!(only_row(h).await, queued);
+    // Running row with a rearm: measured from the rearm.
+    assert_eq!(
+        publish(h, extend("k", b"r-small", at(82)).slack(slack)).await,
+        Published::Unchanged
+    );
+    assert_eq!(only_row(h).await, queued);
+    assert_eq!(
+        publish(h, extend("k", b"r2", at(83)).slack(slack)).await,
+        Published::RearmQueued { id: 1 }
+    );
+    assert_eq!(only_row(h).await, with_rearm(running, at(83), b"r2"));
+
+    // Bad slacks are refused before anything is written.
+    let rows_before = rows(h, Q).await;
+    let e = h
+        .publish(extend("k", b"x", at(900)).slack(outbox::MAX_SLACK + us(1).to_std().unwrap()))
+        .await
+        .unwrap_err();
+    assert_eq!(invalid_field(e), "slack");
+    let e = h
+        .publish(schedule("other", b"x", at(900)).slack(slack))
+        .await
+        .unwrap_err();
+    assert_eq!(invalid_field(e), "slack");
+    assert_eq!(rows(h, Q).await, rows_before);
+}
+
 macro_rules! contract {
     ($($name:ident(dead_letter = $dlq:expr);)*) => {
         mod postgres {
@@ -1806,6 +1928,7 @@ contract! {
     expired_leases_and_due_rows_are_taken_by_deadline(dead_letter = true);
     the_limit_is_respected(dead_letter = true);
     the_queue_filter(dead_letter = true);
+    claims_take_queues_round_robin_within_their_limits(dead_letter = true);
     an_empty_queue_list_and_bad_arguments(dead_letter = true);
     ack_with_the_right_token_a_wrong_token_and_an_unleased_row(dead_letter = true);
     dead_letter_archive_contents(dead_letter = true);
@@ -1815,6 +1938,7 @@ contract! {
     publish_outcomes_use_up_ids_like_an_identity_column(dead_letter = true);
     extend_of_a_pending_row_moves_later_only_and_resets_history(dead_letter = true);
     a_rearm_is_queued_on_fresh_and_expired_leases_later_only(dead_letter = true);
+    an_extend_with_slack_skips_small_moves(dead_letter = true);
     a_rearm_is_applied_by_the_single_delete(dead_letter = true);
     a_rearm_is_applied_by_the_batched_delete(dead_letter = true);
     a_rearm_is_applied_by_the_dead_letter_delete(dead_letter = true);

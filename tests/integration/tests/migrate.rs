@@ -460,38 +460,94 @@ async fn out_of_range_options_are_refused_before_any_sql() {
     }
 }
 
-/// SPEC §1.3 (v2): a storage setting is applied once, with the step that creates the table,
-/// and never again: an operator's own tuning survives every later `migrate()`.
+/// The storage parameters a table sets, sorted.
+async fn storage_options(pool: &PgPool, table: &str) -> Vec<String> {
+    let mut o = sqlx::query_scalar::<_, Vec<String>>(
+        "SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = to_regclass($1)",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    o.sort();
+    o
+}
+
+/// What step 0008 sets (issue 14), sorted.
+const AUTOVACUUM: [&str; 7] = [
+    "autovacuum_analyze_scale_factor=0.02",
+    "autovacuum_analyze_threshold=1000",
+    "autovacuum_vacuum_cost_delay=0",
+    "autovacuum_vacuum_insert_scale_factor=0.01",
+    "autovacuum_vacuum_insert_threshold=1000",
+    "autovacuum_vacuum_scale_factor=0.01",
+    "autovacuum_vacuum_threshold=1000",
+];
+
+fn with_fillfactor(f: &str, rest: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
+    v.push(format!("fillfactor={f}"));
+    v.sort();
+    v
+}
+
+/// SPEC §1.3 (v2): a storage setting is applied once, by the step that introduces it, and
+/// never again: an operator's own tuning survives every later `migrate()`, a reset too.
 #[tokio::test]
 async fn an_operators_storage_tuning_survives_migrate() {
     let pool = pool().await;
     let outbox = outbox("mig_tuning");
     outbox.migrate(&pool).await.unwrap();
-    let options = || async {
-        sqlx::query_scalar::<_, Vec<String>>(
-            "SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = to_regclass($1)",
-        )
-        .bind(outbox.table())
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
-    assert_eq!(options().await, vec!["fillfactor=70".to_owned()]);
+    let t = outbox.table();
+    assert_eq!(
+        storage_options(&pool, t).await,
+        with_fillfactor("70", &AUTOVACUUM)
+    );
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "ALTER TABLE {} SET (fillfactor = 90, autovacuum_vacuum_scale_factor = 0.01)",
-        outbox.table()
+        "ALTER TABLE {t} SET (fillfactor = 90, autovacuum_vacuum_scale_factor = 0.05); \
+         ALTER TABLE {t} RESET (autovacuum_vacuum_cost_delay)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let tuned = storage_options(&pool, t).await;
+    assert!(tuned.contains(&"autovacuum_vacuum_scale_factor=0.05".to_owned()));
+    assert!(!tuned
+        .iter()
+        .any(|o| o.starts_with("autovacuum_vacuum_cost_delay")));
+    outbox.migrate(&pool).await.unwrap();
+    assert_eq!(storage_options(&pool, t).await, tuned);
+    outbox.validate_schema(&pool).await.unwrap();
+    drop_tables(&pool, &outbox).await;
+}
+
+/// An operator who tuned autovacuum on the table before step 0008 arrived keeps every value
+/// of theirs: the step is recorded as found, and sets none of its own.
+#[tokio::test]
+async fn autovacuum_settings_leave_an_operators_earlier_tuning_alone() {
+    let pool = pool().await;
+    let outbox = outbox("mig_av_pre");
+    outbox.migrate_base_only(&pool).await.unwrap();
+    let t = outbox.table();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER TABLE {t} SET (autovacuum_vacuum_threshold = 5000)"
     )))
     .execute(&pool)
     .await
     .unwrap();
     outbox.migrate(&pool).await.unwrap();
     assert_eq!(
-        options().await,
-        vec![
-            "fillfactor=90".to_owned(),
-            "autovacuum_vacuum_scale_factor=0.01".to_owned()
-        ]
+        storage_options(&pool, t).await,
+        with_fillfactor("70", &["autovacuum_vacuum_threshold=5000"])
     );
+    let step = outbox
+        .applied_migrations(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|m| m.description == "outbox_autovacuum_settings")
+        .expect("recorded");
+    assert!(step.found, "recorded as found, not applied: {step:?}");
     drop_tables(&pool, &outbox).await;
 }
 
@@ -543,7 +599,7 @@ async fn concurrent_upgrades_through_a_concurrent_build_all_finish() {
     .await;
     assert!(all.is_ok(), "the migrators waited for each other");
     outbox.validate_schema(&pool).await.unwrap();
-    assert_eq!(outbox.applied_migrations(&pool).await.unwrap().len(), 7);
+    assert_eq!(outbox.applied_migrations(&pool).await.unwrap().len(), 8);
     drop_tables(&pool, &outbox).await;
 }
 
@@ -709,7 +765,7 @@ async fn the_dead_letter_upgrade_waits_for_the_dead_letter_queue() {
         .iter()
         .map(|a| a.version)
         .collect();
-    assert_eq!(versions.len(), 5, "{versions:?}");
+    assert_eq!(versions.len(), 6, "{versions:?}");
     old.execute("COMMIT").await.unwrap();
 
     let with = Outbox::builder()
@@ -723,6 +779,6 @@ async fn the_dead_letter_upgrade_waits_for_the_dead_letter_queue() {
     ));
     with.migrate(&pool).await.unwrap();
     with.validate_schema(&pool).await.unwrap();
-    assert_eq!(with.applied_migrations(&pool).await.unwrap().len(), 7);
+    assert_eq!(with.applied_migrations(&pool).await.unwrap().len(), 8);
     drop_tables(&pool, &with).await;
 }

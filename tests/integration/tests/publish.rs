@@ -343,3 +343,54 @@ async fn batch_is_one_statement_all_or_nothing() {
         .is_empty());
     f.cleanup().await;
 }
+
+/// Issue 14: an outbox built with `notify(false)` publishes without `pg_notify` (its
+/// commits skip the notification queue's database-wide lock); workers then find the row by
+/// polling. The same publish through a notifying outbox of the same table is heard, so the
+/// listener is known to work.
+#[tokio::test]
+async fn a_quiet_outbox_publishes_without_notifying() {
+    let f = Fixture::new().await;
+    let quiet = outbox::Outbox::builder()
+        .table(f.outbox.table().trim_matches('"'))
+        .dead_letter(true)
+        .notify(false)
+        .build()
+        .unwrap();
+    assert!(!quiet.notifies() && f.outbox.notifies());
+    assert_eq!(quiet.channel(), f.outbox.channel());
+    let mut listener = PgListener::connect_with(&f.pool).await.unwrap();
+    listener.listen(f.outbox.channel()).await.unwrap();
+    let mut conn = f.pool.acquire().await.unwrap();
+
+    let items = [BatchItem::new(b"b1"), BatchItem::new(b"b2")];
+    quiet
+        .publish(&mut conn, Message::new("q", b"plain"))
+        .await
+        .unwrap();
+    quiet
+        .publish(
+            &mut conn,
+            Message::new("q", b"t")
+                .timer_id("k")
+                .on_conflict(OnConflict::Extend),
+        )
+        .await
+        .unwrap();
+    quiet
+        .publish_batch(&mut conn, "q", &items, Schedule::now())
+        .await
+        .unwrap();
+    assert_eq!(f.rows("q").await.len(), 4, "every row written");
+    // Then one notifying publish: the first notification the listener gets is its own.
+    f.outbox
+        .publish(&mut conn, Message::new("loud", b"x"))
+        .await
+        .unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), listener.recv())
+        .await
+        .expect("the notifying publish is heard")
+        .unwrap();
+    assert!(n.payload().ends_with(":loud"), "{}", n.payload());
+    f.cleanup().await;
+}

@@ -595,11 +595,14 @@ async fn a_failed_completion_is_retried_when_its_lease_expires() {
     let f = Fixture::new().await;
     let t = f.outbox.table();
     let fun = format!("nodelete_{}", t.trim_matches('"'));
+    // The sequence counts refused deletes (nextval survives the rollback of the raise).
+    let refused = format!("refused_{}", t.trim_matches('"'));
     sql(
         &f,
         format!(
-            "CREATE FUNCTION {fun}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-               RAISE EXCEPTION 'not now'; END $$; \
+            "CREATE SEQUENCE {refused}; \
+             CREATE FUNCTION {fun}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+               PERFORM nextval('{refused}'); RAISE EXCEPTION 'not now'; END $$; \
              CREATE TRIGGER nodelete BEFORE DELETE ON {t} FOR EACH ROW EXECUTE FUNCTION {fun}()"
         ),
     )
@@ -614,6 +617,18 @@ async fn a_failed_completion_is_retried_when_its_lease_expires() {
         .start();
     publish_jobs(&f, &[1]).await;
     eventually(10, "the first run", || async { runs.sorted().len() == 1 }).await;
+    // Its completion is written after the handler returned (pipelined): wait until the
+    // trigger refused it twice — the batched delete, then the row alone — so the run's own
+    // ack cannot land after the trigger is gone.
+    let calls = format!("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {refused}");
+    eventually(10, "the completion is refused", || async {
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(calls.clone()))
+            .fetch_one(&f.pool)
+            .await
+            .unwrap()
+            >= 2
+    })
+    .await;
     sql(&f, format!("DROP TRIGGER nodelete ON {t}")).await;
     let t0 = std::time::Instant::now();
     eventually(10, "redelivered and completed", || async {
@@ -627,7 +642,11 @@ async fn a_failed_completion_is_retried_when_its_lease_expires() {
         "run again after its lease expired"
     );
     w.shutdown().await;
-    sql(&f, format!("DROP FUNCTION {fun}()")).await;
+    sql(
+        &f,
+        format!("DROP FUNCTION {fun}(); DROP SEQUENCE {refused}"),
+    )
+    .await;
     f.cleanup().await;
 }
 
