@@ -353,6 +353,9 @@ pub enum Released {
 /// A claim takes the queues' rows **round robin**: every queue's earliest due row before
 /// any queue's second, each queue's rows by deadline. A backlog of one queue, however old,
 /// never holds back the due rows of another; the claimed rows come back in that order.
+/// Among rows with the same deadline Postgres takes them in its index's order, which need
+/// not be id order (a row updated without changing its deadline moves within the index);
+/// the in-memory store takes them by id.
 ///
 /// ```
 /// use std::time::Duration;
@@ -377,8 +380,8 @@ pub struct ClaimRequest<'a> {
     /// a claim fail. Default unset (every due row).
     pub only: Option<&'a [i64]>,
     /// When set, the most rows to claim of each queue, parallel to `queues` (its length must
-    /// be theirs); each is also bounded by `limit`, and a queue named twice gets the smaller
-    /// of its limits. Default unset: `limit` for every queue. How a worker keeps a queue
+    /// be theirs); each is also bounded by `limit`, and a queue named more than once gets the
+    /// smallest of its limits. Default unset: `limit` for every queue. How a worker keeps a queue
     /// within its handler's `max_concurrency`.
     pub queue_limits: Option<&'a [usize]>,
 }

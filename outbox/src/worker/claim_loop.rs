@@ -78,7 +78,8 @@ pub(crate) async fn claim_loop<S: Store>(
             return;
         }
         // Claim only when every buffered row has been taken by a handler, so the leases we
-        // hold stay within fetch_batch_size + concurrency + 3 × ack_batch_size (SPEC §7.7).
+        // hold stay within fetch_batch_size + concurrency + (concurrency + 2) × ack_batch_size
+        // (SPEC §7.7).
         let permits = tokio::select! {
             p = deliveries.reserve_many(limit) => match p { Ok(p) => p, Err(_) => return },
             _ = stopped.changed() => return,

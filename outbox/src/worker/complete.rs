@@ -274,10 +274,16 @@ fn lease_lost(queue: &str, phase: Phase) {
 }
 
 /// How many batched completions may be written at once: one normally, so successes pile up
-/// into full batches while it runs; a second when the first has waited longer than
-/// [`STALLED`] — it met a row locked by an application transaction and finishes its rows one
-/// at a time — so it does not hold up the batches behind it (SPEC §7.4).
-const FLUSHES_IN_FLIGHT: usize = 2;
+/// into full statements while it runs; another each time every one in flight has waited
+/// longer than [`STALLED`] — it met a row locked by an application transaction and finishes
+/// its rows one at a time, the locked one waiting for that transaction — so it does not hold
+/// up the statements behind it (SPEC §7.4). At most `concurrency + 1`: with pipelined acks
+/// the handler slots do not write their own acks, so their connections are the completer's
+/// to use for such waits (found by a trial: a fixed two let two application locks stall
+/// every ack).
+fn flushes_in_flight(concurrency: usize) -> usize {
+    concurrency.saturating_add(1)
+}
 
 /// How long a batched completion runs before the completer starts the next one beside it:
 /// longer than the store's lock timeout (200 ms), so only a write that waits on a lock
@@ -293,11 +299,12 @@ pub(crate) async fn completer<S: Store>(
     mut rx: mpsc::Receiver<PendingAck>,
 ) {
     let max = shared.config.ack_batch_size;
+    let in_flight = flushes_in_flight(shared.config.concurrency);
     let mut flushes = JoinSet::new();
     let mut newest = Instant::now();
     loop {
         while !flushes.is_empty() {
-            let may_start_another = flushes.len() < FLUSHES_IN_FLIGHT;
+            let may_start_another = flushes.len() < in_flight;
             tokio::select! {
                 _ = flushes.join_next() => {}
                 () = tokio::time::sleep_until(newest + STALLED), if may_start_another => break,

@@ -87,12 +87,12 @@ use crate::store::{
 /// retry is left), with a warning naming the row and the handler.
 ///
 /// # Sizing
-/// A worker holds at most `fetch_batch_size + concurrency + 3 × ack_batch_size` leases at
-/// once (SPEC §7.7): the claimed rows waiting for a handler, the running ones, and the
-/// successes the completer has not written yet — one statement's worth waiting while at most
-/// two are being written (the second only when the first has waited past the store's lock
-/// timeout on a row an application holds, see "Acks" below). With `ack_batch_size(1)` the
-/// last term is 0: each handler writes its own completion. Every one of these leases is
+/// A worker holds at most `fetch_batch_size + concurrency + (concurrency + 2) ×
+/// ack_batch_size` leases at once (SPEC §7.7): the claimed rows waiting for a handler, the
+/// running ones, and the successes the completer has not written yet — one statement's worth
+/// waiting while up to `concurrency + 1` are being written (more than one only while rows
+/// locked by application transactions hold earlier statements, see "Acks" below). With
+/// `ack_batch_size(1)` the last term is 0: each handler writes its own completion. Every one of these leases is
 /// renewed while it waits (see "Leases"), so a slow commit never lets one expire.
 /// Keep `fetch_batch_size` close to `concurrency` when handlers are slow, so claimed rows
 /// do not wait long in the buffer (another worker could run them meanwhile).
@@ -118,6 +118,10 @@ use crate::store::{
 /// so pipelining adds no latency; [`WorkerBuilder::ack_batch_size`](builder::WorkerBuilder::ack_batch_size)
 /// (default [`DEFAULT_ACK_BATCH_SIZE`]) caps the rows of one statement, and `1` turns the
 /// completer off (each handler task writes its own ack before it takes the next row).
+/// At shutdown the completer gets until the graceful deadline; then it is stopped and starts
+/// no further write, but a statement it had already sent (say, one waiting for an
+/// application's row lock) may still commit on the server after `shutdown` returned — the
+/// report then counts that row as unreleased although it is gone.
 /// An ack counts (metrics, [`RunningWorker::shutdown`]) only once its statement committed;
 /// until then the row stays leased and renewed, and a crash before the commit means the
 /// row is delivered again after `lease_ttl`, as for any lease. Retries and terminal
@@ -125,8 +129,12 @@ use crate::store::{
 ///
 /// A row locked by an application transaction (say, an extend in a transaction that has
 /// not committed) does not hold the other acks back: each write waits at most the store's
-/// lock timeout (200 ms) before it splits into single-row writes, and while it waits the
-/// completer starts the next statement beside it.
+/// lock timeout (200 ms) before it splits into single-row writes (the locked row's own ack
+/// then waits for the application's transaction), and while a write waits the completer
+/// starts the next statement beside it — up to `concurrency + 1` statements at once, the
+/// connections the handler slots would have used for their own acks. So up to
+/// `concurrency` rows locked at the same time by applications hold back nothing else;
+/// beyond that, the other acks wait until one of those transactions ends.
 ///
 /// # Waking up (SPEC §7.3)
 /// The worker LISTENs before its first scan. After a claim that did not fill a batch it
@@ -559,12 +567,19 @@ async fn shutdown<S: Store>(
     }
     give_back(shared, &stopped_runs, last_call, &mut report).await;
 
-    if let Some(completer) = completer {
-        // The completer ends once every handler task (and so every sender) is gone.
-        if tokio::time::timeout_at(last_call, completer).await.is_err() {
+    if let Some(mut completer) = completer {
+        // The completer ends once every handler task (and so every sender) is gone. At the
+        // deadline it is stopped, so no ack is written after shutdown returns (a statement
+        // already sent may still commit on the server; its rows are then simply gone).
+        if tokio::time::timeout_at(last_call, &mut completer)
+            .await
+            .is_err()
+        {
+            completer.abort();
+            let _ = completer.await;
             report.graceful = false;
             tracing::warn!(
-                "outbox: pending acks not flushed in time; those rows will be redelivered"
+                "outbox: pending acks not written in time; those rows will be redelivered after their lease expires"
             );
         }
     }

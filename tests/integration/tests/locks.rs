@@ -268,3 +268,100 @@ fn shuffle<T>(v: &mut [T], seed: u64) {
         v.swap(i, j);
     }
 }
+
+/// Found by a trial of pipelined acks: two application transactions, each holding the lock
+/// of a row whose handler had succeeded, stalled every other ack until they committed (the
+/// completer allowed two statements in flight, and each locked row's own ack waits for its
+/// application). Now up to `concurrency + 1` statements may be in flight, so with
+/// concurrency 3 two such locks hold back nothing else.
+#[tokio::test]
+async fn two_application_locks_do_not_stall_the_other_acks() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    let f = Fixture::new().await;
+    let t = f.outbox.table();
+    let seed = format!(
+        "INSERT INTO {t} (queue, payload, next_attempt_at) \
+         VALUES ('{Q}', '\\x31', now() - interval '10 s'), ('{Q}', '\\x32', now() - interval '10 s')"
+    );
+    sqlx::raw_sql(AssertSqlSafe(seed))
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let gates = Arc::new([tokio::sync::Notify::new(), tokio::sync::Notify::new()]);
+    let started = Arc::new(AtomicUsize::new(0));
+    let worker = outbox::Worker::builder(f.store.clone())
+        .concurrency(3)
+        .idle_poll(Duration::from_millis(100))
+        .queue(Q, {
+            let (gates, started) = (gates.clone(), started.clone());
+            move |p: Vec<u8>, _: outbox::Context| {
+                let (gates, started) = (gates.clone(), started.clone());
+                async move {
+                    if p == b"1" || p == b"2" {
+                        started.fetch_add(1, Ordering::SeqCst);
+                        gates[usize::from(p[0] - b'1')].notified().await;
+                    }
+                    Ok::<(), outbox::Error>(())
+                }
+            }
+        })
+        .build()
+        .unwrap()
+        .start();
+    outbox_tests::eventually(10, "both gated handlers run", || {
+        let n = started.load(Ordering::SeqCst);
+        async move { n == 2 }
+    })
+    .await;
+    // Each application transaction locks one of the two rows, then lets its handler
+    // succeed: both acks meet a lock, in two statements of their own.
+    let mut apps = Vec::new();
+    for (i, payload) in ["\\x31", "\\x32"].iter().enumerate() {
+        let mut tx = f.pool.begin().await.unwrap();
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT id FROM {t} WHERE payload = '{payload}'::bytea FOR UPDATE"
+        )))
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+        apps.push(tx);
+        gates[i].notify_one();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    let more = format!(
+        "INSERT INTO {t} (queue, payload, next_attempt_at) \
+         SELECT '{Q}', convert_to('x' || i, 'UTF8'), now() FROM generate_series(1, 100) i"
+    );
+    sqlx::raw_sql(AssertSqlSafe(more))
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let count = format!("SELECT count(*) FROM {t}");
+    let left = || async {
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(count.clone()))
+            .fetch_one(&f.pool)
+            .await
+            .unwrap()
+    };
+    // Bound: 20 × (the completer's 250 ms stall + the store's 200 ms lock timeout).
+    outbox_tests::eventually(
+        9,
+        "the other 100 acks land while both locks are held",
+        || async { left().await == 2 },
+    )
+    .await;
+    for tx in apps {
+        tx.commit().await.unwrap();
+    }
+    outbox_tests::eventually(
+        10,
+        "the locked rows' acks land after the commits",
+        || async { left().await == 0 },
+    )
+    .await;
+    let report = worker.shutdown().await;
+    assert!(report.graceful, "{report:?}");
+    f.cleanup().await;
+}
