@@ -49,25 +49,29 @@ fn scans_of(plan: &Value, table: &str, out: &mut Vec<(String, bool)>) {
     }
 }
 
-/// The scans of `table` in the plan of `sql` with its parameters bound by `bind`, and the
-/// plan's text for messages.
+type Scalar<'q> = sqlx::query::QueryScalar<'q, sqlx::Postgres, Value, sqlx::postgres::PgArguments>;
+
+/// The JSON plan of `sql` with its parameters bound by `bind`.
+async fn plan_of<'q>(
+    f: &Fixture,
+    sql: &'q str,
+    bind: impl FnOnce(Scalar<'q>) -> Scalar<'q>,
+) -> Value {
+    let text: &'q str = Box::leak(format!("EXPLAIN (FORMAT JSON) {sql}").into_boxed_str());
+    bind(sqlx::query_scalar(AssertSqlSafe(text)))
+        .fetch_one(&f.pool)
+        .await
+        .unwrap_or_else(|e| panic!("EXPLAIN failed: {e}\n{sql}"))
+}
+
+/// The scans of the fixture's table in the plan of `sql` (see [`plan_of`]), and the plan's
+/// text for messages.
 async fn explain<'q>(
     f: &Fixture,
     sql: &'q str,
-    bind: impl FnOnce(
-        sqlx::query::QueryScalar<'q, sqlx::Postgres, Value, sqlx::postgres::PgArguments>,
-    ) -> sqlx::query::QueryScalar<
-        'q,
-        sqlx::Postgres,
-        Value,
-        sqlx::postgres::PgArguments,
-    >,
+    bind: impl FnOnce(Scalar<'q>) -> Scalar<'q>,
 ) -> (Vec<(String, bool)>, String) {
-    let text: &'q str = Box::leak(format!("EXPLAIN (FORMAT JSON) {sql}").into_boxed_str());
-    let plan: Value = bind(sqlx::query_scalar(AssertSqlSafe(text)))
-        .fetch_one(&f.pool)
-        .await
-        .unwrap_or_else(|e| panic!("EXPLAIN failed: {e}\n{sql}"));
+    let plan = plan_of(f, sql, bind).await;
     let table = f.outbox.table().trim_matches('"').to_owned();
     let mut scans = Vec::new();
     scans_of(&plan[0]["Plan"], &table, &mut scans);
@@ -313,17 +317,15 @@ async fn every_statement_reaches_the_table_through_an_index_with_stale_statistic
         .find(|(n, _)| *n == "claim.claim")
         .unwrap()
         .1;
-    let text: &str = Box::leak(format!("EXPLAIN (FORMAT JSON) {claim_sql}").into_boxed_str());
-    let plan: Value = sqlx::query_scalar(AssertSqlSafe(text))
-        .bind(queues.clone())
-        .bind(10i64)
-        .bind(ttl)
-        .bind(Uuid::new_v4())
-        .bind(Vec::<i64>::new())
-        .bind(caps.clone())
-        .fetch_one(&f.pool)
-        .await
-        .unwrap();
+    let plan = plan_of(&f, claim_sql, |q| {
+        q.bind(queues.clone())
+            .bind(10i64)
+            .bind(ttl)
+            .bind(Uuid::new_v4())
+            .bind(Vec::<i64>::new())
+            .bind(caps.clone())
+    })
+    .await;
     fn cte<'a>(plan: &'a Value, name: &str) -> Option<&'a Value> {
         if plan.get("Subplan Name").and_then(Value::as_str) == Some(name) {
             return Some(plan);
