@@ -1,6 +1,7 @@
 //! Tokens for a validated [`Model`].
 //!
-//! Hygiene rules for everything emitted here (SPEC §9, STYLE "serde"):
+//! Hygiene rules for everything emitted here (so the generated code means the same in any
+//! user module and needs no direct dependency on serde_json or sqlx):
 //! - the runtime is named only as `#krate::…` (`::outbox` by default), and std items only
 //!   through `#krate::__private`, so a user's shadowed `Result`, `Option`, `Into`, `str` or
 //!   `u32` cannot change what the code means;
@@ -89,9 +90,9 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
             __conn: impl #krate::Publisher,
             __timer_id: &#private::str,
             __payload: &#ident,
-            __schedule: impl #private::Into<#krate::Schedule>,
+            __schedule: impl #private::Into<#krate::message::Schedule>,
         ) -> #private::Result<#krate::Published, #krate::Error> {
-            #krate::publish_timer::<#ident>(__conn, __timer_id, __payload, __schedule).await
+            #krate::message::publish_timer::<#ident>(__conn, __timer_id, __payload, __schedule).await
         }
 
         #[doc = #doc_extend]
@@ -100,9 +101,9 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
             __conn: impl #krate::Publisher,
             __timer_id: &#private::str,
             __payload: &#ident,
-            __schedule: impl #private::Into<#krate::Schedule>,
+            __schedule: impl #private::Into<#krate::message::Schedule>,
         ) -> #private::Result<#krate::Published, #krate::Error> {
-            #krate::extend_timer::<#ident>(__conn, __timer_id, __payload, __schedule).await
+            #krate::message::extend_timer::<#ident>(__conn, __timer_id, __payload, __schedule).await
         }
 
         #[doc = #doc_slack]
@@ -111,10 +112,10 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
             __conn: impl #krate::Publisher,
             __timer_id: &#private::str,
             __payload: &#ident,
-            __schedule: impl #private::Into<#krate::Schedule>,
+            __schedule: impl #private::Into<#krate::message::Schedule>,
             __slack: #private::Duration,
         ) -> #private::Result<#krate::Published, #krate::Error> {
-            #krate::extend_timer_with_slack::<#ident>(
+            #krate::message::extend_timer_with_slack::<#ident>(
                 __conn, __timer_id, __payload, __schedule, __slack,
             )
             .await
@@ -126,7 +127,7 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
             __conn: impl #krate::Publisher,
             __timer_id: &#private::str,
         ) -> #private::Result<#krate::Cancelled, #krate::Error> {
-            #krate::cancel_timer::<#ident>(__conn, __timer_id).await
+            #krate::message::cancel_timer::<#ident>(__conn, __timer_id).await
         }
     }
 }
@@ -162,7 +163,7 @@ impl Docs {
              or `Schedule::now()`).\n\n\
              If a live timer already holds the key, nothing changes: `Published::Skipped`. \
              Use the `extend_` function to move an existing timer.\
-             {common} Same as `outbox::publish_timer::<{ty}, _>`.{errors_publish}"
+             {common} Same as `outbox::message::publish_timer::<{ty}, _>`.{errors_publish}"
         );
         let extend = format!(
             "Schedules or extends the `{ty}` timer `__timer_id` in queue `{queue}`, due at \
@@ -173,7 +174,7 @@ impl Docs {
              it fires again at the new deadline with `__payload` once the run ends \
              (`Published::RearmQueued`). A deadline that is not later than the timer's \
              changes nothing (`Published::Unchanged`): a timer never moves earlier.\
-             {common} Same as `outbox::extend_timer::<{ty}, _>`.{errors_publish}"
+             {common} Same as `outbox::message::extend_timer::<{ty}, _>`.{errors_publish}"
         );
         let extend_with_slack = format!(
             "As `extend_{snake}`, but a move of a pending timer's deadline (or of a queued \
@@ -184,17 +185,20 @@ impl Docs {
              handler must re-check the activity the timer stands for and, when the real \
              deadline has not passed, extend the timer again to it instead of acting. A \
              timer never fires later than asked.\
-             {common} Same as `outbox::extend_timer_with_slack::<{ty}, _>`.{errors_publish} \
-             A `__slack` over `outbox::MAX_SLACK` is `Error::InvalidArgument` too.",
+             {common} Same as `outbox::message::extend_timer_with_slack::<{ty}, _>`.{errors_publish} \
+             A `__slack` over `outbox::message::MAX_SLACK` is `Error::InvalidArgument` too.",
             snake = ty.to_string().to_snake_case()
         );
         let cancel = format!(
             "Cancels the `{ty}` timer `__timer_id` in queue `{queue}`.\n\n\
-             A pending timer is deleted (`Cancelled::Deleted`). A running timer is never \
-             deleted: a rearm queued behind it is dropped (`Cancelled::RearmDropped`), or \
-             nothing changes and the run completes normally (`Cancelled::Running`). No live \
-             timer: `Cancelled::NotFound`.\
-             {common} Same as `outbox::cancel_timer::<{ty}, _>`.\n\n\
+             The row is locked first (`SELECT … FOR UPDATE`), so a run cannot finish and \
+             re-arm the timer between the cancel's look and its write. A pending timer is \
+             deleted (`Cancelled::Deleted`). A running timer is never deleted by the \
+             cancel: it is marked, and however its run ends the row is then deleted (no \
+             retry, no rearm, no dead letter); a rearm queued behind it is dropped \
+             (`Cancelled::RearmDropped`, else `Cancelled::Running`). An extend after the \
+             cancel re-arms the timer. No live timer: `Cancelled::NotFound`.\
+             {common} Same as `outbox::message::cancel_timer::<{ty}, _>`.\n\n\
              # Errors\n\n`Error::InvalidArgument` for a bad timer id, before any SQL runs; \
              `Error::Database`."
         );

@@ -1,5 +1,5 @@
 //! `#[derive(FromRef)]`: one `FromRef<State>` impl per field of a state struct, so a handler
-//! can ask its [`Context`] for a field by its type (SPEC §7.10).
+//! can ask its [`Context`] for a field by its type.
 //!
 //! Attributes: `#[from_ref(skip)]` on a field leaves it out (two fields of one type would
 //! otherwise give two conflicting impls); `#[from_ref(crate = "path")]` on the struct names

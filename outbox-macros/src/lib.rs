@@ -1,4 +1,4 @@
-//! The `#[timer]` attribute of the [`outbox`](https://docs.rs/outbox) crate (SPEC §9).
+//! The `#[timer]` attribute of the [`outbox`](https://docs.rs/outbox) crate.
 //!
 //! Use it through the runtime crate, as `#[outbox::timer(...)]`; this crate is an
 //! implementation detail and its version always matches `outbox`'s exactly.
@@ -50,9 +50,9 @@
 //!     conn: impl outbox::Publisher,
 //!     timer_id: &str,
 //!     payload: &PresenceExpiry,
-//!     schedule: impl Into<outbox::Schedule>,
+//!     schedule: impl Into<outbox::message::Schedule>,
 //! ) -> Result<outbox::Published, outbox::Error> {
-//!     outbox::publish_timer::<PresenceExpiry>(conn, timer_id, payload, schedule).await
+//!     outbox::message::publish_timer::<PresenceExpiry>(conn, timer_id, payload, schedule).await
 //! }
 //!
 //! /// Schedules the timer or moves it later: `Inserted`, `Extended`, `RearmQueued` (its
@@ -61,9 +61,9 @@
 //!     conn: impl outbox::Publisher,
 //!     timer_id: &str,
 //!     payload: &PresenceExpiry,
-//!     schedule: impl Into<outbox::Schedule>,
+//!     schedule: impl Into<outbox::message::Schedule>,
 //! ) -> Result<outbox::Published, outbox::Error> {
-//!     outbox::extend_timer::<PresenceExpiry>(conn, timer_id, payload, schedule).await
+//!     outbox::message::extend_timer::<PresenceExpiry>(conn, timer_id, payload, schedule).await
 //! }
 //!
 //! /// Cancels the timer: `Deleted`, `RearmDropped`, `Running` or `NotFound`.
@@ -71,7 +71,7 @@
 //!     conn: impl outbox::Publisher,
 //!     timer_id: &str,
 //! ) -> Result<outbox::Cancelled, outbox::Error> {
-//!     outbox::cancel_timer::<PresenceExpiry>(conn, timer_id).await
+//!     outbox::message::cancel_timer::<PresenceExpiry>(conn, timer_id).await
 //! }
 //! ```
 //!
@@ -89,9 +89,10 @@
 //! - `publish_<snake>`, `extend_<snake>`, `extend_<snake>_with_slack` and `cancel_<snake>`
 //!   are named after the struct
 //!   in snake case (`PresenceExpiry` → `presence_expiry`) and have the struct's
-//!   visibility (`pub`, `pub(crate)`, private, …). Their outcomes are SPEC §2.2's
-//!   [`Published`](https://docs.rs/outbox/latest/outbox/enum.Published.html) and §3's
-//!   [`Cancelled`](https://docs.rs/outbox/latest/outbox/enum.Cancelled.html).
+//!   visibility (`pub`, `pub(crate)`, private, …). They return
+//!   [`Published`](https://docs.rs/outbox/latest/outbox/enum.Published.html) (publish and
+//!   extend) and [`Cancelled`](https://docs.rs/outbox/latest/outbox/enum.Cancelled.html)
+//!   (cancel).
 //! - `conn` is anything implementing `outbox::Publisher`, passed by value: `&mut *tx` for
 //!   a `sqlx::Transaction` (or `&mut tx`), `&mut *conn` for a connection from
 //!   `pool.acquire()`, `&pool` (a `&PgPool`: autocommit, so not in your transaction), all
@@ -100,7 +101,7 @@
 //!   else is a compile error that lists these forms. The library never begins, commits or
 //!   rolls back your transaction.
 //! - `schedule` is a `std::time::Duration` (relative to the **database** clock), a
-//!   `chrono::DateTime<Utc>` or `SystemTime` (absolute), or `outbox::Schedule::now()`.
+//!   `chrono::DateTime<Utc>` or `SystemTime` (absolute), or `outbox::message::Schedule::now()`.
 //! - Handlers are registered on a worker by type (`T: outbox::Timer`), which is all the
 //!   worker needs from the macro: the queue comes from `T::QUEUE`, the payload is decoded
 //!   as JSON into `T` (a payload that does not decode is the runtime's terminal
@@ -111,13 +112,13 @@
 //!
 //! | argument | required | value |
 //! |---|---|---|
-//! | `queue = "..."` | yes | the queue's name: 1..=255 bytes of ASCII letters, digits, `.`, `_`, `:` and `-` (SPEC §2.1 allows more; the macro keeps names safe for metric labels, logs and shells) |
-//! | `max_deliveries = N` | yes | an integer literal from 1 to `u32::MAX`: how many claims a row may have before it is a terminal failure with reason `max_deliveries`, checked before the handler runs (SPEC §6). Counts reclaims after lost leases too, so it also stops a handler that crashes its worker every time |
+//! | `queue = "..."` | yes | the queue's name: 1..=255 bytes of ASCII letters, digits, `.`, `_`, `:` and `-` (the runtime accepts any 1..=255 bytes without NUL; the macro keeps names safe for metric labels, logs and shells) |
+//! | `max_deliveries = N` | yes | an integer literal from 1 to `u32::MAX`: how many claims a row may have: a claim that brings its `deliveries_count` past `N` is a terminal failure with reason `max_deliveries`, and the handler does not run. Counts reclaims after lost leases too, so it also stops a handler that crashes its worker every time |
 //! | `crate = "path"` | no | where the runtime crate is, for crates that re-export `outbox` or rename the dependency: `crate = "my_lib::outbox"`. Default `::outbox` |
 //!
 //! Retry strategy and lease length are not arguments: they are chosen where a handler is
-//! registered on a worker (SPEC §7.1), so the same payload type can be served with
-//! different settings by different deployments, and the struct stays a plain data type.
+//! registered on a worker, so the same payload type can be served with different settings
+//! by different deployments, and the struct stays a plain data type.
 //!
 //! # Errors at compile time
 //!
@@ -153,8 +154,8 @@ use crate::validate::Checked;
 
 /// Derives `outbox::FromRef<Self>` for the type of each field of a state struct, so a
 /// handler of a worker given this state ([`WorkerBuilder::state`]) can ask its context for
-/// a field by type: `ctx.state::<PgPool>()` (SPEC §7.10). Each field's type must be
-/// `Clone` (keep them cheap: pools, `Arc`s).
+/// a field by type: `ctx.state::<PgPool>()`; asking for a type the state does not provide
+/// does not compile. Each field's type must be `Clone` (keep them cheap: pools, `Arc`s).
 ///
 /// ```
 /// #[derive(Clone, outbox::FromRef)]
@@ -178,7 +179,7 @@ pub fn derive_from_ref(input: TokenStream) -> TokenStream {
     from_ref::derive(input.into()).into()
 }
 
-/// Turns a payload struct into a typed timer (SPEC §9).
+/// Turns a payload struct into a typed timer.
 ///
 /// ```
 /// use outbox::Timer;

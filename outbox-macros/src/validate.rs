@@ -1,5 +1,5 @@
-//! The rules on `#[timer]`'s input (SPEC §9): the queue name, `max_deliveries`, and the
-//! shape of the annotated item. Every broken rule is recorded, spanned at its token.
+//! The rules on `#[timer]`'s input: the queue name, `max_deliveries`, and the shape of the
+//! annotated item. Every broken rule is recorded, spanned at its token.
 
 use proc_macro2::Span;
 use syn::{Ident, Item, LitStr, Visibility};

@@ -29,3 +29,10 @@ pub fn statements(outbox: &crate::Outbox) -> Vec<(&'static str, String)> {
         .map(|(name, sql)| (name, sql.to_owned()))
         .collect()
 }
+
+/// Applies only the base shape (the first migration step: the queue table without the rearm
+/// columns, the rearm CHECK and the cancel mark, plus the dead-letter table), as a
+/// deployment that predates rearm has it: the project's upgrade tests start from it.
+pub async fn migrate_base_only(outbox: &crate::Outbox, pool: &sqlx::PgPool) -> crate::Result<()> {
+    outbox.migrate_base_only(pool).await
+}

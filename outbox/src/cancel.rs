@@ -1,4 +1,5 @@
-//! Cancelling a keyed timer (SPEC §3).
+//! Cancelling a keyed timer: lock the row first (`SELECT … FOR UPDATE`), then delete a
+//! pending row or mark a running one.
 
 use sqlx::{PgConnection, Row};
 
@@ -6,7 +7,9 @@ use crate::error::Result;
 use crate::publish::{validate_queue, validate_timer_id};
 use crate::sql;
 
-/// What a cancel did (SPEC §3).
+/// What a cancel did. A cancel locks the timer's row first (`SELECT … FOR UPDATE`) and then
+/// writes, so a run cannot finish and apply its rearm between the cancel's look and its
+/// write. A running row is never deleted by a cancel: its handler is still at work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Cancelled {

@@ -2,8 +2,13 @@
 
 use std::fmt;
 
-/// Where the upgrade guide lives; every error about missing rearm columns points here.
-pub const UPGRADE_GUIDE: &str = "docs/upgrading.md";
+/// The address of the upgrade guide for this version ([`upgrading`](crate::schema::upgrading)
+/// on docs.rs); every error about a schema that predates this version points here.
+pub const UPGRADE_GUIDE: &str = concat!(
+    "https://docs.rs/outbox/",
+    env!("CARGO_PKG_VERSION"),
+    "/outbox/schema/upgrading/index.html"
+);
 
 /// Everything that can go wrong in `outbox`.
 ///
@@ -13,8 +18,11 @@ pub const UPGRADE_GUIDE: &str = "docs/upgrading.md";
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// An argument of a publish, extend, cancel or read call broke a rule of SPEC §2.1.
-    /// `field` names the argument (`queue`, `timer_id`, `headers`, `schedule`, ...).
+    /// An argument of a publish, extend, cancel or read call broke a rule: a queue name or
+    /// timer id that is empty, longer than 255 bytes or contains NUL; a payload over 64 MiB;
+    /// headers over 64 KiB in total or containing NUL; a negative or overflowing delay;
+    /// `OnConflict::Extend` without a timer id. `field` names the argument (`queue`,
+    /// `timer_id`, `payload`, `headers`, `schedule`, ...).
     #[error("invalid `{field}`: {reason}")]
     InvalidArgument {
         /// The argument that was rejected.
@@ -53,9 +61,10 @@ pub enum Error {
         second: String,
     },
 
-    /// The queue table predates a schema upgrade this version needs (SPEC §1.3): a rearm
-    /// column or the cancel mark `cancelled_at` is missing. Run [`crate::migrate`] (or the
-    /// steps of the upgrade guide) before deploying this version.
+    /// The queue table predates a schema upgrade this version needs: a rearm column or the
+    /// cancel mark `cancelled_at` is missing (Postgres reported SQLSTATE 42703,
+    /// `undefined_column`). Run [`crate::migrate`] (or apply the statements of
+    /// `migration_steps()` with your own migration tool) before deploying this version.
     #[error("the outbox table lacks a column this version needs ({detail}); run the schema upgrade first (`outbox::migrate`), see {UPGRADE_GUIDE}")]
     UpgradeRequired {
         /// What Postgres reported.
@@ -65,13 +74,23 @@ pub enum Error {
     /// The queue table does not exist (SQLSTATE 42P01): the migrations have not run against
     /// this database, schema or `search_path`. Run [`crate::migrate`] (or
     /// [`crate::Outbox::migrate`] for your names) first.
-    #[error("the outbox tables do not exist ({detail}); run `outbox::migrate()` (or the files in migrations/) against this database first")]
+    #[error("the outbox tables do not exist ({detail}); run `outbox::migrate()` (or the SQL of `outbox::schema::migration_steps()`) against this database first")]
     NotMigrated {
         /// What Postgres reported (it names the missing table).
         detail: String,
     },
 
-    /// A migration step could not run within the deadline of [`crate::MigrateOptions`]:
+    /// The schema the [`Outbox`](crate::Outbox) names does not exist (SQLSTATE 3F000
+    /// invalid_schema_name). `migrate` creates the outbox's tables, never the schema itself
+    /// (who owns a schema, and its grants, is the database owner's decision): create it first
+    /// (`CREATE SCHEMA <name>`), then migrate.
+    #[error("the schema does not exist ({detail}); create it first (`CREATE SCHEMA …`): `outbox::migrate` creates the outbox's tables, not their schema")]
+    SchemaNotFound {
+        /// What Postgres reported (it names the schema).
+        detail: String,
+    },
+
+    /// A migration step could not run within the deadline of [`crate::schema::MigrateOptions`]:
     /// other sessions held what it needs the whole time (a table lock held by a long
     /// transaction or an idle-in-transaction session; the advisory lock of another
     /// `migrate()` busy with a long step; for a `CREATE INDEX CONCURRENTLY`, an older
@@ -91,7 +110,7 @@ pub enum Error {
         holders: Vec<LockHolder>,
     },
 
-    /// [`crate::validate_schema`] found the live database different from what this
+    /// [`crate::schema::validate_schema`] found the live database different from what this
     /// version needs. Every problem is listed.
     #[error("the outbox schema does not match this version: {}", SchemaProblems(.problems))]
     SchemaMismatch {
@@ -141,7 +160,7 @@ impl fmt::Display for SchemaProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.object, self.message)?;
         if self.needs_upgrade {
-            write!(f, " (run the schema upgrade, see {UPGRADE_GUIDE})")?;
+            write!(f, " (run the schema upgrade: `Outbox::migrate` with this outbox's settings; see {UPGRADE_GUIDE})")?;
         }
         Ok(())
     }
@@ -222,6 +241,15 @@ impl From<sqlx::Error> for Error {
                 };
             }
         }
+        // SQLSTATE 3F000 invalid_schema_name: an explicit schema of the Outbox that was never
+        // created (migrate does not create schemas).
+        if let sqlx::Error::Database(db) = &e {
+            if db.code().as_deref() == Some("3F000") {
+                return Error::SchemaNotFound {
+                    detail: db.message().to_owned(),
+                };
+            }
+        }
         // SQLSTATE 42P01 undefined_table: every statement of ours names only our tables
         // (and the catalog), so the migrations have not run here.
         if let sqlx::Error::Database(db) = &e {
@@ -288,7 +316,7 @@ impl Error {
 
     /// True for errors that a second try of the same write can clear: a deadlock (40P01),
     /// a serialization failure (40001) or a lock timeout (55P03). The worker retries a
-    /// completion that meets one while its lease lasts (SPEC §7.4).
+    /// completion that meets one while its lease lasts.
     pub fn is_transient(&self) -> bool {
         matches!(
             self.sqlstate().as_deref(),
@@ -298,8 +326,9 @@ impl Error {
 
     /// True for errors caused by one row's data: a data exception (class 22), an integrity
     /// constraint violation (class 23) or an exception raised by a trigger (`P0001`). Only
-    /// these start the isolation of a claim that fails (SPEC §7.4); connection loss,
-    /// timeouts, lock and serialization errors never do.
+    /// these start the isolation of a claim that fails (the claim is retried on halves of its
+    /// rows down to the failing one); connection loss, timeouts, lock and serialization errors
+    /// never do.
     pub fn is_row_fault(&self) -> bool {
         self.sqlstate()
             .is_some_and(|c| c.starts_with("22") || c.starts_with("23") || c == "P0001")

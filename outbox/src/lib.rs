@@ -3,15 +3,15 @@
 //! A Postgres table is the queue (the *transactional outbox*): your application writes its
 //! domain rows and a queue row **in the same transaction**, so a message exists if and only
 //! if the business change committed. Workers claim due rows with `FOR UPDATE SKIP LOCKED`
-//! under a lease token, and every write after a claim is fenced by that token.
+//! (Postgres skips rows another transaction has locked, so two workers never take the same
+//! row and neither waits for the other) under a lease token, and every write after a claim
+//! names that token in its `WHERE` clause: a worker whose lease expired and was taken over
+//! matches no row, so it cannot undo the new owner's work.
 //!
-//! On top sit **keyed timers**: one live row per `(queue, timer_id)`, scheduled, extended
-//! (later only) and cancelled. Extending a timer whose handler is already running queues a
-//! **rearm** on the running row, applied atomically when the run ends, so the extension is
-//! never lost.
-//!
-//! The contract is `docs/SPEC.md` in the repository; section numbers (§) in these docs refer
-//! to it.
+//! On top sit **keyed timers**: one live row per `(queue, timer_id)` (a unique index), scheduled,
+//! extended (later only) and cancelled. Extending a timer whose handler is already running
+//! queues a **rearm** on the running row, applied atomically by the statement that ends the
+//! run, so the extension is never lost.
 //!
 //! ## Quick start
 //!
@@ -24,7 +24,8 @@
 //! pub struct PresenceExpiry { pub user_id: i64 }
 //!
 //! async fn on_expiry(t: PresenceExpiry, _ctx: Context) -> Result<(), sqlx::Error> {
-//!     // mark t.user_id offline, re-checking last_seen in the same transaction (SPEC §5.4)
+//!     // Mark t.user_id offline. A rearm does not undo what a run did, so re-check
+//!     // last_seen in the same transaction as the write.
 //!     Ok(())
 //! }
 //!
@@ -48,18 +49,25 @@
 //!
 //! ## Map
 //!
-//! | concern | where | SPEC |
-//! |---|---|---|
-//! | table names, identifiers, the [`Outbox`] handle | [`Outbox`], [`OutboxBuilder`] | §1 |
-//! | migrations (online: catalog checks, lock timeouts, concurrent index builds) and the schema upgrades | [`migrate`], [`Outbox::migrate`], [`Outbox::migrate_with`], [`MigrateOptions`], [`Outbox::applied_migrations`], [`migration_steps`] | §1.3 |
-//! | publish, extend, batch | [`Outbox::publish`], [`Outbox::publish_batch`], [`Message`], [`Published`] | §2, §4, §5 |
-//! | cancel (sticks: a running timer is marked, and deleted however its run ends) | [`Outbox::cancel`], [`Cancelled`] | §3 |
-//! | claim, fenced completions, renewal, release | [`Store`], [`PgStore`], [`Completion`], [`ClaimRequest`] | §5.1, §5.2, §6, §7.5, §7.8 |
-//! | reading and validating | [`Outbox::pending`], [`PgStore::pending`], [`PgStore::dead_letters`], [`Outbox::validate_schema`] | §8 |
-//! | the typed layer | [`timer`] (macro), [`Timer`], [`Publisher`] | §9 |
-//! | workers | [`Worker`], [`WorkerBuilder`], [`RetryStrategy`], [`Context`], [`Outcome`] | §7 |
-//! | leases kept alive, poison rows, shutdown | [`Worker`] (its docs), [`Context::cancelled`], [`HandlerOptions::timeout`], [`ShutdownReport`] | §7.4, §7.5, §7.8 |
-//! | tests without a database | [`testing`] | §10 |
+//! The crate root holds what the quick start types; every other item has one path, in a
+//! module named for its job.
+//!
+//! | concern | where |
+//! |---|---|
+//! | table names and identifiers, the [`Outbox`] handle | [`Outbox`], [`OutboxBuilder`] |
+//! | publish, extend, cancel | [`Outbox::publish`], [`Outbox::publish_batch`], [`Outbox::cancel`], [`Message`], [`Published`], [`Cancelled`]; schedules, headers, batches and limits in [`message`] |
+//! | the typed layer | [`timer`] (the attribute), [`Timer`], [`Publisher`]; the functions it wraps in [`message`] |
+//! | workers and handlers | [`Worker`], [`WorkerBuilder`], [`RunningWorker`], [`ShutdownReport`], [`Context`], [`Outcome`], [`HandlerOptions`], [`RetryStrategy`], [`HandlerTransaction`]; traits, decisions and defaults in [`worker`] |
+//! | storage: claim, fenced completions, renewal, release, reading rows | [`PgStore`]; the [`store::Store`] contract and its types in [`store`] |
+//! | migrations (online), validation, upgrading an older schema | [`migrate`], [`Outbox::migrate`]; the rest in [`schema`], the guide in [`schema::upgrading`] |
+//! | tests without a database (feature `testing`) | [`testing`] |
+//!
+//! ## Features
+//!
+//! - `testing` (off by default): the `testing` module, an in-memory store with a virtual
+//!   clock that behaves as [`PgStore`] does, so handlers are tested without a database and
+//!   without sleeping. Turn it on for your tests only:
+//!   `[dev-dependencies] outbox = { version = "0.1", features = ["testing"] }`.
 //!
 //! ## Units and clocks
 //!
@@ -76,16 +84,16 @@
 //! [`Error::InvalidArgument`] naming the field, returned **before any SQL runs**. Bad names
 //! are [`Error::InvalidName`], bad worker knobs [`Error::InvalidConfig`], both naming the
 //! offender. A table that predates a schema upgrade gives [`Error::UpgradeRequired`],
-//! whose message points to `docs/upgrading.md`; a database where the tables do not exist
-//! gives [`Error::NotMigrated`], which says to run [`migrate`].
+//! whose message links the upgrade guide ([`schema::upgrading`]); a database where the
+//! tables do not exist gives [`Error::NotMigrated`], which says to run [`migrate`]; an
+//! explicit schema that does not exist gives [`Error::SchemaNotFound`] (`migrate` creates
+//! tables, not schemas).
 //!
-//! ## Decisions where the specification is silent
+//! ## Decisions a user relies on
 //!
 //! - **Dead-letter queue** is off by default ([`OutboxBuilder::dead_letter`]); the table is
-//!   still created by the migrations so it can be turned on without recreating anything
-//!   (the `migrate()` of an outbox with it on adds its later upgrades: the redrive columns
-//!   and the `(failed_at)` index). Off, a terminal failure deletes the row (or applies its
-//!   rearm).
+//!   still created by the migrations so it can be turned on without recreating anything.
+//!   Off, a terminal failure deletes the row (or applies its rearm).
 //! - **`Published::Unchanged`** carries no id: reporting it would need a second statement
 //!   on a path that wrote nothing.
 //! - **Cancel outside a transaction** (a bare connection, autocommit) is still safe: each
@@ -93,43 +101,51 @@
 //!   changed in between.
 //! - **Claim order among equal deadlines** follows the pending index (heap order), so the
 //!   claim cost stays independent of the backlog even when thousands of rows share one
-//!   `now()`; the claimed batch itself is ordered by `(next_attempt_at, id)`.
+//!   `now()`; the queues of one claim take turns (round robin), each within its own limit.
 //! - **`attempts_count` in the dead-letter row** includes the final failed run when the
 //!   handler ran (`rejected`, `retry_exhausted`), not for `decode_error` or
 //!   `max_deliveries` (the handler never ran).
 //! - **`Outcome::RetryAfter`** replaces the strategy's delay but still obeys its
 //!   `max_attempts`.
-//! - **Raw queues** default to `max_deliveries = 10` ([`DEFAULT_MAX_DELIVERIES`]).
+//! - **Raw queues** default to `max_deliveries = 10` ([`worker::DEFAULT_MAX_DELIVERIES`]).
 //! - **Panics** in a handler are caught and treated as a failed run (retry per strategy).
 //! - **Notifications** carry `<deadline epoch ms>:<queue>` on the channel
-//!   `<table>_wakeup` (`<schema>.<table>_wakeup` with an explicit schema).
+//!   `<table>_wakeup` (`<schema>.<table>_wakeup` with an explicit schema), sent with
+//!   `pg_notify` in the publishing transaction: Postgres delivers it at commit, never for a
+//!   rolled-back one.
 //! - **Publishing through generated functions** on a plain connection uses
 //!   [`Outbox::global`] (the defaults unless [`Outbox::set_global`] was called); to use
 //!   another outbox, pass `outbox.on(&mut *tx)` ([`Outbox::on`]).
-//! - **Sizes**: a payload holds at most 64 MiB ([`MAX_PAYLOAD_BYTES`]) and a message's
-//!   headers 64 KiB in all ([`MAX_HEADERS_BYTES`]): far below Postgres' own 1 GiB, which a
-//!   statement cannot carry without resetting the connection.
+//! - **Sizes**: a payload holds at most 64 MiB ([`message::MAX_PAYLOAD_BYTES`]) and a
+//!   message's headers 64 KiB in all ([`message::MAX_HEADERS_BYTES`]): far below Postgres'
+//!   own 1 GiB field limit, which a statement cannot carry without resetting the connection.
 //! - **Lease renewal** runs every third of `lease_ttl`; a row locked by another transaction
-//!   at that moment is reported [`Renewal::Busy`] and tried again next time, never
+//!   at that moment is reported [`store::Renewal::Busy`] and tried again next time, never
 //!   declared lost on that ground.
-//! - **Migration lock waits**: each try of a step waits at most 3 s for its table locks,
-//!   and `migrate()` keeps trying for 5 minutes ([`MigrateOptions`]); applied steps are
-//!   recorded in `<table>_schema_migrations`, next to the queue table.
-//! - **Handler timeout** defaults to 5 minutes ([`DEFAULT_HANDLER_TIMEOUT`]).
+//! - **Migration lock waits**: each try of a step waits at most 3 s for its table locks
+//!   (`SET lock_timeout`: a DDL statement waiting for a lock blocks every later query of the
+//!   table, so waits are kept short and retried), and `migrate()` keeps trying for 5 minutes
+//!   ([`schema::MigrateOptions`]); applied steps are recorded in
+//!   `<table>_schema_migrations`, next to the queue table.
+//! - **Handler timeout** defaults to 5 minutes ([`worker::DEFAULT_HANDLER_TIMEOUT`]).
 //! - **Worker writes with a lock timeout** (completions, renewal, release) use 200 ms
-//!   ([`store::postgres::LOCK_TIMEOUT`]) on a second pool the [`PgStore`] opens itself.
+//!   ([`store::LOCK_TIMEOUT`]) on a second pool the [`PgStore`] opens itself.
 //! - **A row no claim can take** is set aside for 1 s, doubling up to 5 minutes, and after
 //!   `max_deliveries` such failures deleted (archived with reason `max_deliveries`).
 //! - **Shutdown** gives back rows claimed but not started at once, rather than running
-//!   them, and returns within `graceful_timeout` + [`SHUTDOWN_GRACE`] (250 ms).
-//! - **A failed run of a cancelled timer** reports [`Completion::Cancelled`] (its row is
-//!   deleted); a successful one reports [`Completion::Deleted`] as usual.
+//!   them, and returns within `graceful_timeout` + [`worker::SHUTDOWN_GRACE`] (250 ms).
+//! - **A failed run of a cancelled timer** reports [`store::Completion::Cancelled`] (its row
+//!   is deleted); a successful one reports [`store::Completion::Deleted`] as usual.
 #![deny(missing_docs)]
 #![warn(unreachable_pub)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 // Modules from the leaves up: names → sql → publish, cancel, read, migrate, validate →
-// outbox (the handle) → timer (the typed layer) → store → worker, testing. Each imports
-// only modules before it.
+// outbox (the handle) → timer (the typed layer) → store → worker, testing; `schema` and
+// `message` only gather public items. Each imports only modules before it.
+//
+// The public surface: the crate root holds what the quick start types; everything else has
+// exactly one path, in `message`, `schema`, `store`, `worker` or `testing`.
 mod cancel;
 mod error;
 mod migrate;
@@ -139,42 +155,35 @@ mod publish;
 mod read;
 mod shape;
 mod sql;
-pub mod store;
-pub mod testing;
 mod timer;
 mod validate;
-mod worker;
+
+pub mod message;
+pub mod schema;
+pub mod store;
+#[cfg(any(test, feature = "testing"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
+pub mod worker;
 
 #[doc(hidden)]
 pub mod __private; // Not public API.
 
 pub use cancel::Cancelled;
-pub use error::{Error, LockHolder, Result, SchemaProblem, UPGRADE_GUIDE};
-pub use migrate::{AppliedMigration, MigrateOptions, MigrationStep};
-pub use names::DEFAULT_TABLE;
-pub use outbox::{migrate, migration_steps, validate_schema, Bound, Outbox, OutboxBuilder};
+pub use error::{Error, Result};
+pub use outbox::{migrate, Outbox, OutboxBuilder};
 pub use outbox_macros::{timer, FromRef};
-pub use publish::{
-    BatchItem, Headers, Message, OnConflict, Published, Schedule, MAX_DELAY, MAX_HEADERS_BYTES,
-    MAX_NAME_BYTES, MAX_PAYLOAD_BYTES, MAX_SLACK,
-};
-pub use read::{DeadLetter, StoredRow};
+pub use publish::{Message, Published};
 pub use store::postgres::PgStore;
-pub use store::transaction::{HandlerTransaction, TransactionSource};
-pub use store::{
-    AutovacuumOff, ClaimRequest, Completion, Delivery, Failure, FailureReason, Lease, NextWakeup,
-    Release, Released, Renewal, Store, Wakeup,
-};
-pub use timer::{
-    cancel_timer, extend_timer, extend_timer_with_slack, publish_timer, Publisher, Timer,
-};
+pub use store::transaction::HandlerTransaction;
+pub use timer::{Publisher, Timer};
 pub use worker::builder::WorkerBuilder;
-pub use worker::handler::{
-    CancelReason, Context, Decision, FromRef, Handler, HandlerOptions, IntoOutcome, Outcome,
-    DEFAULT_HANDLER_TIMEOUT, DEFAULT_MAX_DELIVERIES,
-};
-pub use worker::retry::{RetryStrategy, MAX_RETRY_DELAY};
-pub use worker::{
-    Dispatched, RunningWorker, ShutdownReport, Worker, DEFAULT_ACK_BATCH_SIZE, RUN_DUE_LIMIT,
-    SHUTDOWN_GRACE,
-};
+pub use worker::handler::{Context, FromRef, HandlerOptions, Outcome};
+pub use worker::retry::RetryStrategy;
+pub use worker::run::{RunningWorker, ShutdownReport, Worker};
+
+// The README's code blocks are compiled as this crate's doc tests (cfg(doctest) only, so a
+// packaged build never reads a file outside the crate).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;

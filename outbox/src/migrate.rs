@@ -1,4 +1,4 @@
-//! Migrations (SPEC §1.3): the steps `sql::ddl` renders, run so that they never stop the
+//! Migrations: the steps `sql::ddl` renders, run so that they never stop the
 //! application.
 //!
 //! - A step already applied is recognised in the catalog and skipped: on an up-to-date schema
@@ -11,8 +11,9 @@
 //!   interrupted build is dropped and built again.
 //! - Every step applied (or found applied) is recorded in `<table>_schema_migrations`.
 //!
-//! The scripts are the files of the repository's `migrations/` folder for the default names
-//! (a test keeps them identical), in sqlx's format, for users who run their own tool.
+//! Users who run their own migration tool get the same scripts from `migration_steps()`
+//! (for the default names they are also the files of the project repository's
+//! `migrations/` folder, in sqlx's format; a test keeps them identical).
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -70,12 +71,13 @@ pub struct AppliedMigration {
 ///
 /// ```
 /// use std::time::Duration;
-/// let options = outbox::MigrateOptions::default()
+/// let options = outbox::schema::MigrateOptions::default()
 ///     .lock_timeout(Duration::from_secs(2))
 ///     .deadline(Duration::from_secs(60));
 /// # let _ = options;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "MigrateOptions apply only once given to `Outbox::migrate_with`"]
 pub struct MigrateOptions {
     lock_timeout: Duration,
     deadline: Duration,
@@ -282,7 +284,8 @@ async fn table_facts(db: &mut PgConnection, qualified: &str) -> Result<TableFact
     })
 }
 
-/// Applies the first `count` steps that the catalog does not show applied (SPEC §1.3).
+/// Applies the first `count` steps that the catalog does not show applied; a step the
+/// catalog shows applied is skipped without taking its DDL's table locks.
 /// Without the dead-letter queue, the steps that only upgrade the dead-letter table are
 /// left for the `migrate()` that turns it on.
 pub(crate) async fn run(

@@ -1,6 +1,5 @@
-//! Identifiers (SPEC §1): the configured schema, table and dead-letter table, every name
-//! derived from them, quoting, and Postgres' 63-byte rule. The leaf every statement is
-//! rendered from.
+//! Identifiers: the configured schema, table and dead-letter table, every name derived from
+//! them, quoting, and Postgres' 63-byte rule. The leaf every statement is rendered from.
 
 use crate::error::{Error, Result};
 
@@ -8,7 +7,8 @@ use crate::error::{Error, Result};
 /// because a silently truncated index name would make two tables collide.
 pub(crate) const MAX_IDENTIFIER_BYTES: usize = 63;
 
-/// The default queue table name (SPEC §1).
+/// The default queue table name. Its dead-letter table is `outbox_dlq`, and both live in the
+/// connection's `search_path` unless a schema is configured.
 pub const DEFAULT_TABLE: &str = "outbox";
 
 /// Quotes an identifier for SQL text: `my "t"` becomes `"my ""t"""`.
@@ -64,7 +64,8 @@ pub(crate) struct Names {
     pub versions_name: String,
     /// Its quoted, qualified form.
     pub qversions: String,
-    /// The LISTEN/NOTIFY channel (SPEC §2.4).
+    /// The LISTEN/NOTIFY channel: `<table>_wakeup`, schema-qualified with an explicit
+    /// schema.
     pub channel: String,
     /// Whether statements notify `channel` when they make a row due (default true; an
     /// `Outbox` built with `notify(false)` renders them without `pg_notify`).

@@ -63,7 +63,9 @@ impl Default for Outbox {
 static GLOBAL: OnceLock<Outbox> = OnceLock::new();
 
 impl Outbox {
-    /// Starts a configuration with the defaults of SPEC §1.
+    /// Starts a configuration with the defaults: table `outbox`, dead-letter table
+    /// `<table>_dlq`, the connection's `search_path`, dead-letter queue off, notifications
+    /// on.
     pub fn builder() -> OutboxBuilder {
         OutboxBuilder::default()
     }
@@ -108,7 +110,9 @@ impl Outbox {
         self.inner.names.notify
     }
 
-    /// The channel workers `LISTEN` on and publishes notify (SPEC §2.4).
+    /// The channel workers `LISTEN` on and publishes notify: `<table>_wakeup`
+    /// (`<schema>.<table>_wakeup` with an explicit schema). A notification's payload is
+    /// `<deadline as epoch milliseconds>:<queue>`, never payload data.
     pub fn channel(&self) -> &str {
         &self.inner.names.channel
     }
@@ -126,16 +130,24 @@ impl Outbox {
         &self.inner.sql
     }
 
-    /// Publishes one message on the caller's connection or transaction (SPEC §2).
+    /// Publishes one message on the caller's connection or transaction, in one statement.
+    /// The library never begins, commits or rolls back your transaction.
     ///
     /// Pass a transaction as `&mut *tx`: the row and its wake-up notification exist only if
-    /// that transaction commits. With [`OnConflict::Extend`](crate::OnConflict::Extend) this
-    /// is the extend of SPEC §4 (pending row) and §5 (running row → rearm), in one
-    /// statement.
+    /// that transaction commits (Postgres delivers a `NOTIFY` only at commit). A relative
+    /// [`Schedule`] is computed by the database as `now() + delay`, and `now()` is the
+    /// start of your transaction: a message published "now" in a long transaction is due
+    /// from its start, and visible to workers once it commits.
+    ///
+    /// With [`OnConflict::Extend`](crate::message::OnConflict::Extend) on a live timer: a pending
+    /// row's deadline moves later (payload and headers replaced, retry history reset); a
+    /// running row gets a rearm that makes it fire again at the new deadline once its run
+    /// ends; a deadline that is not later changes nothing. See [`Published`] for each
+    /// outcome.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for input that breaks SPEC
-    /// §2.1 (nothing is sent to the database);
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for input that breaks a
+    /// rule of [`Message`] (nothing is sent to the database);
     /// [`Error::UpgradeRequired`](crate::Error::UpgradeRequired) if the table predates the
     /// rearm upgrade and the call extends; [`Error::Database`](crate::Error::Database)
     /// otherwise.
@@ -147,9 +159,9 @@ impl Outbox {
         crate::publish::publish(&self.inner.sql.publish, conn, message).await
     }
 
-    /// Publishes many messages to one queue in **one statement** (SPEC §2.3): all rows are
-    /// inserted or none is. Timer ids are not allowed in a batch. Returns the new ids in the
-    /// order of `items`. An empty batch returns an empty list without touching the database.
+    /// Publishes many messages to one queue in **one statement**: all rows are inserted or
+    /// none is. Timer ids are not allowed in a batch. Returns the new ids in the order of
+    /// `items`. An empty batch returns an empty list without touching the database.
     ///
     /// # Errors
     /// As [`Outbox::publish`].
@@ -164,9 +176,12 @@ impl Outbox {
         crate::publish::publish_batch(&self.inner.sql.publish, conn, queue, items, schedule).await
     }
 
-    /// Cancels the timer `(queue, timer_id)` on the caller's connection or transaction
-    /// (SPEC §3): locks the row, then deletes a pending row, drops a queued rearm of a
-    /// running row, or leaves a running row alone. Two statements.
+    /// Cancels the timer `(queue, timer_id)` on the caller's connection or transaction: locks
+    /// the row (`SELECT … FOR UPDATE`), then deletes a pending row, or marks a running row
+    /// cancelled (`cancelled_at`) and drops its queued rearm. A running row is never deleted
+    /// here, but however its run ends the row is then deleted: no retry, no rearm, no dead
+    /// letter. Locking first means a run cannot finish and apply its rearm between the
+    /// cancel's look and its write. Two statements. See [`Cancelled`] for each outcome.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an empty, over-long
@@ -181,7 +196,7 @@ impl Outbox {
         crate::cancel::cancel(&self.inner.sql.cancel, conn, queue, timer_id).await
     }
 
-    /// Reads live rows of `queue` without leasing them (SPEC §8), pending and leased alike,
+    /// Reads live rows of `queue` without leasing or locking them, pending and leased alike,
     /// ordered by deadline then id, at most `limit`. For operators and tests.
     ///
     /// # Errors
@@ -204,7 +219,7 @@ impl Outbox {
     /// # #[derive(serde::Serialize, serde::Deserialize)] struct Ping;
     /// # impl outbox::Timer for Ping { const QUEUE: &'static str = "ping"; const MAX_DELIVERIES: u32 = 3; }
     /// let mut tx = pool.begin().await?;
-    /// outbox::publish_timer(outbox.on(&mut tx), "id-1", &Ping, std::time::Duration::from_secs(5)).await?;
+    /// outbox::message::publish_timer(outbox.on(&mut tx), "id-1", &Ping, std::time::Duration::from_secs(5)).await?;
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
@@ -223,8 +238,8 @@ impl Outbox {
     /// Brings this outbox's tables to the schema this version needs, safe to call at every
     /// start-up, from several processes at once, on a busy database:
     ///
-    /// - a step already applied (by an earlier `migrate()`, or by the files of `migrations/`
-    ///   run with another tool) is recognised in the catalog and skipped, so on an up-to-date
+    /// - a step already applied (by an earlier `migrate()`, or by the statements of
+    ///   [`Outbox::migration_steps`] run with another tool) is recognised in the catalog and skipped, so on an up-to-date
     ///   schema this reads the catalog and takes **no lock** on the queue and dead-letter
     ///   tables (Postgres' `ALTER TABLE … IF NOT EXISTS` would take an exclusive lock first,
     ///   queue behind any open transaction on the table, and stop every publish and claim
@@ -276,20 +291,18 @@ impl Outbox {
         .await
     }
 
-    /// Applies only the base shape (SPEC §1.3 step 1), as a deployment that predates rearm
-    /// would have. For upgrade tests and for reproducing old deployments.
-    ///
-    /// # Errors
-    /// As [`Outbox::migrate`].
-    pub async fn migrate_base_only(&self, pool: &PgPool) -> Result<()> {
+    // The base shape only (the first step), as a deployment that predates rearm has it:
+    // the project's upgrade tests start from it (through `__private`, not public API).
+    pub(crate) async fn migrate_base_only(&self, pool: &PgPool) -> Result<()> {
         let (ddl, names) = (&self.inner.sql.ddl, &self.inner.names);
         crate::migrate::run(ddl, names, true, pool, 1, MigrateOptions::default()).await
     }
 
     /// The migration steps recorded as applied to this outbox's tables, by version: when
     /// `migrate()` applied each, or found it already in place. Empty before the first
-    /// `migrate()` of this version (steps applied only through the `migrations/` files with
-    /// another tool are recorded by that tool, for example in sqlx's `_sqlx_migrations`).
+    /// `migrate()` of this version (steps applied only through
+    /// [`Outbox::migration_steps`] with another tool are recorded by that tool, for example
+    /// in sqlx's `_sqlx_migrations`).
     ///
     /// # Errors
     /// [`Error::Database`](crate::Error::Database).
@@ -297,16 +310,17 @@ impl Outbox {
         crate::migrate::applied(&self.inner.sql.ddl, &self.inner.names, pool).await
     }
 
-    /// Checks the live schema against this version's needs (SPEC §8) and returns **every**
-    /// problem at once: missing tables or columns, wrong types or nullability, missing
-    /// indexes or ones with the wrong columns, uniqueness or partial predicate, missing or
-    /// drifted `<t>_lease_ck` / `<t>_rearm_ck` (matched by definition, not by name), and
+    /// Checks the live schema against this version's needs and returns **every** problem at
+    /// once: missing tables or columns, wrong types or nullability, missing indexes or ones
+    /// with the wrong columns, uniqueness or partial predicate, missing or drifted
+    /// `<t>_lease_ck` / `<t>_rearm_ck` (matched by definition, not by name), and
     /// dead-letter table drift when the dead-letter queue is on. What an upgrade step of an
     /// older deployment adds (rearm and cancel-mark columns and CHECKs, the dead-letter
     /// `redriven_at`/`redriven_id` columns and `(failed_at)` index) is flagged
-    /// `needs_upgrade` (`docs/upgrading.md`). An index left INVALID by an interrupted
-    /// `CREATE INDEX CONCURRENTLY` is reported as INVALID: Postgres keeps it up to date on
-    /// every write but never uses it, and [`Outbox::migrate`] drops and builds it again.
+    /// `needs_upgrade`: [`Outbox::migrate`] adds them without blocking the application. An
+    /// index left INVALID by an interrupted `CREATE INDEX CONCURRENTLY` is reported as
+    /// INVALID: Postgres keeps it up to date on every write but never uses it, and
+    /// [`Outbox::migrate`] drops and builds it again.
     ///
     /// # Errors
     /// [`Error::SchemaMismatch`](crate::Error::SchemaMismatch) listing the problems;
@@ -320,6 +334,7 @@ impl Outbox {
 /// its tables instead of [`Outbox::global`]'s. Made by [`Outbox::on`]; pass it (or
 /// `&mut` it) wherever a [`Publisher`](crate::Publisher) is asked for.
 #[derive(Debug)]
+#[must_use = "a Bound only publishes when passed to a `publish_*`/`extend_*`/`cancel_*` function"]
 pub struct Bound<'c> {
     pub(crate) outbox: &'c Outbox,
     pub(crate) conn: &'c mut PgConnection,
@@ -327,6 +342,7 @@ pub struct Bound<'c> {
 
 /// Builder for [`Outbox`]; see there.
 #[derive(Debug, Clone)]
+#[must_use = "an OutboxBuilder does nothing until `.build()?`"]
 pub struct OutboxBuilder {
     schema: Option<String>,
     table: String,
@@ -374,8 +390,9 @@ impl OutboxBuilder {
         self
     }
 
-    /// Turns archiving of terminal failures to the dead-letter table on or off (default off:
-    /// SPEC §1.2 makes the dead-letter queue opt-in). Off, a terminal failure deletes the row.
+    /// Turns archiving of terminal failures to the dead-letter table on or off (default off;
+    /// the migrations create the table either way, so it can be turned on later). Off, a
+    /// terminal failure deletes the row (or applies its queued rearm).
     pub fn dead_letter(mut self, on: bool) -> Self {
         self.dead_letter = on;
         self
@@ -384,12 +401,15 @@ impl OutboxBuilder {
     /// Whether publishes, and completions that make a row due again (an applied rearm, a
     /// scheduled retry), wake workers with `NOTIFY` on [`Outbox::channel`] (default on).
     ///
-    /// Postgres serialises the commits of all transactions that notified, database-wide, on
-    /// one lock held until the commit is flushed, so with many connections publishing at once
-    /// notifications cap the commit rate (measured in `docs/performance.md`, "Growth
-    /// curves"). Off, the statements are the same without `pg_notify`, and workers find new
-    /// rows only by what they already know: the deadlines they read after each claim and
-    /// their [`idle_poll`](crate::WorkerBuilder::idle_poll) ceiling (default 30 s). Set
+    /// Postgres serialises the commits of all transactions that notified, server-wide, on
+    /// one lock held until the commit is flushed, so with many connections publishing at
+    /// once notifications cap the commit rate (measured: notifying publishes stopped
+    /// scaling at 4–8 connections, while without notifications throughput kept growing to
+    /// about twice that; see "Growth curves" in
+    /// <https://github.com/outbox-rs/outbox/blob/main/docs/performance.md>). Off, the
+    /// statements are the same without `pg_notify`, and workers find new rows only by what
+    /// they already know: the deadlines they read after each claim and their
+    /// [`idle_poll`](crate::WorkerBuilder::idle_poll) ceiling (default 30 s). Set
     /// `idle_poll` on the workers to the latency a newly published row may wait, e.g.
     /// 200 ms. A process built with notifications on still notifies (and workers still
     /// `LISTEN`), so the setting belongs to each publishing process.

@@ -1,4 +1,4 @@
-//! Publishing (SPEC §2), extending (SPEC §4, §5) and the argument rules they share.
+//! Publishing, extending and the argument rules they share.
 //!
 //! Everything here runs on the **caller's** connection or transaction: the library never
 //! begins, commits or rolls back it, so a message exists if and only if the caller's
@@ -179,31 +179,46 @@ impl From<SystemTime> for Schedule {
     }
 }
 
-/// What a publish does when a live row already holds the `(queue, timer_id)` key (SPEC §2.1).
+/// What a publish does when a live row already holds the `(queue, timer_id)` key. A key is
+/// unique only among live rows (a partial unique index on `(queue, timer_id)`): once a
+/// timer's row is gone (it fired, or was cancelled), the key can be scheduled again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnConflict {
     /// Leave the live row alone → [`Published::Skipped`] (default).
     #[default]
     Ignore,
-    /// Move the live row's deadline later (SPEC §4), or queue a rearm when its handler is
-    /// running (SPEC §5). See [`Message::slack`] to skip small moves.
+    /// Move a pending row's deadline later, replacing its payload and headers and resetting
+    /// its retry history ([`Published::Extended`]); or, when its handler is running (the row
+    /// is leased), queue a **rearm**: a deadline, payload and headers kept beside the
+    /// running row and installed when the run ends, so the timer fires again
+    /// ([`Published::RearmQueued`]). A deadline not later than the row's (for a running row,
+    /// than both its claimed deadline and any queued rearm) changes nothing
+    /// ([`Published::Unchanged`]). On Postgres this is one `INSERT … ON CONFLICT DO UPDATE`,
+    /// which waits for the row lock of a claim in flight and then sees the leased row, so an
+    /// extend racing a claim ends as a rearm, never lost. Needs a timer id. See
+    /// [`Message::slack`] to skip small moves.
     Extend,
 }
 
 /// Largest extend slack accepted by [`Message::slack`]: the same bound as [`MAX_DELAY`].
 pub const MAX_SLACK: Duration = MAX_DELAY;
 
-/// One message to publish: a queue, a payload and options (SPEC §2.1).
+/// One message to publish: a queue (1..=255 bytes, no NUL), a payload (at most
+/// [`MAX_PAYLOAD_BYTES`]) and options: headers (at most [`MAX_HEADERS_BYTES`], no NUL), a
+/// [`Schedule`], a timer key (1..=255 bytes, no NUL) and what to do when that key is taken.
+/// Every rule is checked before any SQL runs; a broken one is [`Error::InvalidArgument`]
+/// naming the field, and nothing is written.
 ///
 /// ```
 /// use std::time::Duration;
-/// use outbox::{Message, OnConflict};
+/// use outbox::{Message, message::OnConflict};
 /// let msg = Message::new("presence.expiry", br#"{"user_id":7}"#)
 ///     .timer_id("7")
 ///     .schedule(Duration::from_secs(30))
 ///     .on_conflict(OnConflict::Extend);
 /// ```
 #[derive(Debug, Clone, Copy)]
+#[must_use = "a Message is written only by `Outbox::publish` (or a `publish_*`/`extend_*` function)"]
 pub struct Message<'a> {
     pub(crate) queue: &'a str,
     pub(crate) payload: &'a [u8],
@@ -284,7 +299,7 @@ impl<'a> Message<'a> {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use outbox::{Message, OnConflict};
+    /// use outbox::{Message, message::OnConflict};
     /// let msg = Message::new("presence.expiry", br#"{"user_id":7}"#)
     ///     .timer_id("7")
     ///     .schedule(Duration::from_secs(30))
@@ -296,7 +311,8 @@ impl<'a> Message<'a> {
         self
     }
 
-    /// Checks every rule of SPEC §2.1; nothing has touched the database yet.
+    /// Checks every argument rule (names, `Extend` needs a timer id, slack, payload and
+    /// header sizes, schedule); nothing has touched the database yet.
     pub(crate) fn validate(&self) -> Result<Resolved> {
         validate_queue(self.queue)?;
         if let Some(id) = self.timer_id {
@@ -346,12 +362,12 @@ fn validate_name(field: &'static str, value: &str) -> Result<()> {
     Ok(())
 }
 
-/// Queue names: 1..=255 bytes, no NUL (SPEC §2.1).
+/// Queue names: 1..=255 bytes, no NUL.
 pub(crate) fn validate_queue(queue: &str) -> Result<()> {
     validate_name("queue", queue)
 }
 
-/// Timer ids: 1..=255 bytes, no NUL (SPEC §2.1).
+/// Timer ids: 1..=255 bytes, no NUL.
 pub(crate) fn validate_timer_id(timer_id: &str) -> Result<()> {
     validate_name("timer_id", timer_id)
 }
@@ -391,7 +407,7 @@ pub(crate) fn validate_headers(headers: &Headers) -> Result<()> {
     Ok(())
 }
 
-/// What a publish did (SPEC §2.2).
+/// What a publish did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Published {
@@ -402,14 +418,17 @@ pub enum Published {
     },
     /// [`OnConflict::Ignore`] and a live row holds the timer key; nothing changed.
     Skipped,
-    /// [`OnConflict::Extend`] hit a pending row and moved its deadline later (SPEC §4).
+    /// [`OnConflict::Extend`] hit a pending row and moved its deadline later, replacing its
+    /// payload and headers and resetting its retry history (`attempts_count` 0). A row
+    /// waiting for a retry is pending too.
     Extended {
         /// The extended row.
         id: i64,
     },
     /// [`OnConflict::Extend`] hit a row whose handler is running (leased) and queued a
-    /// rearm, or moved the queued rearm later (SPEC §5). The timer fires again at the new
-    /// deadline once the running handler ends.
+    /// rearm, or moved the queued rearm later. The running handler's lease, deadline and
+    /// payload are left alone; the timer fires again at the new deadline, with the new
+    /// payload, once the run ends (whether it succeeds, fails or is retried).
     RearmQueued {
         /// The running row.
         id: i64,
@@ -436,6 +455,7 @@ impl Published {
 
 /// One item of [`Outbox::publish_batch`](crate::Outbox::publish_batch).
 #[derive(Debug, Clone, Copy)]
+#[must_use = "a BatchItem is written only by `Outbox::publish_batch`"]
 pub struct BatchItem<'a> {
     /// The encoded message.
     pub payload: &'a [u8],
@@ -503,8 +523,8 @@ pub(crate) async fn publish(
     })
 }
 
-/// The checks of a batch (SPEC §2.1, §2.3), before anything is written: the queue, the
-/// schedule, and every item's payload and headers. Both stores run them in this order.
+/// The checks of a batch, before anything is written: the queue, the schedule, and every
+/// item's payload and headers. Both stores run them in this order.
 pub(crate) fn validate_batch(
     queue: &str,
     items: &[BatchItem<'_>],

@@ -1,5 +1,5 @@
-//! Reading rows without leasing them (SPEC §8): live rows and dead letters, decoded from
-//! the columns `sql::read` selects.
+//! Reading rows without leasing them (plain `SELECT`s, no row locks): live rows and dead
+//! letters, decoded from the columns `sql::read` selects.
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
@@ -11,7 +11,9 @@ use crate::error::Result;
 use crate::publish::{validate_queue, Headers};
 use crate::sql;
 
-/// A live row as stored, read without leasing it (SPEC §8).
+/// A live row of the queue table as stored, read without leasing it: pending
+/// (`acquired_token` is `None`) or leased by a worker (`acquired_token` and `acquired_at`
+/// set). A row that is gone (completed, cancelled while pending, archived) is not live.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredRow {
     /// Primary key.
@@ -56,7 +58,9 @@ pub struct StoredRow {
     pub raw_rearm_headers: Option<String>,
 }
 
-/// A row archived in the dead-letter table (SPEC §1.2).
+/// A row archived in the dead-letter table: the failed run's row as it was, why it failed and
+/// when. There is no foreign key to the queue table: `original_id` names the queue row the
+/// run came from, which is usually gone by now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLetter {
     /// The dead-letter row's own id.
@@ -82,7 +86,8 @@ pub struct DeadLetter {
     pub created_at: DateTime<Utc>,
     /// When it was archived.
     pub failed_at: DateTime<Utc>,
-    /// One of `max_deliveries`, `retry_exhausted`, `rejected`, `decode_error`.
+    /// One of `max_deliveries`, `retry_exhausted`, `rejected`, `decode_error`, `timeout`,
+    /// `aborted` (the values of `FailureReason::as_str`).
     pub failure_reason: String,
     /// The last error text.
     pub last_error: Option<String>,

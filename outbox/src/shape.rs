@@ -1,8 +1,8 @@
-//! The indexes and CHECK constraints this version needs (SPEC §1, §8), and the one rule that
-//! matches them against the catalog: **by definition, not by name** (key columns, uniqueness
-//! and partial predicate of an index; the expression of a CHECK), so a renamed index or
-//! constraint still counts. `validate_schema` reports against it, and `migrate()` skips a
-//! step whose pieces it finds, so the two never disagree about what is there.
+//! The indexes and CHECK constraints this version needs, and the one rule that matches them
+//! against the catalog: **by definition, not by name** (key columns, uniqueness and partial
+//! predicate of an index; the expression of a CHECK), so a renamed index or constraint
+//! still counts. `validate_schema` reports against it, and `migrate()` skips a step whose
+//! pieces it finds, so the two never disagree about what is there.
 
 use sqlx::Row;
 

@@ -1,5 +1,5 @@
-//! Schema validation (SPEC §8): compares the live database with what this version needs and
-//! reports every problem at once. Extra columns and indexes are fine.
+//! Schema validation: compares the live database with what this version needs and reports
+//! every problem at once. Extra columns and indexes are fine.
 
 use std::collections::HashMap;
 

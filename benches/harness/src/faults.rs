@@ -24,8 +24,9 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use outbox::{
-    BatchItem, Context, HandlerOptions, Outbox, PgStore, Published, RetryStrategy, RunningWorker,
-    Schedule, ShutdownReport, Worker,
+    message::{BatchItem, Schedule},
+    Context, HandlerOptions, Outbox, PgStore, Published, RetryStrategy, RunningWorker,
+    ShutdownReport, Worker,
 };
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -1169,7 +1170,7 @@ async fn shutdown_under_load(ctx: &Ctx) -> Result<Outcome, BoxError> {
     o.notes.extend(notes);
     o.checks.push((
         "first shutdown within graceful_timeout + 250 ms (+ 250 ms slack)".to_owned(),
-        took <= knobs.graceful + outbox::SHUTDOWN_GRACE + Duration::from_millis(250),
+        took <= knobs.graceful + outbox::worker::SHUTDOWN_GRACE + Duration::from_millis(250),
     ));
     Ok(o)
 }

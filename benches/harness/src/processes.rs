@@ -16,7 +16,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use outbox::{BatchItem, Context, Outbox, PgStore, Schedule, Worker};
+use outbox::{
+    message::{BatchItem, Schedule},
+    Context, Outbox, PgStore, Worker,
+};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions};
 

@@ -14,7 +14,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use outbox::{ClaimRequest, Context, Message, Outbox, PgStore, Published, Store, Worker};
+use outbox::{
+    store::{ClaimRequest, Store},
+    Context, Message, Outbox, PgStore, Published, Worker,
+};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -586,7 +589,7 @@ async fn publish_curve(env: &mut Env, points: &mut Vec<Point>) -> Result<(), Box
                 let (app, start) = (app.clone(), start.clone());
                 tasks.push(tokio::spawn(async move {
                     let mut ms = Vec::new();
-                    let h = outbox::Headers::from([(
+                    let h = outbox::message::Headers::from([(
                         "content-type".to_owned(),
                         "application/json".to_owned(),
                     )]);

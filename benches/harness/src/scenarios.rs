@@ -3,7 +3,7 @@
 //! Every scenario gets a fresh table (`bench_<name>`), is seeded outside the measured
 //! window, and then runs the real product: [`outbox::Worker`] over [`outbox::PgStore`] for
 //! consumers, [`outbox::Outbox::publish`] / [`outbox::Outbox::publish_batch`] and the
-//! `#[timer]`-generated `extend_body` ([`outbox::OnConflict::Extend`]) for producers and
+//! `#[timer]`-generated `extend_body` ([`outbox::message::OnConflict::Extend`]) for producers and
 //! extends. The shapes follow `shared/peer/peer_bench.py` so ratios against the Python
 //! reference are like for like: 256-byte bodies stored as a JSON string with a
 //! `content-type` header, autovacuum off on the table, `CHECKPOINT` after seeding a consumer
@@ -16,7 +16,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use outbox::{BatchItem, Context, Headers, Message, Outbox, PgStore, Published, Schedule, Worker};
+use outbox::{
+    message::{BatchItem, Headers, Schedule},
+    Context, Message, Outbox, PgStore, Published, Worker,
+};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
@@ -232,8 +235,8 @@ const fn async_commit(name: &'static str, base: Scenario) -> Scenario {
 }
 
 /// The consumers run with the default knobs: pipelined acks capped at
-/// [`outbox::DEFAULT_ACK_BATCH_SIZE`] per statement.
-const ACK: usize = outbox::DEFAULT_ACK_BATCH_SIZE;
+/// [`outbox::worker::DEFAULT_ACK_BATCH_SIZE`] per statement.
+const ACK: usize = outbox::worker::DEFAULT_ACK_BATCH_SIZE;
 const CONSUMER_W1_B10: Scenario = consumer("consumer/w1/b10", 1, 10, ACK, &["consumer/w1/b10"]);
 const CONSUMER_W1_B100: Scenario = consumer("consumer/w1/b100", 1, 100, ACK, &["consumer/w1/b100"]);
 const CONSUMER_W2_B10: Scenario = consumer("consumer/w2/b10", 2, 10, ACK, &["consumer/w2/b10"]);

@@ -22,13 +22,3 @@ pub mod telemetry;
 
 pub use load::{run as run_load, LoadConfig, Report};
 pub use server::{Audit, PresenceExpiry, Server, ServerConfig, DEFAULT_DATABASE_URL};
-
-/// The Rust examples of README.md compile (`cargo test --doc`).
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-pub struct ReadmeDoctests;
-
-/// The Rust examples of docs/upgrading.md compile.
-#[cfg(doctest)]
-#[doc = include_str!("../../../docs/upgrading.md")]
-pub struct UpgradingDoctests;

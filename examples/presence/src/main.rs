@@ -160,7 +160,7 @@ struct ServeDefaults {
 const SERVE: ServeDefaults = ServeDefaults {
     timeout_secs: 30.0,
     handler_delay_ms: 0,
-    table: outbox::DEFAULT_TABLE,
+    table: outbox::schema::DEFAULT_TABLE,
     users_table: presence::server::DEFAULT_USERS_TABLE,
 };
 

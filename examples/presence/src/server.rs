@@ -30,7 +30,8 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use chrono::{DateTime, Utc};
 use outbox::{
-    Cancelled, Context, Outbox, PgStore, Published, RunningWorker, Schedule, ShutdownReport, Worker,
+    message::Schedule, Cancelled, Context, Outbox, PgStore, Published, RunningWorker,
+    ShutdownReport, Worker,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -60,6 +61,9 @@ pub enum Error {
     Unreachable {
         /// The URL, password redacted.
         url: String,
+        /// The command that creates the URL's database, for when the server is up but the
+        /// database is missing (`createdb -h <host> [-p <port>] -U <user> <database>`).
+        createdb: String,
         /// What sqlx reported.
         source: sqlx::Error,
     },
@@ -80,29 +84,31 @@ impl std::fmt::Display for Error {
             // created; a refused login (28000, 28P01) is a user or password to fix.
             Error::Unreachable {
                 url,
+                createdb,
                 source: source @ sqlx::Error::Database(db),
             } if db.code().as_deref() == Some("3D000") => write!(
                 f,
-                "Postgres at {url} refused the connection: {source}\n\
-                 create the database (for example `createdb -h 127.0.0.1 -U postgres <name>`) \
+                "Postgres at {url} is running but has no such database: {source}\n\
+                 create it with `{createdb}` \
                  or set DATABASE_URL to one that exists (default {DEFAULT_DATABASE_URL})"
             ),
             Error::Unreachable {
                 url,
                 source: source @ sqlx::Error::Database(_),
+                ..
             } => write!(
                 f,
                 "Postgres at {url} refused the connection: {source}\n\
                  check the user and password in DATABASE_URL (default {DEFAULT_DATABASE_URL})"
             ),
             // Not local: starting the local cluster would not help.
-            Error::Unreachable { url, source } if !is_local(url) => write!(
+            Error::Unreachable { url, source, .. } if !is_local(url) => write!(
                 f,
                 "cannot reach Postgres at {url}: {source}\n\
                  check the host and port in DATABASE_URL, or unset it to use the local default \
                  ({DEFAULT_DATABASE_URL})"
             ),
-            Error::Unreachable { url, source } => write!(
+            Error::Unreachable { url, source, .. } => write!(
                 f,
                 "cannot reach Postgres at {url}: {source}\n\
                  start the local cluster with\n    \
@@ -188,8 +194,20 @@ pub async fn connect_pool(
     if async_commit {
         opts = opts.options([("synchronous_commit", "off")]);
     }
+    let createdb = format!(
+        "createdb -h {}{} -U {} {}",
+        opts.get_host(),
+        match opts.get_port() {
+            5432 => String::new(),
+            port => format!(" -p {port}"),
+        },
+        opts.get_username(),
+        // Without a database in the URL, Postgres uses the user's name.
+        opts.get_database().unwrap_or(opts.get_username())
+    );
     let unreachable = |source| Error::Unreachable {
         url: redact(url),
+        createdb: createdb.clone(),
         source,
     };
     // One plain connection first: a pool only says "timed out", this says why.
@@ -991,6 +1009,49 @@ async fn prometheus(State(app): State<Arc<App>>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server that is up but lacks the database asks for `createdb` naming it, not for
+    /// the cluster to be started; a closed port asks for the cluster to be started.
+    #[tokio::test]
+    async fn unreachable_says_create_the_database_or_start_the_server() {
+        let url = std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+        let opts: PgConnectOptions = url.parse().expect("DATABASE_URL is a Postgres URL");
+        let name = format!(
+            "presence_missing_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        );
+        // DATABASE_URL with its database replaced (credentials and parameters kept).
+        let (base, query) = url.split_once('?').unwrap_or((&url, ""));
+        let authority_start = base.find("://").map_or(0, |i| i + 3);
+        let server = match base[authority_start..].find('/') {
+            Some(slash) => &base[..authority_start + slash],
+            None => base,
+        };
+        let query = if query.is_empty() {
+            String::new()
+        } else {
+            format!("?{query}")
+        };
+        let missing = format!("{server}/{name}{query}");
+        let msg = match connect(&missing, 1).await {
+            Ok(_) => panic!("{missing} exists"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            msg.contains(&format!(" -U {} {name}`", opts.get_username())),
+            "{msg}"
+        );
+        assert!(msg.contains("createdb -h "), "{msg}");
+        assert!(!msg.contains("pg_ctlcluster"), "{msg}");
+
+        let msg = match connect("postgres://postgres@127.0.0.1:1/test", 1).await {
+            Ok(_) => panic!("something listens on port 1"),
+            Err(e) => e.to_string(),
+        };
+        assert!(msg.contains("pg_ctlcluster"), "{msg}");
+        assert!(!msg.contains("createdb"), "{msg}");
+    }
 
     #[test]
     fn redacts_passwords() {

@@ -1,4 +1,5 @@
-//! The operator docs say what the code does: `docs/upgrading.md` carries the upgrade steps
+//! The operator docs say what the code does: the upgrade guide (`outbox/docs/upgrading.md`,
+//! rendered as `outbox::schema::upgrading`) carries the upgrade steps
 //! verbatim, and following it on a base-shape table (with rows in it) gives the errors,
 //! the `validate_schema` reports and the end state it describes.
 //!
@@ -9,7 +10,8 @@ use sqlx::AssertSqlSafe;
 use std::path::Path;
 use std::time::Duration;
 
-use outbox::{migration_steps, Error, Outbox};
+use outbox::schema::{migration_steps, UPGRADE_GUIDE};
+use outbox::{Error, Outbox};
 use presence::server::connect;
 use presence::PresenceExpiry;
 
@@ -22,23 +24,24 @@ fn read(rel: &str) -> String {
 
 #[test]
 fn upgrade_guide_quotes_the_upgrade_migrations_verbatim() {
-    let guide = read("docs/upgrading.md");
+    let guide = read("outbox/docs/upgrading.md");
     let steps = migration_steps(&Outbox::default());
     for step in &steps[1..] {
         assert!(
             guide.contains(step.sql.trim_end()),
-            "docs/upgrading.md does not quote {} as rendered:\n{}",
+            "the upgrade guide does not quote {} as rendered:\n{}",
             step.file_name(),
             step.sql
         );
         assert!(
             guide.contains(&step.file_name()),
-            "docs/upgrading.md does not name {}",
+            "the upgrade guide does not name {}",
             step.file_name()
         );
         assert_eq!(read(&format!("migrations/{}", step.file_name())), step.sql);
     }
-    assert!(guide.contains(outbox::UPGRADE_GUIDE.trim_start_matches("docs/")));
+    // Its sample error messages show the address the errors give.
+    assert!(guide.contains(UPGRADE_GUIDE));
 }
 
 #[test]
@@ -73,7 +76,9 @@ async fn following_the_upgrade_guide_on_a_base_table() {
         &uuid::Uuid::new_v4().simple().to_string()[..12]
     );
     let outbox = Outbox::builder().table(&table).build().unwrap();
-    outbox.migrate_base_only(&pool).await.unwrap();
+    outbox::__private::migrate_base_only(&outbox, &pool)
+        .await
+        .unwrap();
     let mut conn = pool.acquire().await.unwrap();
     presence::server::publish_presence_expiry(
         outbox.on(&mut conn),
@@ -92,7 +97,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
     println!("{}", text.join("\n"));
     for col in ["rearm_at", "rearm_payload", "rearm_headers", "cancelled_at"] {
         let want = format!(
-            "{table}.{col}: column is missing (run the schema upgrade, see docs/upgrading.md)"
+            "{table}.{col}: column is missing (run the schema upgrade: `Outbox::migrate` with this outbox's settings; see {UPGRADE_GUIDE})"
         );
         assert!(text.contains(&want), "{text:#?}");
     }
@@ -104,7 +109,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
         ),
     ] {
         let want = format!(
-            "{table}: constraint {table}_{ck}: `CHECK ({def})` is missing (run the schema upgrade, see docs/upgrading.md)"
+            "{table}: constraint {table}_{ck}: `CHECK ({def})` is missing (run the schema upgrade: `Outbox::migrate` with this outbox's settings; see {UPGRADE_GUIDE})"
         );
         assert!(text.contains(&want), "{text:#?}");
     }
@@ -122,12 +127,12 @@ async fn following_the_upgrade_guide_on_a_base_table() {
     println!("{}", dlq.join("\n"));
     for col in ["redriven_at", "redriven_id"] {
         let want = format!(
-            "{table}_dlq.{col}: column is missing (run the schema upgrade, see docs/upgrading.md)"
+            "{table}_dlq.{col}: column is missing (run the schema upgrade: `Outbox::migrate` with this outbox's settings; see {UPGRADE_GUIDE})"
         );
         assert!(dlq.contains(&want), "{dlq:#?}");
     }
     let want = format!(
-        "{table}_dlq: index {table}_dlq_failed_at_idx on (failed_at): index is missing (run the schema upgrade, see docs/upgrading.md)"
+        "{table}_dlq: index {table}_dlq_failed_at_idx on (failed_at): index is missing (run the schema upgrade: `Outbox::migrate` with this outbox's settings; see {UPGRADE_GUIDE})"
     );
     assert!(dlq.contains(&want), "{dlq:#?}");
     assert_eq!(dlq.len(), 9, "{dlq:#?}");
@@ -144,7 +149,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
     .unwrap_err();
     println!("{err}");
     assert!(matches!(err, Error::UpgradeRequired { .. }), "{err:?}");
-    assert!(err.to_string().contains("docs/upgrading.md"), "{err}");
+    assert!(err.to_string().contains(UPGRADE_GUIDE), "{err}");
     assert!(
         err.to_string()
             .starts_with("the outbox table lacks a column this version needs ("),
@@ -245,7 +250,9 @@ async fn not_valid_rearm_check_is_reported_as_not_valid() {
         &uuid::Uuid::new_v4().simple().to_string()[..12]
     );
     let outbox = Outbox::builder().table(&table).build().unwrap();
-    outbox.migrate_base_only(&pool).await.unwrap();
+    outbox::__private::migrate_base_only(&outbox, &pool)
+        .await
+        .unwrap();
     let step1 = &migration_steps(&outbox)[1];
     sqlx::raw_sql(AssertSqlSafe(&*step1.sql))
         .execute(&pool)

@@ -1,4 +1,5 @@
-//! Cancelling a keyed timer (SPEC §3): lock first, then write.
+//! Cancelling a keyed timer: lock the row first (`SELECT … FOR UPDATE`), then write, so a
+//! run cannot finish and apply its rearm between the cancel's look and its write.
 
 use sqlx::SqlStr;
 

@@ -1,4 +1,4 @@
-//! Catalog reads of `validate_schema` (SPEC §8) and `migrate()` (SPEC §1.3). Static: they
+//! Catalog reads of `validate_schema` and `migrate()`. Static: they
 //! take the table as a bind parameter, not as text. Reading the catalog takes no lock on
 //! the tables it describes.
 

@@ -1,4 +1,6 @@
-//! Claiming due rows (SPEC §6) and finding when to look next (SPEC §7.3).
+//! Claiming due rows (one statement: `FOR UPDATE SKIP LOCKED` skips rows another
+//! transaction has locked, so two workers never claim the same row) and finding when to
+//! look next (the earliest deadline or lease expiry, from the partial indexes).
 
 use sqlx::SqlStr;
 
@@ -69,7 +71,7 @@ fn candidates(t: &str, exclude: &str, caps: &str, only: Option<&str>, lock: bool
 /// The claim order over the candidates of every queue: round robin across queues, each
 /// queue's rows by deadline. A queue's first row comes before any queue's second, so a
 /// backlog of one queue, however old its deadlines, never holds back the due rows of
-/// another (SPEC §6 v2, fairness).
+/// another.
 const FAIR_ORDER: &str = "row_number() OVER (PARTITION BY queue ORDER BY next_attempt_at, id)";
 
 /// A claim over `candidates`: one new token, `deliveries_count + 1`, cancelled rows deleted.

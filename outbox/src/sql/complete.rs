@@ -1,5 +1,10 @@
-//! Fenced completions (SPEC §5.1, §5.2): every write after a claim matches the row id and
-//! the claim's lease token, and treats a queued rearm as SPEC §5.1's table says.
+//! Fenced completions: every write after a claim matches the row id and the claim's lease
+//! token, so once another worker has re-claimed the row under a new token the write matches
+//! nothing and is reported as a lost lease, never as success. A queued rearm turns the row
+//! into a pending timer at `rearm_at` on success and on terminal failure, and replaces the
+//! delay of a retry; a row cancelled while it ran (and not extended since) is deleted
+//! however the run ends. A success is one `DELETE … AND rearm_at IS NULL`; only when it
+//! matches nothing does a follow-up statement apply the rearm or find the lease lost.
 
 use sqlx::SqlStr;
 
@@ -7,7 +12,7 @@ use super::{notify, query};
 use crate::names::Names;
 
 /// The SET list that turns a leased row with a queued rearm into a fresh pending timer at
-/// `rearm_at` (SPEC §5.1: success and terminal failure): new payload, lease cleared, retry
+/// `rearm_at` (on success and on terminal failure): new payload, lease cleared, retry
 /// history and `deliveries_count` reset. A rearm and a cancel mark together can only come
 /// from a publisher that predates the mark; the rearm wins (a ping is never lost) and the
 /// mark goes with the lease.

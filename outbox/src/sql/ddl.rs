@@ -1,4 +1,4 @@
-//! The migration steps (SPEC §1.3), as SQL scripts of several statements each. The files in
+//! The migration steps, as SQL scripts of several statements each. The files in
 //! the repository's `migrations/` folder are this rendering for the default names, byte for
 //! byte (sqlx checksums applied files); `migrate.rs` runs them and a unit test there keeps
 //! the files identical.
@@ -66,7 +66,9 @@ pub(crate) enum Table {
 }
 
 /// What the catalog holds once a step has been applied, so that `migrate()` can skip an
-/// applied step by reading the catalog only, without its DDL's table locks (SPEC §1.3).
+/// applied step by reading the catalog only, without its DDL's table locks: catalog reads
+/// take no lock on the tables they describe, so an up-to-date schema never queues behind a
+/// long transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Done {
     /// Both tables exist, with every index and the lease CHECK of the base shape.

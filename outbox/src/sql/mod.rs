@@ -75,7 +75,7 @@ impl Statements {
     }
 }
 
-/// The NOTIFY payload of SPEC §2.4, `<deadline as epoch milliseconds>:<queue>`, as an
+/// The NOTIFY payload, `<deadline as epoch milliseconds>:<queue>`, as an
 /// expression over the row alias `row`. Never payload data. Without notifications
 /// (`OutboxBuilder::notify(false)`) a NULL of the same type: the statements keep their
 /// shape and their results, and their commits skip the notification queue's lock.

@@ -1,4 +1,5 @@
-//! Publishing (SPEC §2, §4, §5): the single-row inserts, the extend, the batch.
+//! Publishing: the single-row inserts, the extend (a pending row's deadline moves later
+//! only; a leased row gets a rearm instead), the batch.
 
 use sqlx::SqlStr;
 
@@ -6,7 +7,8 @@ use super::{notify, query};
 use crate::names::Names;
 
 /// `$1` queue, `$2` payload, `$3` headers, `$4` delay interval, `$5` absolute deadline,
-/// `$6` timer id. The deadline is computed by the database clock (SPEC §2.1).
+/// `$6` timer id. The deadline is computed by the database clock (`now() + $4`, where
+/// `now()` is the transaction's start), so clock skew between hosts cannot shift it.
 const COLUMNS: &str = "(queue, payload, headers, next_attempt_at, timer_id)";
 const VALUES: &str = "VALUES ($1, $2, $3, coalesce($5::timestamptz, now() + $4::interval), $6)";
 

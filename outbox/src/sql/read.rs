@@ -1,4 +1,5 @@
-//! Reading rows without leasing them (SPEC §8).
+//! Reading rows without leasing them: plain `SELECT`s that take no row lock, so a read
+//! never delays a claim or a completion.
 
 use sqlx::SqlStr;
 

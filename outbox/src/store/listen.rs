@@ -1,9 +1,9 @@
-//! Wake-up notifications (SPEC §2.4, §7.3): a dedicated LISTEN connection that forwards
+//! Wake-up notifications: a dedicated LISTEN connection that forwards
 //! `<deadline as epoch milliseconds>:<queue>` payloads to the worker as [`Wakeup`] hints,
 //! and re-LISTENs after a lost connection. The connection comes from a one-connection pool
 //! of its own (same connect options as the worker's pool), never from the worker's pool:
-//! holding a pool slot for good would leave a small pool without room for claims
-//! (SPEC §7.4).
+//! holding a pool slot for good would leave a small pool without room for claims (a worker
+//! must never wait forever on its own pool).
 
 use std::time::Duration;
 
@@ -45,7 +45,7 @@ async fn listen(pool: &PgPool, channel: &str) -> Result<PgListener> {
     Ok(l)
 }
 
-/// Parses a notification of SPEC §2.4: `<deadline as epoch milliseconds>:<queue>`.
+/// Parses a notification a publish sends: `<deadline as epoch milliseconds>:<queue>`.
 fn parse_notification(payload: &str) -> Option<Wakeup> {
     let (ms, queue) = payload.split_once(':')?;
     let at = DateTime::from_timestamp_millis(ms.parse().ok()?)?;
@@ -58,7 +58,9 @@ fn parse_notification(payload: &str) -> Option<Wakeup> {
 /// Forwards notifications until the worker drops the receiver. After a lost connection it
 /// reports [`Wakeup::Lost`], re-LISTENs with capped exponential back-off, and reports
 /// [`Wakeup::Listening`] only once LISTEN is back, so the worker re-scans after, not
-/// before, it can hear new publishes (SPEC §7.3).
+/// before, it can hear new publishes. Postgres delivers a notification only to sessions
+/// that were listening when its transaction committed, so a scan made before LISTEN is
+/// back could miss a row committed between the scan and the LISTEN.
 async fn listen_loop(
     pool: PgPool,
     channel: String,

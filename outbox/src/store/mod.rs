@@ -1,4 +1,4 @@
-//! The storage contract the worker drives (SPEC §5, §6, §7), with two implementations:
+//! The storage contract the worker drives, with two implementations:
 //! [`PgStore`](crate::PgStore) (Postgres, the product) and
 //! [`MemoryStore`](crate::testing::MemoryStore) (in memory, for tests). The project's
 //! contract suite runs every scenario against both.
@@ -25,8 +25,8 @@
 //!   [`MemoryStore::rows`](crate::testing::MemoryStore::rows), …): what an operator or a
 //!   test reads is not part of what a worker does.
 //! - **Capabilities only a database has** — a handler doing its own writes in the same
-//!   transaction as its row's completion (SPEC §7.9) — are offered through
-//!   [`Store::transactions`], which only `PgStore` answers. A store without it makes
+//!   transaction as its row's completion — are offered through [`Store::transactions`],
+//!   which only `PgStore` answers. A store without it makes
 //!   [`Context::begin`](crate::Context::begin) return a typed
 //!   [`Error::TransactionUnavailable`] instead of pretending to work. (A compile-time split
 //!   was weighed and set aside: it would make a handler written for `PgStore` impossible to
@@ -48,13 +48,20 @@ use crate::error::{Error, Result};
 use crate::publish::{Headers, MAX_DELAY};
 
 pub(crate) mod listen;
-pub mod postgres;
+pub(crate) mod postgres;
 pub(crate) mod rows;
 pub(crate) mod transaction;
 
-/// The fence of every write after a claim: the row id and the lease token of the claim
-/// (SPEC §5.1). A write whose token no longer matches changes nothing and reports
-/// [`Completion::LeaseLost`].
+// Each public item has one path: `PgStore` and `HandlerTransaction` live at the crate root
+// (the quick start names them), the rest of what a store reads and answers here.
+pub use self::postgres::LOCK_TIMEOUT;
+pub use self::transaction::TransactionSource;
+pub use crate::read::{DeadLetter, StoredRow};
+
+/// The fence of every write after a claim: the row id and the lease token of the claim.
+/// Each write's `WHERE` matches both, so once the lease expired and another worker
+/// re-claimed the row under a new token, the write changes nothing and reports
+/// [`Completion::LeaseLost`]: a late completion cannot undo the new holder's work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Lease {
     /// The row id.
@@ -98,7 +105,8 @@ pub struct Delivery {
     pub decode_error: Option<String>,
 }
 
-/// How a fenced completion ended (SPEC §5.1).
+/// How a fenced completion ended (what each way a run ends does is the table in [`Store`]'s
+/// docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Completion {
@@ -123,8 +131,8 @@ pub enum Completion {
     LeaseLost,
 }
 
-/// Why a delivery ended in a terminal failure (SPEC §7.2); stored in the dead-letter
-/// table's `failure_reason`.
+/// Why a delivery ended in a terminal failure; stored in the dead-letter table's
+/// `failure_reason`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum FailureReason {
@@ -191,7 +199,7 @@ pub const MAX_LAST_ERROR_BYTES: usize = 16 * 1024;
 /// The queues of a claim or wake-up query, each once: a queue named twice would get two
 /// candidate branches whose duplicates eat into the claim's LIMIT.
 /// Puts claimed rows in claim order: round robin across queues, each queue's rows by
-/// (deadline, id) — what the claim statement selects by (SPEC §6 v2).
+/// (deadline, id) — what the claim statement selects by.
 pub(crate) fn fair_order(rows: &mut Vec<Delivery>) {
     rows.sort_by(|a, b| {
         (&a.queue, a.deadline, a.lease.id).cmp(&(&b.queue, b.deadline, b.lease.id))
@@ -211,7 +219,7 @@ pub(crate) fn fair_order(rows: &mut Vec<Delivery>) {
     rows.extend(keyed.into_iter().map(|(_, d)| d));
 }
 
-/// Retry delays longer than [`crate::MAX_DELAY`] are rejected before any SQL: the deadline
+/// Retry delays longer than [`crate::message::MAX_DELAY`] are rejected before any SQL: the deadline
 /// would leave the range chrono and Postgres share.
 pub(crate) fn check_retry_delay(delay: Duration) -> Result<()> {
     if delay > MAX_DELAY {
@@ -277,7 +285,9 @@ pub struct AutovacuumOff {
     pub table_option: bool,
 }
 
-/// A hint that work may be due, pushed by the store to sleeping workers (SPEC §7.3).
+/// A hint that work may be due, pushed by the store to sleeping workers (on Postgres, the
+/// `NOTIFY` a publish sends, which Postgres delivers only once the publishing transaction
+/// commits).
 /// Hints are never needed for correctness: a worker that misses one finds the row at its
 /// next scan; they only make firing on time.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -296,7 +306,7 @@ pub enum Wakeup {
     Listening,
 }
 
-/// What a renewal found for one lease (SPEC §7.8).
+/// What a renewal (`acquired_at = now()`, fenced by the lease token) found for one lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Renewal {
@@ -324,7 +334,7 @@ pub struct Release {
     pub started: bool,
 }
 
-/// What a release did to one row (SPEC §7.5):
+/// What a release did to one row:
 ///
 /// | held row | becomes |
 /// |---|---|
@@ -346,9 +356,9 @@ pub enum Released {
     LeaseLost,
 }
 
-/// What a claim asks for (SPEC §6): up to `limit` due rows of `queues`, counting a leased
-/// row as due again once its lease is older than `lease_ttl`, and at most
-/// `queue_limits[i]` rows of `queues[i]` when set.
+/// What a claim asks for: up to `limit` due rows of `queues`, counting a leased row as due
+/// again once its lease is older than `lease_ttl`, and at most `queue_limits[i]` rows of
+/// `queues[i]` when set.
 ///
 /// A claim takes the queues' rows **round robin**: every queue's earliest due row before
 /// any queue's second, each queue's rows by deadline. A backlog of one queue, however old,
@@ -361,11 +371,12 @@ pub enum Released {
 /// use std::time::Duration;
 /// let queues = ["presence.expiry".to_owned()];
 /// let held = [41, 42];
-/// let request = outbox::ClaimRequest::new(&queues, 10, Duration::from_secs(60)).excluding(&held);
+/// let request = outbox::store::ClaimRequest::new(&queues, 10, Duration::from_secs(60)).excluding(&held);
 /// assert_eq!(request.limit, 10);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
+#[must_use = "a ClaimRequest claims nothing until passed to `Store::claim`"]
 pub struct ClaimRequest<'a> {
     /// The queues to claim from (1..=255 bytes each, no NUL). Named twice counts once.
     pub queues: &'a [String],
@@ -459,26 +470,44 @@ impl<'a> ClaimRequest<'a> {
 /// deliberately not here). Both stores implement them with the same observable behaviour;
 /// the project's contract suite checks that.
 ///
-/// Every completion is fenced by the [`Lease`] (SPEC §5.1) and treats a queued rearm as
-/// SPEC §5.1's table says.
+/// Every write after a claim is fenced by the [`Lease`]: it matches the row id and the
+/// claim's token, so once another worker has re-claimed the row (under a new token) the
+/// write changes nothing and reports [`Completion::LeaseLost`], never success. A queued
+/// rearm (an extend that landed while the row was leased) and a cancel mark (a cancel that
+/// landed while it was leased) are applied by the same write:
+///
+/// | run ends with | no rearm queued | rearm queued |
+/// |---|---|---|
+/// | success ([`ack`](Store::ack), [`ack_batch`](Store::ack_batch)) | row deleted | pending at the rearm's deadline with its payload and headers; rearm and lease cleared; retry history and `deliveries_count` reset to 0 |
+/// | failure with a retry ([`retry`](Store::retry)) | pending at `now() + delay`; `attempts_count + 1`, `first_attempt_at`/`last_attempt_at` set; lease cleared | the rearm replaces the retry: pending at the rearm's deadline with its payload; retry history updated as for the failed run; `deliveries_count` kept, so `max_deliveries` still stops a handler that fails on every run |
+/// | terminal failure ([`fail`](Store::fail)) | archived (when the dead-letter queue is on) and deleted, in one step | the failed run archived (its own payload, when the dead-letter queue is on) and the rearm applied as for success, in one step |
+/// | any of these, on a row a cancel reached while it was leased | deleted; nothing archived, no retry ([`Completion::Cancelled`] for a failed run) | — (an extend after the cancel queues a rearm and clears the mark: the newest intent wins) |
+///
+/// A lease that expires (its worker died) leaves a queued rearm in place; it applies when
+/// the next run's completion lands.
 pub trait Store: Clone + Send + Sync + 'static {
-    /// Claims up to `request.limit` due rows of `request.queues` (SPEC §6): unleased rows
-    /// whose deadline has passed, and leased rows whose lease is older than
-    /// `request.lease_ttl`. Each claimed row gets one new token for this claim,
-    /// `acquired_at = now`, `deliveries_count + 1`. Ordered by deadline, then id.
+    /// Claims up to `request.limit` due rows of `request.queues`: unleased rows whose
+    /// deadline has passed, and leased rows whose lease is older than `request.lease_ttl`
+    /// (by the store's clock). Each claimed row gets one new token for this claim,
+    /// `acquired_at = now`, `deliveries_count + 1`; a reclaimed row that a cancel reached is
+    /// deleted instead of delivered. Returned in claim order (see [`ClaimRequest`]). On
+    /// Postgres the claim is one `FOR UPDATE SKIP LOCKED` statement: it skips rows another
+    /// transaction has locked, so two workers never claim the same row.
     fn claim(
         &self,
         request: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Delivery>>> + Send;
 
-    /// Success: deletes the row, or applies its queued rearm (SPEC §5.1, §5.2).
+    /// Success: deletes the row, or applies its queued rearm (see the table above). On
+    /// Postgres one `DELETE … AND rearm_at IS NULL` in the common case; only when it matches
+    /// nothing does a second statement apply the rearm or find the lease lost.
     fn ack(&self, lease: Lease) -> impl Future<Output = Result<Completion>> + Send;
 
     /// Success for many rows at once; one [`Completion`] per lease, in order.
     fn ack_batch(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<Completion>>> + Send;
 
     /// A failed run with a retry `delay` (from the database clock). A queued rearm replaces
-    /// the retry and keeps `deliveries_count` (SPEC §5.1).
+    /// the retry and keeps `deliveries_count` (see the table above).
     fn retry(
         &self,
         lease: Lease,
@@ -486,27 +515,30 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Completion>> + Send;
 
     /// A terminal failure: archives the failed run when the dead-letter queue is on, and
-    /// deletes the row or applies its queued rearm, in one step (SPEC §5.1).
+    /// deletes the row or applies its queued rearm, in one step (see the table above).
     fn fail(
         &self,
         lease: Lease,
         failure: Failure<'_>,
     ) -> impl Future<Output = Result<Completion>> + Send;
 
-    /// Keeps leases alive (SPEC §7.8): one statement sets `acquired_at = now()` on every
-    /// row still held by its token. Returns one [`Renewal`] per lease, in order: renewed,
-    /// renewed but a cancel reached the row (its run's end will delete it), or lost.
+    /// Keeps leases alive: one statement sets `acquired_at = now()` on every row still held
+    /// by its token, so a run may last longer than `lease_ttl`. Returns one [`Renewal`] per
+    /// lease, in order: renewed, renewed but a cancel reached the row (its run's end will
+    /// delete it), lost, or busy (another transaction holds the row's lock; tried again
+    /// next time, not lost).
     fn renew(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<Renewal>>> + Send;
 
-    /// Gives leases back at shutdown (SPEC §7.5), fenced by their tokens, so other workers
-    /// can claim the rows at once instead of waiting for the lease to expire. What happens
-    /// to each row is [`Released`]'s table. One [`Released`] per item, in order.
+    /// Gives leases back at shutdown, fenced by their tokens, so other workers can claim the
+    /// rows at once instead of waiting for the lease to expire. What happens to each row is
+    /// [`Released`]'s table. One [`Released`] per item, in order.
     fn release(&self, items: &[Release]) -> impl Future<Output = Result<Vec<Released>>> + Send;
 
     /// A terminal failure of a row no claim can take (every statement that would lease it
     /// fails): deletes it — archiving it first when the dead-letter queue is on — if it is
     /// unleased or its lease is older than `lease_ttl`, by a statement that updates
-    /// nothing (SPEC §7.4). [`Completion::LeaseLost`] when the row is gone or held.
+    /// nothing (a trigger or constraint that raises on updates of that row does not stop a
+    /// delete). [`Completion::LeaseLost`] when the row is gone or held.
     fn fail_unclaimed(
         &self,
         id: i64,
@@ -514,9 +546,9 @@ pub trait Store: Clone + Send + Sync + 'static {
         failure: Failure<'_>,
     ) -> impl Future<Output = Result<Completion>> + Send;
 
-    /// Earliest deadline and lease expiry among the rows `request` could claim (SPEC §7.3),
-    /// to sleep until: its queues, leases expiring after its `lease_ttl`, its `exclude`d
-    /// rows left out (`limit` and `only` do not matter).
+    /// Earliest deadline and lease expiry among the rows `request` could claim, to sleep
+    /// until: its queues, leases expiring after its `lease_ttl`, its `exclude`d rows left out
+    /// (`limit` and `only` do not matter).
     fn next_wakeup(
         &self,
         request: ClaimRequest<'_>,
@@ -546,12 +578,11 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Whether terminal failures are archived.
     fn dead_letter_enabled(&self) -> bool;
 
-    /// What this store offers for handlers that complete their row in their own
-    /// transaction ([`Context::begin`](crate::Context::begin), SPEC §7.9): only
-    /// [`PgStore`](crate::PgStore) offers it. A store without (the default) makes
-    /// `Context::begin` return [`Error::TransactionUnavailable`]: a typed refusal, never a
-    /// pretend transaction.
-    fn transactions(&self) -> Option<transaction::TransactionSource> {
+    /// What this store offers for handlers that complete their row in their own transaction
+    /// ([`Context::begin`](crate::Context::begin)): only [`PgStore`](crate::PgStore) offers it.
+    /// A store without (the default) makes `Context::begin` return
+    /// [`Error::TransactionUnavailable`]: a typed refusal, never a pretend transaction.
+    fn transactions(&self) -> Option<TransactionSource> {
         None
     }
 

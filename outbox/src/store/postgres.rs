@@ -1,8 +1,8 @@
-//! The Postgres store: claim (SPEC §6), fenced completions (SPEC §5.1, §5.2), lease
-//! renewal and release (SPEC §7.5, §7.8), wake-ups (SPEC §7.3), and the reads operators use
-//! (SPEC §8). It executes the statements `sql::claim`, `sql::complete` and `sql::read`
-//! render, on two pools: the caller's, and one with a short `lock_timeout` for the writes
-//! that must never wait for a row lock while holding another (SPEC §7.4).
+//! The Postgres store: claim, fenced completions, lease renewal and release, wake-ups, and
+//! the reads operators use. It executes the statements `sql::claim`, `sql::complete` and
+//! `sql::read` render, on two pools: the caller's, and one with a short `lock_timeout` for
+//! the writes that must never wait for a row lock while holding another (so they cannot
+//! deadlock with an application's transaction).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -28,8 +28,10 @@ use crate::read::{DeadLetter, StoredRow};
 use crate::sql::complete::Complete;
 use crate::timer::{cancel_in_own_transaction, publish_autocommit, Publisher};
 
-/// The `lock_timeout` of the store's own pool: far below Postgres' default
-/// `deadlock_timeout` of 1 s (SPEC §7.4).
+/// The `lock_timeout` of the store's own pool, for completions, lease renewal and release:
+/// far below Postgres' default `deadlock_timeout` of 1 s, so a worker statement that waits
+/// on a row an application transaction holds gives up (and finishes its rows one at a time)
+/// before Postgres' deadlock check could abort the application's transaction.
 pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 
 /// The Postgres implementation of [`Store`]: a pool and an [`Outbox`] (names and SQL).
@@ -65,7 +67,9 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 /// - `PgPoolOptions::test_before_acquire(false)` saves a round trip per statement: sqlx
 ///   otherwise pings every connection it checks out. The worker does not need the ping: a
 ///   claim that fails on a dead connection backs off and runs again, and a completion that
-///   does is retried while its lease lasts (SPEC §7.4). Measured in `docs/performance.md`.
+///   does is retried while its lease lasts. The ping cost up to a third of consumer
+///   throughput in the project's benchmarks
+///   (<https://github.com/outbox-rs/outbox/blob/main/docs/performance.md>, "Diagnostics").
 /// - `synchronous_commit = off` for the worker's connections
 ///   (`PgConnectOptions::options([("synchronous_commit", "off")])`) removes the WAL flush
 ///   from every claim and ack. A crash of the database can then forget the last
@@ -136,8 +140,13 @@ impl PgStore {
         })
     }
 
-    /// Claims on the given connection (SPEC §6): one statement, one new lease token for
-    /// the whole claim. On a bare connection the claim is its own short transaction (what
+    /// Claims on the given connection: one statement, one new lease token for the whole
+    /// claim. It takes up to `request.limit` rows of the requested queues whose deadline has
+    /// come (`next_attempt_at <= now()`) and that are unleased or whose lease is older than
+    /// `request.lease_ttl` by the database clock, sets the token and `acquired_at = now()`,
+    /// and adds 1 to `deliveries_count`. `FOR UPDATE SKIP LOCKED` skips rows another
+    /// transaction has locked, so two claims never take the same row and a claim never waits
+    /// on an application's lock. On a bare connection the claim is its own short transaction (what
     /// [`Store::claim`] does); inside your transaction the row locks are held until you
     /// commit, which is how the project's race tests hold a claim open.
     ///
@@ -184,7 +193,7 @@ impl PgStore {
     }
 
     /// Live rows of `queue` (pending and leased), ordered by deadline then id, at most
-    /// `limit`, read on a pool connection without leasing them (SPEC §8). For operators and
+    /// `limit`, read on a pool connection without leasing or locking them. For operators and
     /// tests; [`Outbox::pending`] reads on your own connection.
     ///
     /// # Errors
@@ -218,9 +227,10 @@ impl PgStore {
     }
 }
 
-/// Success on one row (SPEC §5.2): the DELETE, and only when it matched nothing the
-/// follow-up that decides under the row lock.
-/// On `db`: a connection of the store's pools, or a handler's transaction (SPEC §7.9).
+/// Success on one row: the DELETE (`… AND rearm_at IS NULL`, fenced by the token), and only
+/// when it matched nothing the follow-up that decides under the row lock (apply the rearm,
+/// delete a row whose rearm a cancel dropped meanwhile, or report the lease lost).
+/// On `db`: a connection of the store's pools, or a handler's transaction.
 pub(crate) async fn ack_on(
     sql: &Complete,
     db: &mut PgConnection,
@@ -242,8 +252,8 @@ pub(crate) async fn ack_on(
     settled(&row)
 }
 
-/// Success for many rows: the batched DELETE, and one follow-up for the rest (SPEC §5.2).
-/// The batched DELETE of successes (SPEC §5.2): the leases whose rows it deleted.
+/// The batched DELETE of successes: the leases whose rows it deleted. The rest (a rearm
+/// queued, or the lease lost) go to one follow-up statement.
 async fn ack_batch_delete_on(
     sql: &Complete,
     db: &PgPool,

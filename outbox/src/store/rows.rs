@@ -1,7 +1,8 @@
 //! Decoding claimed rows (the columns of `sql::claim::DELIVERY_COLUMNS`, in order), one row
 //! and one column at a time: a row whose stored fields do not decode becomes a delivery
-//! with a `decode_error` instead of failing the whole claim (SPEC §7.4). The lease (id and
-//! token) and the queue always decode: they are written by our own statements.
+//! with a `decode_error` instead of failing the whole claim, so one bad row never stalls
+//! the rows beside it. The lease (id and token) and the queue always decode: they are
+//! written by our own statements.
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;

@@ -1,4 +1,4 @@
-//! Completion in the handler's own transaction (SPEC §7.9): a handler of a worker over
+//! Completion in the handler's own transaction: a handler of a worker over
 //! [`PgStore`](crate::PgStore) begins a transaction on the store's pool, writes through it,
 //! and commits it through [`HandlerTransaction::commit`], which runs its row's fenced
 //! completion inside that transaction before `COMMIT`. The handler's writes and the
@@ -231,9 +231,11 @@ impl std::ops::DerefMut for HandlerTransaction {
 
 impl HandlerTransaction {
     /// Completes the handler's row inside this transaction and commits it with everything
-    /// the handler wrote (SPEC §7.9): the row is deleted, or its queued rearm applied (a
-    /// cancelled timer's row is deleted), exactly as a successful run's completion — one
-    /// `DELETE` in the common case, fenced by the run's lease token. Returns what it did.
+    /// the handler wrote: the row is deleted, or its queued rearm applied (a cancelled
+    /// timer's row is deleted), exactly as a successful run's completion — one `DELETE` in
+    /// the common case, fenced by the run's lease token. Returns what it did. When another
+    /// worker has re-claimed the row, the fenced `DELETE` matches nothing, and the whole
+    /// transaction is rolled back: a stale worker's writes never become visible.
     ///
     /// The completion locks the timer's row. If an application transaction holds that lock
     /// (an extend of this timer), the commit waits for it, and a rearm the extend queued is

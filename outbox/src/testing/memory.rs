@@ -1,9 +1,9 @@
 //! [`MemoryStore`]: the storage contract of [`PgStore`](crate::PgStore) in memory, on a
 //! virtual clock.
 //!
-//! Every operation mirrors one statement of `sql/`; the comments name the SQL detail each branch reproduces. The project's
-//! contract suite and model-based test (`tests/integration/tests/{contract,model}.rs`) run
-//! the same scenarios against both stores and compare the rows.
+//! Every operation mirrors one statement of `sql/`; the comments name the SQL detail each
+//! branch reproduces. The project's contract suite and model-based test run the same
+//! scenarios against both stores and compare the rows.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
@@ -27,8 +27,8 @@ use crate::store::{
 };
 use crate::timer::Publisher;
 
-/// An in-memory [`Store`] with the same observable behaviour as [`PgStore`](crate::PgStore)
-/// (SPEC §10), for testing handlers and timer logic without a database.
+/// An in-memory [`Store`] with the same observable behaviour as [`PgStore`](crate::PgStore),
+/// for testing handlers and timer logic without a database.
 ///
 /// What "the same" means: for the same sequence of operations, both stores return the same
 /// outcomes and hold the same rows: ids count up from 1 (a single-row publish uses up an id
@@ -60,15 +60,16 @@ use crate::timer::Publisher;
 /// - There are no transactions: each call is atomic on its own and calls are serialised.
 ///   What a transaction would add (a rolled-back publish leaving no row, lock waits) is
 ///   covered by the Postgres-only tests.
-/// - A handler's own transaction ([`Context::begin`](crate::Context::begin), SPEC §7.9) is
-///   **refused** with [`Error::TransactionUnavailable`]: there is no database to run the
-///   handler's SQL, and a pretend transaction would report a success nothing backs. The
-///   run fails like any handler error (the harness reports it). Test transactional
-///   handlers against Postgres (`Worker::run_due` drains a `PgStore` the same way), or
-///   keep the database writes behind a function you can swap in tests.
+/// - A handler's own transaction ([`Context::begin`](crate::Context::begin)) is **refused**
+///   with [`Error::TransactionUnavailable`]: there is no database to run the handler's SQL,
+///   and a pretend transaction would report a success nothing backs. The run fails like any
+///   handler error (the harness reports it). Test transactional handlers against Postgres
+///   (`Worker::run_due` drains a `PgStore` the same way), or keep the database writes
+///   behind a function you can swap in tests.
 /// - Among rows with the **same** deadline, a claim with a `limit` that cuts through them
 ///   takes the lowest ids; Postgres takes them in index order (usually, but not always, the
-///   same). The returned deliveries are ordered by deadline, then id, in both stores.
+///   same). The returned deliveries are in claim order in both stores: round robin across
+///   queues, each queue's rows by deadline, then id.
 /// - Absurd durations: a retry delay or lease TTL that puts a time beyond the year 262 000
 ///   (chrono's range) is an [`Error::InvalidArgument`] (`duration`, `lease_ttl`) here;
 ///   Postgres either stores a time it cannot hand back to chrono or rejects it with a
@@ -87,7 +88,7 @@ use crate::timer::Publisher;
 /// ```
 /// use std::time::Duration;
 /// use outbox::testing::MemoryStore;
-/// use outbox::{ClaimRequest, Completion, Message, OnConflict, Published, Publisher, Store};
+/// use outbox::{Message, Published, Publisher, store::{ClaimRequest, Completion, Store}, message::OnConflict};
 ///
 /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 /// let store = MemoryStore::new();
@@ -200,9 +201,9 @@ fn row_order(r: &StoredRow) -> (DateTime<Utc>, i64) {
 }
 
 impl State {
-    /// What a publish's `pg_notify` tells listeners (SPEC §2.4): the queue and the
-    /// deadline at millisecond precision. Hints are best effort, as NOTIFY is: a full or
-    /// closed channel drops them.
+    /// What a publish's `pg_notify` tells listeners: the queue and the deadline at
+    /// millisecond precision. Hints are best effort, as NOTIFY is: a full or closed channel
+    /// drops them.
     fn notify(&mut self, queue: &str, at: DateTime<Utc>) {
         let at = DateTime::from_timestamp_millis(at.timestamp_millis()).unwrap_or(at);
         self.listeners.retain(|tx| {
@@ -356,8 +357,8 @@ impl State {
         })
     }
 
-    /// The candidates of the claim statement (SPEC §6): `(deadline, id)` of what a claim
-    /// would take, in claim order, at most `limit`.
+    /// The candidates of the claim statement: `(deadline, id)` of what a claim would take,
+    /// in claim order, at most `limit`.
     fn candidates(&self, request: ClaimRequest<'_>) -> Result<Vec<(DateTime<Utc>, i64)>> {
         for q in request.queues {
             validate_queue(q)?;
@@ -419,7 +420,8 @@ impl State {
         Ok(candidates.into_iter().map(|(_, at, id)| (at, id)).collect())
     }
 
-    /// The claim statement of `store/postgres.rs` (SPEC §6).
+    /// The claim statement of `store/postgres.rs`: one new token for the claim,
+    /// `acquired_at = now`, `deliveries_count + 1`; a reclaimed cancelled row is deleted.
     fn claim(&mut self, request: ClaimRequest<'_>) -> Result<Vec<Delivery>> {
         let candidates = self.candidates(request)?;
         let now = self.now;
@@ -462,7 +464,7 @@ impl State {
         Ok(out)
     }
 
-    /// SPEC §5.2: `DELETE … AND rearm_at IS NULL`, else the fenced rearm UPDATE.
+    /// As on Postgres: `DELETE … AND rearm_at IS NULL`, else the fenced rearm UPDATE.
     fn ack(&mut self, lease: Lease) -> Completion {
         let Some(row) = self.leased(lease) else {
             return Completion::LeaseLost;
@@ -618,7 +620,7 @@ impl State {
             .collect()
     }
 
-    /// The release statement (SPEC §7.5): see [`Released`]. Like the statement, a lease
+    /// The release statement: see [`Released`]. Like the statement, a lease
     /// named twice is released once and both items report that outcome.
     fn release(&mut self, items: &[Release]) -> Vec<Released> {
         let mut done: HashMap<Lease, Released> = HashMap::new();
@@ -940,7 +942,8 @@ impl MemoryStore {
     /// ids, new ids in the order of `items`.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for input that breaks SPEC §2.1; nothing is written.
+    /// [`Error::InvalidArgument`] for a bad queue name, schedule, payload (over 64 MiB) or
+    /// headers (over 64 KiB, or a NUL), checked before anything is written.
     pub fn publish_batch(
         &self,
         queue: &str,

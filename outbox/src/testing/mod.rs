@@ -1,6 +1,6 @@
-//! Testing without a database (SPEC §10).
+//! Testing without a database.
 //!
-//! [`MemoryStore`] implements the storage contract ([`Store`](crate::Store)) in memory with
+//! [`MemoryStore`] implements the storage contract ([`Store`](crate::store::Store)) in memory with
 //! the same observable behaviour as [`PgStore`](crate::PgStore): the same outcomes, the same
 //! rows (ids, lease tokens, deliveries and attempts counts, retry history, rearm columns,
 //! dead-letter rows). Its clock is virtual: it stands still until the test moves it with
@@ -12,7 +12,7 @@
 //! ```
 //! use std::time::Duration;
 //! use outbox::testing::MemoryStore;
-//! use outbox::{ClaimRequest, Published, Store};
+//! use outbox::{Published, store::{ClaimRequest, Store}};
 //!
 //! #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
 //! #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -52,7 +52,7 @@
 //! use std::sync::{Arc, Mutex};
 //! use std::time::Duration;
 //! use outbox::testing::MemoryStore;
-//! use outbox::{Completion, Context, Decision, Store, Worker};
+//! use outbox::{Context, Worker, store::{Completion, Store}, worker::Decision};
 //!
 //! #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
 //! #[derive(Debug, serde::Serialize, serde::Deserialize)]

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::config::Config;
 use super::handler::{Handler, HandlerOptions, Route};
-use super::Worker;
+use super::run::Worker;
 use crate::error::{Error, Result};
 use crate::publish::validate_queue;
 use crate::store::Store;
@@ -28,6 +28,7 @@ impl<S: Store> Worker<S> {
 /// Builds a [`Worker`]; see there. Setters never fail: every value is
 /// checked by [`WorkerBuilder::build`]. `St` is the state handlers registered from now on
 /// receive ([`WorkerBuilder::state`]).
+#[must_use = "a WorkerBuilder does nothing until `.build()?.start()`"]
 pub struct WorkerBuilder<S, St = ()> {
     store: S,
     routes: Vec<Route>,
@@ -37,13 +38,13 @@ pub struct WorkerBuilder<S, St = ()> {
 }
 
 impl<S: Store, Old> WorkerBuilder<S, Old> {
-    /// Gives the worker's handlers a shared state (SPEC §7.10): handlers registered after
-    /// this take a [`Context<St>`](crate::Context) and ask for the state, or a piece of it,
-    /// by type with [`Context::state`](crate::Context::state) — the state itself, or a field
-    /// of a state struct that derives [`FromRef`](crate::FromRef). Asking for a type the
-    /// worker was not given does not compile. Give it once, before the handlers that use
-    /// it: handlers registered earlier keep the state they were registered with, and a
-    /// second call replaces the state for the handlers registered after it.
+    /// Gives the worker's handlers a shared state: handlers registered after this take a
+    /// [`Context<St>`](crate::Context) and ask for the state, or a piece of it, by type with
+    /// [`Context::state`](crate::Context::state) — the state itself, or a field of a state
+    /// struct that derives [`FromRef`](crate::FromRef). Asking for a type the worker was not
+    /// given does not compile. Give it once, before the handlers that use it: handlers
+    /// registered earlier keep the state they were registered with, and a second call replaces
+    /// the state for the handlers registered after it.
     ///
     /// ```no_run
     /// use outbox::{Context, Outbox, PgStore, Worker};
@@ -99,7 +100,7 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     }
 
     /// Handles the raw queue `queue` with `handler`: an `async fn(Vec<u8>, Context) -> R`
-    /// over the stored bytes. `max_deliveries` is [`DEFAULT_MAX_DELIVERIES`](crate::DEFAULT_MAX_DELIVERIES).
+    /// over the stored bytes. `max_deliveries` is [`DEFAULT_MAX_DELIVERIES`](crate::worker::DEFAULT_MAX_DELIVERIES).
     pub fn queue(self, queue: impl Into<String>, handler: impl Handler<Vec<u8>, St>) -> Self {
         self.queue_with(queue, handler, HandlerOptions::default())
     }
@@ -133,24 +134,29 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
         self
     }
 
-    /// How long a claim is exclusive (default 60 s, range 100 ms..=7 days). After it, other
-    /// workers may reclaim the row (SPEC §6).
+    /// How long a claim is exclusive (default 60 s, range 100 ms..=7 days). The worker renews
+    /// every lease it holds about every `lease_ttl / 3` while the row waits or runs, so a long
+    /// handler keeps its row; once a lease is older than `lease_ttl` by the database clock
+    /// (`acquired_at < now() - lease_ttl`), any worker may reclaim the row. So this is how long
+    /// a dead worker's rows wait before they are delivered again. Expiry is judged by the
+    /// claiming worker's value: give every worker that serves a queue the same one.
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.config.lease_ttl = ttl;
         self
     }
 
-    /// The longest an idle worker sleeps before looking again, which also bounds how late
-    /// an expired lease of a dead worker is picked up when nothing else wakes it (default
-    /// 30 s, range 10 ms..=24 h). Timers do not wait for it: the worker sleeps until the
-    /// earliest deadline and wakes on notifications (SPEC §7.3).
+    /// The longest an idle worker sleeps before looking again, which also bounds how late an
+    /// expired lease of a dead worker is picked up when nothing else wakes it (default 30 s,
+    /// range 10 ms..=24 h). Timers do not wait for it: the worker sleeps until the earliest
+    /// deadline among its queues and wakes on the notification a publish sends when it commits
+    /// (unless the outbox has notifications off).
     pub fn idle_poll(mut self, ceiling: Duration) -> Self {
         self.config.idle_poll = ceiling;
         self
     }
 
     /// The most successful completions one ack statement writes (default
-    /// [`DEFAULT_ACK_BATCH_SIZE`](crate::DEFAULT_ACK_BATCH_SIZE), range 1..=10 000). Acks
+    /// [`DEFAULT_ACK_BATCH_SIZE`](crate::worker::DEFAULT_ACK_BATCH_SIZE), range 1..=10 000). Acks
     /// are pipelined: a finished handler hands its success to the worker's completer and
     /// takes the next row at once, and the completer writes everything waiting, up to this
     /// cap, in one fenced `DELETE` as soon as its previous one returned (no linger: a lone

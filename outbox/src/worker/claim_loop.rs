@@ -1,6 +1,6 @@
-//! The claim loop (SPEC §6, §7.3): claims when every buffered row has a handler, hands
-//! rows to the handler tasks, and when idle sleeps until the earliest deadline, a
-//! notification, a completion's hint or the idle ceiling. It backs off after failures.
+//! The claim loop: claims when every buffered row has a handler, hands rows to the handler
+//! tasks, and when idle sleeps until the earliest deadline, a notification, a completion's
+//! hint or the idle ceiling. It backs off after failures.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +14,7 @@ use crate::error::Error;
 use crate::store::{ClaimRequest, Delivery, Store, Wakeup};
 
 /// Logs a failure at once and then at most every 10 s, with how many were not logged, so a
-/// worker whose database is down says why without flooding the log (SPEC §7.4).
+/// worker whose database is down says why without flooding the log.
 #[derive(Debug, Default)]
 struct Throttle {
     last: Option<Instant>,
@@ -231,9 +231,9 @@ pub(crate) async fn claim_loop<S: Store>(
     }
 }
 
-/// The claim's per-queue limits (SPEC §6 v2): what each queue's `max_concurrency` leaves
-/// free of the rows it holds (buffered or running), `limit` for a queue without one; `None`
-/// when no queue has one.
+/// The claim's per-queue limits: what each queue's `max_concurrency` leaves free of the
+/// rows it holds (buffered or running), `limit` for a queue without one; `None` when no
+/// queue has one.
 fn queue_limits<S: Store>(
     shared: &Shared<S>,
     queues: &[String],

@@ -1,8 +1,8 @@
-//! Running and completing (SPEC §5.1, §5.2, §7.2, §7.4, §7.8): the handler tasks take claimed
-//! rows from the claim loop, run them through their route, and write the fenced completion
-//! — at once, or through the completer that pipelines and coalesces successes; the renewal loop keeps every
-//! held lease alive meanwhile. A completion that fails on a broken connection, a deadlock
-//! or a lock timeout is retried while its lease lasts.
+//! Running and completing: the handler tasks take claimed rows from the claim loop, run
+//! them through their route, and write the fenced completion — at once, or through the
+//! completer that pipelines and coalesces successes; the renewal loop keeps every held
+//! lease alive meanwhile. A completion that fails on a broken connection, a deadlock or a
+//! lock timeout is retried while its lease lasts.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -170,9 +170,10 @@ async fn process<S: Store>(
     shared.held.remove(lease);
 }
 
-/// The held-lease bookkeeping around a handler's own commit (SPEC §7.9): while it runs, a
-/// renewal that finds the row gone is not a lost lease (the commit may have deleted it);
-/// once it landed, the row is no longer held (shutdown has nothing to give back).
+/// The held-lease bookkeeping around a handler's own commit (the row's completion runs
+/// inside the handler's transaction, before its `COMMIT`): while it runs, a renewal that
+/// finds the row gone is not a lost lease (the commit may have deleted it); once it landed,
+/// the row is no longer held (shutdown has nothing to give back).
 struct HeldCommit<S: Store> {
     shared: Arc<Shared<S>>,
     lease: Lease,
@@ -194,8 +195,9 @@ impl<S: Store> CommitHooks for HeldCommit<S> {
 
 /// Runs a fenced write, retrying while the lease lasts (renewals extend it) when the
 /// connection failed or the write met a deadlock, a serialization failure or a lock timeout
-/// (SPEC §7.4). Any other statement error is not retried: the row is left to lease expiry,
-/// so one poison row cannot wedge a handler task. `None` when the write did not happen.
+/// (a fenced write is safe to repeat: it changes the row only while the token still
+/// matches). Any other statement error is not retried: the row is left to lease expiry, so
+/// one poison row cannot wedge a handler task. `None` when the write did not happen.
 pub(crate) async fn write_with_retry<S, T, F, Fut>(
     shared: &Shared<S>,
     lease: Lease,
@@ -276,11 +278,11 @@ fn lease_lost(queue: &str, phase: Phase) {
 /// How many batched completions may be written at once: one normally, so successes pile up
 /// into full statements while it runs; another each time every one in flight has waited
 /// longer than [`STALLED`] — it met a row locked by an application transaction and finishes
-/// its rows one at a time, the locked one waiting for that transaction — so it does not hold
-/// up the statements behind it (SPEC §7.4). At most `concurrency + 1`: with pipelined acks
-/// the handler slots do not write their own acks, so their connections are the completer's
-/// to use for such waits (found by a trial: a fixed two let two application locks stall
-/// every ack).
+/// its rows one at a time, the locked one waiting for that transaction — so it does not
+/// hold up the statements behind it. At most `concurrency + 1`: with pipelined acks the
+/// handler slots do not write their own acks, so their connections are the completer's to
+/// use for such waits (found by a trial: a fixed two let two application locks stall every
+/// ack).
 fn flushes_in_flight(concurrency: usize) -> usize {
     concurrency.saturating_add(1)
 }
@@ -290,10 +292,10 @@ fn flushes_in_flight(concurrency: usize) -> usize {
 /// counts as stalled.
 const STALLED: Duration = Duration::from_millis(250);
 
-/// The completer (SPEC §7.1 v2, §5.2): takes the successes handler tasks hand over and
-/// writes everything waiting, up to `ack_batch_size`, in one fenced statement as soon as the
-/// previous statement returned. No linger timer: a lone success is written at once, a burst
-/// that arrived during one commit shares the next. At shutdown it writes what is left.
+/// The completer: takes the successes handler tasks hand over and writes everything
+/// waiting, up to `ack_batch_size`, in one fenced statement as soon as the previous
+/// statement returned. No linger timer: a lone success is written at once, a burst that
+/// arrived during one commit shares the next. At shutdown it writes what is left.
 pub(crate) async fn completer<S: Store>(
     shared: Arc<Shared<S>>,
     mut rx: mpsc::Receiver<PendingAck>,
@@ -345,9 +347,9 @@ async fn flush<S: Store>(shared: &Shared<S>, batch: Vec<PendingAck>) {
     }
 }
 
-/// Keeps every held lease alive (SPEC §7.8): one renewal statement per worker every third
-/// of `lease_ttl`, whatever the number of leases, until `stop` fires. Tells running handlers
-/// when their lease was lost or their timer cancelled.
+/// Keeps every held lease alive (`acquired_at = now()`, fenced by each token): one renewal
+/// statement per worker every third of `lease_ttl`, whatever the number of leases, until
+/// `stop` fires. Tells running handlers when their lease was lost or their timer cancelled.
 pub(crate) async fn renewal_loop<S: Store>(
     shared: Arc<Shared<S>>,
     mut stop: watch::Receiver<bool>,

@@ -1,4 +1,5 @@
-//! The worker's knobs (SPEC §7.1): their defaults and allowed ranges.
+//! The worker's knobs: their defaults and allowed ranges. A value out of range is rejected
+//! when the worker is built, with an error naming the knob.
 
 use std::time::Duration;
 
@@ -13,7 +14,8 @@ use crate::error::{Error, Result};
 /// behind a slow commit still fits in one or two statements.
 pub const DEFAULT_ACK_BATCH_SIZE: usize = 100;
 
-/// Worker knobs (SPEC §7.1).
+/// Worker knobs; defaults: `concurrency` 1, `fetch_batch_size` 10, `lease_ttl` 60 s,
+/// `idle_poll` 30 s, `ack_batch_size` [`DEFAULT_ACK_BATCH_SIZE`], `graceful_timeout` 15 s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Config {
     pub(crate) concurrency: usize,
@@ -54,9 +56,10 @@ fn check_range<T: PartialOrd + std::fmt::Debug>(
 }
 
 impl Config {
-    /// The connections a worker needs from its store's pool at once (SPEC §7.4): one
-    /// completion per handler slot, the completer, the renewal. The claim loop and the lease
-    /// release at shutdown take turns with them; LISTEN is outside the pool.
+    /// The connections a worker needs from its store's pool at once, so that it never waits
+    /// forever on its own pool: one completion per handler slot, the completer, the renewal.
+    /// The claim loop and the lease release at shutdown take turns with them; LISTEN is outside
+    /// the pool.
     pub(crate) fn connections_needed(&self) -> u32 {
         u32::try_from(self.concurrency)
             .unwrap_or(u32::MAX)

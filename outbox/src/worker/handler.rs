@@ -1,4 +1,4 @@
-//! Handlers (SPEC §7.2): what a handler receives, what it may return, and how a claimed
+//! Handlers: what a handler receives, what it may return, and how a claimed
 //! delivery becomes a decision (ack, retry, terminal failure) without touching storage.
 
 use std::any::type_name;
@@ -152,12 +152,19 @@ impl<St> Context<St> {
         X::from_ref(&self.state)
     }
 
-    /// Begins this run's transaction on the worker's database (SPEC §7.9), always `READ
-    /// COMMITTED` whatever the session's default: write your changes through it
-    /// (`&mut *tx`), then [`commit`](HandlerTransaction::commit) it,
-    /// which completes this run's row **in the same transaction** — your writes and the
-    /// row's completion commit together or not at all. A worker that lost the row's lease
-    /// commits nothing ([`Error::LeaseLost`](crate::Error::LeaseLost)).
+    /// Begins this run's transaction on the worker's database: write your changes through it
+    /// (`&mut *tx`), then [`commit`](HandlerTransaction::commit) it, which completes this run's
+    /// row **in the same transaction** — your writes and the row's completion commit together
+    /// or not at all. A worker that lost the row's lease commits nothing
+    /// ([`Error::LeaseLost`](crate::Error::LeaseLost)): the completion's write is fenced by the
+    /// lease token, so it matches nothing once another worker has re-claimed the row, and the
+    /// whole transaction is rolled back.
+    ///
+    /// The transaction is always `READ COMMITTED`, whatever the session's default: there a
+    /// statement that waited for a row lock re-checks its `WHERE` on the newest committed
+    /// row, so the completion sees the row as lease renewals and extends left it (a
+    /// `REPEATABLE READ` or `SERIALIZABLE` snapshot would fail the commit with a
+    /// serialization error instead).
     ///
     /// ```no_run
     /// async fn on_expiry(user_id: Vec<u8>, ctx: outbox::Context) -> Result<(), outbox::Error> {
@@ -272,10 +279,11 @@ impl<St> Context<St> {
     }
 }
 
-/// Converts the worker's state `S` into a piece a handler asks for with
-/// [`Context::state`] (SPEC §7.10). Every `Clone` type converts from itself; derive it on a
-/// state struct (`#[derive(Clone, outbox::FromRef)]`) to let handlers ask for each field by
-/// its type, or implement it by hand.
+/// Converts the worker's state `S` into a piece a handler asks for with [`Context::state`];
+/// asking for a type the worker's state does not convert into does not compile. Every
+/// `Clone` type converts from itself; derive it on a state struct
+/// (`#[derive(Clone, outbox::FromRef)]`) to let handlers ask for each field by its type, or
+/// implement it by hand.
 #[diagnostic::on_unimplemented(
     message = "the worker was not given state of type `{Self}`",
     label = "handlers of this worker can ask only for its state `{S}` or what `{S}` converts into",
@@ -293,7 +301,7 @@ impl<T: Clone> FromRef<T> for T {
     }
 }
 
-/// How a run ended (SPEC §7.2): the one type every handler's return value converts into
+/// How a run ended: the one type every handler's return value converts into
 /// ([`IntoOutcome`]). Return it directly, or return `()`, `Result<(), E>` or
 /// `Result<Outcome, E>`: `()` and `Ok(())` are [`Outcome::Ack`], `Err(e)` is
 /// [`Outcome::Retry`] with `e`'s text.
@@ -308,7 +316,7 @@ pub enum Outcome {
     /// `last_error` of the dead letter when the run ends terminally.
     Retry(String),
     /// A failed run, tried again after this delay (database clock, capped at
-    /// [`MAX_RETRY_DELAY`](crate::MAX_RETRY_DELAY)) instead of the strategy's;
+    /// [`MAX_RETRY_DELAY`](crate::worker::MAX_RETRY_DELAY)) instead of the strategy's;
     /// `max_attempts` of the strategy still applies.
     RetryAfter(Duration),
     /// Terminal failure now, reason `rejected`, with this error text.
@@ -367,6 +375,7 @@ where
 
 /// Per-handler settings: retry strategy, timeout and, for raw queues, `max_deliveries`.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[must_use = "HandlerOptions apply only once given to `WorkerBuilder::timer_with` or `queue_with`"]
 pub struct HandlerOptions {
     pub(crate) retry: RetryStrategy,
     pub(crate) max_deliveries: Option<u32>,

@@ -1,9 +1,9 @@
-//! Poison rows in a claim (SPEC §7.4). A claim statement that fails because of one row's
-//! data (a trigger or a constraint that raises when that row is leased) is retried on halves
-//! of the ids it would have taken, down to the failing row; the rest of the batch is
-//! delivered. The failing row is set aside in this worker's memory with a growing back-off
-//! (claims leave it out meanwhile), and after `max_deliveries` observed failures it is ended
-//! by a delete-based statement (archived when the dead-letter queue is on), which a guard on
+//! Poison rows in a claim. A claim statement that fails because of one row's data (a
+//! trigger or a constraint that raises when that row is leased) is retried on halves of the
+//! ids it would have taken, down to the failing row; the rest of the batch is delivered.
+//! The failing row is set aside in this worker's memory with a growing back-off (claims
+//! leave it out meanwhile), and after `max_deliveries` observed failures it is ended by a
+//! delete-based statement (archived when the dead-letter queue is on), which a guard on
 //! updates does not stop. The count lives in memory: a restarted worker starts it again.
 
 use std::collections::HashMap;

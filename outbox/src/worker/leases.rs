@@ -1,8 +1,7 @@
-//! The leases a worker holds (SPEC §7.7, §7.8): every claimed row from its claim until its
-//! completion lands — waiting in the buffer, running, or waiting to be acked. The claim
-//! loop registers them, the handler tasks move them along, the renewal loop keeps them
-//! alive and tells running handlers when one is lost or cancelled, and shutdown releases
-//! what is left.
+//! The leases a worker holds: every claimed row from its claim until its completion lands —
+//! waiting in the buffer, running, or waiting to be acked. The claim loop registers them,
+//! the handler tasks move them along, the renewal loop keeps them alive and tells running
+//! handlers when one is lost or cancelled, and shutdown releases what is left.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -32,8 +31,8 @@ struct Entry {
     /// Failed runs before this one, for the release of a run stopped at shutdown.
     attempts_count: i32,
     phase: Phase,
-    /// The running handler's own transaction is committing (SPEC §7.9): the commit may
-    /// delete the row at any moment.
+    /// The running handler's own transaction is committing (the row's completion runs inside
+    /// it): the commit may delete the row at any moment.
     committing: bool,
     /// The local instant the lease expires unless renewed.
     until: Instant,
@@ -150,7 +149,8 @@ impl Held {
             .map_or_else(Instant::now, |e| e.until)
     }
 
-    /// Ids of every held row: a claim leaves them out (SPEC §7.8).
+    /// Ids of every held row: a claim leaves them out, so a worker never reclaims (and runs a
+    /// second time) a row whose lease it still holds.
     pub(crate) fn ids(&self) -> Vec<i64> {
         self.lock().rows.keys().copied().collect()
     }

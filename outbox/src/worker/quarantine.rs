@@ -1,5 +1,6 @@
-//! Rows no claim can take (SPEC §7.4), set aside in the worker's memory with their observed
-//! failures and a growing back-off; claims leave them out until the back-off ends.
+//! Rows no claim can take (a trigger or constraint raises whenever a claim updates them),
+//! set aside in the worker's memory with their observed failures and a growing back-off;
+//! claims leave them out until the back-off ends.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

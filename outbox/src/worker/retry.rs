@@ -1,4 +1,4 @@
-//! Retry strategies (SPEC §7.2): how long a failed run waits before the next attempt, and
+//! Retry strategies: how long a failed run waits before the next attempt, and
 //! when to give up.
 
 use std::time::Duration;
@@ -36,9 +36,10 @@ enum Backoff {
 ///
 /// The delay is applied by the database clock (`now() + delay`).
 ///
-/// The default (SPEC §7.2): exponential from 1 s, ×2, capped at 300 s, 20 % jitter,
+/// The default: exponential from 1 s, ×2, capped at 300 s, 20 % jitter,
 /// 10 attempts.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[must_use = "a RetryStrategy applies only once given to `HandlerOptions::retry`"]
 pub struct RetryStrategy {
     backoff: Backoff,
     cap: Duration,

@@ -1,7 +1,7 @@
 //! What the claim loop, the handler tasks, the completer and the renewal loop share: the store,
 //! the routes, the knobs, the held leases, the rows set aside as poison, the mapping from
 //! the store's clock to the local one, and the wake-up hint a completion leaves for the idle
-//! claim loop (SPEC §7.3).
+//! claim loop.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,7 +27,7 @@ pub(crate) struct Shared<S> {
     /// Rows no claim can take, set aside with back-off.
     pub(crate) quarantine: Quarantine,
     /// Earliest local instant a completion of this worker made a row due (a rearm applied,
-    /// a retry scheduled); read by the idle claim loop (SPEC §7.3).
+    /// a retry scheduled); read by the idle claim loop, which wakes then.
     hint: std::sync::Mutex<Option<Instant>>,
     pub(crate) hint_changed: Notify,
     /// Store clock minus local clock, in microseconds, from the latest `next_wakeup`.

@@ -26,8 +26,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use outbox::testing::MemoryStore;
 use outbox::{
-    BatchItem, Cancelled, DeadLetter, Message, Outbox, PgStore, Published, Publisher, Result,
-    Schedule, Store, StoredRow, Timer,
+    message::{BatchItem, Schedule},
+    store::{DeadLetter, Store, StoredRow},
+    Cancelled, Message, Outbox, PgStore, Published, Publisher, Result, Timer,
 };
 use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -65,7 +66,7 @@ pub trait Harness: Sized {
         schedule: Schedule,
     ) -> impl Future<Output = Result<Vec<i64>>>;
 
-    /// `outbox::extend_timer` through this store's [`outbox::Publisher`].
+    /// `outbox::message::extend_timer` through this store's [`outbox::Publisher`].
     fn extend_typed<T: Timer>(
         &self,
         timer_id: &str,
@@ -73,7 +74,7 @@ pub trait Harness: Sized {
         schedule: Schedule,
     ) -> impl Future<Output = Result<Published>>;
 
-    /// `outbox::publish_timer` through this store's [`outbox::Publisher`].
+    /// `outbox::message::publish_timer` through this store's [`outbox::Publisher`].
     fn publish_typed<T: Timer>(
         &self,
         timer_id: &str,
@@ -81,7 +82,7 @@ pub trait Harness: Sized {
         schedule: Schedule,
     ) -> impl Future<Output = Result<Published>>;
 
-    /// `outbox::cancel_timer` through this store's [`outbox::Publisher`].
+    /// `outbox::message::cancel_timer` through this store's [`outbox::Publisher`].
     fn cancel_typed<T: Timer>(&self, timer_id: &str) -> impl Future<Output = Result<Cancelled>>;
 
     /// Publishes one message through this store's [`Publisher`].
@@ -144,7 +145,7 @@ impl Harness for MemHarness {
         payload: &T,
         schedule: Schedule,
     ) -> Result<Published> {
-        outbox::extend_timer(&self.store, timer_id, payload, schedule).await
+        outbox::message::extend_timer(&self.store, timer_id, payload, schedule).await
     }
 
     async fn publish_typed<T: Timer>(
@@ -153,11 +154,11 @@ impl Harness for MemHarness {
         payload: &T,
         schedule: Schedule,
     ) -> Result<Published> {
-        outbox::publish_timer(&self.store, timer_id, payload, schedule).await
+        outbox::message::publish_timer(&self.store, timer_id, payload, schedule).await
     }
 
     async fn cancel_typed<T: Timer>(&self, timer_id: &str) -> Result<Cancelled> {
-        outbox::cancel_timer::<T>(&self.store, timer_id).await
+        outbox::message::cancel_timer::<T>(&self.store, timer_id).await
     }
 
     async fn publish(&self, message: Message<'_>) -> Result<Published> {
@@ -316,7 +317,7 @@ impl Harness for PgHarness {
         schedule: Schedule,
     ) -> Result<Published> {
         let mut conn = self.pool.acquire().await?;
-        outbox::extend_timer(self.outbox.on(&mut conn), timer_id, payload, schedule).await
+        outbox::message::extend_timer(self.outbox.on(&mut conn), timer_id, payload, schedule).await
     }
 
     async fn publish_typed<T: Timer>(
@@ -326,12 +327,12 @@ impl Harness for PgHarness {
         schedule: Schedule,
     ) -> Result<Published> {
         let mut conn = self.pool.acquire().await?;
-        outbox::publish_timer(self.outbox.on(&mut conn), timer_id, payload, schedule).await
+        outbox::message::publish_timer(self.outbox.on(&mut conn), timer_id, payload, schedule).await
     }
 
     async fn cancel_typed<T: Timer>(&self, timer_id: &str) -> Result<Cancelled> {
         let mut conn = self.pool.acquire().await?;
-        outbox::cancel_timer::<T>(self.outbox.on(&mut conn), timer_id).await
+        outbox::message::cancel_timer::<T>(self.outbox.on(&mut conn), timer_id).await
     }
 
     async fn publish(&self, message: Message<'_>) -> Result<Published> {

@@ -4,7 +4,10 @@ use sqlx::AssertSqlSafe;
 use std::time::Duration;
 
 use chrono::{TimeDelta, Utc};
-use outbox::{ClaimRequest, Message, Store};
+use outbox::{
+    store::{ClaimRequest, Store},
+    Message,
+};
 use outbox_tests::Fixture;
 
 const TTL: Duration = Duration::from_secs(60);

@@ -11,9 +11,12 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use outbox::store::MAX_LAST_ERROR_BYTES;
 use outbox::{
-    BatchItem, Cancelled, ClaimRequest, Completion, DeadLetter, Delivery, Error, Failure,
-    FailureReason, Headers, Lease, Message, OnConflict, Published, Release, Released, Renewal,
-    Schedule, Store, StoredRow, Wakeup,
+    message::{BatchItem, Headers, OnConflict, Schedule},
+    store::{
+        ClaimRequest, Completion, DeadLetter, Delivery, Failure, FailureReason, Lease, Release,
+        Released, Renewal, Store, StoredRow, Wakeup,
+    },
+    Cancelled, Error, Message, Published,
 };
 use outbox_tests::contract::{start, Harness, MemHarness, PgHarness};
 use uuid::Uuid;
@@ -687,7 +690,7 @@ async fn retry_with_the_right_token_a_wrong_token_and_an_unleased_row<H: Harness
     assert_eq!(invalid_field(e), "delay");
     let e = h
         .store()
-        .retry(d.lease, outbox::MAX_DELAY + secs(1))
+        .retry(d.lease, outbox::message::MAX_DELAY + secs(1))
         .await
         .unwrap_err();
     assert_eq!(invalid_field(e), "delay");
@@ -1880,7 +1883,9 @@ async fn an_extend_with_slack_skips_small_moves<H: Harness>(h: &H) {
     // Bad slacks are refused before anything is written.
     let rows_before = rows(h, Q).await;
     let e = h
-        .publish(extend("k", b"x", at(900)).slack(outbox::MAX_SLACK + us(1).to_std().unwrap()))
+        .publish(
+            extend("k", b"x", at(900)).slack(outbox::message::MAX_SLACK + us(1).to_std().unwrap()),
+        )
         .await
         .unwrap_err();
     assert_eq!(invalid_field(e), "slack");

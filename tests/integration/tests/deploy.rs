@@ -1,4 +1,4 @@
-//! Rolling deploy (SPEC §1.3, v2; docs/upgrading.md "Deploy order"): the previous
+//! Rolling deploy (SPEC §1.3, v2; outbox/docs/upgrading.md "Deploy order"): the previous
 //! version's statements, as SQL, run against this version's schema beside this version's
 //! code, and each outcome is the one the upgrade guide documents.
 //!
@@ -12,8 +12,9 @@ use sqlx::{AssertSqlSafe, PgPool, Row};
 use uuid::Uuid;
 
 use outbox::{
-    Cancelled, ClaimRequest, Completion, Lease, Message, OnConflict, Outbox, PgStore, Published,
-    Store,
+    message::OnConflict,
+    store::{ClaimRequest, Completion, Lease, Store},
+    Cancelled, Message, Outbox, PgStore, Published,
 };
 use outbox_tests::{pool, unique_table};
 

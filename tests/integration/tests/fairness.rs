@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::Utc;
-use outbox::{Context, Error, HandlerOptions, Message, Schedule, Worker};
+use outbox::{message::Schedule, Context, Error, HandlerOptions, Message, Worker};
 use outbox_tests::{eventually, Fixture};
 use sqlx::AssertSqlSafe;
 

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use outbox::testing::MemoryStore;
 use outbox::{
-    Completion, Context, Decision, FailureReason, HandlerOptions, Message, Publisher,
-    RetryStrategy, Worker,
+    store::{Completion, FailureReason},
+    worker::Decision,
+    Context, HandlerOptions, Message, Publisher, RetryStrategy, Worker,
 };
 use outbox_tests::{count_runs, Fixture};
 

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use outbox::testing::MemoryStore;
 use outbox::{
-    BatchItem, ClaimRequest, Completion, Error, Failure, FailureReason, Headers, Message,
-    OnConflict, Outbox, Published, Publisher, Store, MAX_HEADERS_BYTES, MAX_PAYLOAD_BYTES,
+    message::{BatchItem, Headers, OnConflict, MAX_HEADERS_BYTES, MAX_PAYLOAD_BYTES},
+    store::{ClaimRequest, Completion, Failure, FailureReason, Store},
+    Error, Message, Outbox, Published, Publisher,
 };
 use outbox_tests::{unique_table, Fixture};
 
@@ -36,8 +37,8 @@ fn field(e: Error) -> &'static str {
 trait Big: Store {
     async fn publish(&self, m: Message<'_>) -> outbox::Result<Published>;
     async fn batch(&self, items: &[BatchItem<'_>]) -> outbox::Result<Vec<i64>>;
-    async fn live(&self) -> Vec<outbox::StoredRow>;
-    async fn dead(&self) -> Vec<outbox::DeadLetter>;
+    async fn live(&self) -> Vec<outbox::store::StoredRow>;
+    async fn dead(&self) -> Vec<outbox::store::DeadLetter>;
     /// Lets a second pass on the store's clock.
     async fn wait_a_second(&self);
 }
@@ -52,10 +53,10 @@ impl Big for outbox::PgStore {
             .publish_batch(&mut conn, Q, items, Duration::ZERO)
             .await
     }
-    async fn live(&self) -> Vec<outbox::StoredRow> {
+    async fn live(&self) -> Vec<outbox::store::StoredRow> {
         self.pending(Q, 100).await.unwrap()
     }
-    async fn dead(&self) -> Vec<outbox::DeadLetter> {
+    async fn dead(&self) -> Vec<outbox::store::DeadLetter> {
         self.dead_letters(Q, 100).await.unwrap()
     }
     async fn wait_a_second(&self) {
@@ -70,10 +71,10 @@ impl Big for MemoryStore {
     async fn batch(&self, items: &[BatchItem<'_>]) -> outbox::Result<Vec<i64>> {
         self.publish_batch(Q, items, Duration::ZERO)
     }
-    async fn live(&self) -> Vec<outbox::StoredRow> {
+    async fn live(&self) -> Vec<outbox::store::StoredRow> {
         self.pending(Q, 100).unwrap()
     }
-    async fn dead(&self) -> Vec<outbox::DeadLetter> {
+    async fn dead(&self) -> Vec<outbox::store::DeadLetter> {
         self.dead_letters(Q, 100).unwrap()
     }
     async fn wait_a_second(&self) {

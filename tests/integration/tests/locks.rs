@@ -6,8 +6,9 @@
 use std::time::{Duration, Instant};
 
 use outbox::{
-    ClaimRequest, Completion, Delivery, Lease, Message, OnConflict, Published, Release, Released,
-    Renewal, Store,
+    message::OnConflict,
+    store::{ClaimRequest, Completion, Delivery, Lease, Release, Released, Renewal, Store},
+    Message, Published,
 };
 use outbox_tests::Fixture;
 use sqlx::{AssertSqlSafe, Connection};

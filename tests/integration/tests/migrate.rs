@@ -12,8 +12,9 @@ use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
 use tokio::time::Instant;
 
 use outbox::{
-    ClaimRequest, Error, Failure, FailureReason, MigrateOptions, Outbox, PgStore, SchemaProblem,
-    Store,
+    schema::{MigrateOptions, SchemaProblem},
+    store::{ClaimRequest, Failure, FailureReason, Store},
+    Error, Outbox, PgStore,
 };
 use outbox_tests::{database_url, pool, unique_table};
 
@@ -144,7 +145,9 @@ async fn up_to_date_migrate_reads_the_catalog_only() {
 async fn a_blocked_step_gives_way_and_names_the_holder() {
     let pool = pool().await;
     let outbox = outbox("mig_blocked");
-    outbox.migrate_base_only(&pool).await.unwrap();
+    outbox::__private::migrate_base_only(&outbox, &pool)
+        .await
+        .unwrap();
 
     let mut reader = session().await;
     let reader_pid = pid(&mut reader).await;
@@ -382,7 +385,7 @@ async fn applied_steps_are_recorded() {
     let before = chrono::Utc::now() - chrono::TimeDelta::seconds(5);
     fresh.migrate(&pool).await.unwrap();
     let applied = fresh.applied_migrations(&pool).await.unwrap();
-    let steps = outbox::migration_steps(&fresh);
+    let steps = outbox::schema::migration_steps(&fresh);
     assert_eq!(
         applied.iter().map(|a| a.version).collect::<Vec<_>>(),
         steps.iter().map(|s| s.version).collect::<Vec<_>>()
@@ -396,7 +399,7 @@ async fn applied_steps_are_recorded() {
     // The files, run as a user's own tool would (each in its transaction, the concurrent
     // index outside any), then `migrate()`: everything is found, nothing applied again.
     let by_files = outbox("mig_files");
-    for step in outbox::migration_steps(&by_files) {
+    for step in outbox::schema::migration_steps(&by_files) {
         if step.transaction {
             let mut tx = pool.begin().await.unwrap();
             sqlx::raw_sql(AssertSqlSafe(step.sql))
@@ -438,7 +441,10 @@ async fn concurrent_migrates_take_turns() {
     }
     outbox.validate_schema(&pool).await.unwrap();
     let applied = outbox.applied_migrations(&pool).await.unwrap();
-    assert_eq!(applied.len(), outbox::migration_steps(&outbox).len());
+    assert_eq!(
+        applied.len(),
+        outbox::schema::migration_steps(&outbox).len()
+    );
     drop_tables(&pool, &outbox).await;
 }
 
@@ -527,7 +533,9 @@ async fn an_operators_storage_tuning_survives_migrate() {
 async fn autovacuum_settings_leave_an_operators_earlier_tuning_alone() {
     let pool = pool().await;
     let outbox = outbox("mig_av_pre");
-    outbox.migrate_base_only(&pool).await.unwrap();
+    outbox::__private::migrate_base_only(&outbox, &pool)
+        .await
+        .unwrap();
     let t = outbox.table();
     sqlx::raw_sql(AssertSqlSafe(format!(
         "ALTER TABLE {t} SET (autovacuum_vacuum_threshold = 5000)"
@@ -572,7 +580,9 @@ async fn patient_pool(max: u32) -> PgPool {
 async fn concurrent_upgrades_through_a_concurrent_build_all_finish() {
     let pool = pool().await;
     let outbox = outbox("mig_conc_up");
-    outbox.migrate_base_only(&pool).await.unwrap();
+    outbox::__private::migrate_base_only(&outbox, &pool)
+        .await
+        .unwrap();
     sqlx::raw_sql(AssertSqlSafe(format!(
         "INSERT INTO {} (original_id, queue, payload, deliveries_count, attempts_count, \
                          created_at, failure_reason) \
@@ -609,7 +619,9 @@ async fn concurrent_upgrades_through_a_concurrent_build_all_finish() {
 async fn the_deadline_bounds_waiting_for_another_migrator() {
     let pool = pool().await;
     let outbox = outbox("mig_adv");
-    outbox.migrate_base_only(&pool).await.unwrap();
+    outbox::__private::migrate_base_only(&outbox, &pool)
+        .await
+        .unwrap();
     let mut other = session().await;
     let other_pid = pid(&mut other).await;
     sqlx::query("SELECT pg_advisory_lock(hashtextextended($1, 0))")
@@ -680,7 +692,9 @@ async fn the_search_path_of_the_pool_reaches_every_step() {
         .dead_letter(true)
         .build()
         .unwrap();
-    outbox.migrate_base_only(&pool).await.unwrap();
+    outbox::__private::migrate_base_only(&outbox, &pool)
+        .await
+        .unwrap();
     outbox.migrate(&pool).await.unwrap();
     outbox.validate_schema(&pool).await.unwrap();
     let index: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
@@ -746,7 +760,9 @@ async fn the_dead_letter_upgrade_waits_for_the_dead_letter_queue() {
     let pool = pool().await;
     let name = unique_table("mig_nodlq");
     let without = Outbox::builder().table(&name).build().unwrap();
-    without.migrate_base_only(&pool).await.unwrap();
+    outbox::__private::migrate_base_only(&without, &pool)
+        .await
+        .unwrap();
 
     let mut old = session().await;
     old.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
@@ -781,4 +797,34 @@ async fn the_dead_letter_upgrade_waits_for_the_dead_letter_queue() {
     with.validate_schema(&pool).await.unwrap();
     assert_eq!(with.applied_migrations(&pool).await.unwrap().len(), 8);
     drop_tables(&pool, &with).await;
+}
+
+/// An explicit schema that was never created is a typed error that says to create it (a
+/// newcomer's mistake found in the issue-15 trial), for migrate and for every later call;
+/// nothing is created anywhere.
+#[tokio::test]
+async fn a_schema_that_does_not_exist_is_a_typed_error() {
+    let pool = pool().await;
+    let schema = unique_table("nosuchschema");
+    let outbox = Outbox::builder().schema(&schema).build().unwrap();
+    let err = outbox.migrate(&pool).await.unwrap_err();
+    assert!(matches!(err, Error::SchemaNotFound { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.contains(&schema), "{text}");
+    assert!(text.contains("CREATE SCHEMA"), "{text}");
+    let err = outbox.validate_schema(&pool).await.unwrap_err();
+    // validate_schema reads the catalog: the table is missing, and migrate (above) says
+    // why.
+    let Error::SchemaMismatch { problems } = err else {
+        panic!("{err:?}");
+    };
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(problems[0].message, "table is missing; run the migrations");
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .bind(&schema)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(!exists);
 }

@@ -21,8 +21,12 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use outbox::{
-    BatchItem, ClaimRequest, Completion, DeadLetter, Delivery, Error, Failure, FailureReason,
-    Headers, Lease, Message, OnConflict, Schedule, Store, StoredRow,
+    message::{BatchItem, Headers, OnConflict, Schedule},
+    store::{
+        ClaimRequest, Completion, DeadLetter, Delivery, Failure, FailureReason, Lease, Store,
+        StoredRow,
+    },
+    Error, Message,
 };
 use outbox_tests::contract::{Harness, MemHarness, PgHarness};
 use proptest::prelude::*;
@@ -172,9 +176,9 @@ enum Outcome {
     Claimed(Result<Vec<Delivery>, String>),
     Completed(Result<Completion, String>),
     Batched(Result<Vec<Completion>, String>),
-    Renewed(Result<Vec<outbox::Renewal>, String>),
-    Released(Result<Vec<outbox::Released>, String>),
-    Wakeup(Result<outbox::NextWakeup, String>),
+    Renewed(Result<Vec<outbox::store::Renewal>, String>),
+    Released(Result<Vec<outbox::store::Released>, String>),
+    Wakeup(Result<outbox::store::NextWakeup, String>),
     Advanced,
 }
 
@@ -341,11 +345,11 @@ impl<'h, H: Harness> Side<'h, H> {
                 // A worker releases each lease it holds once; a lease named twice with both
                 // flags has no defined outcome, so the model names each lease once.
                 let mut seen = std::collections::HashSet::new();
-                let items: Vec<outbox::Release> = leases
+                let items: Vec<outbox::store::Release> = leases
                     .iter()
                     .zip(picks)
                     .filter(|(lease, _)| seen.insert(**lease))
-                    .map(|(&lease, (_, started))| outbox::Release {
+                    .map(|(&lease, (_, started))| outbox::store::Release {
                         lease,
                         started: *started,
                     })

@@ -13,7 +13,11 @@
 
 use std::time::Duration;
 
-use outbox::{BatchItem, ClaimRequest, Message, Schedule, Store};
+use outbox::{
+    message::{BatchItem, Schedule},
+    store::{ClaimRequest, Store},
+    Message,
+};
 use outbox_tests::Fixture;
 use serde_json::Value;
 use sqlx::postgres::types::PgInterval;

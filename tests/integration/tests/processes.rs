@@ -6,7 +6,7 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
-use outbox::BatchItem;
+use outbox::message::BatchItem;
 use outbox_tests::{database_url, eventually, Fixture};
 use sqlx::AssertSqlSafe;
 
@@ -75,7 +75,7 @@ async fn four_worker_processes_share_a_queue_without_a_duplicate() {
     for chunk in payloads.chunks(100) {
         let items: Vec<BatchItem<'_>> = chunk.iter().map(|p| BatchItem::new(p)).collect();
         f.outbox
-            .publish_batch(&mut conn, "work", &items, outbox::Schedule::now())
+            .publish_batch(&mut conn, "work", &items, outbox::message::Schedule::now())
             .await
             .unwrap();
     }

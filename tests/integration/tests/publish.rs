@@ -4,7 +4,10 @@
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
-use outbox::{BatchItem, Error, Headers, Message, OnConflict, Published, Schedule};
+use outbox::{
+    message::{BatchItem, Headers, OnConflict, Schedule},
+    Error, Message, Published,
+};
 use outbox_tests::Fixture;
 use sqlx::postgres::PgListener;
 use sqlx::Connection;

@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use outbox::{
-    Cancelled, ClaimRequest, Completion, Delivery, Failure, FailureReason, Lease, Message,
-    OnConflict, Published, Store, StoredRow,
+    message::OnConflict,
+    store::{ClaimRequest, Completion, Delivery, Failure, FailureReason, Lease, Store, StoredRow},
+    Cancelled, Message, Published,
 };
 use outbox_tests::Fixture;
 use sqlx::Connection;
@@ -796,7 +797,7 @@ async fn a_completion_that_waits_for_an_extend_applies_that_extends_rearm() {
                         .await
                         .map(|c| format!("{c:?}")),
                     "release" => store
-                        .release(&[outbox::Release {
+                        .release(&[outbox::store::Release {
                             lease,
                             started: true,
                         }])

@@ -11,7 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox::{
-    ClaimRequest, Context, Error, HandlerOptions, Outbox, PgStore, RetryStrategy, Store, Worker,
+    store::{ClaimRequest, Store},
+    Context, Error, HandlerOptions, Outbox, PgStore, RetryStrategy, Worker,
 };
 use outbox_tests::proxy::Proxy;
 use outbox_tests::{eventually, Fixture};
@@ -413,7 +414,7 @@ async fn shutdown_gives_every_held_row_back() {
     let t0 = std::time::Instant::now();
     let report = w.shutdown().await;
     assert!(
-        t0.elapsed() < 3 * (Duration::from_millis(200) + outbox::SHUTDOWN_GRACE),
+        t0.elapsed() < 3 * (Duration::from_millis(200) + outbox::worker::SHUTDOWN_GRACE),
         "{:?}",
         t0.elapsed()
     );
@@ -487,7 +488,10 @@ async fn shutdown_keeps_its_deadline_when_the_database_is_gone() {
     let t0 = std::time::Instant::now();
     let report = w.shutdown().await;
     let took = t0.elapsed();
-    assert!(took < 3 * (graceful + outbox::SHUTDOWN_GRACE), "{took:?}");
+    assert!(
+        took < 3 * (graceful + outbox::worker::SHUTDOWN_GRACE),
+        "{took:?}"
+    );
     assert!(!report.graceful, "{report:?}");
     assert_eq!(report.unreleased, 3, "{report:?}");
     f.cleanup().await;
@@ -543,7 +547,7 @@ async fn a_database_that_is_down_is_reported_with_its_cause() {
 async fn a_cancel_reaches_the_running_handler() {
     let f = Fixture::new().await;
     publish_jobs(&f, &[1]).await;
-    let seen: Arc<Mutex<Vec<outbox::CancelReason>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<outbox::worker::CancelReason>>> = Arc::default();
     let started = Arc::new(Notify::new());
     let lease_ttl = Duration::from_millis(300);
     let w = {
@@ -576,7 +580,7 @@ async fn a_cancel_reaches_the_running_handler() {
     assert!(t0.elapsed() < 3 * lease_ttl, "{:?}", t0.elapsed());
     assert_eq!(
         *seen.lock().unwrap(),
-        vec![outbox::CancelReason::TimerCancelled]
+        vec![outbox::worker::CancelReason::TimerCancelled]
     );
     eventually(10, "the failed, cancelled run deletes the row", || async {
         f.rows("jobs").await.is_empty()

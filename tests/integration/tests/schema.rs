@@ -4,7 +4,10 @@ use sqlx::AssertSqlSafe;
 use std::time::Duration;
 
 use outbox::{
-    ClaimRequest, Completion, Error, Message, OnConflict, Outbox, PgStore, SchemaProblem, Store,
+    message::OnConflict,
+    schema::SchemaProblem,
+    store::{ClaimRequest, Completion, Store},
+    Error, Message, Outbox, PgStore,
 };
 use outbox_tests::{pool, unique_table};
 
@@ -36,7 +39,9 @@ async fn base_shape_with_rows_is_upgraded_in_place() {
         .dead_letter(true)
         .build()
         .unwrap();
-    outbox.migrate_base_only(&pool).await.unwrap();
+    outbox::__private::migrate_base_only(&outbox, &pool)
+        .await
+        .unwrap();
     let t = outbox.table();
 
     // Before the upgrade: validate points to the upgrade guide for each missing piece.
@@ -62,7 +67,7 @@ async fn base_shape_with_rows_is_upgraded_in_place() {
         .any(|p| p.object.ends_with(".rearm_at") && p.message == "column is missing"));
     assert!(before.iter().any(|p| p.object.contains("_rearm_ck")));
     let text = Error::SchemaMismatch { problems: before }.to_string();
-    assert!(text.contains("docs/upgrading.md"), "{text}");
+    assert!(text.contains(outbox::schema::UPGRADE_GUIDE), "{text}");
 
     // A deployment that predates rearm: one pending, one leased, one timer row.
     let seed = format!(
@@ -96,13 +101,16 @@ async fn base_shape_with_rows_is_upgraded_in_place() {
 
     // A completion on the old shape names the upgrade guide (SQLSTATE 42703).
     let store = PgStore::new(pool.clone(), outbox.clone());
-    let lease = outbox::Lease {
+    let lease = outbox::store::Lease {
         id: rows_before[1].0,
         token: rows_before[1].9.unwrap(),
     };
     let err = store.ack(lease).await.unwrap_err();
     assert!(matches!(err, Error::UpgradeRequired { .. }), "{err:?}");
-    assert!(err.to_string().contains("docs/upgrading.md"), "{err}");
+    assert!(
+        err.to_string().contains(outbox::schema::UPGRADE_GUIDE),
+        "{err}"
+    );
 
     outbox.migrate(&pool).await.unwrap();
     let rows_after: Vec<Snap> = sqlx::query_as(AssertSqlSafe(&*snapshot))
@@ -265,8 +273,8 @@ async fn quoted_names_in_a_custom_schema_work_everywhere() {
         .await
         .unwrap()
         .remove(0);
-    let failure = outbox::Failure {
-        reason: outbox::FailureReason::Rejected,
+    let failure = outbox::store::Failure {
+        reason: outbox::store::FailureReason::Rejected,
         last_error: Some("no"),
     };
     assert_eq!(

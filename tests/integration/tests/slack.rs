@@ -4,7 +4,11 @@
 
 use std::time::Duration;
 
-use outbox::{Error, Message, OnConflict, Published, Store, MAX_SLACK};
+use outbox::{
+    message::{OnConflict, MAX_SLACK},
+    store::Store,
+    Error, Message, Published,
+};
 use outbox_tests::Fixture;
 use sqlx::AssertSqlSafe;
 

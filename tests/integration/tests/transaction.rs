@@ -9,7 +9,7 @@ use sqlx::{AssertSqlSafe, Executor, PgPool};
 use tokio::sync::Notify;
 
 use outbox::{
-    Cancelled, Completion, Context, Error, HandlerOptions, Published, RetryStrategy, Worker,
+    store::Completion, Cancelled, Context, Error, HandlerOptions, Published, RetryStrategy, Worker,
 };
 use outbox_tests::{eventually, Fixture};
 
@@ -49,7 +49,7 @@ async fn effects(pool: &PgPool, table: &str) -> Vec<(i64, i32)> {
 
 async fn publish(f: &Fixture, n: i64, delay: Duration) -> Published {
     let mut conn = f.pool.acquire().await.unwrap();
-    outbox::extend_timer(
+    outbox::message::extend_timer(
         &mut f.outbox.on(&mut conn),
         &format!("job-{n}"),
         &Job { n },
@@ -233,7 +233,7 @@ async fn a_rearm_from_an_uncommitted_extend_is_applied_at_commit() {
     wrote.notified().await;
     // The extend, in an application transaction left open.
     let mut app = f.pool.begin().await.unwrap();
-    let extended = outbox::extend_timer(
+    let extended = outbox::message::extend_timer(
         &mut f.outbox.on(&mut app),
         "job-1",
         &Job { n: 2 },
@@ -487,7 +487,7 @@ async fn a_deadlock_with_an_application_transaction_rolls_back_the_run() {
     app.execute("SET LOCAL deadlock_timeout = '10s'")
         .await
         .unwrap();
-    let extended = outbox::extend_timer(
+    let extended = outbox::message::extend_timer(
         &mut f.outbox.on(&mut app),
         "job-1",
         &Job { n: 1 },
@@ -692,7 +692,7 @@ async fn a_timeout_during_the_commit_reports_what_the_commit_did() {
     assert_eq!(ran.len(), 1);
     assert_eq!(
         ran[0].decision,
-        outbox::Decision::Completed {
+        outbox::worker::Decision::Completed {
             completion: Completion::Deleted
         }
     );
@@ -747,7 +747,7 @@ async fn a_transaction_still_open_when_the_handler_returns_can_no_longer_commit(
     let ran = worker.run_due().await.unwrap();
     assert_eq!(ran.len(), 1);
     match &ran[0].decision {
-        outbox::Decision::Fail { error: Some(e), .. } => {
+        outbox::worker::Decision::Fail { error: Some(e), .. } => {
             assert!(e.contains("still open elsewhere"), "{e}");
         }
         other => panic!("{other:?}"),

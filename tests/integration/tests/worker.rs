@@ -36,7 +36,7 @@ fn fast(store: PgStore) -> outbox::WorkerBuilder<PgStore> {
 
 async fn seed_job(f: &Fixture, n: u32) {
     let mut conn = f.pool.acquire().await.unwrap();
-    outbox::publish_timer(
+    outbox::message::publish_timer(
         &mut f.outbox.on(&mut conn),
         &format!("job-{n}"),
         &Job { n },
@@ -265,7 +265,7 @@ async fn a_handler_that_extends_itself_three_times_runs_four_times() {
 #[tokio::test]
 async fn a_lost_lease_reaches_the_handler_and_its_completion_changes_nothing() {
     let f = Fixture::new().await;
-    let seen: Arc<Mutex<Vec<outbox::CancelReason>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<outbox::worker::CancelReason>>> = Arc::default();
     let started = Arc::new(Notify::new());
     let w = {
         let (seen, started) = (seen.clone(), started.clone());
@@ -301,7 +301,10 @@ async fn a_lost_lease_reaches_the_handler_and_its_completion_changes_nothing() {
         !seen.lock().unwrap().is_empty()
     })
     .await;
-    assert_eq!(*seen.lock().unwrap(), vec![outbox::CancelReason::LeaseLost]);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![outbox::worker::CancelReason::LeaseLost]
+    );
     w.shutdown().await;
     let rows = f.rows("jobs").await;
     assert_eq!(rows.len(), 1, "the stale success deleted nothing");
@@ -402,7 +405,10 @@ async fn two_workers_never_run_one_row_at_once() {
     let payloads: Vec<Vec<u8>> = (0..300)
         .map(|n| serde_json::to_vec(&Job { n }).unwrap())
         .collect();
-    let items: Vec<_> = payloads.iter().map(|p| outbox::BatchItem::new(p)).collect();
+    let items: Vec<_> = payloads
+        .iter()
+        .map(|p| outbox::message::BatchItem::new(p))
+        .collect();
     f.outbox
         .publish_batch(&mut conn, "jobs", &items, Duration::ZERO)
         .await
@@ -479,7 +485,7 @@ async fn outcomes_retries_dead_letters_panics_and_decode_errors() {
     let c = calls.lock().unwrap().clone();
     assert_eq!((c[&1], c[&2], c[&3], c[&4]), (3, 1, 2, 3), "{c:?}");
     let dlq = f.store.dead_letters("jobs", 10).await.unwrap();
-    let by_reason: HashMap<&str, &outbox::DeadLetter> =
+    let by_reason: HashMap<&str, &outbox::store::DeadLetter> =
         dlq.iter().map(|d| (d.failure_reason.as_str(), d)).collect();
     assert_eq!(dlq.len(), 3, "{dlq:#?}");
     let rejected = by_reason["rejected"];

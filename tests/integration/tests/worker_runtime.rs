@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use outbox::{
-    ClaimRequest, Completion, Context, Delivery, Failure, Lease, Message, NextWakeup, PgStore,
-    Published, Publisher, Store, Wakeup, Worker,
+    store::{ClaimRequest, Completion, Delivery, Failure, Lease, NextWakeup, Store, Wakeup},
+    Context, Message, PgStore, Published, Publisher, Worker,
 };
 use outbox_tests::{count_runs, eventually, Fixture};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -72,11 +72,14 @@ impl Store for Counting {
         self.hit("peek");
         self.inner.peek(request).await
     }
-    async fn renew(&self, leases: &[Lease]) -> outbox::Result<Vec<outbox::Renewal>> {
+    async fn renew(&self, leases: &[Lease]) -> outbox::Result<Vec<outbox::store::Renewal>> {
         self.hit("renew");
         self.inner.renew(leases).await
     }
-    async fn release(&self, items: &[outbox::Release]) -> outbox::Result<Vec<outbox::Released>> {
+    async fn release(
+        &self,
+        items: &[outbox::store::Release],
+    ) -> outbox::Result<Vec<outbox::store::Released>> {
         self.hit("release");
         self.inner.release(items).await
     }
@@ -235,7 +238,10 @@ async fn the_worker_survives_terminated_backends_without_losing_messages() {
     let payloads: Vec<Vec<u8>> = (0..N)
         .map(|n| serde_json::to_vec(&Job { n }).unwrap())
         .collect();
-    let items: Vec<_> = payloads.iter().map(|p| outbox::BatchItem::new(p)).collect();
+    let items: Vec<_> = payloads
+        .iter()
+        .map(|p| outbox::message::BatchItem::new(p))
+        .collect();
     let mut conn = f.pool.acquire().await.unwrap();
     f.outbox
         .publish_batch(&mut conn, "jobs", &items, Duration::ZERO)
@@ -551,7 +557,10 @@ async fn shutdown_during_a_claim_leaves_no_row_leased() {
     let payloads: Vec<Vec<u8>> = (0..600)
         .map(|n| serde_json::to_vec(&Job { n }).unwrap())
         .collect();
-    let items: Vec<_> = payloads.iter().map(|p| outbox::BatchItem::new(p)).collect();
+    let items: Vec<_> = payloads
+        .iter()
+        .map(|p| outbox::message::BatchItem::new(p))
+        .collect();
     let mut conn = f.pool.acquire().await.unwrap();
     f.outbox
         .publish_batch(&mut conn, "jobs", &items, Duration::ZERO)
@@ -677,14 +686,14 @@ async fn a_rearm_applied_by_another_worker_wakes_an_idle_one() {
 #[tokio::test]
 async fn public_futures_are_send() {
     fn send<T: Send>(_: T) {}
-    let pool = sqlx::postgres::PgPoolOptions::new()
+    let pool = PgPoolOptions::new()
         .connect_lazy(&outbox_tests::database_url())
         .unwrap();
     let outbox = outbox::Outbox::default();
     send(outbox::migrate(&pool));
     send(outbox.migrate(&pool));
-    send(outbox.migrate_base_only(&pool));
-    send(outbox::validate_schema(&pool));
+    send(outbox::__private::migrate_base_only(&outbox, &pool));
+    send(outbox::schema::validate_schema(&pool));
     send(outbox.validate_schema(&pool));
     let store = PgStore::new(pool.clone(), outbox.clone());
     send(store.claim(ClaimRequest::new(&[], 1, Duration::from_secs(1))));

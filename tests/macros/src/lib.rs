@@ -24,7 +24,7 @@
 // Imported so that an unnecessarily qualified path in generated code would trip
 // `unused_qualifications`.
 #[allow(unused_imports)]
-use outbox::{Cancelled, Error, Published, Publisher, Schedule, Timer};
+use outbox::{message::Schedule, Cancelled, Error, Published, Publisher, Timer};
 use serde::{Deserialize, Serialize};
 
 /// A user's presence expiry: a named-field, `pub` timer (the SPEC's motivating example).
@@ -105,7 +105,7 @@ pub mod nested {
     pub mod deeper {
         // As at the crate root: would trip `unused_qualifications` on a needless path.
         #[allow(unused_imports)]
-        use outbox::{Cancelled, Error, Published, Publisher, Schedule, Timer};
+        use outbox::{message::Schedule, Cancelled, Error, Published, Publisher, Timer};
         use serde::{Deserialize, Serialize};
 
         /// An operator's answer time-out: declared here, used from [`crate::caller`].
@@ -237,8 +237,8 @@ pub mod reexport {
     // As at the crate root: would trip `unused_qualifications` on a needless path.
     #[allow(unused_imports)]
     use {
-        runtime::Cancelled, runtime::Error, runtime::Published, runtime::Publisher,
-        runtime::Schedule, runtime::Timer,
+        runtime::message::Schedule, runtime::Cancelled, runtime::Error, runtime::Published,
+        runtime::Publisher, runtime::Timer,
     };
 
     use serde::{Deserialize, Serialize};

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
-use outbox::{Cancelled, Message, Published, Publisher, Schedule, Timer};
+use outbox::{message::Schedule, Cancelled, Message, Published, Publisher, Timer};
 use outbox_macro_tests::nested::deeper::{
     cancel_operator_timeout, extend_operator_timeout, publish_operator_timeout, OperatorTimeout,
 };

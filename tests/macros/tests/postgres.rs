@@ -10,7 +10,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use outbox::{
-    Cancelled, ClaimRequest, Completion, Outbox, PgStore, Published, Store, StoredRow, Timer,
+    store::{ClaimRequest, Completion, Store, StoredRow},
+    Cancelled, Outbox, PgStore, Published, Timer,
 };
 use outbox_macro_tests::nested::deeper::{
     cancel_operator_timeout, extend_operator_timeout, publish_operator_timeout, OperatorTimeout,
