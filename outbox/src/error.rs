@@ -15,7 +15,7 @@ pub const UPGRADE_GUIDE: &str = concat!(
 /// Validation errors ([`Error::InvalidArgument`], [`Error::InvalidName`],
 /// [`Error::InvalidConfig`], [`Error::DuplicateHandler`]) are returned **before any SQL
 /// runs**: nothing has been written when you see one.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// An argument of a publish, extend, cancel or read call broke a rule: a queue name or
@@ -227,6 +227,86 @@ impl fmt::Display for SchemaProblems<'_> {
     }
 }
 
+// Debug shows the variant and the message, not the fields: `fn main() -> Result<(), Box<dyn
+// Error>>` prints an error with Debug, and the advice (run migrate, create the schema, which
+// forms publish) lives in the message. `{:#?}` keeps the fields for a closer look.
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if f.alternate() {
+            return fmt::Debug::fmt(&Fields(self), f);
+        }
+        write!(f, "{}: {self}", self.variant())
+    }
+}
+
+/// The derived, field-by-field form, for `{:#?}`.
+struct Fields<'a>(&'a Error);
+
+impl fmt::Debug for Fields<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Error::InvalidArgument { field, reason } => f
+                .debug_struct("InvalidArgument")
+                .field("field", field)
+                .field("reason", reason)
+                .finish(),
+            Error::InvalidName { identifier, reason } => f
+                .debug_struct("InvalidName")
+                .field("identifier", identifier)
+                .field("reason", reason)
+                .finish(),
+            Error::InvalidConfig { knob, reason } => f
+                .debug_struct("InvalidConfig")
+                .field("knob", knob)
+                .field("reason", reason)
+                .finish(),
+            Error::DuplicateHandler {
+                queue,
+                first,
+                second,
+            } => f
+                .debug_struct("DuplicateHandler")
+                .field("queue", queue)
+                .field("first", first)
+                .field("second", second)
+                .finish(),
+            Error::UpgradeRequired { detail } => f
+                .debug_struct("UpgradeRequired")
+                .field("detail", detail)
+                .finish(),
+            Error::NotMigrated { detail } => f
+                .debug_struct("NotMigrated")
+                .field("detail", detail)
+                .finish(),
+            Error::SchemaNotFound { detail } => f
+                .debug_struct("SchemaNotFound")
+                .field("detail", detail)
+                .finish(),
+            Error::MigrationBlocked {
+                step,
+                waited,
+                holders,
+            } => f
+                .debug_struct("MigrationBlocked")
+                .field("step", step)
+                .field("waited", waited)
+                .field("holders", holders)
+                .finish(),
+            Error::SchemaMismatch { problems } => f
+                .debug_struct("SchemaMismatch")
+                .field("problems", problems)
+                .finish(),
+            Error::Encode(e) => f.debug_tuple("Encode").field(e).finish(),
+            Error::LeaseLost { id } => f.debug_struct("LeaseLost").field("id", id).finish(),
+            Error::TransactionUnavailable { reason } => f
+                .debug_struct("TransactionUnavailable")
+                .field("reason", reason)
+                .finish(),
+            Error::Database(e) => f.debug_tuple("Database").field(e).finish(),
+        }
+    }
+}
+
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
         // SQLSTATE 42703 undefined_column: the only columns this version reads that an
@@ -264,6 +344,25 @@ impl From<sqlx::Error> for Error {
 }
 
 impl Error {
+    /// The variant's name, as in the type (`"NotMigrated"`).
+    fn variant(&self) -> &'static str {
+        match self {
+            Error::InvalidArgument { .. } => "InvalidArgument",
+            Error::InvalidName { .. } => "InvalidName",
+            Error::InvalidConfig { .. } => "InvalidConfig",
+            Error::DuplicateHandler { .. } => "DuplicateHandler",
+            Error::UpgradeRequired { .. } => "UpgradeRequired",
+            Error::NotMigrated { .. } => "NotMigrated",
+            Error::SchemaNotFound { .. } => "SchemaNotFound",
+            Error::MigrationBlocked { .. } => "MigrationBlocked",
+            Error::SchemaMismatch { .. } => "SchemaMismatch",
+            Error::Encode(_) => "Encode",
+            Error::LeaseLost { .. } => "LeaseLost",
+            Error::TransactionUnavailable { .. } => "TransactionUnavailable",
+            Error::Database(_) => "Database",
+        }
+    }
+
     pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidArgument {
             field,
@@ -359,3 +458,33 @@ pub(crate) async fn explain(pool: &sqlx::PgPool, e: Error) -> Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `main` returning `Result<(), Box<dyn Error>>` prints with Debug: the advice must be
+    /// there (found by the issue-15 trial: `Error: NotMigrated { detail: … }` said nothing
+    /// about migrate).
+    #[test]
+    fn debug_carries_the_message_and_alternate_the_fields() {
+        let e = Error::NotMigrated {
+            detail: r#"relation "outbox" does not exist"#.to_owned(),
+        };
+        assert_eq!(
+            format!("{e:?}"),
+            format!("NotMigrated: {e}"),
+            "Debug is the variant and the message"
+        );
+        assert!(format!("{e:?}").contains("run `outbox::migrate()`"));
+        assert_eq!(
+            format!("{e:#?}"),
+            "NotMigrated {\n    detail: \"relation \\\"outbox\\\" does not exist\",\n}"
+        );
+        let e = Error::invalid("queue", "must not be empty");
+        assert_eq!(
+            format!("{e:?}"),
+            "InvalidArgument: invalid `queue`: must not be empty"
+        );
+    }
+}

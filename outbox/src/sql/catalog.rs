@@ -66,7 +66,8 @@ LIMIT 20"#;
 /// within minutes, keeps every dead row version and index entry until a manual VACUUM.
 /// `option_value::bool` reads every spelling Postgres accepts (`false`, `off`, `0`, `no`).
 pub(crate) const AUTOVACUUM_OFF: &str = r#"
-SELECT NOT current_setting('autovacuum')::bool,
+SELECT to_regclass($1) IS NOT NULL,
+       NOT current_setting('autovacuum')::bool,
        coalesce((SELECT NOT o.option_value::bool
                  FROM pg_class c, pg_options_to_table(c.reloptions) o
                  WHERE c.oid = to_regclass($1) AND o.option_name = 'autovacuum_enabled'),

@@ -588,7 +588,8 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Whether autovacuum is off for the store's queue table, checked once when a worker
     /// starts (it logs a warning naming the table). `None` (the default) when it is on or
-    /// the store has no such thing (the in-memory store).
+    /// the store has no such thing (the in-memory store). A queue table that does not exist
+    /// is [`Error::NotMigrated`] (the worker logs it at start, as an error).
     fn autovacuum_off(&self) -> impl Future<Output = Result<Option<AutovacuumOff>>> + Send {
         async { Ok(None) }
     }

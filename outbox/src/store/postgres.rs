@@ -21,7 +21,7 @@ use super::{
     Lease, NextWakeup, Release, Released, Renewal, Store, Wakeup,
 };
 use crate::cancel::Cancelled;
-use crate::error::{explain, Result};
+use crate::error::{explain, Error, Result};
 use crate::outbox::Outbox;
 use crate::publish::{interval, micros, validate_queue, Message, Published};
 use crate::read::{DeadLetter, StoredRow};
@@ -625,10 +625,17 @@ impl Store for PgStore {
     /// One catalog read: the `autovacuum` setting and the queue table's
     /// `autovacuum_enabled` storage parameter.
     async fn autovacuum_off(&self) -> Result<Option<super::AutovacuumOff>> {
-        let (server, table): (bool, bool) = sqlx::query_as(crate::sql::catalog::AUTOVACUUM_OFF)
-            .bind(self.outbox.table())
-            .fetch_one(&self.pool)
-            .await?;
+        let (exists, server, table): (bool, bool, bool) =
+            sqlx::query_as(crate::sql::catalog::AUTOVACUUM_OFF)
+                .bind(self.outbox.table())
+                .fetch_one(&self.pool)
+                .await?;
+        if !exists {
+            // Asked at start-up: a worker started before `migrate()` hears it here first.
+            return Err(Error::NotMigrated {
+                detail: format!("relation \"{}\" does not exist", self.outbox.table()),
+            });
+        }
         Ok((server || table).then(|| super::AutovacuumOff {
             table: self.outbox.table().to_owned(),
             server,

@@ -241,16 +241,18 @@ pub struct ShutdownReport {
 /// A started worker. Call [`RunningWorker::shutdown`] to stop it and await what it gave
 /// back.
 ///
-/// Dropping it starts the same shutdown without waiting for it: the shutdown runs as a task
+/// Dropping it (also `let _ = worker.start()`) starts the same shutdown at once, without
+/// waiting for it, and logs a warning: the shutdown runs as a task
 /// of the Tokio runtime, so it completes only while the runtime keeps running. When the
 /// runtime ends too (the handle dropped at the end of `main`), the rows the worker held are
 /// not given back; nothing is lost, but they wait for their lease to expire (`lease_ttl`,
 /// 60 s by default) before another worker claims them.
 #[derive(Debug)]
-#[must_use = "dropping a RunningWorker starts its shutdown without waiting for it: if the runtime ends too (the end of `main`), held rows wait for `lease_ttl` before another worker takes them; keep it and call `.shutdown().await`"]
+#[must_use = "dropping a RunningWorker (also with `let _ =`) stops the worker at once, without waiting for it: if the runtime ends too (the end of `main`), held rows wait for `lease_ttl` before another worker takes them; keep it and call `.shutdown().await`"]
 pub struct RunningWorker {
     stop: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<ShutdownReport>,
+    /// `None` once `shutdown` took it.
+    task: Option<tokio::task::JoinHandle<ShutdownReport>>,
 }
 
 impl RunningWorker {
@@ -258,9 +260,12 @@ impl RunningWorker {
     /// `graceful_timeout` and gives back the rows of those still running, and flushes pending
     /// completions (see [`Worker`]'s docs, "Shutdown"). Returns within `graceful_timeout` +
     /// [`SHUTDOWN_GRACE`]. Nothing is lost either way.
-    pub async fn shutdown(self) -> ShutdownReport {
-        let _ = self.stop.send(true);
-        match self.task.await {
+    pub async fn shutdown(mut self) -> ShutdownReport {
+        self.stop.send_replace(true);
+        let Some(task) = self.task.take() else {
+            return ShutdownReport::default();
+        };
+        match task.await {
             Ok(report) => report,
             Err(e) => {
                 tracing::error!(error = %e, "outbox worker task failed");
@@ -271,7 +276,23 @@ impl RunningWorker {
 
     /// True once the worker has stopped.
     pub fn is_finished(&self) -> bool {
-        self.task.is_finished()
+        self.task.as_ref().is_none_or(|t| t.is_finished())
+    }
+}
+
+// A drop without `shutdown` still stops the worker (the claim loop sees the stop channel
+// close), but nobody awaits it: say so once, since the usual cause is a `let _ =` or a handle
+// that went out of scope, which stops the worker at once and silently.
+impl Drop for RunningWorker {
+    fn drop(&mut self) {
+        if !*self.stop.borrow() && !self.is_finished() {
+            tracing::warn!(
+                "outbox: a RunningWorker was dropped without shutdown(): the worker stops now, \
+                 in the background (running handlers get graceful_timeout); if the runtime ends \
+                 first, the rows it holds wait for lease_ttl. Keep the handle and call \
+                 .shutdown().await"
+            );
+        }
     }
 }
 
@@ -359,7 +380,10 @@ impl<S: Store> Worker<S> {
     pub fn start(self) -> RunningWorker {
         let (stop, stopped) = watch::channel(false);
         let task = tokio::spawn(self.run(stopped));
-        RunningWorker { stop, task }
+        RunningWorker {
+            stop,
+            task: Some(task),
+        }
     }
 
     /// Runs until `signal` completes, then shuts down gracefully.
@@ -444,6 +468,11 @@ async fn warn_if_autovacuum_off<S: Store>(store: &S) {
             );
         }
         Ok(None) => {}
+        // A worker started before `migrate()`: its claims fail (and back off) until the
+        // tables exist; say why once, at start, where it is seen.
+        Err(e @ crate::error::Error::NotMigrated { .. }) => {
+            tracing::error!(error = %e, "outbox: the worker started, but the queue table does not exist; it keeps retrying until migrate() has run")
+        }
         Err(e) => {
             tracing::debug!(error = %e, "outbox: could not check autovacuum for the queue table")
         }

@@ -50,7 +50,7 @@ fn the_quick_start_is_the_example_verbatim() {
         "the quick start is its code and its `main`"
     );
     for block in blocks {
-        check_contained(&block, &example);
+        check_contained(&block, "outbox/examples/quickstart.rs");
     }
     // Together they are the whole example, after its header comment.
     let code_start = example.find("\nuse ").expect("the example's first `use`") + 1;
@@ -58,7 +58,10 @@ fn the_quick_start_is_the_example_verbatim() {
     assert_eq!(example[code_start..].trim_end(), together.trim_end());
 }
 
-fn check_contained(block: &str, example: &str) {
+/// Panics, naming the first line that differs, unless `block` (from the README) is in the
+/// file `path`.
+fn check_contained(block: &str, path: &str) {
+    let example = read(path);
     if !example.contains(block) {
         // Point at the first line that differs, not at a 150-line blob.
         let first_missing = block
@@ -70,9 +73,8 @@ fn check_contained(block: &str, example: &str) {
                 |(i, l)| format!("block line {}: {l:?}", i + 1),
             );
         panic!(
-            "README.md's quick start block is not contained verbatim in \
-             outbox/examples/quickstart.rs; copy one into the other (the example is the two \
-             blocks, formatted by rustfmt). First difference: {first_missing}"
+            "a README.md block is not contained verbatim in {path}; copy one into the other \
+             (formatted by rustfmt). First difference: {first_missing}"
         );
     }
 }
@@ -90,5 +92,25 @@ fn every_link_of_the_readme_is_absolute() {
         relative.is_empty(),
         "crates.io resolves these against the crate's directory, where they break; use \
          https://github.com/outbox-rs/outbox/blob/main/…: {relative:?}"
+    );
+}
+
+#[test]
+fn the_testing_example_is_a_test_that_runs() {
+    let readme = read("README.md");
+    let section = readme
+        .split_once("\n## Testing your handlers without a database\n")
+        .expect("README.md has the testing section")
+        .1;
+    let section = section.split("\n## ").next().unwrap();
+    let mut lines = section.lines();
+    lines
+        .by_ref()
+        .find(|l| l.starts_with("```rust"))
+        .expect("a ```rust block in the testing section");
+    let block: Vec<&str> = lines.take_while(|l| l.trim_end() != "```").collect();
+    check_contained(
+        &block.join("\n"),
+        "tests/integration/tests/readme_testing.rs",
     );
 }
