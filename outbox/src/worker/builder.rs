@@ -155,6 +155,22 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
         self
     }
 
+    /// Whether the worker LISTENs for the wake-up notification a publish sends when it
+    /// commits (default `true`). `false` makes a **poll-only** worker: it never runs `LISTEN`
+    /// and finds new rows by sleeping until the earliest deadline it knows of or
+    /// [`idle_poll`](Self::idle_poll), whichever comes first, so a row published "now" while
+    /// it sleeps runs up to `idle_poll` late: lower `idle_poll` (say 1 s) with it.
+    ///
+    /// For connection poolers in transaction mode (PgBouncer `pool_mode = transaction`):
+    /// `LISTEN` belongs to a server session, and such a pooler hands each transaction to any
+    /// session, so notifications would be lost or go to the wrong client. Pair it with
+    /// [`OutboxBuilder::notify(false)`](crate::OutboxBuilder::notify) on the publishers'
+    /// [`Outbox`](crate::Outbox) to save the `pg_notify` they would send for nobody.
+    pub fn listen(mut self, on: bool) -> Self {
+        self.config.listen = on;
+        self
+    }
+
     /// The most successful completions one ack statement writes (default
     /// [`DEFAULT_ACK_BATCH_SIZE`](crate::worker::DEFAULT_ACK_BATCH_SIZE), range 1..=10 000). Acks
     /// are pipelined: a finished handler hands its success to the worker's completer and

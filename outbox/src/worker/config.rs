@@ -24,6 +24,8 @@ pub(crate) struct Config {
     pub(crate) idle_poll: Duration,
     pub(crate) ack_batch_size: usize,
     pub(crate) graceful_timeout: Duration,
+    /// LISTEN for the wake-up notifications publishes send (off: poll-only).
+    pub(crate) listen: bool,
 }
 
 impl Default for Config {
@@ -35,6 +37,7 @@ impl Default for Config {
             idle_poll: Duration::from_secs(30),
             ack_batch_size: DEFAULT_ACK_BATCH_SIZE,
             graceful_timeout: Duration::from_secs(15),
+            listen: true,
         }
     }
 }

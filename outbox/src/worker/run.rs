@@ -396,12 +396,17 @@ impl<S: Store> Worker<S> {
     async fn run(self, mut stopped: watch::Receiver<bool>) -> ShutdownReport {
         let config = self.config;
         let shared = Arc::new(Shared::new(self.store, self.routes, config));
-        // LISTEN first, so nothing published after our first scan goes unheard.
-        let wakeups = match shared.store.wakeups().await {
-            Ok(w) => w,
-            Err(e) => {
-                tracing::warn!(error = %e, "outbox: no wake-up notifications; relying on deadlines and the idle poll");
-                None
+        // LISTEN first, so nothing published after our first scan goes unheard. A
+        // poll-only worker (`listen(false)`, for transaction-mode poolers) never asks.
+        let wakeups = if !config.listen {
+            None
+        } else {
+            match shared.store.wakeups().await {
+                Ok(w) => w,
+                Err(e) => {
+                    tracing::warn!(error = %e, "outbox: no wake-up notifications; relying on deadlines and the idle poll");
+                    None
+                }
             }
         };
         warn_if_autovacuum_off(&shared.store).await;

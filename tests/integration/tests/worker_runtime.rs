@@ -99,6 +99,7 @@ impl Store for Counting {
         self.inner.dead_letter_enabled()
     }
     async fn wakeups(&self) -> outbox::Result<Option<tokio::sync::mpsc::Receiver<Wakeup>>> {
+        self.hit("wakeups");
         self.inner.wakeups().await
     }
     async fn now(&self) -> outbox::Result<DateTime<Utc>> {
@@ -706,4 +707,89 @@ async fn public_futures_are_send() {
     send(publish_job(&store, "k", &Job { n: 1 }, Duration::ZERO));
     send(store.next_wakeup(ClaimRequest::new(&[], 0, Duration::from_secs(1))));
     send(store.wakeups());
+}
+
+/// A poll-only worker (`listen(false)`, for poolers in transaction mode, where a LISTEN would
+/// be lost) never asks for notifications and no session LISTENs on its channel, yet a row
+/// published while it sleeps runs within `idle_poll` (bounded at 3× `idle_poll`). A default
+/// worker over the same counting store does ask (the control).
+#[tokio::test]
+async fn a_poll_only_worker_never_listens_and_finds_new_rows_within_idle_poll() {
+    let f = Fixture::new().await;
+    let noop = |_: Job, _ctx: Context| async {};
+
+    let control = Counting::new(f.store.clone());
+    let listening = Worker::builder(control.clone())
+        .timer::<Job>(noop)
+        .build()
+        .unwrap()
+        .start();
+    let channel = f.outbox.channel().to_owned();
+    let listeners = || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE query ILIKE 'LISTEN%' AND strpos(query, $1) > 0",
+        )
+        .bind(&channel)
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+        n
+    };
+    eventually(10, "the default worker LISTENs", || async {
+        listeners().await == 1
+    })
+    .await;
+    listening.shutdown().await;
+    assert_eq!(control.snapshot().get("wakeups"), Some(&1));
+    eventually(10, "its listener is gone", || async {
+        listeners().await == 0
+    })
+    .await;
+
+    let store = Counting::new(f.store.clone());
+    let poll = Duration::from_millis(500);
+    let fired: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let worker = {
+        let fired = fired.clone();
+        Worker::builder(store.clone())
+            .listen(false)
+            .idle_poll(poll)
+            .timer::<Job>(move |_: Job, _ctx: Context| {
+                let fired = fired.clone();
+                async move { fired.lock().unwrap().push(Instant::now()) }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await; // asleep, nothing due
+    assert_eq!(listeners().await, 0, "no session LISTENs on {channel}");
+
+    let published = Instant::now();
+    let mut conn = f.pool.acquire().await.unwrap();
+    publish_job(
+        &mut f.outbox.on(&mut conn),
+        "p",
+        &Job { n: 1 },
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    eventually(10, "the poll-only worker runs the row", || async {
+        !fired.lock().unwrap().is_empty()
+    })
+    .await;
+    let after = fired.lock().unwrap()[0] - published;
+    assert!(
+        after <= poll * 3,
+        "ran {after:?} after publish, idle_poll {poll:?}"
+    );
+    assert_eq!(
+        store.snapshot().get("wakeups"),
+        None,
+        "never asked to LISTEN"
+    );
+    worker.shutdown().await;
+    f.cleanup().await;
 }
