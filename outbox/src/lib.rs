@@ -140,7 +140,7 @@
 #![warn(unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// Modules from the leaves up: names → sql → publish, cancel, read, migrate, validate →
+// Modules from the leaves up: names, telemetry → sql → publish, cancel, read, migrate, validate →
 // outbox (the handle) → timer (the typed layer) → store → worker, testing; `schema` and
 // `message` only gather public items. Each imports only modules before it.
 //
@@ -155,6 +155,7 @@ mod publish;
 mod read;
 mod shape;
 mod sql;
+mod telemetry;
 mod timer;
 mod validate;
 

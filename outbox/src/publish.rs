@@ -498,6 +498,7 @@ pub(crate) async fn publish(
     }
     let row = query.fetch_optional(&mut *conn).await?;
     let inserted = |id| {
+        crate::telemetry::describe();
         metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned())
             .increment(1);
         Published::Inserted { id }
@@ -565,6 +566,7 @@ pub(crate) async fn publish_batch(
         .fetch_one(&mut *conn)
         .await?;
     let ids: Vec<i64> = row.try_get::<Option<Vec<i64>>, _>(0)?.unwrap_or_default();
+    crate::telemetry::describe();
     metrics::counter!("outbox_published_total", "queue" => queue.to_owned())
         .increment(ids.len() as u64);
     Ok(ids)

@@ -331,6 +331,7 @@ impl<S: Store> Worker<S> {
     /// # Errors
     /// The first storage error; deliveries before it have been completed.
     pub async fn run_due(&self) -> Result<Vec<Dispatched>> {
+        crate::telemetry::describe();
         let mut out = Vec::new();
         while out.len() < RUN_DUE_LIMIT {
             let limit = self.config.fetch_batch_size.min(RUN_DUE_LIMIT - out.len());
@@ -378,6 +379,7 @@ impl<S: Store> Worker<S> {
     /// # Panics
     /// Outside a Tokio runtime.
     pub fn start(self) -> RunningWorker {
+        crate::telemetry::describe();
         let (stop, stopped) = watch::channel(false);
         let task = tokio::spawn(self.run(stopped));
         RunningWorker {

@@ -152,3 +152,59 @@ async fn counters_and_histograms_move() {
     assert!(get("outbox_claim_batch_size{}") >= 1.0, "{m:#?}");
     f.cleanup().await;
 }
+
+/// Every metric carries its unit and a description (what an exporter shows as `# HELP`), and
+/// `outbox_published_total` says it counts inserts inside the caller's transaction, not
+/// commits. Its own test binary process under nextest, so its recorder is the global one.
+#[tokio::test]
+async fn every_metric_has_a_unit_and_a_description() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::set_global_recorder(recorder).expect("the only recorder of this process");
+
+    let f = Fixture::new().await;
+    let worker = Worker::builder(f.store.clone())
+        .idle_poll(Duration::from_millis(100))
+        .timer::<Metered>(|_m: Metered, _ctx: Context| async {})
+        .build()
+        .unwrap()
+        .start();
+    let mut conn = f.pool.acquire().await.unwrap();
+    publish_metered(
+        f.outbox.on(&mut conn),
+        "m",
+        &Metered { kind: "ok".into() },
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    outbox_tests::eventually(10, "the message is acked", || async {
+        f.rows("metered").await.is_empty()
+    })
+    .await;
+    worker.shutdown().await;
+
+    let mut seen = 0;
+    for (key, unit, description, _) in snapshotter.snapshot().into_vec() {
+        let name = key.key().name().to_owned();
+        if !name.starts_with("outbox_") {
+            continue;
+        }
+        seen += 1;
+        let want = if name.ends_with("_seconds") {
+            metrics::Unit::Seconds
+        } else {
+            metrics::Unit::Count
+        };
+        assert_eq!(unit, Some(want), "{name}");
+        let description = description.unwrap_or_else(|| panic!("{name} has no description"));
+        if name == "outbox_published_total" {
+            assert!(description.contains("rolled-back"), "{description}");
+        }
+    }
+    assert!(
+        seen >= 5,
+        "published, acked, lateness, duration, batch size at least: {seen}"
+    );
+    f.cleanup().await;
+}
