@@ -49,20 +49,30 @@ fn worker(store: &MemoryStore) -> Worker<MemoryStore> {
         .unwrap()
 }
 
-const WARNING: &str = "a RunningWorker was dropped without shutdown()";
-
-#[test]
-fn a_dropped_worker_warns_once_and_a_shut_down_one_does_not() {
+/// A runtime on this thread whose logs go to the returned `Logs` while the guard lives.
+fn capture() -> (
+    Logs,
+    tracing::subscriber::DefaultGuard,
+    tokio::runtime::Runtime,
+) {
     let logs = Logs::default();
     let subscriber = tracing_subscriber::fmt()
         .with_writer(logs.clone())
         .with_ansi(false)
         .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let guard = tracing::subscriber::set_default(subscriber);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
+    (logs, guard, rt)
+}
+
+const WARNING: &str = "a RunningWorker was dropped without shutdown()";
+
+#[test]
+fn a_dropped_worker_warns_once_and_a_shut_down_one_does_not() {
+    let (logs, _guard, rt) = capture();
     let store = MemoryStore::new();
 
     let report = rt.block_on(async { worker(&store).start().shutdown().await });
@@ -87,16 +97,7 @@ fn a_worker_on_a_table_that_does_not_exist_says_to_migrate() {
     use outbox::store::Store;
     use outbox::{Error, Outbox, PgStore};
 
-    let logs = Logs::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(logs.clone())
-        .with_ansi(false)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let (logs, _guard, rt) = capture();
     rt.block_on(async {
         let pool = outbox_tests::pool().await;
         let outbox = Outbox::builder()
