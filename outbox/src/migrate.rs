@@ -257,24 +257,18 @@ async fn oid(db: impl sqlx::PgExecutor<'_>, qualified: &str) -> Result<Option<i6
         .await?)
 }
 
+/// The names a catalog query (`$1` = table oid) returns, one per row.
+async fn names_of(db: &mut PgConnection, sql: &'static str, oid: i64) -> Result<HashSet<String>> {
+    let names: Vec<String> = sqlx::query_scalar(sql).bind(oid).fetch_all(db).await?;
+    Ok(names.into_iter().collect())
+}
+
 async fn table_facts(db: &mut PgConnection, qualified: &str) -> Result<TableFacts> {
     let Some(oid) = oid(&mut *db, qualified).await? else {
         return Ok(TableFacts::default());
     };
-    let columns = sqlx::query(catalog::COLUMNS)
-        .bind(oid)
-        .fetch_all(&mut *db)
-        .await?
-        .iter()
-        .map(|r| r.try_get::<String, _>(0))
-        .collect::<std::result::Result<_, _>>()?;
-    let parameters = sqlx::query(catalog::STORAGE_PARAMETERS)
-        .bind(oid)
-        .fetch_all(&mut *db)
-        .await?
-        .iter()
-        .map(|r| r.try_get::<String, _>(0))
-        .collect::<std::result::Result<_, _>>()?;
+    let columns = names_of(&mut *db, catalog::COLUMNS, oid).await?;
+    let parameters = names_of(&mut *db, catalog::STORAGE_PARAMETERS, oid).await?;
     Ok(TableFacts {
         oid: Some(oid),
         columns,
