@@ -59,6 +59,7 @@
 //! | the typed layer | [`timer`] (the attribute), [`Timer`], [`Publisher`]; the functions it wraps in [`message`] |
 //! | workers and handlers | [`Worker`], [`WorkerBuilder`], [`RunningWorker`], [`ShutdownReport`], [`Context`], [`Outcome`], [`HandlerOptions`], [`RetryStrategy`], [`HandlerTransaction`]; traits, decisions and defaults in [`worker`] |
 //! | storage: claim, fenced completions, renewal, release, reading rows | [`PgStore`]; the [`store::Store`] contract and its types in [`store`] |
+//! | operator actions: pause and resume a queue, run, reschedule or delete a pending row | [`Outbox::pause_queue`], [`Outbox::resume_queue`], [`Outbox::run_now`], [`Outbox::reschedule`], [`Outbox::delete_pending`]; rules and outcomes in [`admin`] |
 //! | migrations (online), validation, upgrading an older schema | [`migrate`], [`Outbox::migrate`]; the rest in [`schema`], the guide in [`schema::upgrading`] |
 //! | tests without a database (feature `testing`) | [`testing`] |
 //!
@@ -140,12 +141,12 @@
 #![warn(unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// Modules from the leaves up: names, telemetry → sql → publish, cancel, read, migrate, validate →
+// Modules from the leaves up: names, telemetry → sql → publish, cancel, admin, read, migrate, validate →
 // outbox (the handle) → timer (the typed layer) → store → worker, testing; `schema` and
 // `message` only gather public items. Each imports only modules before it.
 //
 // The public surface: the crate root holds what the quick start types; everything else has
-// exactly one path, in `message`, `schema`, `store`, `worker` or `testing`.
+// exactly one path, in `admin`, `message`, `schema`, `store`, `worker` or `testing`.
 mod cancel;
 mod error;
 mod migrate;
@@ -159,6 +160,7 @@ mod telemetry;
 mod timer;
 mod validate;
 
+pub mod admin;
 pub mod message;
 pub mod schema;
 pub mod store;

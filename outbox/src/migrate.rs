@@ -157,6 +157,7 @@ struct TableFacts {
 struct Facts {
     queue: TableFacts,
     dlq: TableFacts,
+    paused: TableFacts,
     versions: bool,
 }
 
@@ -167,6 +168,7 @@ impl Facts {
         Ok(Facts {
             queue: table_facts(db, &n.qtable).await?,
             dlq: table_facts(db, &n.qdlq).await?,
+            paused: table_facts(db, &n.qpaused).await?,
             versions: oid(db, &n.qversions).await?.is_some(),
         })
     }
@@ -180,6 +182,7 @@ impl Facts {
         match t {
             Table::Queue => &self.queue,
             Table::DeadLetter => &self.dlq,
+            Table::Paused => &self.paused,
         }
     }
 
@@ -219,6 +222,7 @@ impl Facts {
                 columns.iter().all(|c| t.columns.contains(*c)) && check(t, name).is_some()
             }
             Done::Validated { table, check: name } => check(self.table(*table), name) == Some(true),
+            Done::Exists { table } => self.table(*table).oid.is_some(),
             Done::Columns { table, columns } => {
                 let t = self.table(*table);
                 columns.iter().all(|c| t.columns.contains(*c))

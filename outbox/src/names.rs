@@ -64,6 +64,10 @@ pub(crate) struct Names {
     pub versions_name: String,
     /// Its quoted, qualified form.
     pub qversions: String,
+    /// The table of paused queues (`<table>_paused`).
+    pub paused_name: String,
+    /// Its quoted, qualified form.
+    pub qpaused: String,
     /// The LISTEN/NOTIFY channel: `<table>_wakeup`, schema-qualified with an explicit
     /// schema.
     pub channel: String,
@@ -108,6 +112,8 @@ impl Names {
             dlq_failed_idx: format!("{dlq_table}_failed_at_idx"),
             qversions: qualify(&format!("{table}_schema_migrations")),
             versions_name: format!("{table}_schema_migrations"),
+            qpaused: qualify(&format!("{table}_paused")),
+            paused_name: format!("{table}_paused"),
             channel,
             notify: true,
             table_name: table,
@@ -120,6 +126,7 @@ impl Names {
             format!("{}_pkey", names.table_name),
             format!("{}_id_seq", names.dlq_name),
             format!("{}_pkey", names.dlq_name),
+            format!("{}_pkey", names.paused_name),
         ];
         for id in [
             &names.pending_idx,
@@ -131,6 +138,7 @@ impl Names {
             &names.dlq_idx,
             &names.dlq_failed_idx,
             &names.versions_name,
+            &names.paused_name,
             &names.channel,
         ]
         .into_iter()

@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 
 use sqlx::{PgConnection, PgPool};
 
+use crate::admin::{PausedQueue, RowAction};
 use crate::cancel::Cancelled;
 use crate::error::Result;
 use crate::migrate::{AppliedMigration, MigrateOptions, MigrationStep};
@@ -209,6 +210,79 @@ impl Outbox {
         limit: usize,
     ) -> Result<Vec<StoredRow>> {
         crate::read::pending(&self.inner.sql.read, conn, queue, limit).await
+    }
+
+    /// Pauses `queue`: from the next claim on, no worker claims its rows (due rows and
+    /// rows whose lease expired alike) until [`Outbox::resume_queue`]; publishing goes on
+    /// and what already runs finishes. Returns true when this call paused the queue, false
+    /// when it was paused already. Takes effect when the caller's transaction commits. See
+    /// [`admin`](crate::admin) for the rules.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad queue name;
+    /// [`Error::Database`](crate::Error::Database) (a schema without the paused-queues
+    /// table: run [`Outbox::migrate`]).
+    pub async fn pause_queue(&self, conn: &mut PgConnection, queue: &str) -> Result<bool> {
+        crate::admin::pause(&self.inner.sql.admin, conn, queue).await
+    }
+
+    /// Resumes a paused `queue` and wakes the listening workers (the notification is sent
+    /// when the caller's transaction commits). Returns true when this call resumed it, false
+    /// when it was not paused.
+    ///
+    /// # Errors
+    /// As [`Outbox::pause_queue`].
+    pub async fn resume_queue(&self, conn: &mut PgConnection, queue: &str) -> Result<bool> {
+        crate::admin::resume(&self.inner.sql.admin, conn, queue).await
+    }
+
+    /// The paused queues, by name.
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn paused_queues(&self, conn: &mut PgConnection) -> Result<Vec<PausedQueue>> {
+        crate::admin::paused(&self.inner.sql.admin, conn).await
+    }
+
+    /// Makes pending row `id` due now (database clock), keeping its counters and retry
+    /// history: [`RowAction::Rescheduled`], or [`RowAction::Leased`] when a worker holds
+    /// it, or [`RowAction::NotFound`]. Fenced against a concurrent claim (see
+    /// [`admin`](crate::admin)).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an id below 1;
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn run_now(&self, conn: &mut PgConnection, id: i64) -> Result<RowAction> {
+        self.reschedule(conn, id, Schedule::now()).await
+    }
+
+    /// Moves the deadline of pending row `id` to `schedule`, earlier or later:
+    /// [`RowAction::Rescheduled`] with the new deadline, [`RowAction::Leased`] or
+    /// [`RowAction::NotFound`]. Fenced against a concurrent claim (see
+    /// [`admin`](crate::admin)).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an id below 1 or a bad
+    /// schedule (`field = "schedule"`: a negative or overflowing delay, a time outside
+    /// Postgres' range); [`Error::Database`](crate::Error::Database).
+    pub async fn reschedule(
+        &self,
+        conn: &mut PgConnection,
+        id: i64,
+        schedule: impl Into<Schedule>,
+    ) -> Result<RowAction> {
+        crate::admin::reschedule(&self.inner.sql.admin, conn, id, schedule.into()).await
+    }
+
+    /// Deletes pending row `id`: [`RowAction::Deleted`], [`RowAction::Leased`] (a worker
+    /// holds it: nothing changed) or [`RowAction::NotFound`]. Fenced against a concurrent
+    /// claim (see [`admin`](crate::admin)). To stop a keyed timer whatever its state, use
+    /// [`Outbox::cancel`].
+    ///
+    /// # Errors
+    /// As [`Outbox::run_now`].
+    pub async fn delete_pending(&self, conn: &mut PgConnection, id: i64) -> Result<RowAction> {
+        crate::admin::delete(&self.inner.sql.admin, conn, id).await
     }
 
     /// Binds this outbox to a connection or transaction (`&mut *tx`) for the typed

@@ -49,17 +49,49 @@ const DLQ_COLUMNS: &[(&str, &str, bool, bool)] = &[
 ];
 
 /// Compares the live schema with what this version needs ([`crate::Outbox::validate_schema`]).
+/// The table of paused queues: added by an upgrade step, so a missing table or column needs
+/// the upgrade.
+const PAUSED_COLUMNS: &[(&str, &str, bool, bool)] = &[
+    ("queue", "character varying(255)", true, true),
+    ("paused_at", "timestamp with time zone", true, true),
+];
+
 pub(crate) async fn validate(n: &Names, dead_letter: bool, pool: &PgPool) -> Result<()> {
     let mut problems = Vec::new();
-    let table_exists =
-        check_columns(pool, &n.qtable, &n.table_name, QUEUE_COLUMNS, &mut problems).await?;
+    let table_exists = check_columns(
+        pool,
+        &n.qtable,
+        &n.table_name,
+        QUEUE_COLUMNS,
+        false,
+        &mut problems,
+    )
+    .await?;
     if table_exists {
         check_queue_indexes(pool, n, &mut problems).await?;
         check_queue_constraints(pool, n, &mut problems).await?;
+        // The claim reads the paused queues inside its statement: without the table every
+        // claim fails.
+        check_columns(
+            pool,
+            &n.qpaused,
+            &n.paused_name,
+            PAUSED_COLUMNS,
+            true,
+            &mut problems,
+        )
+        .await?;
     }
     if dead_letter {
-        let dlq_exists =
-            check_columns(pool, &n.qdlq, &n.dlq_name, DLQ_COLUMNS, &mut problems).await?;
+        let dlq_exists = check_columns(
+            pool,
+            &n.qdlq,
+            &n.dlq_name,
+            DLQ_COLUMNS,
+            false,
+            &mut problems,
+        )
+        .await?;
         if dlq_exists {
             let live = shape::live_indexes(pool, &n.qdlq).await?;
             for want in shape::dlq_indexes(n) {
@@ -92,6 +124,7 @@ async fn check_columns(
     qualified: &str,
     table: &str,
     wanted: &[(&str, &str, bool, bool)],
+    added_by_upgrade: bool,
     problems: &mut Vec<SchemaProblem>,
 ) -> Result<bool> {
     let oid: Option<i64> = sqlx::query_scalar(catalog::TABLE_OID)
@@ -102,7 +135,7 @@ async fn check_columns(
         problems.push(problem(
             table,
             "table is missing; run the migrations",
-            false,
+            added_by_upgrade,
         ));
         return Ok(false);
     };

@@ -31,6 +31,16 @@ pub(crate) struct Claim {
     pub now: SqlStr,
 }
 
+/// The queues of `unnest` (an alias `u` with a column `queue`) that are not paused, as the
+/// FROM item `q`: a paused queue's branches find nothing, inside the claim's own statement,
+/// so a pause holds from the next claim on without a second round trip. The anti-join probes
+/// the paused table's primary key once per queue.
+fn active_queues(unnest: &str, paused: &str) -> String {
+    format!(
+        "(SELECT u.* FROM {unnest} WHERE NOT EXISTS (SELECT 1 FROM {paused} p WHERE p.queue = u.queue)) AS q"
+    )
+}
+
 /// The two candidate branches of a claim, per queue: due unleased rows, and due rows whose
 /// lease expired, each with the queue's cap beside it. `exclude` is the parameter of the ids
 /// never to take, `caps` the parameter of the per-queue caps, `only` (if any) the parameter of
@@ -42,13 +52,24 @@ pub(crate) struct Claim {
 /// compilation (measured: 470 ms of JIT for a 1 ms claim). The cap is applied after the
 /// branches (`turn <= cap`); the few rows a capped queue's branch locked beyond its cap are
 /// released when the claim's statement ends.
-fn candidates(t: &str, exclude: &str, caps: &str, only: Option<&str>, lock: bool) -> String {
+fn candidates(
+    t: &str,
+    paused: &str,
+    exclude: &str,
+    caps: &str,
+    only: Option<&str>,
+    lock: bool,
+) -> String {
     let only = only.map_or(String::new(), |p| format!(" AND id = ANY({p}::bigint[])"));
     let lock = if lock { " FOR UPDATE SKIP LOCKED" } else { "" };
+    let queues = active_queues(
+        &format!("unnest($1::text[], {caps}::bigint[]) AS u(queue, cap)"),
+        paused,
+    );
     format!(
         r#"
     SELECT c.id, c.queue, c.next_attempt_at, c.deliveries_count, false AS cancelled, q.cap
-    FROM unnest($1::text[], {caps}::bigint[]) AS q(queue, cap)
+    FROM {queues}
     CROSS JOIN LATERAL (
         SELECT id, queue, next_attempt_at, deliveries_count FROM {t}
         WHERE queue = q.queue AND acquired_token IS NULL AND next_attempt_at <= now()
@@ -56,7 +77,7 @@ fn candidates(t: &str, exclude: &str, caps: &str, only: Option<&str>, lock: bool
         ORDER BY next_attempt_at LIMIT $2{lock}) c
     UNION ALL
     SELECT c.id, c.queue, c.next_attempt_at, c.deliveries_count, c.cancelled, q.cap
-    FROM unnest($1::text[], {caps}::bigint[]) AS q(queue, cap)
+    FROM {queues}
     CROSS JOIN LATERAL (
         SELECT id, queue, next_attempt_at, deliveries_count,
                cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled
@@ -107,6 +128,7 @@ RETURNING {DELIVERY_COLUMNS}"#
 impl Claim {
     pub(crate) fn render(n: &Names) -> Self {
         let t = &n.qtable;
+        let p = &n.qpaused;
         // Each queue gets two LATERAL branches with their own LIMIT, each carrying the
         // predicate of its partial index (`acquired_token IS NULL` → <t>_pending_idx,
         // `IS NOT NULL` → <t>_lease_idx), so the cost depends on the limit, not on the
@@ -126,31 +148,34 @@ impl Claim {
         // `$5` leaves out the rows the worker still holds (a reclaim of its own expired
         // lease would run a row twice at once, SPEC §7.8) and rows it has set aside as
         // poison (SPEC §7.4); usually empty, it is a filter on rows the index already found.
-        let claim_all = claim(t, &candidates(t, "$5", "$6", None, true));
-        let claim_only = claim(t, &candidates(t, "$5", "$6", Some("$7"), true));
+        let claim_all = claim(t, &candidates(t, p, "$5", "$6", None, true));
+        let claim_only = claim(t, &candidates(t, p, "$5", "$6", Some("$7"), true));
         let peek = format!(
             r#"
 WITH cand AS ({candidates})
 SELECT id, queue FROM (SELECT *, {FAIR_ORDER} AS turn FROM cand) r
 WHERE turn <= cap
 ORDER BY turn, next_attempt_at, id LIMIT $2"#,
-            candidates = candidates(t, "$4", "$5", None, false)
+            candidates = candidates(t, p, "$4", "$5", None, false)
         );
         // Every minimum comes from a partial index (one index probe per queue each); `$3`
-        // leaves out the rows the claim would leave out.
+        // leaves out the rows the claim would leave out, and paused queues are left out as
+        // the claim leaves them out: an idle worker never wakes for a paused queue's due rows
+        // (resume notifies instead).
+        let queues = active_queues("unnest($1::text[]) AS u(queue)", p);
         let next_wakeup = format!(
             r#"
 SELECT now(),
-    (SELECT min(x.next_attempt_at) FROM unnest($1::text[]) AS q(queue)
+    (SELECT min(x.next_attempt_at) FROM {queues}
      CROSS JOIN LATERAL (SELECT next_attempt_at FROM {t}
          WHERE queue = q.queue AND acquired_token IS NULL AND id <> ALL($3::bigint[])
          ORDER BY next_attempt_at LIMIT 1) x),
-    (SELECT min(x.next_attempt_at) FROM unnest($1::text[]) AS q(queue)
+    (SELECT min(x.next_attempt_at) FROM {queues}
      CROSS JOIN LATERAL (SELECT next_attempt_at FROM {t}
          WHERE queue = q.queue AND acquired_token IS NULL AND next_attempt_at > now()
            AND id <> ALL($3::bigint[])
          ORDER BY next_attempt_at LIMIT 1) x),
-    (SELECT min(x.acquired_at) + $2::interval FROM unnest($1::text[]) AS q(queue)
+    (SELECT min(x.acquired_at) + $2::interval FROM {queues}
      CROSS JOIN LATERAL (SELECT acquired_at FROM {t}
          WHERE queue = q.queue AND acquired_token IS NOT NULL AND id <> ALL($3::bigint[])
          ORDER BY acquired_at LIMIT 1) x)"#

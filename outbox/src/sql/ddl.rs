@@ -63,6 +63,8 @@ impl Step {
 pub(crate) enum Table {
     Queue,
     DeadLetter,
+    /// The table of paused queues.
+    Paused,
 }
 
 /// What the catalog holds once a step has been applied, so that `migrate()` can skip an
@@ -85,6 +87,8 @@ pub(crate) enum Done {
     },
     /// The named CHECK exists on the table and is validated.
     Validated { table: Table, check: String },
+    /// The table exists.
+    Exists { table: Table },
     /// These columns exist on the table.
     Columns {
         table: Table,
@@ -227,6 +231,14 @@ impl Ddl {
                     Done::Settings {
                         table: Table::Queue,
                         parameters: AUTOVACUUM_PARAMETERS,
+                    },
+                ),
+                step(
+                    20240101000009,
+                    "outbox_paused_queues",
+                    paused_queues(n),
+                    Done::Exists {
+                        table: Table::Paused,
                     },
                 ),
             ],
@@ -462,5 +474,20 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS {idx} ON {d} (failed_at);
 "#,
         idx = quote_ident(&n.dlq_failed_idx),
         d = n.qdlq,
+    )
+}
+
+fn paused_queues(n: &Names) -> String {
+    format!(
+        r#"-- outbox: paused queues (SPEC §1, §8).
+-- One row per paused queue: a claim finds no row of a queue listed here, publishing goes on.
+-- The claim reads this table inside its one statement, so a pause holds from the next claim
+-- on. A new table: creating it takes no lock on the queue table.
+CREATE TABLE IF NOT EXISTS {p} (
+    queue varchar(255) PRIMARY KEY,
+    paused_at timestamptz NOT NULL DEFAULT now()
+);
+"#,
+        p = n.qpaused,
     )
 }

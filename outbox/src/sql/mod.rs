@@ -1,5 +1,5 @@
 //! The text of every statement the runtime sends, rendered once per [`Outbox`] for its
-//! names and executed elsewhere: `publish.rs`, `cancel.rs`, `migrate.rs`, `validate.rs`,
+//! names and executed elsewhere: `publish.rs`, `cancel.rs`, `admin.rs`, `migrate.rs`, `validate.rs`,
 //! `store/postgres.rs` and `store/listen.rs` run what is rendered here.
 //!
 //! This module is a leaf over [`crate::names`]: it renders text and executes nothing. Every
@@ -17,6 +17,7 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 use crate::names::Names;
 
+pub(crate) mod admin;
 pub(crate) mod cancel;
 pub(crate) mod catalog;
 pub(crate) mod claim;
@@ -46,6 +47,7 @@ pub(crate) struct Statements {
     pub claim: claim::Claim,
     pub complete: complete::Complete,
     pub read: read::Read,
+    pub admin: admin::Admin,
     pub ddl: ddl::Ddl,
 }
 
@@ -57,6 +59,7 @@ impl Statements {
             claim: claim::Claim::render(n),
             complete: complete::Complete::render(n),
             read: read::Read::render(n),
+            admin: admin::Admin::render(n),
             ddl: ddl::Ddl::render(n),
         }
     }
@@ -70,6 +73,7 @@ impl Statements {
         out.extend(self.claim.all());
         out.extend(self.complete.all());
         out.extend(self.read.all());
+        out.extend(self.admin.all());
         out.extend(self.ddl.all());
         out
     }
