@@ -61,11 +61,13 @@ pub enum Error {
         second: String,
     },
 
-    /// The queue table predates a schema upgrade this version needs: a rearm column or the
+    /// The outbox's tables predate a schema upgrade this version needs: a rearm column or the
     /// cancel mark `cancelled_at` is missing (Postgres reported SQLSTATE 42703,
-    /// `undefined_column`). Run [`crate::migrate`] (or apply the statements of
-    /// `migration_steps()` with your own migration tool) before deploying this version.
-    #[error("the outbox table lacks a column this version needs ({detail}); run the schema upgrade first (`outbox::migrate`), see {UPGRADE_GUIDE}")]
+    /// `undefined_column`), or the table of paused queues `<table>_paused` is (SQLSTATE
+    /// 42P01, `undefined_table`; every claim reads it). Run [`crate::migrate`] (or apply the
+    /// statements of `migration_steps()` with your own migration tool) before deploying this
+    /// version.
+    #[error("the outbox schema predates this version ({detail}); run the schema upgrade first (`outbox::migrate`), see {UPGRADE_GUIDE}")]
     UpgradeRequired {
         /// What Postgres reported.
         detail: String,
@@ -331,8 +333,17 @@ impl From<sqlx::Error> for Error {
             }
         }
         // SQLSTATE 42P01 undefined_table: every statement of ours names only our tables
-        // (and the catalog), so the migrations have not run here.
+        // (and the catalog), so the migrations have not run here — or, when the missing
+        // table is the paused-queues table (`<table>_paused`, added by an upgrade step and
+        // read by every claim), only the upgrade has not.
         if let sqlx::Error::Database(db) = &e {
+            if db.code().as_deref() == Some("42P01")
+                && db.message().contains("_paused\" does not exist")
+            {
+                return Error::UpgradeRequired {
+                    detail: db.message().to_owned(),
+                };
+            }
             if db.code().as_deref() == Some("42P01") {
                 return Error::NotMigrated {
                     detail: db.message().to_owned(),

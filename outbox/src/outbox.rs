@@ -101,6 +101,12 @@ impl Outbox {
         &self.inner.names.qversions
     }
 
+    /// The quoted, schema-qualified table of paused queues (`<table>_paused`, see
+    /// [`Outbox::pause_queue`]), as it appears in SQL text.
+    pub fn paused_table(&self) -> &str {
+        &self.inner.names.qpaused
+    }
+
     /// Whether terminal failures are archived to the dead-letter table.
     pub fn dead_letter_enabled(&self) -> bool {
         self.inner.dead_letter

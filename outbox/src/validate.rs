@@ -132,11 +132,13 @@ async fn check_columns(
         .fetch_one(pool)
         .await?;
     let Some(oid) = oid else {
-        problems.push(problem(
-            table,
-            "table is missing; run the migrations",
-            added_by_upgrade,
-        ));
+        // A table an upgrade adds gets the upgrade's hint from `SchemaProblem`'s display.
+        let message = if added_by_upgrade {
+            "table is missing"
+        } else {
+            "table is missing; run the migrations"
+        };
+        problems.push(problem(table, message, added_by_upgrade));
         return Ok(false);
     };
     let rows = sqlx::query(catalog::COLUMNS)

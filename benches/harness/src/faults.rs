@@ -574,10 +574,11 @@ fn markdown(outcomes: &[Outcome]) -> String {
 async fn prepare(ctx: &Ctx, name: &str) -> Result<Prepared, BoxError> {
     let outbox = outbox_for(name)?;
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE IF EXISTS {}, {}, {}",
+        "DROP TABLE IF EXISTS {}, {}, {}, {}",
         outbox.table(),
         outbox.dead_letter_table(),
-        outbox.migrations_table()
+        outbox.migrations_table(),
+        outbox.paused_table()
     )))
     .execute(&ctx.admin)
     .await?;

@@ -79,7 +79,7 @@ pub async fn run(a: &ProcessesArgs) -> Result<ExitCode, BoxError> {
     let mut first: Option<f64> = None;
     for &k in &a.processes {
         sqlx::raw_sql(AssertSqlSafe(format!(
-            "DROP TABLE IF EXISTS {t}, {t}_dlq, {t}_schema_migrations",
+            "DROP TABLE IF EXISTS {t}, {t}_dlq, {t}_schema_migrations, {t}_paused",
             t = TABLE
         )))
         .execute(&admin)

@@ -214,10 +214,11 @@ pub async fn drop_tables(env: &mut Env, outbox: &Outbox) -> Result<(), BoxError>
     exec(
         env,
         &format!(
-            "DROP TABLE IF EXISTS {}, {}, {}",
+            "DROP TABLE IF EXISTS {}, {}, {}, {}",
             outbox.table(),
             outbox.dead_letter_table(),
-            outbox.migrations_table()
+            outbox.migrations_table(),
+            outbox.paused_table()
         ),
     )
     .await

@@ -629,10 +629,11 @@ pub fn wal_diff(a: &Wal, b: &Wal) -> WalTotals {
 
 async fn drop_tables(env: &mut Env, outbox: &Outbox) -> Result<(), BoxError> {
     env.exec(&format!(
-        "DROP TABLE IF EXISTS {}, {}, {}, {}",
+        "DROP TABLE IF EXISTS {}, {}, {}, {}, {}",
         outbox.table(),
         outbox.dead_letter_table(),
         outbox.migrations_table(),
+        outbox.paused_table(),
         effects_table(outbox)
     ))
     .await

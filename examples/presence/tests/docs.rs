@@ -113,7 +113,11 @@ async fn following_the_upgrade_guide_on_a_base_table() {
         );
         assert!(text.contains(&want), "{text:#?}");
     }
-    assert_eq!(text.len(), 6, "{text:#?}");
+    let want = format!(
+        "{table}_paused: table is missing (run the schema upgrade: `Outbox::migrate` with this outbox's settings; see {UPGRADE_GUIDE})"
+    );
+    assert!(text.contains(&want), "{text:#?}");
+    assert_eq!(text.len(), 7, "{text:#?}");
     // With the dead-letter queue on, its upgrade's pieces too.
     let with_dlq = Outbox::builder()
         .table(&table)
@@ -135,7 +139,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
         "{table}_dlq: index {table}_dlq_failed_at_idx on (failed_at): index is missing (run the schema upgrade: `Outbox::migrate` with this outbox's settings; see {UPGRADE_GUIDE})"
     );
     assert!(dlq.contains(&want), "{dlq:#?}");
-    assert_eq!(dlq.len(), 9, "{dlq:#?}");
+    assert_eq!(dlq.len(), 10, "{dlq:#?}");
     assert!(problems.iter().all(|p| p.needs_upgrade), "{problems:#?}");
 
     // The error an extend gets.
@@ -152,7 +156,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
     assert!(err.to_string().contains(UPGRADE_GUIDE), "{err}");
     assert!(
         err.to_string()
-            .starts_with("the outbox table lacks a column this version needs ("),
+            .starts_with("the outbox schema predates this version ("),
         "{err}"
     );
 
@@ -170,7 +174,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
             tx.commit().await.unwrap();
         }
     };
-    for (columns, validate, ck, left_after) in [(1, 2, "rearm_ck", 2), (3, 4, "cancel_ck", 0)] {
+    for (columns, validate, ck, left_after) in [(1, 2, "rearm_ck", 3), (3, 4, "cancel_ck", 1)] {
         run(steps[columns].sql.clone()).await;
         let Err(Error::SchemaMismatch { problems }) = outbox.validate_schema(&pool).await else {
             panic!("a NOT VALID {ck} must be reported");
@@ -187,6 +191,9 @@ async fn following_the_upgrade_guide_on_a_base_table() {
         assert_eq!(problems.len(), left_after + 1, "{problems:#?}");
         run(steps[validate].sql.clone()).await;
     }
+    // The paused-queues table (a transaction; the one problem left above).
+    assert_eq!(steps[8].description, "outbox_paused_queues");
+    run(steps[8].sql.clone()).await;
     // The dead-letter redrive columns (a transaction), then the `(failed_at)` index, built
     // CONCURRENTLY and so outside any transaction.
     outbox
@@ -227,10 +234,11 @@ async fn following_the_upgrade_guide_on_a_base_table() {
     );
 
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE {}, {}, {}",
+        "DROP TABLE {}, {}, {}, {}",
         outbox.table(),
         outbox.dead_letter_table(),
-        outbox.migrations_table()
+        outbox.migrations_table(),
+        outbox.paused_table()
     )))
     .execute(&pool)
     .await
@@ -260,10 +268,11 @@ async fn not_valid_rearm_check_is_reported_as_not_valid() {
         .unwrap();
     let result = outbox.validate_schema(&pool).await;
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE {}, {}, {}",
+        "DROP TABLE {}, {}, {}, {}",
         outbox.table(),
         outbox.dead_letter_table(),
-        outbox.migrations_table()
+        outbox.migrations_table(),
+        outbox.paused_table()
     )))
     .execute(&pool)
     .await

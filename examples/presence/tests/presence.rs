@@ -88,10 +88,11 @@ async fn run(slack: Duration) -> presence::server::Stats {
         .await
         .expect("cleanup connection");
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE IF EXISTS \"{users_table}\", {}, {}, {}",
+        "DROP TABLE IF EXISTS \"{users_table}\", {}, {}, {}, {}",
         outbox.table(),
         outbox.dead_letter_table(),
-        outbox.migrations_table()
+        outbox.migrations_table(),
+        outbox.paused_table()
     )))
     .execute(&cleanup)
     .await

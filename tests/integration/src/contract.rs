@@ -26,6 +26,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use outbox::testing::MemoryStore;
 use outbox::{
+    admin::RowAction,
     message::{BatchItem, Schedule},
     store::{DeadLetter, Store, StoredRow},
     Cancelled, Message, Outbox, PgStore, Published, Publisher, Result, Timer,
@@ -101,6 +102,13 @@ pub trait Harness: Sized {
         limit: usize,
     ) -> impl Future<Output = Result<Vec<DeadLetter>>>;
 
+    /// Pauses (`true`) or resumes (`false`) `queue`: `pause_queue` / `resume_queue`.
+    fn pause(&self, queue: &str, on: bool) -> impl Future<Output = Result<bool>>;
+
+    /// Reschedules (`Some`) or deletes (`None`) pending row `id`: `reschedule` /
+    /// `delete_pending`.
+    fn act(&self, id: i64, schedule: Option<Schedule>) -> impl Future<Output = Result<RowAction>>;
+
     /// Releases what the harness holds (the Postgres schema).
     fn finish(self) -> impl Future<Output = ()>;
 }
@@ -175,6 +183,21 @@ impl Harness for MemHarness {
 
     async fn dead_letters(&self, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
         self.store.dead_letters(queue, limit)
+    }
+
+    async fn pause(&self, queue: &str, on: bool) -> Result<bool> {
+        if on {
+            self.store.pause_queue(queue)
+        } else {
+            self.store.resume_queue(queue)
+        }
+    }
+
+    async fn act(&self, id: i64, schedule: Option<Schedule>) -> Result<RowAction> {
+        match schedule {
+            Some(s) => self.store.reschedule(id, s),
+            None => self.store.delete_pending(id),
+        }
     }
 
     async fn finish(self) {}
@@ -349,6 +372,25 @@ impl Harness for PgHarness {
 
     async fn dead_letters(&self, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
         self.store.dead_letters(queue, limit).await
+    }
+
+    async fn pause(&self, queue: &str, on: bool) -> Result<bool> {
+        let mut conn = self.pool.acquire().await?;
+        let outbox = self.store.outbox();
+        if on {
+            outbox.pause_queue(&mut conn, queue).await
+        } else {
+            outbox.resume_queue(&mut conn, queue).await
+        }
+    }
+
+    async fn act(&self, id: i64, schedule: Option<Schedule>) -> Result<RowAction> {
+        let mut conn = self.pool.acquire().await?;
+        let outbox = self.store.outbox();
+        match schedule {
+            Some(s) => outbox.reschedule(&mut conn, id, s).await,
+            None => outbox.delete_pending(&mut conn, id).await,
+        }
     }
 
     async fn finish(self) {

@@ -202,10 +202,11 @@ impl Fixture {
     /// Drops the test's tables.
     pub async fn cleanup(self) {
         let sql = format!(
-            "DROP TABLE IF EXISTS {}, {}, {}",
+            "DROP TABLE IF EXISTS {}, {}, {}, {}",
             self.outbox.table(),
             self.outbox.dead_letter_table(),
-            self.outbox.migrations_table()
+            self.outbox.migrations_table(),
+            self.outbox.paused_table()
         );
         sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&self.pool)

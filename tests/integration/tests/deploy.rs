@@ -199,10 +199,11 @@ impl Fixture {
 
     async fn cleanup(self) {
         sqlx::raw_sql(AssertSqlSafe(format!(
-            "DROP TABLE IF EXISTS {}, {}, {}",
+            "DROP TABLE IF EXISTS {}, {}, {}, {}",
             self.outbox.table(),
             self.outbox.dead_letter_table(),
-            self.outbox.migrations_table()
+            self.outbox.migrations_table(),
+            self.outbox.paused_table()
         )))
         .execute(&self.pool)
         .await

@@ -22,15 +22,17 @@ struct Job {
 /// The grants the README's "Deployment" section lists, for `outbox`'s two tables and its
 /// record of applied migrations.
 fn runtime_grants(outbox: &Outbox, role: &str) -> Vec<String> {
-    let (table, dlq, applied) = (
+    let (table, dlq, applied, paused) = (
         outbox.table(),
         outbox.dead_letter_table(),
         outbox.migrations_table(),
+        outbox.paused_table(),
     );
     vec![
         format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}"),
         format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {dlq} TO {role}"),
         format!("GRANT SELECT ON {applied} TO {role}"),
+        format!("GRANT SELECT ON {paused} TO {role}"),
     ]
 }
 
@@ -143,14 +145,27 @@ async fn a_runtime_role_with_only_dml_grants_runs_everything_but_ddl() {
     .unwrap_err();
     let denied = Error::from(denied);
     assert!(denied.to_string().contains("must be owner"), "{denied}");
+    // Pausing is an operator's write: the runtime role only reads the paused queues.
+    let mut conn = app.acquire().await.unwrap();
+    assert!(outbox.paused_queues(&mut conn).await.unwrap().is_empty());
+    let refused = outbox
+        .pause_queue(&mut conn, "grants.job")
+        .await
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("permission denied"),
+        "{refused}"
+    );
+    drop(conn);
 
     app.close().await;
     for sql in [
         format!(
-            "DROP TABLE {}, {}, {}",
+            "DROP TABLE {}, {}, {}, {}",
             outbox.table(),
             outbox.dead_letter_table(),
-            outbox.migrations_table()
+            outbox.migrations_table(),
+            outbox.paused_table()
         ),
         format!("DROP ROLE {role}"),
     ] {

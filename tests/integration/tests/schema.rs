@@ -20,10 +20,11 @@ fn problems(e: Error) -> Vec<SchemaProblem> {
 
 async fn drop_tables(pool: &sqlx::PgPool, outbox: &Outbox) {
     let sql = format!(
-        "DROP TABLE IF EXISTS {}, {}, {}",
+        "DROP TABLE IF EXISTS {}, {}, {}, {}",
         outbox.table(),
         outbox.dead_letter_table(),
-        outbox.migrations_table()
+        outbox.migrations_table(),
+        outbox.paused_table()
     );
     sqlx::raw_sql(AssertSqlSafe(&*sql))
         .execute(pool)
@@ -51,13 +52,16 @@ async fn base_shape_with_rows_is_upgraded_in_place() {
         .filter(|p| p.needs_upgrade)
         .map(|p| p.object.clone())
         .collect();
-    assert_eq!(before.len(), 9, "{before:#?}");
+    assert_eq!(before.len(), 10, "{before:#?}");
     assert_eq!(
         upgrade.len(),
-        9,
-        "three rearm columns, the cancel mark, both CHECKs, the two dead-letter redrive \
-         columns and the dead-letter (failed_at) index: {before:#?}"
+        10,
+        "three rearm columns, the cancel mark, both CHECKs, the paused-queues table, the two \
+         dead-letter redrive columns and the dead-letter (failed_at) index: {before:#?}"
     );
+    assert!(before
+        .iter()
+        .any(|p| p.object.ends_with("_paused") && p.message == "table is missing"));
     assert!(before
         .iter()
         .any(|p| p.object.ends_with(".cancelled_at") && p.message == "column is missing"));
@@ -296,8 +300,9 @@ async fn quoted_names_in_a_custom_schema_work_everywhere() {
         .fetch_one(&pool)
         .await
         .unwrap();
-    // The queue, its dead-letter table and the table of applied migration steps.
-    assert_eq!(tables, 3);
+    // The queue, its dead-letter table, the table of applied migration steps and the table
+    // of paused queues.
+    assert_eq!(tables, 4);
     sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP SCHEMA \"{}\" CASCADE",
         schema.replace('"', "\"\"")

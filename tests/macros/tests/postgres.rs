@@ -41,10 +41,11 @@ where
     let outcome = tokio::spawn(body(pool.clone(), outbox.clone())).await;
 
     sqlx::query(AssertSqlSafe(format!(
-        "DROP TABLE IF EXISTS {}, {}, {}",
+        "DROP TABLE IF EXISTS {}, {}, {}, {}",
         outbox.table(),
         outbox.dead_letter_table(),
-        outbox.migrations_table()
+        outbox.migrations_table(),
+        outbox.paused_table()
     )))
     .execute(&pool)
     .await
