@@ -226,8 +226,9 @@ impl Outbox {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad queue name;
-    /// [`Error::Database`](crate::Error::Database) (a schema without the paused-queues
-    /// table: run [`Outbox::migrate`]).
+    /// [`Error::UpgradeRequired`](crate::Error::UpgradeRequired) when the paused-queues
+    /// table does not exist yet (run [`Outbox::migrate`]);
+    /// [`Error::Database`](crate::Error::Database).
     pub async fn pause_queue(&self, conn: &mut PgConnection, queue: &str) -> Result<bool> {
         crate::admin::pause(&self.inner.sql.admin, conn, queue).await
     }

@@ -108,6 +108,7 @@ fn the_crate_root_holds_the_quick_start_names_and_the_modules() {
         modules,
         BTreeSet::from([
             "__private",
+            "admin",
             "message",
             "schema",
             "store",
