@@ -145,7 +145,7 @@ use sqlx::query::Query;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use crate::error::{Error, Result};
-use crate::publish::{interval, micros, validate_queue, Headers, MAX_DELAY, MAX_HEADERS_BYTES};
+use crate::publish::{interval, micros, validate_queue, MAX_DELAY, MAX_HEADERS_BYTES};
 use crate::read::{dead_letter_from_row, DeadLetter};
 use crate::sql::dlq::Dlq;
 use crate::store::FailureReason;
@@ -165,7 +165,7 @@ pub const REDRIVEN_FROM_HEADER: &str = "outbox-redriven-from";
 ///   at or after / strictly before an instant (`failed_at`, a half-open range, so adjacent
 ///   ranges do not overlap). After must be earlier than before;
 /// - [`older_than`](Self::older_than): archived more than this long before the database's
-///   `now()` (the transaction's start), at most [`MAX_DELAY`](crate::message::MAX_DELAY);
+///   `now()` (the transaction's start), at most [`MAX_DELAY`];
 /// - [`include_redriven`](Self::include_redriven): whether rows already redriven are
 ///   included (default `true`). A redrive never takes them whatever this says.
 ///
@@ -309,7 +309,7 @@ impl<'a> FilterBinds<'a> {
             .bind(self.reason)
             .bind(self.failed_after)
             .bind(self.failed_before)
-            .bind(self.older_than.clone())
+            .bind(self.older_than)
             .bind(self.include_redriven)
     }
 }
@@ -393,7 +393,7 @@ pub enum RedriveResult {
     /// Its stored headers are not a JSON object of strings.
     HeadersNotAMap,
     /// With [`REDRIVEN_FROM_HEADER`] its headers would pass
-    /// [`MAX_HEADERS_BYTES`](crate::message::MAX_HEADERS_BYTES).
+    /// [`MAX_HEADERS_BYTES`].
     HeadersTooLarge {
         /// Their size with the redrive header, in bytes (keys and values).
         bytes: usize,
@@ -435,9 +435,12 @@ pub(crate) fn check_purge(filter: &DeadLetterFilter, batch_size: usize) -> Resul
     Ok(binds)
 }
 
-/// The headers a redrive gives the new queue row, or why it cannot: the store-side
+/// The headers a redrive gives the new queue row, or why it cannot: the in-memory store's
 /// equivalent of the checks the redrive statement makes.
-pub(crate) fn redrive_headers(letter: &DeadLetter) -> std::result::Result<Headers, RedriveResult> {
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn redrive_headers(
+    letter: &DeadLetter,
+) -> std::result::Result<crate::publish::Headers, RedriveResult> {
     if letter.raw_headers.is_some() {
         return Err(RedriveResult::HeadersNotAMap);
     }
@@ -569,6 +572,7 @@ pub(crate) async fn purge(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::publish::Headers;
 
     fn invalid(e: Error) -> &'static str {
         match e {

@@ -75,6 +75,9 @@ use crate::timer::Publisher;
 ///   (chrono's range) is an [`Error::InvalidArgument`] (`duration`, `lease_ttl`) here;
 ///   Postgres either stores a time it cannot hand back to chrono or rejects it with a
 ///   database error. Anything a worker produces is far inside both ranges.
+/// - Dead letters: a redrive never waits for another one and a purge never skips a row,
+///   since nothing is ever locked; the outcomes, ids and rows are those of Postgres once
+///   the other transaction has ended.
 /// - Lookups scan every row: it is meant for tests, not for millions of rows.
 /// - The clock stands still within a step: an extend "now + 0" issued by a handler during
 ///   `run_due` is not later than the deadline the run was claimed for, so it is

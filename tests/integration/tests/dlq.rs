@@ -544,7 +544,9 @@ async fn dead_letter_statements_use_their_indexes() {
 #[tokio::test]
 async fn a_redriven_row_wakes_a_worker_and_is_handled() {
     let f = Fixture::new().await;
-    let seen: Arc<Mutex<Vec<(i64, Option<Headers>, Vec<u8>)>>> = Arc::default();
+    // (row id, headers, payload) of each run.
+    type Run = (i64, Option<Headers>, Vec<u8>);
+    let seen: Arc<Mutex<Vec<Run>>> = Arc::default();
     let handler = {
         let seen = seen.clone();
         move |payload: Vec<u8>, ctx: Context| {
