@@ -19,9 +19,13 @@
 //! (`failed_at`: an absolute half-open range, and/or an age by the database clock) and
 //! whether rows already redriven are included (they are by default). Rows come **by id**
 //! (the archive order), at most `limit` per call; the cursor is the last id of a page,
-//! passed as `after` for the next one (keyset paging on the primary key: a page costs the
-//! same however deep it is, and rows archived meanwhile show up on later pages, never
-//! twice). A page shorter than `limit` is the last.
+//! passed as `after` for the next one (keyset paging on the primary key: rows archived
+//! meanwhile show up on later pages, never twice). A page shorter than `limit` is the
+//! last. A page walks the primary key from the cursor and checks the filter on each row,
+//! so its cost is the number of rows it passes over: the same however deep the page when
+//! matches are common, more for a filter few rows match. Measured on 10^6 dead letters
+//! (20 queues, 100 days): a page of 100 without a filter or of one queue, at any depth,
+//! 0.4–3 ms; of one queue, one reason and a 10-day range, 160–240 ms.
 //!
 //! # Redrive
 //!
@@ -64,7 +68,9 @@
 //! exists and its dead letter is unmarked. Two dead letters of one selection with the same
 //! timer key: the lower id is redriven, the other reports
 //! [`RedriveResult::TimerKeyHeld`]. Like a publish, each insert attempted (redriven or
-//! refused for its key) uses up an id of the queue table's identity.
+//! refused for its key) uses up an id of the queue table's identity. Measured on 10^6 dead
+//! letters: 1000 rows by ids in 8 ms, 10 000 in 33 ms, 1000 of one queue by filter in
+//! 55 ms (each rolled back).
 //!
 //! # Purge
 //!
@@ -75,7 +81,9 @@
 //! the same however large the table). Rows another transaction has locked (a redrive in
 //! progress) are skipped (`FOR UPDATE SKIP LOCKED`), never waited for; a batch that deletes
 //! fewer than `batch_size` rows ends the purge, and what it skipped is left for the next
-//! one. Rows already redriven are purged too unless the filter says
+//! one. Measured on 10^6 dead letters: 89 000 rows older than 90 days purged in 100
+//! batches of 1000, 635 ms in all. Rows already redriven are purged too unless the filter
+//! says
 //! [`DeadLetterFilter::include_redriven`]`(false)`. It returns the number of rows deleted.
 //! An age given by [`DeadLetterFilter::older_than`] is judged by each batch's own
 //! transaction clock.

@@ -13,8 +13,8 @@ pub const UPGRADE_GUIDE: &str = concat!(
 /// Everything that can go wrong in `outbox`.
 ///
 /// Validation errors ([`Error::InvalidArgument`], [`Error::InvalidName`],
-/// [`Error::InvalidConfig`], [`Error::DuplicateHandler`]) are returned **before any SQL
-/// runs**: nothing has been written when you see one.
+/// [`Error::InvalidConfig`], [`Error::DuplicateHandler`], [`Error::DeadLetterDisabled`]) are
+/// returned **before any SQL runs**: nothing has been written when you see one.
 #[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

@@ -49,7 +49,11 @@ pub(crate) struct Dlq {
 ///   its RETURNING maps each new row back to its dead letter through the header it carries
 ///   (an INSERT can return only its own row's columns);
 /// - `marked` sets `redriven_at` (the transaction's `now()`) and `redriven_id` on the rows
-///   `ins` inserted, all of them locked by `sel`;
+///   `ins` inserted, all of them locked by `sel`. It reaches them by their ids through the
+///   primary key and finds each new id in one map built from `ins`, with no join: joined
+///   to `ins` (`d.id = ANY(ids) AND d.id = ins.dead_letter_id`), the planner re-ran the
+///   whole array scan for every inserted row (measured: 780 ms for 1000 rows at 10^6 dead
+///   letters);
 /// - the notification tells workers each queue has a row due now, as a publish does.
 ///
 /// `requested` is the relation of ids to report on, `hdr` and `max` the parameters of the
@@ -85,9 +89,10 @@ ins AS (
     ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO NOTHING
     RETURNING id, queue, next_attempt_at, (headers ->> {hdr}::text)::bigint AS dead_letter_id),
 marked AS (
-    UPDATE {d} d SET redriven_at = now(), redriven_id = ins.id
-    FROM ins
-    WHERE d.id = ANY(ARRAY(SELECT dead_letter_id FROM ins)) AND d.id = ins.dead_letter_id
+    UPDATE {d} d
+    SET redriven_at = now(),
+        redriven_id = ((SELECT jsonb_object_agg(dead_letter_id::text, id) FROM ins) ->> d.id::text)::bigint
+    WHERE d.id = ANY(ARRAY(SELECT dead_letter_id FROM ins))
     RETURNING d.id)
 SELECT r.id,
        CASE WHEN c.id IS NULL THEN 'not_found'

@@ -381,14 +381,22 @@ async fn terminal_failure_without_dlq_deletes_or_applies_the_rearm() {
         Completion::Rearmed { at: t1 }
     );
     assert_pending_timer(&f.only_row(Q).await, t1, b"p1");
-    assert!(
+    // The dead-letter operations refuse with the DLQ off; the table itself, read around
+    // them, holds nothing.
+    assert!(matches!(
         f.store
             .dead_letters(&DeadLetterFilter::new().queue(Q), None, 10)
-            .await
-            .unwrap()
-            .is_empty(),
-        "nothing archived when the DLQ is off"
-    );
+            .await,
+        Err(outbox::Error::DeadLetterDisabled)
+    ));
+    let archived: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}",
+        f.outbox.dead_letter_table()
+    )))
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(archived, 0, "nothing archived when the DLQ is off");
     assert_eq!(
         f.store.fail(d.lease, failure).await.unwrap(),
         Completion::LeaseLost
