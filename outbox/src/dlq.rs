@@ -153,7 +153,7 @@ use sqlx::query::Query;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use crate::error::{Error, Result};
-use crate::publish::{interval, micros, validate_queue, MAX_DELAY, MAX_HEADERS_BYTES};
+use crate::publish::{interval, micros, validate_queue, MAX_HEADERS_BYTES};
 use crate::read::{dead_letter_from_row, DeadLetter};
 use crate::sql::dlq::Dlq;
 use crate::store::FailureReason;
@@ -164,6 +164,9 @@ use crate::store::FailureReason;
 /// again) replaces the value.
 pub const REDRIVEN_FROM_HEADER: &str = "outbox-redriven-from";
 
+/// The longest [`DeadLetterFilter::older_than`]: 1000 years of 366 days.
+const MAX_AGE: Duration = Duration::from_secs(1000 * 366 * 24 * 3600);
+
 /// Which dead letters a list, redrive or purge takes. Built with its methods, each
 /// condition optional; the default takes every row.
 ///
@@ -173,7 +176,8 @@ pub const REDRIVEN_FROM_HEADER: &str = "outbox-redriven-from";
 ///   at or after / strictly before an instant (`failed_at`, a half-open range, so adjacent
 ///   ranges do not overlap). After must be earlier than before;
 /// - [`older_than`](Self::older_than): archived more than this long before the database's
-///   `now()` (the transaction's start), at most [`MAX_DELAY`];
+///   `now()` (the transaction's start), at most 1000 years (Postgres cannot compute a time
+///   before 4713 BC, so `now() - age` must stay above it);
 /// - [`include_redriven`](Self::include_redriven): whether rows already redriven are
 ///   included (default `true`). A redrive never takes them whatever this says.
 ///
@@ -281,11 +285,8 @@ impl DeadLetterFilter {
             }
         }
         let older_than = match self.older_than {
-            Some(age) if age > MAX_DELAY => {
-                return Err(Error::invalid(
-                    "older_than",
-                    "is longer than 10 000 years (overflow)",
-                ))
+            Some(age) if age > MAX_AGE => {
+                return Err(Error::invalid("older_than", "is longer than 1000 years"))
             }
             Some(age) => Some(interval(micros(age)?)),
             None => None,
@@ -629,7 +630,7 @@ mod tests {
         assert_eq!(
             invalid(
                 DeadLetterFilter::new()
-                    .older_than(MAX_DELAY + Duration::from_secs(1))
+                    .older_than(MAX_AGE + Duration::from_secs(1))
                     .binds()
                     .err()
                     .unwrap()

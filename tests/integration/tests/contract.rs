@@ -2034,6 +2034,13 @@ async fn dead_letters_are_listed_by_filter_and_paged<H: Harness>(h: &H) {
         "older than 20 s at 40 s: before 20 s"
     );
     assert!(list(h, every().queue("nobody"), None, 100).await.is_empty());
+    let millennium = secs(1000 * 366 * 24 * 3600);
+    assert!(
+        list(h, every().older_than(millennium), None, 100)
+            .await
+            .is_empty(),
+        "the longest age is a time Postgres can compute"
+    );
 
     // Keyset paging on the id.
     assert_eq!(list(h, every(), None, 2).await, [1, 2]);
@@ -2072,6 +2079,10 @@ async fn dead_letters_are_listed_by_filter_and_paged<H: Harness>(h: &H) {
         bad(every().failed_after(at(10)).failed_before(at(10))).await,
         "failed_at",
         "empty"
+    );
+    assert_eq!(
+        bad(every().older_than(millennium + secs(1))).await,
+        "older_than"
     );
 }
 
