@@ -13,8 +13,8 @@ pub const UPGRADE_GUIDE: &str = concat!(
 /// Everything that can go wrong in `outbox`.
 ///
 /// Validation errors ([`Error::InvalidArgument`], [`Error::InvalidName`],
-/// [`Error::InvalidConfig`], [`Error::DuplicateHandler`]) are returned **before any SQL
-/// runs**: nothing has been written when you see one.
+/// [`Error::InvalidConfig`], [`Error::DuplicateHandler`], [`Error::DeadLetterDisabled`]) are
+/// returned **before any SQL runs**: nothing has been written when you see one.
 #[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -62,11 +62,13 @@ pub enum Error {
     },
 
     /// The outbox's tables predate a schema upgrade this version needs: a rearm column or the
-    /// cancel mark `cancelled_at` is missing (Postgres reported SQLSTATE 42703,
-    /// `undefined_column`), or the table of paused queues `<table>_paused` is (SQLSTATE
-    /// 42P01, `undefined_table`; every claim reads it). Run [`crate::migrate`] (or apply the
-    /// statements of `migration_steps()` with your own migration tool) before deploying this
-    /// version.
+    /// cancel mark `cancelled_at` is missing, or the dead-letter table lacks the redrive
+    /// columns (`redriven_at`, `redriven_id`: its tables were migrated with the dead-letter
+    /// queue off) (Postgres reported SQLSTATE 42703, `undefined_column`), or the table of
+    /// paused queues `<table>_paused` is missing (SQLSTATE 42P01, `undefined_table`; every
+    /// claim reads it). Run [`crate::migrate`] (or apply the statements of
+    /// `migration_steps()` with your own migration tool) with this outbox's settings before
+    /// deploying this version.
     #[error("the outbox schema predates this version ({detail}); run the schema upgrade first (`outbox::migrate`), see {UPGRADE_GUIDE}")]
     UpgradeRequired {
         /// What Postgres reported.
@@ -141,6 +143,14 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+
+    /// A dead-letter operation (list, redrive, purge; [`crate::dlq`]) on an outbox or store
+    /// whose dead-letter queue is off. Nothing ran. Turn it on with
+    /// [`OutboxBuilder::dead_letter`](crate::OutboxBuilder::dead_letter)`(true)` (or
+    /// `MemoryStore::with_dead_letter(true)`) and run `migrate` with it on, which adds the
+    /// columns a redrive writes.
+    #[error("the dead-letter queue is off for this outbox: build it with `OutboxBuilder::dead_letter(true)` and run `migrate` with it (which adds the redrive columns) to list, redrive or purge dead letters")]
+    DeadLetterDisabled,
 
     /// Postgres or the connection failed.
     #[error("database error: {0}")]
@@ -304,6 +314,7 @@ impl fmt::Debug for Fields<'_> {
                 .debug_struct("TransactionUnavailable")
                 .field("reason", reason)
                 .finish(),
+            Error::DeadLetterDisabled => f.write_str("DeadLetterDisabled"),
             Error::Database(e) => f.debug_tuple("Database").field(e).finish(),
         }
     }
@@ -312,9 +323,11 @@ impl fmt::Debug for Fields<'_> {
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
         // SQLSTATE 42703 undefined_column: the only columns this version reads that an
-        // older deployment lacks are the rearm columns and the cancel mark (SPEC §1.3).
+        // older deployment lacks are the rearm columns, the cancel mark (SPEC §1.3) and the
+        // dead-letter redrive columns (issue 16: a table migrated with the dead-letter queue
+        // off, then used with it on).
         if let sqlx::Error::Database(db) = &e {
-            let upgrade_column = ["rearm_", "cancelled_at"]
+            let upgrade_column = ["rearm_", "cancelled_at", "redriven_"]
                 .iter()
                 .any(|c| db.message().contains(c));
             if db.code().as_deref() == Some("42703") && upgrade_column {
@@ -370,6 +383,7 @@ impl Error {
             Error::Encode(_) => "Encode",
             Error::LeaseLost { .. } => "LeaseLost",
             Error::TransactionUnavailable { .. } => "TransactionUnavailable",
+            Error::DeadLetterDisabled => "DeadLetterDisabled",
             Error::Database(_) => "Database",
         }
     }

@@ -60,6 +60,7 @@
 //! | workers and handlers | [`Worker`], [`WorkerBuilder`], [`RunningWorker`], [`ShutdownReport`], [`Context`], [`Outcome`], [`HandlerOptions`], [`RetryStrategy`], [`HandlerTransaction`]; traits, decisions and defaults in [`worker`] |
 //! | storage: claim, fenced completions, renewal, release, reading rows | [`PgStore`]; the [`store::Store`] contract and its types in [`store`] |
 //! | operator actions: pause and resume a queue, run, reschedule or delete a pending row | [`Outbox::pause_queue`], [`Outbox::resume_queue`], [`Outbox::run_now`], [`Outbox::reschedule`], [`Outbox::delete_pending`]; rules and outcomes in [`admin`] |
+//! | dead letters: list, redrive, purge | [`dlq`]; [`Outbox::dead_letters`], [`Outbox::redrive_dead_letters`], [`Outbox::purge_dead_letters`] |
 //! | migrations (online), validation, upgrading an older schema | [`migrate`], [`Outbox::migrate`]; the rest in [`schema`], the guide in [`schema::upgrading`] |
 //! | tests without a database (feature `testing`) | [`testing`] |
 //!
@@ -94,7 +95,8 @@
 //!
 //! - **Dead-letter queue** is off by default ([`OutboxBuilder::dead_letter`]); the table is
 //!   still created by the migrations so it can be turned on without recreating anything.
-//!   Off, a terminal failure deletes the row (or applies its rearm).
+//!   Off, a terminal failure deletes the row (or applies its rearm), and the operations
+//!   of [`dlq`] return [`Error::DeadLetterDisabled`].
 //! - **`Published::Unchanged`** carries no id: reporting it would need a second statement
 //!   on a path that wrote nothing.
 //! - **Cancel outside a transaction** (a bare connection, autocommit) is still safe: each
@@ -141,12 +143,14 @@
 #![warn(unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// Modules from the leaves up: names, telemetry → sql → publish, cancel, admin, read, migrate, validate →
-// outbox (the handle) → timer (the typed layer) → store → worker, testing; `schema` and
-// `message` only gather public items. Each imports only modules before it.
+// Modules from the leaves up: names, telemetry → sql → publish, cancel, admin, read, migrate,
+// validate → `store` itself (the contract's types) → dlq → outbox (the handle) → timer (the
+// typed layer) →
+// the stores (`store::postgres` …) → worker, testing; `schema` and `message` only gather
+// public items. Each imports only modules before it.
 //
 // The public surface: the crate root holds what the quick start types; everything else has
-// exactly one path, in `admin`, `message`, `schema`, `store`, `worker` or `testing`.
+// exactly one path, in `admin`, `message`, `schema`, `store`, `dlq`, `worker` or `testing`.
 mod cancel;
 mod error;
 mod migrate;
@@ -161,6 +165,7 @@ mod timer;
 mod validate;
 
 pub mod admin;
+pub mod dlq;
 pub mod message;
 pub mod schema;
 pub mod store;

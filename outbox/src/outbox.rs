@@ -1,6 +1,6 @@
 //! The [`Outbox`] handle: the configured names, every statement rendered once for them,
 //! and the operations that run on the caller's own connection or pool (publish, cancel,
-//! read, migrate, validate). The modules that do the work take the rendered statements, not
+//! read, dead letters, migrate, validate). The modules that do the work take the rendered statements, not
 //! the handle, so nothing below this file imports it.
 
 use std::sync::{Arc, OnceLock};
@@ -9,11 +9,12 @@ use sqlx::{PgConnection, PgPool};
 
 use crate::admin::{PausedQueue, RowAction};
 use crate::cancel::Cancelled;
+use crate::dlq::{DeadLetterFilter, Redrive, RedriveOutcome};
 use crate::error::Result;
 use crate::migrate::{AppliedMigration, MigrateOptions, MigrationStep};
 use crate::names::{Names, DEFAULT_TABLE};
 use crate::publish::{BatchItem, Message, Published, Schedule};
-use crate::read::StoredRow;
+use crate::read::{DeadLetter, StoredRow};
 use crate::sql::Statements;
 
 /// A configured outbox: which schema, table and dead-letter table to use, with every SQL
@@ -290,6 +291,77 @@ impl Outbox {
     /// As [`Outbox::run_now`].
     pub async fn delete_pending(&self, conn: &mut PgConnection, id: i64) -> Result<RowAction> {
         crate::admin::delete(&self.inner.sql.admin, conn, id).await
+    }
+
+    /// Lists dead letters of `filter` on the caller's connection or transaction, by id
+    /// (the archive order), those with an id above `after` (the cursor: the last id of the
+    /// previous page; `None` for the first), at most `limit`. A plain `SELECT`: no row
+    /// lock, so it never delays a redrive, a purge or a worker. Rules and paging:
+    /// [`crate::dlq`].
+    ///
+    /// # Errors
+    /// [`Error::DeadLetterDisabled`](crate::Error::DeadLetterDisabled) with the dead-letter
+    /// queue off; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a filter
+    /// that breaks a rule of [`DeadLetterFilter`], both before any SQL runs;
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn dead_letters(
+        &self,
+        conn: &mut PgConnection,
+        filter: &DeadLetterFilter,
+        after: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>> {
+        crate::dlq::require_enabled(self.inner.dead_letter)?;
+        crate::dlq::list(&self.inner.sql.dlq, conn, filter, after, limit).await
+    }
+
+    /// Publishes the dead letters `redrive` selects again, each into its original queue with
+    /// its original payload, headers and timer key, fresh counters, due now and the header
+    /// [`REDRIVEN_FROM_HEADER`](crate::dlq::REDRIVEN_FROM_HEADER), and marks each
+    /// (`redriven_at`, `redriven_id`), in **one statement** on the caller's connection or
+    /// transaction (`&mut *tx`): the new rows exist and the dead letters are marked if and
+    /// only if that transaction commits. A row is redriven once, even with two redrives at
+    /// the same time (the second waits for the first's row locks, then reports
+    /// [`RedriveResult::AlreadyRedriven`](crate::dlq::RedriveResult::AlreadyRedriven)). A
+    /// row that cannot be redriven (key held by a live row, headers not a string map or
+    /// over the limit with the new header) gets its own outcome and stays as it was. The
+    /// rules: [`crate::dlq`].
+    ///
+    /// # Errors
+    /// [`Error::DeadLetterDisabled`](crate::Error::DeadLetterDisabled) with the dead-letter
+    /// queue off; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a filter
+    /// that breaks a rule, both before any SQL runs;
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn redrive_dead_letters(
+        &self,
+        conn: &mut PgConnection,
+        redrive: &Redrive,
+    ) -> Result<Vec<RedriveOutcome>> {
+        crate::dlq::require_enabled(self.inner.dead_letter)?;
+        crate::dlq::redrive(&self.inner.sql.dlq, conn, redrive).await
+    }
+
+    /// Deletes the dead letters of `filter`, which must bound their age
+    /// ([`DeadLetterFilter::failed_before`] or [`DeadLetterFilter::older_than`]), oldest
+    /// first, `batch_size` rows per statement, each its own short transaction on a
+    /// connection of `pool`, until a batch deletes fewer than `batch_size`. Rows locked by
+    /// another transaction (a redrive in progress) are skipped, not waited for. Returns how
+    /// many rows it deleted. The rules: [`crate::dlq`].
+    ///
+    /// # Errors
+    /// [`Error::DeadLetterDisabled`](crate::Error::DeadLetterDisabled) with the dead-letter
+    /// queue off; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a filter
+    /// that breaks a rule or has no age bound, or a `batch_size` of 0, both before any SQL
+    /// runs; [`Error::Database`](crate::Error::Database) (the batches before it stay
+    /// deleted).
+    pub async fn purge_dead_letters(
+        &self,
+        pool: &PgPool,
+        filter: &DeadLetterFilter,
+        batch_size: usize,
+    ) -> Result<u64> {
+        crate::dlq::require_enabled(self.inner.dead_letter)?;
+        crate::dlq::purge(&self.inner.sql.dlq, pool, filter, batch_size).await
     }
 
     /// Binds this outbox to a connection or transaction (`&mut *tx`) for the typed

@@ -1,10 +1,10 @@
-//! Reading rows without leasing them (plain `SELECT`s, no row locks): live rows and dead
-//! letters, decoded from the columns `sql::read` selects.
+//! Reading rows without leasing them (plain `SELECT`s, no row locks): live rows, and the
+//! decoding of dead letters (listed by `dlq`), from the columns `sql::read` names.
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
 use sqlx::types::Json;
-use sqlx::{PgConnection, PgExecutor, Row};
+use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
 use crate::error::Result;
@@ -59,8 +59,9 @@ pub struct StoredRow {
 }
 
 /// A row archived in the dead-letter table: the failed run's row as it was, why it failed and
-/// when. There is no foreign key to the queue table: `original_id` names the queue row the
-/// run came from, which is usually gone by now.
+/// when, and whether it was redriven since. There is no foreign key to the queue table:
+/// `original_id` names the queue row the run came from, which is usually gone by now.
+/// Listed, redriven and purged with the operations of [`crate::dlq`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLetter {
     /// The dead-letter row's own id.
@@ -91,6 +92,12 @@ pub struct DeadLetter {
     pub failure_reason: String,
     /// The last error text.
     pub last_error: Option<String>,
+    /// When a redrive re-published this row (the redriving transaction's database time);
+    /// `None` while it was never redriven. A row is redriven at most once.
+    pub redriven_at: Option<DateTime<Utc>>,
+    /// The queue row that redrive created (its id in the queue table; the row itself may
+    /// be gone by now, once it ran).
+    pub redriven_id: Option<i64>,
 }
 
 /// Live rows of `queue` on `conn` ([`crate::Outbox::pending`]).
@@ -108,23 +115,6 @@ pub(crate) async fn pending(
         .fetch_all(conn)
         .await?;
     rows.iter().map(stored_from_row).collect()
-}
-
-/// Dead letters of `queue`, oldest first.
-pub(crate) async fn dead_letters(
-    sql: &sql::read::Read,
-    db: impl PgExecutor<'_>,
-    queue: &str,
-    limit: usize,
-) -> Result<Vec<DeadLetter>> {
-    validate_queue(queue)?;
-    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let rows = sqlx::query(sql.dead_letters.clone())
-        .bind(queue)
-        .bind(limit)
-        .fetch_all(db)
-        .await?;
-    rows.iter().map(dead_letter_from_row).collect()
 }
 
 /// A `headers` column as `(string map, raw JSON text)`: the map when the stored JSON is an
@@ -171,7 +161,7 @@ fn stored_from_row(row: &PgRow) -> Result<StoredRow> {
 }
 
 /// Decodes the columns of `sql::read::DEAD_LETTER_COLUMNS`, in order.
-fn dead_letter_from_row(r: &PgRow) -> Result<DeadLetter> {
+pub(crate) fn dead_letter_from_row(r: &PgRow) -> Result<DeadLetter> {
     let (headers, raw_headers) = headers_lenient(r, 4)?;
     Ok(DeadLetter {
         id: r.try_get(0)?,
@@ -187,5 +177,7 @@ fn dead_letter_from_row(r: &PgRow) -> Result<DeadLetter> {
         failed_at: r.try_get(9)?,
         failure_reason: r.try_get(10)?,
         last_error: r.try_get(11)?,
+        redriven_at: r.try_get(12)?,
+        redriven_id: r.try_get(13)?,
     })
 }

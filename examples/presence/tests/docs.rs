@@ -234,7 +234,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
     );
 
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE {}, {}, {}, {}",
+        "DROP TABLE IF EXISTS {}, {}, {}, {}",
         outbox.table(),
         outbox.dead_letter_table(),
         outbox.migrations_table(),
@@ -268,7 +268,7 @@ async fn not_valid_rearm_check_is_reported_as_not_valid() {
         .unwrap();
     let result = outbox.validate_schema(&pool).await;
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE {}, {}, {}, {}",
+        "DROP TABLE IF EXISTS {}, {}, {}, {}",
         outbox.table(),
         outbox.dead_letter_table(),
         outbox.migrations_table(),

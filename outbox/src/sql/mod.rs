@@ -1,6 +1,7 @@
 //! The text of every statement the runtime sends, rendered once per [`Outbox`] for its
-//! names and executed elsewhere: `publish.rs`, `cancel.rs`, `admin.rs`, `migrate.rs`, `validate.rs`,
-//! `store/postgres.rs` and `store/listen.rs` run what is rendered here.
+//! names and executed elsewhere: `publish.rs`, `cancel.rs`, `admin.rs`, `read.rs`, `dlq.rs`,
+//! `migrate.rs`, `validate.rs`, `store/postgres.rs` and `store/listen.rs` run what is
+//! rendered here.
 //!
 //! This module is a leaf over [`crate::names`]: it renders text and executes nothing. Every
 //! value a statement needs travels as a bind parameter; the only text pasted in is quoted
@@ -23,6 +24,7 @@ pub(crate) mod catalog;
 pub(crate) mod claim;
 pub(crate) mod complete;
 pub(crate) mod ddl;
+pub(crate) mod dlq;
 pub(crate) mod publish;
 pub(crate) mod read;
 
@@ -48,6 +50,7 @@ pub(crate) struct Statements {
     pub complete: complete::Complete,
     pub read: read::Read,
     pub admin: admin::Admin,
+    pub dlq: dlq::Dlq,
     pub ddl: ddl::Ddl,
 }
 
@@ -60,6 +63,7 @@ impl Statements {
             complete: complete::Complete::render(n),
             read: read::Read::render(n),
             admin: admin::Admin::render(n),
+            dlq: dlq::Dlq::render(n),
             ddl: ddl::Ddl::render(n),
         }
     }
@@ -74,6 +78,7 @@ impl Statements {
         out.extend(self.complete.all());
         out.extend(self.read.all());
         out.extend(self.admin.all());
+        out.extend(self.dlq.all());
         out.extend(self.ddl.all());
         out
     }

@@ -1,5 +1,5 @@
-//! Reading rows without leasing them: plain `SELECT`s that take no row lock, so a read
-//! never delays a claim or a completion.
+//! Reading live rows without leasing them: a plain `SELECT` that takes no row lock, so a
+//! read never delays a claim or a completion (dead letters are listed by `sql::dlq`).
 
 use sqlx::SqlStr;
 
@@ -13,41 +13,29 @@ pub(crate) const ROW_COLUMNS: &str = "id, queue, payload, headers, attempts_coun
 
 /// The columns of a dead-letter row, in the order `read.rs` decodes them.
 pub(crate) const DEAD_LETTER_COLUMNS: &str = "id, original_id, queue, payload, headers, \
-     timer_id, attempts_count, deliveries_count, created_at, failed_at, failure_reason, last_error";
+     timer_id, attempts_count, deliveries_count, created_at, failed_at, failure_reason, \
+     last_error, redriven_at, redriven_id";
 
 #[derive(Debug)]
 pub(crate) struct Read {
     /// `$1` queue, `$2` limit: live rows (pending and leased) by deadline, then id.
     pub pending: SqlStr,
-    /// `$1` queue, `$2` limit: dead letters, oldest first.
-    pub dead_letters: SqlStr,
 }
 
 impl Read {
     pub(crate) fn render(n: &Names) -> Self {
         let t = &n.qtable;
-        let d = &n.qdlq;
         let pending = format!(
             r#"
 SELECT {ROW_COLUMNS} FROM {t}
 WHERE queue = $1 ORDER BY next_attempt_at, id LIMIT $2"#
         );
-        // <dlq>_queue_failed_at_idx serves the filter and the order.
-        let dead_letters = format!(
-            r#"
-SELECT {DEAD_LETTER_COLUMNS} FROM {d}
-WHERE queue = $1 ORDER BY failed_at, id LIMIT $2"#
-        );
         Read {
             pending: query(pending),
-            dead_letters: query(dead_letters),
         }
     }
 
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
-        vec![
-            ("read.pending", self.pending.as_str()),
-            ("read.dead_letters", self.dead_letters.as_str()),
-        ]
+        vec![("read.pending", self.pending.as_str())]
     }
 }

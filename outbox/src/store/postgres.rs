@@ -21,6 +21,7 @@ use super::{
     Lease, NextWakeup, Release, Released, Renewal, Store, Wakeup,
 };
 use crate::cancel::Cancelled;
+use crate::dlq::DeadLetterFilter;
 use crate::error::{explain, Error, Result};
 use crate::outbox::Outbox;
 use crate::publish::{interval, micros, validate_queue, Message, Published};
@@ -205,12 +206,24 @@ impl PgStore {
         self.outbox.pending(&mut conn, queue, limit).await
     }
 
-    /// Rows of the dead-letter table for `queue`, oldest first, at most `limit`.
+    /// Dead letters of `filter` with an id above `after`, by id, at most `limit`, read on a
+    /// pool connection: [`Outbox::dead_letters`], which reads on your own connection, has
+    /// the rules ([`crate::dlq`] the paging).
     ///
     /// # Errors
-    /// As [`PgStore::pending`].
-    pub async fn dead_letters(&self, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
-        crate::read::dead_letters(&self.outbox.sql().read, &self.pool, queue, limit).await
+    /// As [`Outbox::dead_letters`].
+    pub async fn dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        after: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>> {
+        crate::dlq::require_enabled(self.outbox.dead_letter_enabled())?;
+        filter.binds()?;
+        let mut conn = self.pool.acquire().await?;
+        self.outbox
+            .dead_letters(&mut conn, filter, after, limit)
+            .await
     }
 
     /// Runs a single-row write on the fenced pool; if it timed out on a row lock, runs it

@@ -24,15 +24,17 @@ use std::future::Future;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use outbox::dlq::{DeadLetterFilter, Redrive, RedriveOutcome};
 use outbox::testing::MemoryStore;
 use outbox::{
     admin::RowAction,
     message::{BatchItem, Schedule},
     store::{DeadLetter, Store, StoredRow},
-    Cancelled, Message, Outbox, PgStore, Published, Publisher, Result, Timer,
+    Cancelled, Error, Message, Outbox, PgStore, Published, Publisher, Result, Timer,
 };
 use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, ConnectOptions, PgPool};
 
 use crate::{database_url, unique_table};
@@ -95,7 +97,10 @@ pub trait Harness: Sized {
     /// Live rows of `queue`: the store's inherent `pending`.
     fn pending(&self, queue: &str, limit: usize) -> impl Future<Output = Result<Vec<StoredRow>>>;
 
-    /// Dead letters of `queue`: the store's inherent `dead_letters`.
+    /// Dead letters of `queue`, by id: the store's inherent `dead_letters` with a queue
+    /// filter. With the dead-letter queue off, that call must refuse
+    /// ([`Error::DeadLetterDisabled`]) and the table must hold no row of `queue` (read
+    /// around the API): then the answer is empty.
     fn dead_letters(
         &self,
         queue: &str,
@@ -108,6 +113,29 @@ pub trait Harness: Sized {
     /// Reschedules (`Some`) or deletes (`None`) pending row `id`: `reschedule` /
     /// `delete_pending`.
     fn act(&self, id: i64, schedule: Option<Schedule>) -> impl Future<Output = Result<RowAction>>;
+    /// Lists dead letters: `Outbox::dead_letters` or `MemoryStore::dead_letters`.
+    fn list_dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        after: Option<i64>,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<DeadLetter>>>;
+
+    /// Redrives: `Outbox::redrive_dead_letters` (on a pool connection, its own
+    /// transaction) or `MemoryStore::redrive_dead_letters`.
+    fn redrive(&self, redrive: &Redrive) -> impl Future<Output = Result<Vec<RedriveOutcome>>>;
+
+    /// Purges: `Outbox::purge_dead_letters` or `MemoryStore::purge_dead_letters`.
+    fn purge_dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        batch_size: usize,
+    ) -> impl Future<Output = Result<u64>>;
+
+    /// Archives `letter` as another writer would (its `id` ignored; the new id returned):
+    /// an `INSERT` of SQL of our own, or `MemoryStore::insert_dead_letter`. The way to a
+    /// dead letter whose headers are not a string map (`raw_headers`).
+    fn insert_dead_letter(&self, letter: DeadLetter) -> impl Future<Output = i64>;
 
     /// Releases what the harness holds (the Postgres schema).
     fn finish(self) -> impl Future<Output = ()>;
@@ -182,7 +210,43 @@ impl Harness for MemHarness {
     }
 
     async fn dead_letters(&self, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
-        self.store.dead_letters(queue, limit)
+        let filter = DeadLetterFilter::new().queue(queue);
+        if self.store.dead_letter_enabled() {
+            return self.store.dead_letters(&filter, None, limit);
+        }
+        refused(self.store.dead_letters(&filter, None, limit));
+        let archived = self.store.dead_letter_rows().into_iter();
+        assert_eq!(
+            archived.filter(|d| d.queue == queue).count(),
+            0,
+            "memory: archived with the dead-letter queue off"
+        );
+        Ok(Vec::new())
+    }
+
+    async fn list_dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        after: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>> {
+        self.store.dead_letters(filter, after, limit)
+    }
+
+    async fn redrive(&self, redrive: &Redrive) -> Result<Vec<RedriveOutcome>> {
+        self.store.redrive_dead_letters(redrive)
+    }
+
+    async fn purge_dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        batch_size: usize,
+    ) -> Result<u64> {
+        self.store.purge_dead_letters(filter, batch_size)
+    }
+
+    async fn insert_dead_letter(&self, letter: DeadLetter) -> i64 {
+        self.store.insert_dead_letter(letter)
     }
 
     async fn pause(&self, queue: &str, on: bool) -> Result<bool> {
@@ -234,6 +298,14 @@ impl PgHarness {
             .execute(&self.pool)
             .await
             .expect("reset");
+    }
+}
+
+/// A dead-letter call on a store with the dead-letter queue off must refuse before any SQL.
+fn refused<T: std::fmt::Debug>(got: Result<T>) {
+    match got {
+        Err(Error::DeadLetterDisabled) => {}
+        other => panic!("expected DeadLetterDisabled, got {other:?}"),
     }
 }
 
@@ -371,7 +443,86 @@ impl Harness for PgHarness {
     }
 
     async fn dead_letters(&self, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
-        self.store.dead_letters(queue, limit).await
+        let filter = DeadLetterFilter::new().queue(queue);
+        if self.store.dead_letter_enabled() {
+            return self.store.dead_letters(&filter, None, limit).await;
+        }
+        refused(self.store.dead_letters(&filter, None, limit).await);
+        let archived: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {} WHERE queue = $1",
+            self.outbox.dead_letter_table()
+        )))
+        .bind(queue)
+        .fetch_one(&self.pool)
+        .await
+        .expect("count dead letters");
+        assert_eq!(
+            archived, 0,
+            "postgres: archived with the dead-letter queue off"
+        );
+        Ok(Vec::new())
+    }
+
+    async fn list_dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        after: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>> {
+        let mut conn = self.pool.acquire().await?;
+        self.outbox
+            .dead_letters(&mut conn, filter, after, limit)
+            .await
+    }
+
+    async fn redrive(&self, redrive: &Redrive) -> Result<Vec<RedriveOutcome>> {
+        let mut conn = self.pool.acquire().await?;
+        self.outbox.redrive_dead_letters(&mut conn, redrive).await
+    }
+
+    async fn purge_dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        batch_size: usize,
+    ) -> Result<u64> {
+        self.outbox
+            .purge_dead_letters(&self.pool, filter, batch_size)
+            .await
+    }
+
+    async fn insert_dead_letter(&self, d: DeadLetter) -> i64 {
+        // Raw headers go in as the JSON they are, so the row holds what a foreign writer
+        // stored.
+        let headers: Option<Json<serde_json::Value>> = match (&d.raw_headers, &d.headers) {
+            (Some(raw), _) => Some(Json(
+                serde_json::from_str(raw).expect("raw headers are JSON"),
+            )),
+            (None, Some(h)) => Some(Json(serde_json::to_value(h).expect("headers encode"))),
+            (None, None) => None,
+        };
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "INSERT INTO {} (original_id, queue, payload, headers, timer_id, attempts_count, \
+               deliveries_count, created_at, failed_at, failure_reason, last_error, \
+               redriven_at, redriven_id) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) RETURNING id",
+            self.outbox.dead_letter_table()
+        )))
+        .bind(d.original_id)
+        .bind(&d.queue)
+        .bind(&d.payload)
+        .bind(headers)
+        .bind(&d.timer_id)
+        .bind(d.attempts_count)
+        .bind(d.deliveries_count)
+        .bind(d.created_at)
+        .bind(d.failed_at)
+        .bind(&d.failure_reason)
+        .bind(&d.last_error)
+        .bind(d.redriven_at)
+        .bind(d.redriven_id)
+        .fetch_one(&self.pool)
+        .await
+        .expect("insert a dead letter")
     }
 
     async fn pause(&self, queue: &str, on: bool) -> Result<bool> {

@@ -11,6 +11,7 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, PgPool, Row};
 use uuid::Uuid;
 
+use outbox::dlq::DeadLetterFilter;
 use outbox::{
     message::OnConflict,
     store::{ClaimRequest, Completion, Lease, Store},
@@ -359,7 +360,11 @@ async fn previous_version_statements_work_on_the_new_schema() {
         .unwrap();
     assert_eq!(locked, 1);
     assert_eq!(f.state(id).await, None);
-    let letters = f.store.dead_letters(QUEUE, 10).await.unwrap();
+    let letters = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue(QUEUE), None, 10)
+        .await
+        .unwrap();
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].original_id, id);
     f.cleanup().await;

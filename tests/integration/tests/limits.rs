@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use outbox::dlq::DeadLetterFilter;
 use outbox::testing::MemoryStore;
 use outbox::{
     message::{BatchItem, Headers, OnConflict, MAX_HEADERS_BYTES, MAX_PAYLOAD_BYTES},
@@ -57,7 +58,9 @@ impl Big for outbox::PgStore {
         self.pending(Q, 100).await.unwrap()
     }
     async fn dead(&self) -> Vec<outbox::store::DeadLetter> {
-        self.dead_letters(Q, 100).await.unwrap()
+        self.dead_letters(&DeadLetterFilter::new().queue(Q), None, 100)
+            .await
+            .unwrap()
     }
     async fn wait_a_second(&self) {
         tokio::time::sleep(Duration::from_millis(1100)).await;
@@ -75,7 +78,8 @@ impl Big for MemoryStore {
         self.pending(Q, 100).unwrap()
     }
     async fn dead(&self) -> Vec<outbox::store::DeadLetter> {
-        self.dead_letters(Q, 100).unwrap()
+        self.dead_letters(&DeadLetterFilter::new().queue(Q), None, 100)
+            .unwrap()
     }
     async fn wait_a_second(&self) {
         self.advance(Duration::from_secs(1));

@@ -5,6 +5,7 @@ use sqlx::AssertSqlSafe;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
+use outbox::dlq::DeadLetterFilter;
 use outbox::{
     message::OnConflict,
     store::{ClaimRequest, Completion, Delivery, Failure, FailureReason, Lease, Store, StoredRow},
@@ -277,7 +278,11 @@ async fn terminal_failure_with_dlq_archives_the_run_and_applies_the_rearm() {
     let row = f.only_row(Q).await;
     assert_pending_timer(&row, t1, b"p1");
     assert_eq!((row.attempts_count, row.deliveries_count), (0, 0));
-    let dlq = f.store.dead_letters(Q, 10).await.unwrap();
+    let dlq = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue(Q), None, 10)
+        .await
+        .unwrap();
     assert_eq!(dlq.len(), 1);
     let a = &dlq[0];
     assert_eq!(a.original_id, d.lease.id);
@@ -317,7 +322,11 @@ async fn terminal_failure_with_dlq_archives_the_run_and_applies_the_rearm() {
         Completion::Deleted
     );
     assert!(f.rows(Q).await.iter().all(|r| r.id != d2.lease.id));
-    let dlq = f.store.dead_letters(Q, 10).await.unwrap();
+    let dlq = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue(Q), None, 10)
+        .await
+        .unwrap();
     assert_eq!(dlq.len(), 2);
     assert_eq!(
         (
@@ -340,7 +349,14 @@ async fn terminal_failure_with_dlq_archives_the_run_and_applies_the_rearm() {
         .await
         .unwrap();
     assert_eq!(lost, Completion::LeaseLost);
-    assert_eq!(f.store.dead_letters(Q, 10).await.unwrap().len(), 2);
+    assert_eq!(
+        f.store
+            .dead_letters(&DeadLetterFilter::new().queue(Q), None, 10)
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
     f.cleanup().await;
 }
 
@@ -365,10 +381,22 @@ async fn terminal_failure_without_dlq_deletes_or_applies_the_rearm() {
         Completion::Rearmed { at: t1 }
     );
     assert_pending_timer(&f.only_row(Q).await, t1, b"p1");
-    assert!(
-        f.store.dead_letters(Q, 10).await.unwrap().is_empty(),
-        "nothing archived when the DLQ is off"
-    );
+    // The dead-letter operations refuse with the DLQ off; the table itself, read around
+    // them, holds nothing.
+    assert!(matches!(
+        f.store
+            .dead_letters(&DeadLetterFilter::new().queue(Q), None, 10)
+            .await,
+        Err(outbox::Error::DeadLetterDisabled)
+    ));
+    let archived: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}",
+        f.outbox.dead_letter_table()
+    )))
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(archived, 0, "nothing archived when the DLQ is off");
     assert_eq!(
         f.store.fail(d.lease, failure).await.unwrap(),
         Completion::LeaseLost
@@ -415,7 +443,12 @@ async fn a_lost_lease_keeps_the_rearm_for_the_new_holder() {
         Completion::LeaseLost
     );
     assert_eq!(f.only_row(Q).await, before, "neither applied nor cleared");
-    assert!(f.store.dead_letters(Q, 10).await.unwrap().is_empty());
+    assert!(f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue(Q), None, 10)
+        .await
+        .unwrap()
+        .is_empty());
 
     assert_eq!(
         f.store.ack(fresh.lease).await.unwrap(),

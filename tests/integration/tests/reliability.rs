@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use outbox::dlq::DeadLetterFilter;
 use outbox::{
     store::{ClaimRequest, Store},
     Context, Error, HandlerOptions, Outbox, PgStore, RetryStrategy, Worker,
@@ -136,7 +137,11 @@ async fn a_row_with_undecodable_headers_is_isolated() {
         vec![1, 1001],
         "the good rows ran, the bad one did not"
     );
-    let dead = f.store.dead_letters("jobs", 10).await.unwrap();
+    let dead = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("jobs"), None, 10)
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].failure_reason, "decode_error");
     assert_eq!(dead[0].payload, br#"{"n":2}"#);
@@ -184,7 +189,11 @@ async fn a_row_whose_lease_raises_is_isolated_and_archived() {
     })
     .await;
     w.shutdown().await;
-    let dead = f.store.dead_letters("jobs", 10).await.unwrap();
+    let dead = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("jobs"), None, 10)
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1, "{dead:#?}");
     assert_eq!(dead[0].failure_reason, "max_deliveries");
     assert!(
@@ -245,7 +254,11 @@ async fn a_bad_rearm_is_isolated() {
     .await;
     w.shutdown().await;
     assert_eq!(runs.sorted(), (0..=10).collect::<Vec<_>>(), "each ran once");
-    let dead = f.store.dead_letters("jobs", 10).await.unwrap();
+    let dead = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("jobs"), None, 10)
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].failure_reason, "decode_error");
     assert_eq!(dead[0].raw_headers.as_deref(), Some(r#""oops""#));
@@ -376,7 +389,11 @@ async fn a_hung_handler_is_stopped_by_its_timeout() {
         20,
         "the other rows kept flowing"
     );
-    let dead = f.store.dead_letters("jobs", 10).await.unwrap();
+    let dead = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("jobs"), None, 10)
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].failure_reason, "timeout");
     assert_eq!(dead[0].attempts_count, 3);
@@ -587,7 +604,12 @@ async fn a_cancel_reaches_the_running_handler() {
     })
     .await;
     w.shutdown().await;
-    assert!(f.store.dead_letters("jobs", 10).await.unwrap().is_empty());
+    assert!(f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("jobs"), None, 10)
+        .await
+        .unwrap()
+        .is_empty());
     f.cleanup().await;
 }
 

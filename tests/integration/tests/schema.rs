@@ -3,6 +3,7 @@
 use sqlx::AssertSqlSafe;
 use std::time::Duration;
 
+use outbox::dlq::DeadLetterFilter;
 use outbox::{
     message::OnConflict,
     schema::SchemaProblem,
@@ -285,7 +286,14 @@ async fn quoted_names_in_a_custom_schema_work_everywhere() {
         store.fail(d.lease, failure).await.unwrap(),
         Completion::Deleted
     );
-    assert_eq!(store.dead_letters("q", 10).await.unwrap().len(), 1);
+    assert_eq!(
+        store
+            .dead_letters(&DeadLetterFilter::new().queue("q"), None, 10)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
     let n = store
         .next_wakeup(ClaimRequest::new(
             &["q".to_owned()],

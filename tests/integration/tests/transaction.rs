@@ -8,6 +8,7 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, Executor, PgPool};
 use tokio::sync::Notify;
 
+use outbox::dlq::DeadLetterFilter;
 use outbox::{
     store::Completion, Cancelled, Context, Error, HandlerOptions, Published, RetryStrategy, Worker,
 };
@@ -364,7 +365,11 @@ async fn a_handler_that_forgets_to_commit_fails_its_run() {
     .await;
     worker.shutdown().await;
     assert!(effects(&f.pool, &table).await.is_empty());
-    let letters = f.store.dead_letters("tx.jobs", 10).await.unwrap();
+    let letters = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("tx.jobs"), None, 10)
+        .await
+        .unwrap();
     assert_eq!(letters.len(), 1);
     assert!(
         letters[0]
@@ -639,7 +644,7 @@ async fn a_renewal_during_the_transaction_does_not_fail_the_commit_under_a_stric
     );
     assert!(f
         .store
-        .dead_letters("tx.jobs", 10)
+        .dead_letters(&DeadLetterFilter::new().queue("tx.jobs"), None, 10)
         .await
         .unwrap()
         .is_empty());

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use outbox::dlq::DeadLetterFilter;
 use outbox::{
     Context, Error, HandlerOptions, Message, Outcome, PgStore, Published, RetryStrategy, Worker,
 };
@@ -484,7 +485,11 @@ async fn outcomes_retries_dead_letters_panics_and_decode_errors() {
     worker.shutdown().await;
     let c = calls.lock().unwrap().clone();
     assert_eq!((c[&1], c[&2], c[&3], c[&4]), (3, 1, 2, 3), "{c:?}");
-    let dlq = f.store.dead_letters("jobs", 10).await.unwrap();
+    let dlq = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("jobs"), None, 10)
+        .await
+        .unwrap();
     let by_reason: HashMap<&str, &outbox::store::DeadLetter> =
         dlq.iter().map(|d| (d.failure_reason.as_str(), d)).collect();
     assert_eq!(dlq.len(), 3, "{dlq:#?}");
@@ -542,7 +547,11 @@ async fn max_deliveries_is_enforced_before_the_handler_runs() {
     .await;
     worker.shutdown().await;
     assert_eq!(runs.load(Ordering::SeqCst), 0);
-    let dlq = f.store.dead_letters("jobs", 10).await.unwrap();
+    let dlq = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("jobs"), None, 10)
+        .await
+        .unwrap();
     assert_eq!(
         (dlq[0].failure_reason.as_str(), dlq[0].deliveries_count),
         ("max_deliveries", 4)

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use outbox::dlq::DeadLetterFilter;
 use outbox::{
     store::{ClaimRequest, Completion, Delivery, Failure, Lease, NextWakeup, Store, Wakeup},
     Context, Message, PgStore, Published, Publisher, Worker,
@@ -335,7 +336,11 @@ async fn a_poison_row_is_isolated() {
         f.rows("jobs").await.is_empty() && f.rows("other").await.is_empty()
     })
     .await;
-    let dlq = f.store.dead_letters("jobs", 10).await.unwrap();
+    let dlq = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("jobs"), None, 10)
+        .await
+        .unwrap();
     assert_eq!(dlq.len(), 1);
     assert_eq!(
         (dlq[0].failure_reason.as_str(), dlq[0].payload.as_slice()),
@@ -537,7 +542,11 @@ async fn a_panic_before_the_future_is_a_failed_run_with_its_message() {
     })
     .await;
     assert_eq!(ok.load(Ordering::SeqCst), 3, "the worker kept going");
-    let dlq = f.store.dead_letters("sync", 10).await.unwrap();
+    let dlq = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("sync"), None, 10)
+        .await
+        .unwrap();
     let errors: Vec<_> = dlq.iter().filter_map(|d| d.last_error.clone()).collect();
     assert_eq!(
         errors,
@@ -699,7 +708,7 @@ async fn public_futures_are_send() {
     let store = PgStore::new(pool.clone(), outbox.clone());
     send(store.claim(ClaimRequest::new(&[], 1, Duration::from_secs(1))));
     send(store.pending("q", 1));
-    send(store.dead_letters("q", 1));
+    send(store.dead_letters(&DeadLetterFilter::new().queue("q"), None, 1));
     send((&store).publish_message(Message::new("q", b"x")));
     send((&store).cancel_timer("q", "k"));
     send((&pool).publish_message(Message::new("q", b"x")));
