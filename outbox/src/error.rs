@@ -62,7 +62,8 @@ pub enum Error {
     },
 
     /// The queue table predates a schema upgrade this version needs: a rearm column or the
-    /// cancel mark `cancelled_at` is missing (Postgres reported SQLSTATE 42703,
+    /// cancel mark `cancelled_at` is missing, or the dead-letter table's `redriven_at` (read
+    /// by the statistics) is (Postgres reported SQLSTATE 42703,
     /// `undefined_column`). Run [`crate::migrate`] (or apply the statements of
     /// `migration_steps()` with your own migration tool) before deploying this version.
     #[error("the outbox table lacks a column this version needs ({detail}); run the schema upgrade first (`outbox::migrate`), see {UPGRADE_GUIDE}")]
@@ -310,9 +311,10 @@ impl fmt::Debug for Fields<'_> {
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
         // SQLSTATE 42703 undefined_column: the only columns this version reads that an
-        // older deployment lacks are the rearm columns and the cancel mark (SPEC §1.3).
+        // older deployment lacks are the rearm columns and the cancel mark (SPEC §1.3), and
+        // the dead-letter table's redrive link (read by the statistics).
         if let sqlx::Error::Database(db) = &e {
-            let upgrade_column = ["rearm_", "cancelled_at"]
+            let upgrade_column = ["rearm_", "cancelled_at", "redriven_"]
                 .iter()
                 .any(|c| db.message().contains(c));
             if db.code().as_deref() == Some("42703") && upgrade_column {

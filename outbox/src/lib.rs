@@ -59,6 +59,7 @@
 //! | the typed layer | [`timer`] (the attribute), [`Timer`], [`Publisher`]; the functions it wraps in [`message`] |
 //! | workers and handlers | [`Worker`], [`WorkerBuilder`], [`RunningWorker`], [`ShutdownReport`], [`Context`], [`Outcome`], [`HandlerOptions`], [`RetryStrategy`], [`HandlerTransaction`]; traits, decisions and defaults in [`worker`] |
 //! | storage: claim, fenced completions, renewal, release, reading rows | [`PgStore`]; the [`store::Store`] contract and its types in [`store`] |
+//! | queue statistics: depth, lateness, leases, dead letters | [`Outbox::stats`]; requests, figures and modes in [`stats`] |
 //! | migrations (online), validation, upgrading an older schema | [`migrate`], [`Outbox::migrate`]; the rest in [`schema`], the guide in [`schema::upgrading`] |
 //! | tests without a database (feature `testing`) | [`testing`] |
 //!
@@ -140,12 +141,12 @@
 #![warn(unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// Modules from the leaves up: names, telemetry → sql → publish, cancel, read, migrate, validate →
+// Modules from the leaves up: names, telemetry → sql → publish, cancel, read, stats, migrate, validate →
 // outbox (the handle) → timer (the typed layer) → store → worker, testing; `schema` and
 // `message` only gather public items. Each imports only modules before it.
 //
 // The public surface: the crate root holds what the quick start types; everything else has
-// exactly one path, in `message`, `schema`, `store`, `worker` or `testing`.
+// exactly one path, in `message`, `schema`, `stats`, `store`, `worker` or `testing`.
 mod cancel;
 mod error;
 mod migrate;
@@ -161,6 +162,7 @@ mod validate;
 
 pub mod message;
 pub mod schema;
+pub mod stats;
 pub mod store;
 #[cfg(any(test, feature = "testing"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]

@@ -1,6 +1,6 @@
 //! The text of every statement the runtime sends, rendered once per [`Outbox`] for its
 //! names and executed elsewhere: `publish.rs`, `cancel.rs`, `migrate.rs`, `validate.rs`,
-//! `store/postgres.rs` and `store/listen.rs` run what is rendered here.
+//! `stats.rs`, `store/postgres.rs` and `store/listen.rs` run what is rendered here.
 //!
 //! This module is a leaf over [`crate::names`]: it renders text and executes nothing. Every
 //! value a statement needs travels as a bind parameter; the only text pasted in is quoted
@@ -24,6 +24,7 @@ pub(crate) mod complete;
 pub(crate) mod ddl;
 pub(crate) mod publish;
 pub(crate) mod read;
+pub(crate) mod stats;
 
 /// The one place rendered text becomes an executable statement (sqlx 0.9 refuses a
 /// `String` that was not asserted safe). Safe: the text holds only our own SQL and
@@ -46,6 +47,7 @@ pub(crate) struct Statements {
     pub claim: claim::Claim,
     pub complete: complete::Complete,
     pub read: read::Read,
+    pub stats: stats::Stats,
     pub ddl: ddl::Ddl,
 }
 
@@ -57,6 +59,7 @@ impl Statements {
             claim: claim::Claim::render(n),
             complete: complete::Complete::render(n),
             read: read::Read::render(n),
+            stats: stats::Stats::render(n),
             ddl: ddl::Ddl::render(n),
         }
     }
@@ -70,6 +73,7 @@ impl Statements {
         out.extend(self.claim.all());
         out.extend(self.complete.all());
         out.extend(self.read.all());
+        out.extend(self.stats.all());
         out.extend(self.ddl.all());
         out
     }

@@ -26,6 +26,7 @@ use crate::outbox::Outbox;
 use crate::publish::{interval, micros, validate_queue, Message, Published};
 use crate::read::{DeadLetter, StoredRow};
 use crate::sql::complete::Complete;
+use crate::stats::{QueueStats, StatsRequest};
 use crate::timer::{cancel_in_own_transaction, publish_autocommit, Publisher};
 
 /// The `lock_timeout` of the store's own pool, for completions, lease renewal and release:
@@ -211,6 +212,17 @@ impl PgStore {
     /// As [`PgStore::pending`].
     pub async fn dead_letters(&self, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
         crate::read::dead_letters(&self.outbox.sql().read, &self.pool, queue, limit).await
+    }
+
+    /// The queue statistics of [`Outbox::stats`], read on a connection of the pool (one
+    /// statement, no row lock).
+    ///
+    /// # Errors
+    /// As [`Outbox::stats`].
+    pub async fn stats(&self, request: &StatsRequest) -> Result<Vec<QueueStats>> {
+        request.validate()?;
+        let mut conn = self.pool.acquire().await?;
+        self.outbox.stats(&mut conn, request).await
     }
 
     /// Runs a single-row write on the fenced pool; if it timed out on a row lock, runs it
@@ -641,6 +653,11 @@ impl Store for PgStore {
             server,
             table_option: table,
         }))
+    }
+
+    /// [`PgStore::stats`], on a connection of the pool.
+    async fn queue_stats(&self, request: &StatsRequest) -> Result<Option<Vec<QueueStats>>> {
+        self.stats(request).await.map(Some)
     }
 
     /// The pool's `max_connections` (the store's own pool has the same size).
