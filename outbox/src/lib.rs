@@ -135,6 +135,10 @@
 //!   `max_deliveries` such failures deleted (archived with reason `max_deliveries`).
 //! - **Shutdown** gives back rows claimed but not started at once, rather than running
 //!   them, and returns within `graceful_timeout` + [`worker::SHUTDOWN_GRACE`] (250 ms).
+//! - **Queue statistics** count dead letters only when the dead-letter queue is on, and only
+//!   those not redriven; the opt-in queue-depth gauge reads them once per process (one
+//!   worker reads, another takes over when it stops), at least 15 s apart, with the reading
+//!   worker's `lease_ttl` ([`stats`]).
 //! - **A failed run of a cancelled timer** reports [`store::Completion::Cancelled`] (its row
 //!   is deleted); a successful one reports [`store::Completion::Deleted`] as usual.
 #![deny(missing_docs)]

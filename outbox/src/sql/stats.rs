@@ -222,7 +222,10 @@ impl Stats {
             ("stats.exact", self.exact.as_str()),
             ("stats.exact_queues", self.exact_queues.as_str()),
             ("stats.exact_no_dlq", self.exact_no_dlq.as_str()),
-            ("stats.exact_queues_no_dlq", self.exact_queues_no_dlq.as_str()),
+            (
+                "stats.exact_queues_no_dlq",
+                self.exact_queues_no_dlq.as_str(),
+            ),
             ("stats.estimate", self.estimate.as_str()),
             ("stats.estimate_queues", self.estimate_queues.as_str()),
         ]

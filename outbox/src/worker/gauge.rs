@@ -58,7 +58,11 @@ impl Drop for Slot {
 /// Reads the statistics of every queue every `every` (the first read at once) while this
 /// loop holds the poller slot, judging lease expiry by the worker's `lease_ttl`. Runs until
 /// its task is aborted, or until the store turns out to have no statistics.
-pub(crate) async fn queue_depth<S: Store>(shared: Arc<Shared<S>>, every: Duration, mode: StatsMode) {
+pub(crate) async fn queue_depth<S: Store>(
+    shared: Arc<Shared<S>>,
+    every: Duration,
+    mode: StatsMode,
+) {
     let slot = Slot::new();
     let request = StatsRequest::new(shared.config.lease_ttl).mode(mode);
     let mut tick = tokio::time::interval(every);
@@ -71,7 +75,9 @@ pub(crate) async fn queue_depth<S: Store>(shared: Arc<Shared<S>>, every: Duratio
         match shared.store.queue_stats(&request).await {
             Ok(Some(stats)) => report(&stats),
             Ok(None) => {
-                tracing::warn!("outbox: the store has no queue statistics; the queue-depth gauge is off");
+                tracing::warn!(
+                    "outbox: the store has no queue statistics; the queue-depth gauge is off"
+                );
                 return;
             }
             Err(e) => tracing::warn!(

@@ -12,11 +12,11 @@ use chrono::{DateTime, TimeDelta, Utc};
 use outbox::store::MAX_LAST_ERROR_BYTES;
 use outbox::{
     message::{BatchItem, Headers, OnConflict, Schedule},
+    stats::{Count, QueueStats, StatsMode, StatsRequest},
     store::{
         ClaimRequest, Completion, DeadLetter, Delivery, Failure, FailureReason, Lease, Release,
         Released, Renewal, Store, StoredRow, Wakeup,
     },
-    stats::{Count, QueueStats, StatsMode, StatsRequest},
     Cancelled, Error, Message, Published,
 };
 use outbox_tests::contract::{start, Harness, MemHarness, PgHarness};
@@ -2088,7 +2088,9 @@ async fn stats_reject_bad_requests<H: Harness>(h: &H) {
         (ok.clone().queues(["a\0b"]), "queue"),
         (ok.clone().queues(["q".repeat(256)]), "queue"),
         (
-            ok.clone().mode(StatsMode::Estimate).queues(["q".repeat(256)]),
+            ok.clone()
+                .mode(StatsMode::Estimate)
+                .queues(["q".repeat(256)]),
             "queue",
         ),
     ];

@@ -125,7 +125,10 @@ async fn the_gauge_reports_every_queue_of_the_table_from_the_first_read() {
     ] {
         let (_, u, description) = &g[&name];
         assert_eq!(*u, Some(unit), "{name}");
-        assert!(description.as_ref().is_some_and(|d| !d.is_empty()), "{name}");
+        assert!(
+            description.as_ref().is_some_and(|d| !d.is_empty()),
+            "{name}"
+        );
     }
     f.cleanup().await;
 }
@@ -175,19 +178,33 @@ struct Counting {
 }
 
 impl Store for Counting {
-    fn claim(&self, r: ClaimRequest<'_>) -> impl Future<Output = outbox::Result<Vec<Delivery>>> + Send {
+    fn claim(
+        &self,
+        r: ClaimRequest<'_>,
+    ) -> impl Future<Output = outbox::Result<Vec<Delivery>>> + Send {
         self.inner.claim(r)
     }
     fn ack(&self, l: Lease) -> impl Future<Output = outbox::Result<Completion>> + Send {
         self.inner.ack(l)
     }
-    fn ack_batch(&self, l: &[Lease]) -> impl Future<Output = outbox::Result<Vec<Completion>>> + Send {
+    fn ack_batch(
+        &self,
+        l: &[Lease],
+    ) -> impl Future<Output = outbox::Result<Vec<Completion>>> + Send {
         self.inner.ack_batch(l)
     }
-    fn retry(&self, l: Lease, d: Duration) -> impl Future<Output = outbox::Result<Completion>> + Send {
+    fn retry(
+        &self,
+        l: Lease,
+        d: Duration,
+    ) -> impl Future<Output = outbox::Result<Completion>> + Send {
         self.inner.retry(l, d)
     }
-    fn fail(&self, l: Lease, f: Failure<'_>) -> impl Future<Output = outbox::Result<Completion>> + Send {
+    fn fail(
+        &self,
+        l: Lease,
+        f: Failure<'_>,
+    ) -> impl Future<Output = outbox::Result<Completion>> + Send {
         self.inner.fail(l, f)
     }
     fn renew(&self, l: &[Lease]) -> impl Future<Output = outbox::Result<Vec<Renewal>>> + Send {
@@ -204,15 +221,22 @@ impl Store for Counting {
     ) -> impl Future<Output = outbox::Result<Completion>> + Send {
         self.inner.fail_unclaimed(id, ttl, f)
     }
-    fn next_wakeup(&self, r: ClaimRequest<'_>) -> impl Future<Output = outbox::Result<NextWakeup>> + Send {
+    fn next_wakeup(
+        &self,
+        r: ClaimRequest<'_>,
+    ) -> impl Future<Output = outbox::Result<NextWakeup>> + Send {
         self.inner.next_wakeup(r)
     }
-    fn peek(&self, r: ClaimRequest<'_>) -> impl Future<Output = outbox::Result<Vec<(i64, String)>>> + Send {
+    fn peek(
+        &self,
+        r: ClaimRequest<'_>,
+    ) -> impl Future<Output = outbox::Result<Vec<(i64, String)>>> + Send {
         self.inner.peek(r)
     }
     fn wakeups(
         &self,
-    ) -> impl Future<Output = outbox::Result<Option<tokio::sync::mpsc::Receiver<Wakeup>>>> + Send {
+    ) -> impl Future<Output = outbox::Result<Option<tokio::sync::mpsc::Receiver<Wakeup>>>> + Send
+    {
         self.inner.wakeups()
     }
     fn now(&self) -> impl Future<Output = outbox::Result<DateTime<Utc>>> + Send {

@@ -90,7 +90,10 @@ async fn exact_counts_of_every_state_on_the_database_clock() {
         (a.pending, a.due, a.leased, a.expired_leases),
         (e(3), e(2), e(3), e(2))
     );
-    assert_eq!((a.rearms, a.cancel_marks, a.dead_letters), (e(1), e(1), e(1)));
+    assert_eq!(
+        (a.rearms, a.cancel_marks, a.dead_letters),
+        (e(1), e(1), e(1))
+    );
     late_by(a.oldest_due_lateness, 10);
     let b = of(&all, "b");
     assert_eq!(
@@ -351,10 +354,7 @@ async fn bad_requests_are_rejected_before_any_sql() {
     let ok = StatsRequest::new(TTL);
     for (request, field) in [
         (StatsRequest::new(Duration::ZERO), "lease_ttl"),
-        (
-            ok.clone().lease_ttl_for("a", Duration::ZERO),
-            "lease_ttl",
-        ),
+        (ok.clone().lease_ttl_for("a", Duration::ZERO), "lease_ttl"),
         (ok.clone().queues([""]), "queue"),
         (
             ok.clone().mode(StatsMode::Estimate).queues(["x\0y"]),

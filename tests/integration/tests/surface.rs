@@ -97,7 +97,7 @@ fn the_crate_root_holds_the_quick_start_names_and_the_modules() {
     assert_eq!(
         exported, want,
         "the crate root's `pub use` names changed: a new name belongs in `message`, `schema`, \
-         `store`, `worker` or `testing` unless the quick start types it"
+         `stats`, `store`, `worker` or `testing` unless the quick start types it"
     );
     let modules: BTreeSet<&str> = lib
         .lines()
@@ -110,6 +110,7 @@ fn the_crate_root_holds_the_quick_start_names_and_the_modules() {
             "__private",
             "message",
             "schema",
+            "stats",
             "store",
             "testing",
             "worker"
