@@ -61,6 +61,7 @@
 //! | storage: claim, fenced completions, renewal, release, reading rows | [`PgStore`]; the [`store::Store`] contract and its types in [`store`] |
 //! | operator actions: pause and resume a queue, run, reschedule or delete a pending row | [`Outbox::pause_queue`], [`Outbox::resume_queue`], [`Outbox::run_now`], [`Outbox::reschedule`], [`Outbox::delete_pending`]; rules and outcomes in [`admin`] |
 //! | dead letters: list, redrive, purge | [`dlq`]; [`Outbox::dead_letters`], [`Outbox::redrive_dead_letters`], [`Outbox::purge_dead_letters`] |
+//! | queue statistics: depth, lateness, leases, dead letters | [`Outbox::stats`]; requests, figures and modes in [`stats`] |
 //! | migrations (online), validation, upgrading an older schema | [`migrate`], [`Outbox::migrate`]; the rest in [`schema`], the guide in [`schema::upgrading`] |
 //! | tests without a database (feature `testing`) | [`testing`] |
 //!
@@ -137,20 +138,24 @@
 //!   `max_deliveries` such failures deleted (archived with reason `max_deliveries`).
 //! - **Shutdown** gives back rows claimed but not started at once, rather than running
 //!   them, and returns within `graceful_timeout` + [`worker::SHUTDOWN_GRACE`] (250 ms).
+//! - **Queue statistics** count dead letters only when the dead-letter queue is on, and only
+//!   those not redriven; the opt-in queue-depth gauge reads them once per process (one
+//!   worker reads, another takes over when it stops), at least 15 s apart, with the reading
+//!   worker's `lease_ttl` ([`stats`]).
 //! - **A failed run of a cancelled timer** reports [`store::Completion::Cancelled`] (its row
 //!   is deleted); a successful one reports [`store::Completion::Deleted`] as usual.
 #![deny(missing_docs)]
 #![warn(unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// Modules from the leaves up: names, telemetry → sql → publish, cancel, admin, read, migrate,
-// validate → `store` itself (the contract's types) → dlq → outbox (the handle) → timer (the
-// typed layer) →
-// the stores (`store::postgres` …) → worker, testing; `schema` and `message` only gather
+// Modules from the leaves up: names, telemetry → sql → publish, cancel, admin, read, stats,
+// migrate, validate → `store` itself (the contract's types) → dlq → outbox (the handle) →
+// timer (the typed layer) → the stores (`store::postgres` …) → worker, testing; `schema` and `message` only gather
 // public items. Each imports only modules before it.
 //
 // The public surface: the crate root holds what the quick start types; everything else has
-// exactly one path, in `admin`, `message`, `schema`, `store`, `dlq`, `worker` or `testing`.
+// exactly one path, in `admin`, `dlq`, `message`, `schema`, `stats`, `store`, `worker` or
+// `testing`.
 mod cancel;
 mod error;
 mod migrate;
@@ -168,6 +173,7 @@ pub mod admin;
 pub mod dlq;
 pub mod message;
 pub mod schema;
+pub mod stats;
 pub mod store;
 #[cfg(any(test, feature = "testing"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]

@@ -16,6 +16,7 @@ use crate::names::{Names, DEFAULT_TABLE};
 use crate::publish::{BatchItem, Message, Published, Schedule};
 use crate::read::{DeadLetter, StoredRow};
 use crate::sql::Statements;
+use crate::stats::{QueueStats, StatsRequest};
 
 /// A configured outbox: which schema, table and dead-letter table to use, with every SQL
 /// statement rendered once for those names.
@@ -362,6 +363,28 @@ impl Outbox {
     ) -> Result<u64> {
         crate::dlq::require_enabled(self.inner.dead_letter)?;
         crate::dlq::purge(&self.inner.sql.dlq, pool, filter, batch_size).await
+    }
+
+    /// Reads how deep and how late each queue is, on the caller's connection, in **one
+    /// statement** that takes no row lock: pending, due, leased and expired-lease rows, the
+    /// oldest due row's lateness, queued rearms, cancel marks and dead letters, per queue,
+    /// sorted by queue name. All time comparisons use the database clock (`now()`). Exact
+    /// counts cost O(rows); [`StatsMode::Estimate`](crate::stats::StatsMode::Estimate)
+    /// reads the planner's statistics instead. The [`stats`](crate::stats) module says
+    /// what each figure counts, in each mode, and what it costs.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad queue name or a
+    /// zero lease TTL, before any SQL runs;
+    /// [`Error::UpgradeRequired`](crate::Error::UpgradeRequired) when the dead-letter
+    /// queue is on and its table lacks `redriven_at` (run [`Outbox::migrate`]);
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn stats(
+        &self,
+        conn: &mut PgConnection,
+        request: &StatsRequest,
+    ) -> Result<Vec<QueueStats>> {
+        crate::stats::read(&self.inner.sql.stats, self.inner.dead_letter, conn, request).await
     }
 
     /// Binds this outbox to a connection or transaction (`&mut *tx`) for the typed

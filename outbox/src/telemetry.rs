@@ -5,7 +5,7 @@
 
 use std::sync::Once;
 
-use metrics::{describe_counter, describe_histogram, Unit};
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 
 /// Describes every metric to the recorder installed now (once per process: a recorder
 /// installed later gets the values but not the descriptions).
@@ -90,6 +90,20 @@ pub(crate) fn describe() {
             "outbox_claim_batch_size",
             Unit::Count,
             "Rows returned by each claim statement"
+        );
+        describe_gauge!(
+            "outbox_queue_depth",
+            Unit::Count,
+            "Rows of each queue by state (pending, due, leased, expired_leases, rearms, \
+             cancel_marks, dead_letters), from the queue statistics the opt-in queue-depth \
+             gauge reads once per process every interval (estimates in estimate mode); every \
+             process reports the same figures, so aggregate with max"
+        );
+        describe_gauge!(
+            "outbox_queue_oldest_due_lateness_seconds",
+            Unit::Seconds,
+            "How long the oldest due row of each queue has waited (0 when none is due), from \
+             the statistics of the opt-in queue-depth gauge"
         );
     });
 }

@@ -10,6 +10,7 @@
 //! cargo run --release -p outbox-bench -- run --scale --json scale.jsonl   # growth curves
 //! cargo run --release -p outbox-bench -- run --soak 3 --json soak.jsonl   # soak, 3 minutes
 //! cargo run --release -p outbox-bench -- plot --scale scale.jsonl --soak soak.jsonl
+//! cargo run --release -p outbox-bench -- stats --rows 1000000   # the cost of Outbox::stats
 //! ```
 //!
 //! Without `--dsn` the harness starts a throwaway Postgres cluster with
@@ -29,6 +30,7 @@ mod report;
 mod scale;
 mod scenarios;
 mod soak;
+mod stats;
 
 use sqlx::AssertSqlSafe;
 use std::path::PathBuf;
@@ -72,6 +74,9 @@ enum TopCmd {
     /// A worker process of `processes` (started by it).
     #[command(hide = true)]
     ProcessWorker(processes::ChildArgs),
+    /// The cost of the queue statistics (`Outbox::stats`, exact and estimate) at 10⁶ rows,
+    /// in a database of its own created and dropped on `--server`.
+    Stats(stats::StatsArgs),
 }
 
 struct Cli {
@@ -186,6 +191,7 @@ async fn main() -> ExitCode {
             TopCmd::Plot(a) => plot::run(&a).map(|()| ExitCode::SUCCESS),
             TopCmd::Processes(a) => processes::run(&a).await,
             TopCmd::ProcessWorker(a) => processes::child(&a).await,
+            TopCmd::Stats(a) => stats::run(&a).await,
         }
     };
     let result = tokio::select! {

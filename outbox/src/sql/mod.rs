@@ -1,6 +1,6 @@
 //! The text of every statement the runtime sends, rendered once per [`Outbox`] for its
 //! names and executed elsewhere: `publish.rs`, `cancel.rs`, `admin.rs`, `read.rs`, `dlq.rs`,
-//! `migrate.rs`, `validate.rs`, `store/postgres.rs` and `store/listen.rs` run what is
+//! `stats.rs`, `migrate.rs`, `validate.rs`, `store/postgres.rs` and `store/listen.rs` run what is
 //! rendered here.
 //!
 //! This module is a leaf over [`crate::names`]: it renders text and executes nothing. Every
@@ -27,6 +27,7 @@ pub(crate) mod ddl;
 pub(crate) mod dlq;
 pub(crate) mod publish;
 pub(crate) mod read;
+pub(crate) mod stats;
 
 /// The one place rendered text becomes an executable statement (sqlx 0.9 refuses a
 /// `String` that was not asserted safe). Safe: the text holds only our own SQL and
@@ -51,6 +52,7 @@ pub(crate) struct Statements {
     pub read: read::Read,
     pub admin: admin::Admin,
     pub dlq: dlq::Dlq,
+    pub stats: stats::Stats,
     pub ddl: ddl::Ddl,
 }
 
@@ -64,6 +66,7 @@ impl Statements {
             read: read::Read::render(n),
             admin: admin::Admin::render(n),
             dlq: dlq::Dlq::render(n),
+            stats: stats::Stats::render(n),
             ddl: ddl::Ddl::render(n),
         }
     }
@@ -79,6 +82,7 @@ impl Statements {
         out.extend(self.read.all());
         out.extend(self.admin.all());
         out.extend(self.dlq.all());
+        out.extend(self.stats.all());
         out.extend(self.ddl.all());
         out
     }

@@ -13,6 +13,7 @@
 //! | completing | [`Store::ack`], [`Store::ack_batch`], [`Store::retry`], [`Store::fail`] | every write matches the row id **and** the lease token; a queued rearm is applied by the same write |
 //! | waking up | [`Store::next_wakeup`], [`Store::wakeups`] | sleep until the earliest deadline or a notification, never poll in a loop |
 //! | clock and settings | [`Store::now`], [`Store::dead_letter_enabled`], [`Store::autovacuum_off`] | deadlines and lease ages come from the store's clock |
+//! | statistics | [`Store::queue_stats`] | what the opt-in queue-depth gauge reports; optional (`None` by default) |
 //!
 //! Everything else lives outside the trait, so a store is small to implement and the worker
 //! cannot reach what it should not:
@@ -46,6 +47,7 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 use crate::publish::{Headers, MAX_DELAY};
+use crate::stats::{QueueStats, StatsRequest};
 
 pub(crate) mod listen;
 pub(crate) mod postgres;
@@ -591,6 +593,20 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// the store has no such thing (the in-memory store). A queue table that does not exist
     /// is [`Error::NotMigrated`] (the worker logs it at start, as an error).
     fn autovacuum_off(&self) -> impl Future<Output = Result<Option<AutovacuumOff>>> + Send {
+        async { Ok(None) }
+    }
+
+    /// The statistics of the queues `request` names (every queue without a list), as
+    /// [`Outbox::stats`](crate::Outbox::stats) reads them: what the worker's opt-in
+    /// queue-depth gauge
+    /// ([`WorkerBuilder::queue_depth_gauge`](crate::WorkerBuilder::queue_depth_gauge))
+    /// reports. `None` (the default) when the store has no statistics; the gauge then logs
+    /// that once and stops.
+    fn queue_stats(
+        &self,
+        request: &StatsRequest,
+    ) -> impl Future<Output = Result<Option<Vec<QueueStats>>>> + Send {
+        let _ = request;
         async { Ok(None) }
     }
 

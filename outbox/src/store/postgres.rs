@@ -27,6 +27,7 @@ use crate::outbox::Outbox;
 use crate::publish::{interval, micros, validate_queue, Message, Published};
 use crate::read::{DeadLetter, StoredRow};
 use crate::sql::complete::Complete;
+use crate::stats::{QueueStats, StatsRequest};
 use crate::timer::{cancel_in_own_transaction, publish_autocommit, Publisher};
 
 /// The `lock_timeout` of the store's own pool, for completions, lease renewal and release:
@@ -48,7 +49,7 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 ///
 /// | for | from | at most |
 /// |---|---|---|
-/// | claims, wake-up reads; handlers' own transactions ([`Context::begin`](crate::Context::begin)); a completion that must wait for a row lock | the pool you give | 1 + one per handler slot (its transaction while it runs, or its completion after) |
+/// | claims, wake-up reads; handlers' own transactions ([`Context::begin`](crate::Context::begin)); a completion that must wait for a row lock; the queue-depth gauge's read of the statistics, when on | the pool you give | 1 + one per handler slot (its transaction while it runs, or its completion after), + 1 with the queue-depth gauge |
 /// | completions, lease renewal, release at shutdown | a second pool the store opens on first use, with your pool's connect options (not its `after_connect` hooks: put session settings such as `synchronous_commit` in the connect options) and size, plus `lock_timeout = 200ms` | `concurrency + 2` |
 /// | `LISTEN` for wake-ups | a connection of its own, outside both pools | 1 |
 ///
@@ -61,9 +62,9 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 /// the lock (holding no other): that is how a completion orders itself after an extend that
 /// holds the row. The timeout is never set on your pool's connections, which handlers use.
 ///
-/// So give a worker a pool of its own of at least `concurrency + 2` connections (the
-/// worker's `build()` checks it), and count on up to twice that many server connections,
-/// plus one, per worker. Two settings of that pool are worth knowing:
+/// So give a worker a pool of its own of at least `concurrency + 2` connections
+/// (`concurrency + 3` with the queue-depth gauge; the worker's `build()` checks it), and
+/// count on up to twice that many server connections, plus one, per worker. Two settings of that pool are worth knowing:
 ///
 /// - `PgPoolOptions::test_before_acquire(false)` saves a round trip per statement: sqlx
 ///   otherwise pings every connection it checks out. The worker does not need the ping: a
@@ -224,6 +225,17 @@ impl PgStore {
         self.outbox
             .dead_letters(&mut conn, filter, after, limit)
             .await
+    }
+
+    /// The queue statistics of [`Outbox::stats`], read on a connection of the pool (one
+    /// statement, no row lock).
+    ///
+    /// # Errors
+    /// As [`Outbox::stats`].
+    pub async fn stats(&self, request: &StatsRequest) -> Result<Vec<QueueStats>> {
+        request.validate()?;
+        let mut conn = self.pool.acquire().await?;
+        self.outbox.stats(&mut conn, request).await
     }
 
     /// Runs a single-row write on the fenced pool; if it timed out on a row lock, runs it
@@ -654,6 +666,11 @@ impl Store for PgStore {
             server,
             table_option: table,
         }))
+    }
+
+    /// [`PgStore::stats`], on a connection of the pool.
+    async fn queue_stats(&self, request: &StatsRequest) -> Result<Option<Vec<QueueStats>>> {
+        self.stats(request).await.map(Some)
     }
 
     /// The pool's `max_connections` (the store's own pool has the same size).

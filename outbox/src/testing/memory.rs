@@ -23,6 +23,7 @@ use crate::publish::{
     OnConflict, Published, Resolved, Schedule,
 };
 use crate::read::{DeadLetter, StoredRow};
+use crate::stats::{complete, lateness, Count, QueueStats, StatsMode, StatsRequest};
 use crate::store::{
     clean_error_text, ClaimRequest, Completion, Delivery, Failure, Lease, NextWakeup, Release,
     Released, Renewal, Store, Wakeup,
@@ -945,6 +946,85 @@ impl State {
         Ok(deleted)
     }
 
+    /// `sql::stats`' exact statement: unleased rows (due when their deadline has passed),
+    /// leased rows (expired when `acquired_at < now - ttl`, the queue's own TTL where the
+    /// request gives one), rearms and cancel marks, and dead letters when the dead-letter
+    /// queue is on. Exact in either mode: there are no planner statistics to read.
+    fn stats(&self, request: &StatsRequest) -> Result<Vec<QueueStats>> {
+        request.validate()?;
+        let list = request.queue_list();
+        if list.is_some_and(<[String]>::is_empty) {
+            return Ok(Vec::new());
+        }
+        let wanted = |q: &str| list.is_none_or(|l| l.iter().any(|x| x == q));
+        #[derive(Default)]
+        struct Acc {
+            pending: u64,
+            due: u64,
+            earliest: Option<DateTime<Utc>>,
+            leased: u64,
+            expired: u64,
+            rearms: u64,
+            cancel_marks: u64,
+            dead: u64,
+        }
+        let mut by: BTreeMap<&str, Acc> = BTreeMap::new();
+        for r in self.rows.values().filter(|r| wanted(&r.queue)) {
+            let acc = by.entry(&r.queue).or_default();
+            match r.acquired_at.filter(|_| r.acquired_token.is_some()) {
+                None => {
+                    acc.pending += 1;
+                    acc.due += u64::from(r.next_attempt_at <= self.now);
+                    acc.earliest = Some(
+                        acc.earliest
+                            .map_or(r.next_attempt_at, |e| e.min(r.next_attempt_at)),
+                    );
+                }
+                Some(acquired_at) => {
+                    let ttl = micros(request.lease_ttl_of(&r.queue))?;
+                    let cutoff = plus(self.now, -ttl, "lease_ttl")?;
+                    acc.leased += 1;
+                    acc.expired += u64::from(acquired_at < cutoff);
+                    acc.rearms += u64::from(r.rearm_at.is_some());
+                    acc.cancel_marks += u64::from(r.cancelled_at.is_some());
+                }
+            }
+        }
+        if self.dead_letter {
+            // Every archived row counts: this store has no redrive, so none is redriven.
+            // Dead letters not redriven, as `redriven_at IS NULL` in the statement.
+            for d in self
+                .dlq
+                .iter()
+                .filter(|d| wanted(&d.queue) && d.redriven_at.is_none())
+            {
+                by.entry(&d.queue).or_default().dead += 1;
+            }
+        }
+        let out = by
+            .into_iter()
+            .map(|(queue, a)| QueueStats {
+                queue: queue.to_owned(),
+                pending: Count::Exact(a.pending),
+                due: Count::Exact(a.due),
+                leased: Count::Exact(a.leased),
+                expired_leases: Count::Exact(a.expired),
+                oldest_due_lateness: a
+                    .earliest
+                    .filter(|e| *e <= self.now)
+                    .map(|e| lateness(self.now, e)),
+                rearms: Count::Exact(a.rearms),
+                cancel_marks: Count::Exact(a.cancel_marks),
+                dead_letters: if self.dead_letter {
+                    Count::Exact(a.dead)
+                } else {
+                    Count::Unavailable
+                },
+            })
+            .collect();
+        Ok(complete(out, list, StatsMode::Exact, self.dead_letter))
+    }
+
     /// `sql::admin`: the pause and resume statements.
     fn pause(&mut self, queue: &str, on: bool) -> Result<bool> {
         validate_queue(queue)?;
@@ -1256,6 +1336,16 @@ impl MemoryStore {
         self.lock().act(id, None)
     }
 
+    /// Queue statistics, as [`Outbox::stats`](crate::Outbox::stats) reads them: the same
+    /// figures, by the store's clock, always counted exactly (also for
+    /// [`StatsMode::Estimate`]: there are no planner statistics here).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad queue name or a zero lease TTL.
+    pub fn stats(&self, request: &StatsRequest) -> Result<Vec<QueueStats>> {
+        self.lock().stats(request)
+    }
+
     /// Publishes many messages to one queue at once, like
     /// [`Outbox::publish_batch`](crate::Outbox::publish_batch): all or nothing, no timer
     /// ids, new ids in the order of `items`.
@@ -1374,6 +1464,14 @@ impl Store for MemoryStore {
 
     fn now(&self) -> impl Future<Output = Result<DateTime<Utc>>> + Send {
         ready(Ok(self.lock().now))
+    }
+
+    /// [`MemoryStore::stats`].
+    fn queue_stats(
+        &self,
+        request: &StatsRequest,
+    ) -> impl Future<Output = Result<Option<Vec<QueueStats>>>> + Send {
+        ready(self.lock().stats(request).map(Some))
     }
 }
 

@@ -4,11 +4,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::config::Config;
+use super::config::{Config, QueueDepth};
 use super::handler::{Handler, HandlerOptions, Route};
 use super::run::Worker;
 use crate::error::{Error, Result};
 use crate::publish::validate_queue;
+use crate::stats::StatsMode;
 use crate::store::Store;
 use crate::timer::Timer;
 
@@ -183,6 +184,38 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
         self
     }
 
+    /// Turns on the queue-depth gauge (default off): the queue statistics of every queue of
+    /// the store's table ([`Outbox::stats`](crate::Outbox::stats), in `mode`, lease expiry
+    /// judged by this worker's [`lease_ttl`](Self::lease_ttl)), read once at start and then
+    /// every `interval` (at least [`MIN_QUEUE_DEPTH_INTERVAL`](crate::worker::MIN_QUEUE_DEPTH_INTERVAL),
+    /// 15 s, at most 24 h), and set as gauges through the `metrics` facade:
+    ///
+    /// - `outbox_queue_depth{queue, state}`: rows, with `state` one of `pending`, `due`,
+    ///   `leased`, `expired_leases`, `rearms`, `cancel_marks`, `dead_letters` (each figure
+    ///   the mode measures; an estimate in [`StatsMode::Estimate`] where the
+    ///   [`stats`](crate::stats) module says so);
+    /// - `outbox_queue_oldest_due_lateness_seconds{queue}`: how long the oldest due row has
+    ///   waited (0 when nothing is due).
+    ///
+    /// A queue that has no row left is set to 0. **One read per process**: however many
+    /// workers of the process have the gauge on, one of them reads at a time, and another
+    /// takes over within its own interval when it stops; several processes each read and
+    /// report the same figures, so aggregate them with `max`, not `sum`. A process whose
+    /// workers serve several outboxes reports the table of the worker that reads. Exact
+    /// counts read every row of the table (the [`stats`](crate::stats) module gives the
+    /// measured cost): choose the interval, or [`StatsMode::Estimate`], accordingly.
+    ///
+    /// The read takes one connection of the store's pool, which the pool-size check of
+    /// [`build`](Self::build) counts (`concurrency + 3` with the gauge). A failed read is
+    /// logged and tried again at the next interval.
+    pub fn queue_depth_gauge(mut self, interval: Duration, mode: StatsMode) -> Self {
+        self.config.queue_depth = Some(QueueDepth {
+            every: interval,
+            mode,
+        });
+        self
+    }
+
     /// How long [`RunningWorker::shutdown`](crate::RunningWorker::shutdown) waits for running handlers and pending
     /// completions (default 15 s, range 0..=1 h).
     pub fn graceful_timeout(mut self, timeout: Duration) -> Self {
@@ -194,7 +227,9 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] naming the knob whose value is out of range (or `handlers`
-    /// when none is registered, `retry` for a bad strategy, `max_deliveries` for 0);
+    /// when none is registered, `retry` for a bad strategy, `max_deliveries` for 0,
+    /// `queue_depth_gauge` for an interval under 15 s, `max_connections` for a store pool
+    /// smaller than the worker needs);
     /// [`Error::InvalidArgument`] for a bad raw queue name; [`Error::DuplicateHandler`]
     /// naming both handlers when two serve one queue.
     pub fn build(self) -> Result<Worker<S>> {
@@ -254,9 +289,14 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
                     format!(
                         "the store's pool holds {has} connection(s); a worker with concurrency {c} needs {needs}: \
                          {c} for the handler slots (each handler's own transaction while it runs, or its completion after), \
-                         1 for claims, 1 for the batched acks and the lease renewal \
+                         1 for claims, 1 for the batched acks and the lease renewal{gauge} \
                          (LISTEN uses a connection of its own, outside the pool)",
-                        c = self.config.concurrency
+                        c = self.config.concurrency,
+                        gauge = if self.config.queue_depth.is_some() {
+                            ", 1 for the queue-depth gauge's read"
+                        } else {
+                            ""
+                        },
                     ),
                 ));
             }

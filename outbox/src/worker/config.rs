@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::stats::StatsMode;
 
 /// The default cap on successful completions written by one statement (`ack_batch_size`).
 ///
@@ -14,8 +15,20 @@ use crate::error::{Error, Result};
 /// behind a slow commit still fits in one or two statements.
 pub const DEFAULT_ACK_BATCH_SIZE: usize = 100;
 
+/// The shortest interval of the queue-depth gauge: exact statistics read every row of the
+/// queue table, so the gauge reads them at most every 15 s.
+pub const MIN_QUEUE_DEPTH_INTERVAL: Duration = Duration::from_secs(15);
+
+/// The opt-in queue-depth gauge: how often, and exact or estimated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct QueueDepth {
+    pub(crate) every: Duration,
+    pub(crate) mode: StatsMode,
+}
+
 /// Worker knobs; defaults: `concurrency` 1, `fetch_batch_size` 10, `lease_ttl` 60 s,
-/// `idle_poll` 30 s, `ack_batch_size` [`DEFAULT_ACK_BATCH_SIZE`], `graceful_timeout` 15 s.
+/// `idle_poll` 30 s, `ack_batch_size` [`DEFAULT_ACK_BATCH_SIZE`], `graceful_timeout` 15 s,
+/// no queue-depth gauge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Config {
     pub(crate) concurrency: usize,
@@ -26,6 +39,8 @@ pub(crate) struct Config {
     pub(crate) graceful_timeout: Duration,
     /// LISTEN for the wake-up notifications publishes send (off: poll-only).
     pub(crate) listen: bool,
+    /// The queue-depth gauge, when on.
+    pub(crate) queue_depth: Option<QueueDepth>,
 }
 
 impl Default for Config {
@@ -38,6 +53,7 @@ impl Default for Config {
             ack_batch_size: DEFAULT_ACK_BATCH_SIZE,
             graceful_timeout: Duration::from_secs(15),
             listen: true,
+            queue_depth: None,
         }
     }
 }
@@ -60,13 +76,15 @@ fn check_range<T: PartialOrd + std::fmt::Debug>(
 
 impl Config {
     /// The connections a worker needs from its store's pool at once, so that it never waits
-    /// forever on its own pool: one completion per handler slot, the completer, the renewal.
-    /// The claim loop and the lease release at shutdown take turns with them; LISTEN is outside
-    /// the pool.
+    /// forever on its own pool: one completion per handler slot, the completer, the renewal,
+    /// and the queue-depth gauge's read when it is on (only one worker of a process reads,
+    /// but any of them may take over, so each counts it). The claim loop and the lease
+    /// release at shutdown take turns with them; LISTEN is outside the pool.
     pub(crate) fn connections_needed(&self) -> u32 {
         u32::try_from(self.concurrency)
             .unwrap_or(u32::MAX)
             .saturating_add(2)
+            .saturating_add(u32::from(self.queue_depth.is_some()))
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
@@ -94,6 +112,15 @@ impl Config {
             Duration::from_secs(3600),
             "",
         )?;
+        if let Some(g) = self.queue_depth {
+            check_range(
+                "queue_depth_gauge",
+                g.every,
+                MIN_QUEUE_DEPTH_INTERVAL,
+                Duration::from_secs(24 * 3600),
+                " (the statistics are read once per process per interval)",
+            )?;
+        }
         Ok(())
     }
 }
@@ -129,6 +156,13 @@ mod tests {
                 graceful_timeout: Duration::from_secs(7200),
                 ..Config::default()
             },
+            Config {
+                queue_depth: Some(QueueDepth {
+                    every: Duration::from_secs(14),
+                    mode: StatsMode::Exact,
+                }),
+                ..Config::default()
+            },
         ];
         let knobs = [
             "concurrency",
@@ -137,6 +171,7 @@ mod tests {
             "lease_ttl",
             "idle_poll",
             "graceful_timeout",
+            "queue_depth_gauge",
         ];
         for (c, knob) in bad.iter().zip(knobs) {
             let e = c.validate().unwrap_err();
@@ -146,5 +181,17 @@ mod tests {
             );
         }
         assert!(Config::default().validate().is_ok());
+        let gauge = Config {
+            queue_depth: Some(QueueDepth {
+                every: MIN_QUEUE_DEPTH_INTERVAL,
+                mode: StatsMode::Estimate,
+            }),
+            ..Config::default()
+        };
+        assert!(gauge.validate().is_ok());
+        assert_eq!(
+            gauge.connections_needed(),
+            Config::default().connections_needed() + 1
+        );
     }
 }

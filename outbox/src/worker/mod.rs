@@ -11,13 +11,15 @@
 // handler gets and returns, and the decision a run comes to), `retry.rs` (strategies),
 // `claim_loop.rs` (claiming and waking up), `complete.rs` (running handlers and writing
 // their completions), `leases.rs` (held rows and renewal), `isolate.rs` and `quarantine.rs`
-// (a claim that fails), `shared.rs` (state those share), and `run.rs` (Worker,
+// (a claim that fails), `gauge.rs` (the opt-in queue-depth gauge), `shared.rs` (state
+// those share), and `run.rs` (Worker,
 // RunningWorker, shutdown, run_due). Each public item has one path: the crate root for what
 // the quick start types, this module for the rest.
 pub(crate) mod builder;
 mod claim_loop;
 mod complete;
 mod config;
+mod gauge;
 pub(crate) mod handler;
 mod isolate;
 mod leases;
@@ -26,7 +28,7 @@ pub(crate) mod retry;
 pub(crate) mod run;
 mod shared;
 
-pub use self::config::DEFAULT_ACK_BATCH_SIZE;
+pub use self::config::{DEFAULT_ACK_BATCH_SIZE, MIN_QUEUE_DEPTH_INTERVAL};
 pub use self::handler::{
     CancelReason, Decision, Handler, IntoOutcome, DEFAULT_HANDLER_TIMEOUT, DEFAULT_MAX_DELIVERIES,
 };

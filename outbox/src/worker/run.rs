@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use super::claim_loop::claim_loop;
 use super::complete::{completer, handler_task, renewal_loop};
 use super::config::Config;
+use super::gauge::queue_depth;
 use super::handler::{decide, Decision, Route};
 use super::leases::Phase;
 use super::shared::Shared;
@@ -81,7 +82,9 @@ use crate::store::{
 /// Over a [`PgStore`](crate::PgStore) a worker needs `concurrency + 2` connections of the
 /// store's pool at once (per handler slot one: the handler's own transaction while it runs
 /// ([`Context::begin`](crate::Context::begin)), or its completion after; one for claims;
-/// one for the batched acks and the renewal), checked by
+/// one for the batched acks and the renewal), `concurrency + 3` with the queue-depth gauge
+/// ([`WorkerBuilder::queue_depth_gauge`](crate::WorkerBuilder::queue_depth_gauge): one for
+/// its read of the statistics), checked by
 /// [`WorkerBuilder::build`](crate::WorkerBuilder::build); the store opens a second pool
 /// of the same size for writes with a short lock timeout (see its docs), and LISTEN uses
 /// one connection of its own. Any number of workers, in any number of processes, may serve
@@ -439,8 +442,16 @@ impl<S: Store> Worker<S> {
                 (shared.clone(), self.queues.clone(), stopped.clone());
             async move { claim_loop(&shared, &queues, wakeups, &deliveries_tx, &mut stopped).await }
         });
+        let gauge = config
+            .queue_depth
+            .map(|g| tokio::spawn(queue_depth(shared.clone(), g.every, g.mode)));
         // The claim loop ends only when told to stop (or when every handler task is gone).
         let _ = stopped.changed().await;
+        // The gauge stops with the worker; aborting its task gives its poller slot back,
+        // so another worker of the process takes over.
+        if let Some(gauge) = gauge {
+            gauge.abort();
+        }
         shutdown(
             &shared,
             claims,
