@@ -1,0 +1,199 @@
+//! The command line: global options and subcommands (clap derive).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use clap::{Args, Parser, Subcommand};
+
+/// Operate outbox queues on Postgres: migrate and check the schema, watch queue statistics,
+/// pause and resume queues, list pending rows, and list, redrive or purge dead letters.
+///
+/// Every command connects to the database of `--database-url` (or `DATABASE_URL`) and works
+/// on the tables of `--schema` and `--table` (the application's `Outbox` settings).
+#[derive(Debug, Parser)]
+#[command(name = "outbox", version, propagate_version = true)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options every command takes.
+#[derive(Debug, Args)]
+pub struct Global {
+    /// Postgres connection URL, e.g. postgres://user@host:5432/db.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// Schema of the outbox's tables (default: the connection's search_path).
+    #[arg(long, global = true)]
+    pub schema: Option<String>,
+    /// The queue table (the dead-letter table is `<table>_dlq`).
+    #[arg(long, global = true, default_value = "outbox")]
+    pub table: String,
+    /// The dead-letter table, when it is not `<table>_dlq`.
+    #[arg(long, global = true)]
+    pub dead_letter_table: Option<String>,
+    /// Whether the application archives terminal failures to the dead-letter table
+    /// (`OutboxBuilder::dead_letter`). `migrate` and `validate` then cover that table too,
+    /// and the `dlq` commands need it.
+    #[arg(long, global = true, default_value_t = true, action = clap::ArgAction::Set)]
+    pub dead_letter: bool,
+    /// Print JSON instead of a table (one document per command; one per refresh with
+    /// `status --watch`).
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create or upgrade the tables online (safe on a busy database; a no-op when current).
+    Migrate {
+        /// Longest a DDL step waits for its table lock per try (e.g. 3s).
+        #[arg(long, value_parser = duration)]
+        lock_timeout: Option<Duration>,
+        /// Longest the whole run keeps retrying steps that wait for locks (e.g. 5m).
+        #[arg(long, value_parser = duration)]
+        deadline: Option<Duration>,
+    },
+    /// Compare the live schema with what this version needs; list every problem.
+    Validate,
+    /// Statistics per queue: pending, due, leased, expired leases, lateness, rearms, cancel
+    /// marks, dead letters, paused.
+    Status(StatusArgs),
+    /// Live rows of a queue (pending and leased), by deadline.
+    Pending {
+        /// The queue.
+        #[arg(long)]
+        queue: String,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// Pause a queue: workers stop claiming it; publishing goes on.
+    Pause {
+        /// The queue.
+        queue: String,
+    },
+    /// Resume a paused queue and wake its workers.
+    Resume {
+        /// The queue.
+        queue: String,
+    },
+    /// Dead letters: list, redrive, purge.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The lease TTL your workers use: a lease older than this counts as expired.
+    #[arg(long, value_parser = duration, default_value = "30s")]
+    pub lease_ttl: Duration,
+    /// Only these queues (repeat the option); default: every queue with rows or dead letters.
+    #[arg(long = "queue")]
+    pub queues: Vec<String>,
+    /// Planner estimates instead of exact counts (cheap on very large tables).
+    #[arg(long)]
+    pub estimate: bool,
+    /// Refresh every interval (e.g. 2s) until interrupted.
+    #[arg(long, value_parser = duration, num_args = 0..=1, default_missing_value = "2s")]
+    pub watch: Option<Duration>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// List dead letters, oldest first.
+    List {
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Continue after this dead-letter id (the last id of the previous page).
+        #[arg(long)]
+        after: Option<i64>,
+    },
+    /// Send dead letters back to their queue (a row is redriven once).
+    Redrive {
+        /// These dead-letter ids (repeat the option, or separate with commas).
+        #[arg(long = "id", value_delimiter = ',', conflicts_with = "all")]
+        ids: Vec<i64>,
+        /// Every dead letter matching the filter (up to --limit).
+        #[arg(long)]
+        all: bool,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// With --all: at most this many.
+        #[arg(long, default_value_t = 1000)]
+        limit: usize,
+    },
+    /// Delete dead letters older than an age, in batches.
+    Purge {
+        /// Delete dead letters that failed longer ago than this (e.g. 30d).
+        #[arg(long, value_parser = duration)]
+        older_than: Duration,
+        /// Only this queue.
+        #[arg(long)]
+        queue: Option<String>,
+        /// Rows per batch (each batch its own short transaction).
+        #[arg(long, default_value_t = 1000)]
+        batch_size: usize,
+    },
+}
+
+/// Which dead letters.
+#[derive(Debug, Args, Clone, Default)]
+pub struct DlqFilter {
+    /// Only this queue.
+    #[arg(long)]
+    pub queue: Option<String>,
+    /// Only this failure reason (max_deliveries, retry_exhausted, rejected, decode_error,
+    /// timeout, aborted).
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// Failed at or after this time (RFC 3339, e.g. 2026-11-30T00:00:00Z).
+    #[arg(long, value_parser = timestamp)]
+    pub since: Option<DateTime<Utc>>,
+    /// Failed before this time (RFC 3339).
+    #[arg(long, value_parser = timestamp)]
+    pub until: Option<DateTime<Utc>>,
+    /// Include dead letters already redriven.
+    #[arg(long)]
+    pub include_redriven: bool,
+}
+
+/// A duration such as `500ms`, `30s`, `5m`, `7d`.
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (write e.g. 500ms, 30s, 5m, 7d)"))
+}
+
+/// An RFC 3339 time.
+fn timestamp(s: &str) -> Result<DateTime<Utc>, String> {
+    DateTime::parse_from_rfc3339(s)
+        .map(|t| t.with_timezone(&Utc))
+        .map_err(|e| format!("{e} (write an RFC 3339 time, e.g. 2026-11-30T00:00:00Z)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn durations_and_times_parse_or_say_how_to_write_them() {
+        assert_eq!(duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert!(duration("soon").unwrap_err().contains("write e.g."));
+        assert_eq!(
+            timestamp("2026-11-30T01:00:00+01:00").unwrap(),
+            DateTime::parse_from_rfc3339("2026-11-30T00:00:00Z").unwrap()
+        );
+        assert!(timestamp("yesterday").unwrap_err().contains("RFC 3339"));
+    }
+}
