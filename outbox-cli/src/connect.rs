@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use outbox::Error;
 use sqlx::postgres::PgPoolOptions;
-use sqlx::PgPool;
+use sqlx::{Connection, PgPool};
 
 /// A failure the command reports: one message that says what happened and what to do.
 #[derive(Debug)]
@@ -79,12 +79,20 @@ pub async fn connect(url: Option<&str>) -> Result<PgPool, Failure> {
         ));
     };
     let shown = redact(url);
-    let options = url.parse::<sqlx::postgres::PgConnectOptions>().map_err(|e| {
-        Failure(format!(
-            "the database URL {shown} is not a Postgres URL ({e}): write \
+    let options = url
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .map_err(|e| {
+            Failure(format!(
+                "the database URL {shown} is not a Postgres URL ({e}): write \
              postgres://user[:password]@host[:port]/database"
-        ))
-    })?;
+            ))
+        })?;
+    // One direct connection first: a pool retries until its acquire timeout and then reports
+    // only that it timed out, hiding the cause (refused, unknown host, bad password).
+    let probe = sqlx::PgConnection::connect_with(&options)
+        .await
+        .map_err(|e| Failure(unreachable(&shown, &e)))?;
+    probe.close().await.ok();
     PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(Duration::from_secs(10))
@@ -106,7 +114,10 @@ fn unreachable(shown: &str, e: &sqlx::Error) -> String {
                 "{} at {shown}: create it (createdb) or fix the database name in the URL",
                 db.message()
             ),
-            _ => format!("Postgres at {shown} refused the connection: {}", db.message()),
+            _ => format!(
+                "Postgres at {shown} refused the connection: {}",
+                db.message()
+            ),
         };
     }
     format!(
@@ -125,10 +136,7 @@ mod tests {
             redact("postgres://app:s3cret@db:5432/prod"),
             "postgres://app:***@db:5432/prod"
         );
-        assert_eq!(
-            redact("postgres://app@db/prod"),
-            "postgres://app@db/prod"
-        );
+        assert_eq!(redact("postgres://app@db/prod"), "postgres://app@db/prod");
         assert_eq!(redact("not a url"), "not a url");
     }
 }

@@ -21,12 +21,15 @@ const REASONS: [FailureReason; 6] = [
 ];
 
 fn reason(s: &str) -> Result<FailureReason, Failure> {
-    REASONS.into_iter().find(|r| r.as_str() == s).ok_or_else(|| {
-        Failure(format!(
-            "unknown failure reason {s:?}: use one of {}",
-            REASONS.map(FailureReason::as_str).join(", ")
-        ))
-    })
+    REASONS
+        .into_iter()
+        .find(|r| r.as_str() == s)
+        .ok_or_else(|| {
+            Failure(format!(
+                "unknown failure reason {s:?}: use one of {}",
+                REASONS.map(FailureReason::as_str).join(", ")
+            ))
+        })
 }
 
 fn filter(f: &DlqFilter) -> Result<DeadLetterFilter, Failure> {
@@ -144,7 +147,14 @@ async fn list(
         return Ok(());
     }
     let mut t = output::table(&[
-        "id", "queue", "timer id", "reason", "failed at", "last error", "redriven", "payload",
+        "id",
+        "queue",
+        "timer id",
+        "reason",
+        "failed at",
+        "last error",
+        "redriven",
+        "payload",
     ]);
     for d in &rows {
         t.add_row(vec![
@@ -185,7 +195,8 @@ async fn redrive(
         let list: Vec<Value> = outcomes
             .iter()
             .map(|o| {
-                let mut v = json!({ "dead_letter_id": o.dead_letter_id, "result": result_name(o.result) });
+                let mut v =
+                    json!({ "dead_letter_id": o.dead_letter_id, "result": result_name(o.result) });
                 match o.result {
                     RedriveResult::Redriven { id } => v["id"] = json!(id),
                     RedriveResult::AlreadyRedriven { redriven_id } => {
@@ -232,9 +243,7 @@ fn describe(r: RedriveResult) -> String {
         RedriveResult::TimerKeyHeld => {
             "kept: a live row holds its timer key (cancel or wait for it, then redrive)".to_owned()
         }
-        RedriveResult::HeadersNotAMap => {
-            "kept: its stored headers are not a string map".to_owned()
-        }
+        RedriveResult::HeadersNotAMap => "kept: its stored headers are not a string map".to_owned(),
         RedriveResult::HeadersTooLarge { bytes } => format!(
             "kept: its headers with the redrive header would be {bytes} bytes, over the limit"
         ),

@@ -42,7 +42,14 @@ pub async fn pending(
         return Ok(());
     }
     let mut t = output::table(&[
-        "id", "timer id", "state", "due", "attempts", "deliveries", "rearm at", "payload",
+        "id",
+        "timer id",
+        "state",
+        "due",
+        "attempts",
+        "deliveries",
+        "rearm at",
+        "payload",
     ]);
     for r in &rows {
         let state = match (r.acquired_token.is_some(), r.cancelled_at.is_some()) {

@@ -117,7 +117,10 @@ async fn once(
     if !idle.is_empty() {
         println!(
             "paused, without rows: {}",
-            idle.iter().map(|q| q.as_str()).collect::<Vec<_>>().join(", ")
+            idle.iter()
+                .map(|q| q.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     Ok(())
