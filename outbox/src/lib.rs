@@ -60,6 +60,7 @@
 //! | workers and handlers | [`Worker`], [`WorkerBuilder`], [`RunningWorker`], [`ShutdownReport`], [`Context`], [`Outcome`], [`HandlerOptions`], [`RetryStrategy`], [`HandlerTransaction`]; traits, decisions and defaults in [`worker`] |
 //! | storage: claim, fenced completions, renewal, release, reading rows | [`PgStore`]; the [`store::Store`] contract and its types in [`store`] |
 //! | migrations (online), validation, upgrading an older schema | [`migrate`], [`Outbox::migrate`]; the rest in [`schema`], the guide in [`schema::upgrading`] |
+//! | spans (OpenTelemetry messaging conventions), trace context in headers (feature `opentelemetry`), metrics | [`telemetry`] |
 //! | tests without a database (feature `testing`) | [`testing`] |
 //!
 //! ## Features
@@ -68,6 +69,12 @@
 //!   clock that behaves as [`PgStore`] does, so handlers are tested without a database and
 //!   without sleeping. Turn it on for your tests only:
 //!   `[dev-dependencies] outbox = { version = "0.1", features = ["testing"] }`.
+//! - `opentelemetry` (off by default): each publish writes the W3C trace context of its
+//!   `send` span (`traceparent`, `tracestate`) into the message's headers, within the
+//!   header limit, and each delivery's `receive` and `process` spans link to it. Built on
+//!   `opentelemetry` 0.33, `opentelemetry_sdk` 0.33 and `tracing-opentelemetry` 0.34, the
+//!   versions your application's layer must use. Without it the spans carry the same
+//!   names and attributes as plain `tracing` spans. See [`telemetry`].
 //!
 //! ## Units and clocks
 //!
@@ -145,7 +152,7 @@
 // `message` only gather public items. Each imports only modules before it.
 //
 // The public surface: the crate root holds what the quick start types; everything else has
-// exactly one path, in `message`, `schema`, `store`, `worker` or `testing`.
+// exactly one path, in `message`, `schema`, `store`, `telemetry`, `worker` or `testing`.
 mod cancel;
 mod error;
 mod migrate;
@@ -155,13 +162,13 @@ mod publish;
 mod read;
 mod shape;
 mod sql;
-mod telemetry;
 mod timer;
 mod validate;
 
 pub mod message;
 pub mod schema;
 pub mod store;
+pub mod telemetry;
 #[cfg(any(test, feature = "testing"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;

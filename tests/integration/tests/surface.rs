@@ -111,6 +111,7 @@ fn the_crate_root_holds_the_quick_start_names_and_the_modules() {
             "message",
             "schema",
             "store",
+            "telemetry",
             "testing",
             "worker"
         ])
