@@ -487,7 +487,14 @@ fn headline(m: &Measurement) -> String {
             "lateness p50 {:.1} p99 {:.1} max {:.1} ms",
             l.p50, l.p99, l.max
         ),
-        None => format!("{:.0} msg/s", m.msgs_per_second),
+        None => match m.client_cpu_seconds {
+            Some(cpu) => format!(
+                "{:.0} msg/s, client CPU {:.0} µs/msg",
+                m.msgs_per_second,
+                cpu * 1e6 / m.messages as f64
+            ),
+            None => format!("{:.0} msg/s", m.msgs_per_second),
+        },
     }
 }
 
