@@ -252,7 +252,7 @@ async fn in_flight_counts_runs_and_comes_back_to_zero_on_every_path() {
             main,
             handler.clone(),
             HandlerOptions::new()
-                .retry(once.clone())
+                .retry(once)
                 .timeout(Duration::from_millis(200)),
         )
         .queue_with(hang, handler, HandlerOptions::new().retry(once))
