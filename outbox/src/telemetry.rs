@@ -547,3 +547,152 @@ pub(crate) fn link_creation(
     _id: Option<i64>,
 ) {
 }
+
+#[cfg(test)]
+mod tests {
+    //! The spans as a plain `tracing` subscriber sees them (the feature's OpenTelemetry side
+    //! is tested against Postgres in the integration tests).
+
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex};
+
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::Subscriber;
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+    use tracing_subscriber::registry::LookupSpan;
+    use tracing_subscriber::Layer;
+
+    use crate::testing::MemoryStore;
+    use crate::{Message, Outcome, Publisher, Worker};
+
+    /// A closed span: its `tracing` name, its fields, and its parent's name.
+    #[derive(Debug, Clone)]
+    struct Closed {
+        name: &'static str,
+        fields: BTreeMap<String, String>,
+        parent: Option<&'static str>,
+    }
+
+    #[derive(Default)]
+    struct Fields(BTreeMap<String, String>);
+
+    impl Visit for Fields {
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            self.0.insert(
+                field.name().to_owned(),
+                format!("{value:?}").replace('"', ""),
+            );
+        }
+    }
+
+    #[derive(Clone, Default)]
+    struct Capture(Arc<Mutex<Vec<Closed>>>);
+
+    impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
+        fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+            let mut fields = Fields::default();
+            attrs.record(&mut fields);
+            ctx.span(id).unwrap().extensions_mut().insert(fields);
+        }
+
+        fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+            let span = ctx.span(id).unwrap();
+            let mut ext = span.extensions_mut();
+            values.record(ext.get_mut::<Fields>().unwrap());
+        }
+
+        fn on_close(&self, id: Id, ctx: Context<'_, S>) {
+            let span = ctx.span(&id).unwrap();
+            let fields = span.extensions_mut().remove::<Fields>().unwrap().0;
+            self.0.lock().unwrap().push(Closed {
+                name: span.name(),
+                fields,
+                parent: span.parent().map(|p| p.name()),
+            });
+        }
+    }
+
+    /// Without the feature (and without an OpenTelemetry layer) the spans carry the
+    /// conventions' names and attributes all the same, and no trace context is written.
+    #[tokio::test]
+    async fn plain_tracing_spans_carry_the_conventions_names_and_attributes() {
+        let capture = Capture::default();
+        let _guard =
+            tracing::subscriber::set_default(tracing_subscriber::registry().with(capture.clone()));
+        let store = MemoryStore::new();
+        let published = (&store)
+            .publish_message(Message::new("q.plain", b"x").timer_id("k"))
+            .await
+            .unwrap();
+        let worker = Worker::builder(store.clone())
+            .queue("q.plain", |_: Vec<u8>, _: crate::Context| async {
+                Outcome::Reject("no".into())
+            })
+            .build()
+            .unwrap();
+        let done = worker.run_due().await.unwrap();
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].delivery.headers, None, "no context without a layer");
+        let id = published.id().unwrap().to_string();
+        let spans = capture.0.lock().unwrap().clone();
+        let find = |name: &str| {
+            spans
+                .iter()
+                .find(|s| s.name == name)
+                .unwrap_or_else(|| panic!("no span {name}: {spans:#?}"))
+        };
+        let field = |s: &Closed, k: &str| s.fields.get(k).cloned();
+        for (name, kind) in [
+            ("send", "producer"),
+            ("receive", "client"),
+            ("process", "consumer"),
+            ("settle", "client"),
+        ] {
+            let s = find(name);
+            assert_eq!(
+                field(s, "otel.name"),
+                Some(format!("{name} q.plain")),
+                "{s:?}"
+            );
+            assert_eq!(field(s, "otel.kind").as_deref(), Some(kind));
+            assert_eq!(field(s, "messaging.system").as_deref(), Some("outbox"));
+            assert_eq!(field(s, "messaging.operation.type").as_deref(), Some(name));
+            assert_eq!(field(s, "messaging.operation.name").as_deref(), Some(name));
+            assert_eq!(
+                field(s, "messaging.destination.name").as_deref(),
+                Some("q.plain")
+            );
+        }
+        let send = find("send");
+        assert_eq!(field(send, "messaging.message.id"), Some(id.clone()));
+        assert_eq!(field(send, "outbox.timer_id").as_deref(), Some("k"));
+        assert_eq!(field(send, "outbox.outcome").as_deref(), Some("inserted"));
+        let receive = find("receive");
+        assert_eq!(
+            field(receive, "messaging.batch.message_count").as_deref(),
+            Some("1")
+        );
+        let process = find("process");
+        assert_eq!(field(process, "messaging.message.id"), Some(id.clone()));
+        assert_eq!(field(process, "outbox.delivery").as_deref(), Some("1"));
+        assert_eq!(field(process, "outbox.attempt").as_deref(), Some("1"));
+        assert_eq!(field(process, "outbox.outcome").as_deref(), Some("fail"));
+        assert_eq!(
+            field(process, "outbox.failure_reason").as_deref(),
+            Some("rejected")
+        );
+        assert_eq!(field(process, "error.type").as_deref(), Some("rejected"));
+        assert_eq!(field(process, "otel.status_code").as_deref(), Some("error"));
+        let settle = find("settle");
+        assert_eq!(settle.parent, Some("process"));
+        assert_eq!(field(settle, "messaging.message.id"), Some(id));
+        // The memory store keeps no dead-letter table unless asked: the row is deleted.
+        assert_eq!(field(settle, "outbox.outcome").as_deref(), Some("deleted"));
+        assert_eq!(
+            field(settle, "outbox.failure_reason").as_deref(),
+            Some("rejected")
+        );
+        assert_eq!(field(settle, "error.type"), None);
+    }
+}
