@@ -511,7 +511,37 @@ pub(crate) fn with_trace_context(span: &Span, headers: Option<&Headers>) -> Opti
     if headers.is_some_and(|h| h.contains_key(telemetry::TRACEPARENT_HEADER)) {
         return None;
     }
-    let (parent, state) = telemetry::trace_context(span)?;
+    add_trace_context(span, headers, telemetry::trace_context(span)?)
+}
+
+/// The headers of a batch's items with the trace context of the batch's `send` span added
+/// (as [`with_trace_context`] decides for each item); `None` when nothing is added.
+pub(crate) fn batch_trace_context(
+    span: &Span,
+    items: &[BatchItem<'_>],
+) -> Option<Vec<Option<Headers>>> {
+    if items.is_empty() {
+        return None;
+    }
+    let context = telemetry::trace_context(span)?;
+    Some(
+        items
+            .iter()
+            .map(|i| match i.headers {
+                Some(h) if h.contains_key(telemetry::TRACEPARENT_HEADER) => None,
+                headers => add_trace_context(span, headers, context.clone()),
+            })
+            .collect(),
+    )
+}
+
+/// `headers` with `(traceparent, tracestate)` added, unless they would then exceed the
+/// limit; a `tracestate` of the caller's stays.
+fn add_trace_context(
+    span: &Span,
+    headers: Option<&Headers>,
+    (parent, state): (String, Option<String>),
+) -> Option<Headers> {
     let state =
         state.filter(|_| !headers.is_some_and(|h| h.contains_key(telemetry::TRACESTATE_HEADER)));
     let mut total = headers.map_or(0, |h| {
@@ -528,11 +558,13 @@ pub(crate) fn with_trace_context(span: &Span, headers: Option<&Headers>) -> Opti
             .saturating_add(state.len());
     }
     if total > MAX_HEADERS_BYTES {
-        tracing::debug!(
-            bytes = total,
-            limit = MAX_HEADERS_BYTES,
-            "outbox: the trace context is not written into the message's headers: with it they would exceed the header limit"
-        );
+        span.in_scope(|| {
+            tracing::debug!(
+                bytes = total,
+                limit = MAX_HEADERS_BYTES,
+                "outbox: the trace context is not written into the message's headers: with it they would exceed the header limit"
+            );
+        });
         return None;
     }
     let mut out = headers.cloned().unwrap_or_default();
@@ -541,24 +573,6 @@ pub(crate) fn with_trace_context(span: &Span, headers: Option<&Headers>) -> Opti
         out.insert(telemetry::TRACESTATE_HEADER.to_owned(), state);
     }
     Some(out)
-}
-
-/// The headers of a batch's items with the trace context of the batch's `send` span added
-/// (as [`with_trace_context`] decides for each item); `None` when nothing is added.
-pub(crate) fn batch_trace_context(
-    span: &Span,
-    items: &[BatchItem<'_>],
-) -> Option<Vec<Option<Headers>>> {
-    if items.is_empty() {
-        return None;
-    }
-    telemetry::trace_context(span)?;
-    Some(
-        items
-            .iter()
-            .map(|i| with_trace_context(span, i.headers))
-            .collect(),
-    )
 }
 
 /// `items` with the headers of [`batch_trace_context`] in place of theirs, where it added

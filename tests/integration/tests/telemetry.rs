@@ -12,7 +12,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use opentelemetry::trace::{SpanContext, SpanId, SpanKind, Status, TracerProvider as _};
+use opentelemetry::trace::{
+    SpanContext, SpanId, SpanKind, Status, TraceContextExt as _, TraceFlags, TraceId, TraceState,
+    TracerProvider as _,
+};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use outbox::message::{BatchItem, Headers, MAX_HEADERS_BYTES};
 use outbox::telemetry::{TRACEPARENT_HEADER, TRACESTATE_HEADER};
@@ -21,6 +24,7 @@ use outbox::{Context, HandlerOptions, Message, Outcome, Publisher, RetryStrategy
 use outbox_tests::{eventually, Fixture};
 use tracing::subscriber::DefaultGuard;
 use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use tracing_subscriber::layer::SubscriberExt;
 
 /// An in-memory exporter behind a `tracing-opentelemetry` layer, the default subscriber of
@@ -516,6 +520,81 @@ async fn trace_context_respects_the_header_limit_and_the_callers_headers() {
     let mut want = small.clone();
     want.insert(TRACEPARENT_HEADER.into(), context);
     assert_eq!(rows[&batch_ids[1]].as_ref(), Some(&want));
+    f.cleanup().await;
+}
+
+/// A non-empty trace state travels in `tracestate` beside `traceparent`; a `tracestate` of
+/// the caller's (without a `traceparent`) is kept, and the `traceparent` added.
+#[tokio::test]
+async fn a_trace_state_is_written_and_the_callers_is_kept() {
+    let traces = Traces::install();
+    let f = Fixture::new().await;
+    let queue = "otel.state";
+    // The request continues a remote trace whose state names a vendor (as an incoming
+    // HTTP request with `tracestate` would); its spans inherit the state.
+    let remote = SpanContext::new(
+        TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap(),
+        SpanId::from_hex("b7ad6b7169203331").unwrap(),
+        TraceFlags::SAMPLED,
+        true,
+        TraceState::from_key_value([("vendor", "opaque")]).unwrap(),
+    );
+    let remote_trace = remote.trace_id();
+    let request = tracing::info_span!("request");
+    request
+        .set_parent(opentelemetry::Context::new().with_remote_span_context(remote))
+        .unwrap();
+    let mut theirs = Headers::new();
+    theirs.insert(TRACESTATE_HEADER.into(), "mine=1".into());
+    let (plain, kept) = async {
+        let mut conn = f.pool.acquire().await.unwrap();
+        let plain = f
+            .outbox
+            .publish(&mut conn, Message::new(queue, b"a"))
+            .await
+            .unwrap();
+        let kept = f
+            .outbox
+            .publish(&mut conn, Message::new(queue, b"b").headers(&theirs))
+            .await
+            .unwrap();
+        (plain.id().unwrap(), kept.id().unwrap())
+    }
+    .instrument(request)
+    .await;
+    let rows: BTreeMap<i64, Headers> = f
+        .rows(queue)
+        .await
+        .into_iter()
+        .map(|r| (r.id, r.headers.unwrap_or_default()))
+        .collect();
+    let spans = traces.spans();
+    let send = one(&spans, &format!("send {queue}"), |s| {
+        attr(s, "messaging.message.id") == Some(plain.to_string())
+    });
+    assert_eq!(
+        send.span_context.trace_id(),
+        remote_trace,
+        "the send span continues the request's trace"
+    );
+    assert_eq!(
+        rows[&plain].get(TRACEPARENT_HEADER),
+        Some(&traceparent(send))
+    );
+    assert_eq!(
+        rows[&plain].get(TRACESTATE_HEADER).map(String::as_str),
+        Some("vendor=opaque")
+    );
+    assert_eq!(
+        rows[&kept].get(TRACESTATE_HEADER).map(String::as_str),
+        Some("mine=1"),
+        "the caller's tracestate stays"
+    );
+    assert!(
+        rows[&kept].contains_key(TRACEPARENT_HEADER),
+        "{:?}",
+        rows[&kept]
+    );
     f.cleanup().await;
 }
 
