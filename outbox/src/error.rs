@@ -369,7 +369,7 @@ impl From<sqlx::Error> for Error {
 
 impl Error {
     /// The variant's name, as in the type (`"NotMigrated"`).
-    fn variant(&self) -> &'static str {
+    pub(crate) fn variant(&self) -> &'static str {
         match self {
             Error::InvalidArgument { .. } => "InvalidArgument",
             Error::InvalidName { .. } => "InvalidName",

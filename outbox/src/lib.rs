@@ -63,6 +63,7 @@
 //! | dead letters: list, redrive, purge | [`dlq`]; [`Outbox::dead_letters`], [`Outbox::redrive_dead_letters`], [`Outbox::purge_dead_letters`] |
 //! | queue statistics: depth, lateness, leases, dead letters | [`Outbox::stats`]; requests, figures and modes in [`stats`] |
 //! | migrations (online), validation, upgrading an older schema | [`migrate`], [`Outbox::migrate`]; the rest in [`schema`], the guide in [`schema::upgrading`] |
+//! | spans (OpenTelemetry messaging conventions), trace context in headers (feature `opentelemetry`), metrics | [`telemetry`] |
 //! | tests without a database (feature `testing`) | [`testing`] |
 //!
 //! ## Features
@@ -71,6 +72,12 @@
 //!   clock that behaves as [`PgStore`] does, so handlers are tested without a database and
 //!   without sleeping. Turn it on for your tests only:
 //!   `[dev-dependencies] outbox = { version = "0.1", features = ["testing"] }`.
+//! - `opentelemetry` (off by default): each publish writes the W3C trace context of its
+//!   `send` span (`traceparent`, `tracestate`) into the message's headers, within the
+//!   header limit, and each delivery's `receive` and `process` spans link to it. Built on
+//!   `opentelemetry` 0.33, `opentelemetry_sdk` 0.33 and `tracing-opentelemetry` 0.34, the
+//!   versions your application's layer must use. Without it the spans carry the same
+//!   names and attributes as plain `tracing` spans. See [`telemetry`].
 //!
 //! ## Units and clocks
 //!
@@ -154,8 +161,8 @@
 // public items. Each imports only modules before it.
 //
 // The public surface: the crate root holds what the quick start types; everything else has
-// exactly one path, in `admin`, `dlq`, `message`, `schema`, `stats`, `store`, `worker` or
-// `testing`.
+// exactly one path, in `admin`, `dlq`, `message`, `schema`, `stats`, `store`, `telemetry`,
+// `worker` or `testing`.
 mod cancel;
 mod error;
 mod migrate;
@@ -165,7 +172,6 @@ mod publish;
 mod read;
 mod shape;
 mod sql;
-mod telemetry;
 mod timer;
 mod validate;
 
@@ -175,6 +181,7 @@ pub mod message;
 pub mod schema;
 pub mod stats;
 pub mod store;
+pub mod telemetry;
 #[cfg(any(test, feature = "testing"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;

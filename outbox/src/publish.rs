@@ -11,9 +11,11 @@ use chrono::{DateTime, Datelike, TimeDelta, Utc};
 use sqlx::postgres::types::PgInterval;
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
+use tracing::{Instrument, Span};
 
 use crate::error::{Error, Result};
 use crate::sql;
+use crate::telemetry;
 
 /// Message headers: a string-to-string map stored as `jsonb` (content type, correlation id,
 /// user headers). Keys and values may not contain NUL (`jsonb` cannot store `\u0000`).
@@ -473,8 +475,151 @@ impl<'a> BatchItem<'a> {
     }
 }
 
-/// Publishes one message on `conn` ([`crate::Outbox::publish`]).
+/// The `send` span of one message.
+pub(crate) fn send_span(message: &Message<'_>) -> Span {
+    telemetry::send_span(message.queue, message.timer_id, None)
+}
+
+/// Records what a publish did on its `send` span.
+pub(crate) fn sent(span: &Span, result: &Result<Published>) {
+    match result {
+        Ok(published) => {
+            if let Some(id) = published.id() {
+                span.record("messaging.message.id", id);
+            }
+            telemetry::outcome(
+                span,
+                match published {
+                    Published::Inserted { .. } => "inserted",
+                    Published::Skipped => "skipped",
+                    Published::Extended { .. } => "extended",
+                    Published::RearmQueued { .. } => "rearm_queued",
+                    Published::Unchanged => "unchanged",
+                },
+            );
+        }
+        Err(e) => telemetry::error(span, e.variant()),
+    }
+}
+
+/// The message's headers with the W3C trace context of `span` added (`traceparent`, and
+/// `tracestate` when not empty), or `None` to publish the headers as they are: without the
+/// feature, without an OpenTelemetry context, when the caller's headers hold a
+/// `traceparent` already (theirs win), or when the added context would take the headers
+/// past [`MAX_HEADERS_BYTES`] (the publish goes on without it).
+pub(crate) fn with_trace_context(span: &Span, headers: Option<&Headers>) -> Option<Headers> {
+    if headers.is_some_and(|h| h.contains_key(telemetry::TRACEPARENT_HEADER)) {
+        return None;
+    }
+    add_trace_context(span, headers, telemetry::trace_context(span)?)
+}
+
+/// The headers of a batch's items with the trace context of the batch's `send` span added
+/// (as [`with_trace_context`] decides for each item); `None` when nothing is added.
+pub(crate) fn batch_trace_context(
+    span: &Span,
+    items: &[BatchItem<'_>],
+) -> Option<Vec<Option<Headers>>> {
+    if items.is_empty() {
+        return None;
+    }
+    let context = telemetry::trace_context(span)?;
+    Some(
+        items
+            .iter()
+            .map(|i| match i.headers {
+                Some(h) if h.contains_key(telemetry::TRACEPARENT_HEADER) => None,
+                headers => add_trace_context(span, headers, context.clone()),
+            })
+            .collect(),
+    )
+}
+
+/// `headers` with `(traceparent, tracestate)` added, unless they would then exceed the
+/// limit; a `tracestate` of the caller's stays.
+fn add_trace_context(
+    span: &Span,
+    headers: Option<&Headers>,
+    (parent, state): (String, Option<String>),
+) -> Option<Headers> {
+    let state =
+        state.filter(|_| !headers.is_some_and(|h| h.contains_key(telemetry::TRACESTATE_HEADER)));
+    let mut total = headers.map_or(0, |h| {
+        h.iter().fold(0usize, |n, (k, v)| {
+            n.saturating_add(k.len()).saturating_add(v.len())
+        })
+    });
+    total = total
+        .saturating_add(telemetry::TRACEPARENT_HEADER.len())
+        .saturating_add(parent.len());
+    if let Some(state) = &state {
+        total = total
+            .saturating_add(telemetry::TRACESTATE_HEADER.len())
+            .saturating_add(state.len());
+    }
+    if total > MAX_HEADERS_BYTES {
+        span.in_scope(|| {
+            tracing::debug!(
+                bytes = total,
+                limit = MAX_HEADERS_BYTES,
+                "outbox: the trace context is not written into the message's headers: with it they would exceed the header limit"
+            );
+        });
+        return None;
+    }
+    let mut out = headers.cloned().unwrap_or_default();
+    out.insert(telemetry::TRACEPARENT_HEADER.to_owned(), parent);
+    if let Some(state) = state {
+        out.insert(telemetry::TRACESTATE_HEADER.to_owned(), state);
+    }
+    Some(out)
+}
+
+/// `items` with the headers of [`batch_trace_context`] in place of theirs, where it added
+/// a context.
+pub(crate) fn traced_items<'b>(
+    items: &[BatchItem<'b>],
+    traced: &'b [Option<Headers>],
+) -> Vec<BatchItem<'b>> {
+    items
+        .iter()
+        .zip(traced)
+        .map(|(i, t)| BatchItem {
+            payload: i.payload,
+            headers: t.as_ref().or(i.headers),
+        })
+        .collect()
+}
+
+/// Records what a batch publish did on its `send` span.
+pub(crate) fn sent_batch(span: &Span, result: &Result<Vec<i64>>) {
+    match result {
+        Ok(_) => telemetry::outcome(span, "batch_inserted"),
+        Err(e) => telemetry::error(span, e.variant()),
+    }
+}
+
+/// Publishes one message on `conn` ([`crate::Outbox::publish`]), in its `send` span.
 pub(crate) async fn publish(
+    sql: &sql::publish::Publish,
+    conn: &mut PgConnection,
+    message: Message<'_>,
+) -> Result<Published> {
+    let span = send_span(&message);
+    let traced = with_trace_context(&span, message.headers);
+    let message = Message {
+        headers: traced.as_ref().or(message.headers),
+        ..message
+    };
+    let result = publish_untraced(sql, conn, message)
+        .instrument(span.clone())
+        .await;
+    sent(&span, &result);
+    result
+}
+
+/// [`publish`] without its span.
+async fn publish_untraced(
     sql: &sql::publish::Publish,
     conn: &mut PgConnection,
     message: Message<'_>,
@@ -498,7 +643,7 @@ pub(crate) async fn publish(
     }
     let row = query.fetch_optional(&mut *conn).await?;
     let inserted = |id| {
-        crate::telemetry::describe();
+        telemetry::describe();
         metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned())
             .increment(1);
         Published::Inserted { id }
@@ -542,8 +687,33 @@ pub(crate) fn validate_batch(
     Ok(resolved)
 }
 
-/// Publishes a batch on `conn` ([`crate::Outbox::publish_batch`]).
+/// Publishes a batch on `conn` ([`crate::Outbox::publish_batch`]), in its `send` span.
 pub(crate) async fn publish_batch(
+    sql: &sql::publish::Publish,
+    conn: &mut PgConnection,
+    queue: &str,
+    items: &[BatchItem<'_>],
+    schedule: Schedule,
+) -> Result<Vec<i64>> {
+    let span = telemetry::send_span(queue, None, Some(items.len()));
+    let traced = batch_trace_context(&span, items);
+    let rebuilt;
+    let items = match &traced {
+        Some(traced) => {
+            rebuilt = traced_items(items, traced);
+            &rebuilt[..]
+        }
+        None => items,
+    };
+    let result = publish_batch_untraced(sql, conn, queue, items, schedule)
+        .instrument(span.clone())
+        .await;
+    sent_batch(&span, &result);
+    result
+}
+
+/// [`publish_batch`] without its span.
+async fn publish_batch_untraced(
     sql: &sql::publish::Publish,
     conn: &mut PgConnection,
     queue: &str,
@@ -566,7 +736,7 @@ pub(crate) async fn publish_batch(
         .fetch_one(&mut *conn)
         .await?;
     let ids: Vec<i64> = row.try_get::<Option<Vec<i64>>, _>(0)?.unwrap_or_default();
-    crate::telemetry::describe();
+    telemetry::describe();
     metrics::counter!("outbox_published_total", "queue" => queue.to_owned())
         .increment(ids.len() as u64);
     Ok(ids)

@@ -20,6 +20,8 @@
 mod cluster;
 mod faults;
 mod long;
+#[cfg(feature = "opentelemetry")]
+mod otel;
 mod payload;
 mod peer;
 mod plot;
@@ -181,6 +183,8 @@ fn default_baseline() -> &'static str {
 #[tokio::main]
 async fn main() -> ExitCode {
     let top = Top::parse();
+    #[cfg(feature = "opentelemetry")]
+    let otel = otel::install();
     // Dropping the future on Ctrl-C drops the cluster guard inside it, which stops and
     // removes the throwaway cluster.
     let work = async {
@@ -198,6 +202,8 @@ async fn main() -> ExitCode {
         r = work => r,
         _ = tokio::signal::ctrl_c() => Err("interrupted".into()),
     };
+    #[cfg(feature = "opentelemetry")]
+    otel.finish();
     match result {
         Ok(code) => code,
         Err(e) => {
@@ -215,6 +221,11 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
         Cmd::Check(a) => (&a.common, true),
     };
     let selected = select(&common.only, checking)?;
+    let write_baseline = matches!(&cli.cmd, Cmd::Run(a) if a.write_baseline);
+    if cfg!(feature = "opentelemetry") && (checking || write_baseline) {
+        return Err("built with the feature `opentelemetry`: the gate and the baseline measure                     the runtime as shipped (feature off, no subscriber); build without it"
+            .into());
+    }
     if let Cmd::Run(a) = &cli.cmd {
         if a.write_baseline && !common.only.is_empty() {
             return Err("--write-baseline records every scenario; drop --only".into());
@@ -482,7 +493,14 @@ fn headline(m: &Measurement) -> String {
             "lateness p50 {:.1} p99 {:.1} max {:.1} ms",
             l.p50, l.p99, l.max
         ),
-        None => format!("{:.0} msg/s", m.msgs_per_second),
+        None => match m.client_cpu_seconds {
+            Some(cpu) => format!(
+                "{:.0} msg/s, client CPU {:.0} µs/msg",
+                m.msgs_per_second,
+                cpu * 1e6 / m.messages as f64
+            ),
+            None => format!("{:.0} msg/s", m.msgs_per_second),
+        },
     }
 }
 

@@ -376,6 +376,13 @@ pub fn print_block(m: &Measurement, statements: &[Statement], verbose: bool) {
         "  tuples: ins {}  upd {}  del {}  hot_upd {}  dead {}",
         t.ins, t.upd, t.del, t.hot_upd, t.dead
     );
+    if let Some(cpu) = m.client_cpu_seconds {
+        println!(
+            "  client CPU (this process, seeding included): {:.2} s, {:.0} µs/msg",
+            cpu,
+            cpu * 1e6 / n
+        );
+    }
     if let Some(l) = m.lateness_ms {
         println!(
             "  lateness (handler start − deadline): p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms  (claim − deadline p99 {:.1} ms)",
@@ -585,6 +592,7 @@ mod tests {
                 dead: 10000,
             },
             lateness_ms: None,
+            client_cpu_seconds: None,
         }
     }
 

@@ -382,6 +382,22 @@ pub struct Measurement {
     pub tuples: Tuples,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub lateness_ms: Option<Lateness>,
+    /// CPU time of this process (every thread: the worker, the publishers, the harness)
+    /// while the scenario ran, seeding included; `None` where `/proc/self/stat` is not
+    /// readable. Informational, never gated: what the runtime costs on the client side
+    /// (the telemetry comparison reads it), steadier than throughput on a shared machine.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub client_cpu_seconds: Option<f64>,
+}
+
+/// CPU time this process has used so far (user + system, every thread, exited ones
+/// included), from `/proc/self/stat` in clock ticks of 10 ms (Linux's `USER_HZ`).
+pub fn process_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name in parentheses: state is field 3, utime 14, stime 15.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i)?.parse::<u64>().ok();
+    Some((ticks(11)? + ticks(12)?) as f64 / 100.0)
 }
 
 impl Measurement {
@@ -547,6 +563,7 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
     probe::reset_statements(&mut env.probe).await?;
 
     let pools = (worker_pool.as_ref(), app_pool.as_ref());
+    let cpu0 = process_cpu_seconds();
     let ran = match (sc.kind, pools) {
         (
             Kind::Consumer {
@@ -577,6 +594,9 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
         (Kind::Renewal { held }, (Some(w), _)) => run_renewal(env, w, &outbox, held).await?,
         _ => unreachable!("every kind gets the pools it uses"),
     };
+    let client_cpu_seconds = process_cpu_seconds()
+        .zip(cpu0)
+        .map(|(after, before)| after - before);
 
     for pool in [worker_pool, app_pool].into_iter().flatten() {
         pool.close().await;
@@ -611,6 +631,7 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
             dead: tup1.dead,
         },
         lateness_ms: ran.lateness,
+        client_cpu_seconds,
     };
     Ok(Output {
         m,

@@ -19,8 +19,8 @@ use crate::cancel::Cancelled;
 use crate::dlq::{DeadLetterFilter, Redrive, RedriveOutcome, RedriveResult, Selection};
 use crate::error::{Error, Result};
 use crate::publish::{
-    micros, slack_micros, validate_batch, validate_queue, validate_timer_id, BatchItem, Message,
-    OnConflict, Published, Resolved, Schedule,
+    self, micros, slack_micros, validate_batch, validate_queue, validate_timer_id, BatchItem,
+    Message, OnConflict, Published, Resolved, Schedule,
 };
 use crate::read::{DeadLetter, StoredRow};
 use crate::stats::{complete, lateness, Count, QueueStats, StatsMode, StatsRequest};
@@ -1359,7 +1359,19 @@ impl MemoryStore {
         items: &[BatchItem<'_>],
         schedule: impl Into<Schedule>,
     ) -> Result<Vec<i64>> {
-        self.lock().publish_batch(queue, items, schedule.into())
+        let span = crate::telemetry::send_span(queue, None, Some(items.len()));
+        let traced = publish::batch_trace_context(&span, items);
+        let rebuilt;
+        let items = match &traced {
+            Some(traced) => {
+                rebuilt = publish::traced_items(items, traced);
+                &rebuilt[..]
+            }
+            None => items,
+        };
+        let result = span.in_scope(|| self.lock().publish_batch(queue, items, schedule.into()));
+        publish::sent_batch(&span, &result);
+        result
     }
 }
 
@@ -1483,7 +1495,16 @@ impl Publisher for &MemoryStore {
         self,
         message: Message<'m>,
     ) -> impl Future<Output = Result<Published>> + Send {
-        ready(self.lock().publish(message))
+        // The same `send` span and trace context as a publish on Postgres.
+        let span = publish::send_span(&message);
+        let traced = publish::with_trace_context(&span, message.headers);
+        let message = Message {
+            headers: traced.as_ref().or(message.headers),
+            ..message
+        };
+        let result = span.in_scope(|| self.lock().publish(message));
+        publish::sent(&span, &result);
+        ready(result)
     }
 
     fn cancel_timer(

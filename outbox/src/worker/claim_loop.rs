@@ -7,11 +7,13 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::isolate::claim_isolating;
-use super::shared::{backoff, Shared};
+use super::shared::{backoff, Claimed, Shared};
 use crate::error::Error;
-use crate::store::{ClaimRequest, Delivery, Store, Wakeup};
+use crate::store::{ClaimRequest, Store, Wakeup};
+use crate::telemetry;
 
 /// Logs a failure at once and then at most every 10 s, with how many were not logged, so a
 /// worker whose database is down says why without flooding the log.
@@ -61,7 +63,7 @@ pub(crate) async fn claim_loop<S: Store>(
     shared: &Arc<Shared<S>>,
     queues: &[String],
     mut wakeups: Option<mpsc::Receiver<Wakeup>>,
-    deliveries: &mpsc::Sender<Delivery>,
+    deliveries: &mpsc::Sender<Claimed>,
     stopped: &mut watch::Receiver<bool>,
 ) {
     let config = shared.config;
@@ -96,13 +98,19 @@ pub(crate) async fn claim_loop<S: Store>(
         // ours, and dropping the future then would strand them until their lease expires.
         // The claim is one short statement; shutdown releases what it returns. (Shutdown
         // gives up on it only at its deadline, when the database does not answer.)
-        let claimed = match shared.store.claim(request).await {
-            Err(e) if e.is_row_fault() => claim_isolating(shared, request, &e).await,
-            done => done,
-        };
+        let receive = telemetry::receive_span(queues);
+        let claimed = async {
+            match shared.store.claim(request).await {
+                Err(e) if e.is_row_fault() => claim_isolating(shared, request, &e).await,
+                done => done,
+            }
+        }
+        .instrument(receive.clone())
+        .await;
         let batch = match claimed {
             Ok(b) => b,
             Err(e) => {
+                telemetry::error(&receive, e.variant());
                 failures += 1;
                 throttle.failed("claim", &e, failures);
                 metrics::counter!("outbox_claim_errors_total").increment(1);
@@ -117,11 +125,17 @@ pub(crate) async fn claim_loop<S: Store>(
         throttle.recovered();
         let got = batch.len();
         metrics::histogram!("outbox_claim_batch_size").record(got as f64);
+        receive.record("messaging.batch.message_count", got as u64);
         let claimed_at = Instant::now();
         for (permit, d) in permits.zip(batch) {
             shared.held.add(&d, claimed_at);
-            permit.send(d);
+            telemetry::link_creation(&receive, d.headers.as_ref(), Some(d.lease.id));
+            permit.send(Claimed {
+                delivery: d,
+                receive: receive.clone(),
+            });
         }
+        drop(receive);
         // Hints that arrived while we were busy are covered by this claim or by the
         // next_wakeup below.
         if let Some(w) = wakeups.as_mut() {

@@ -11,14 +11,15 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch, Mutex};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tracing::Instrument;
+use tracing::{Instrument, Span};
 
-use super::handler::{decide, Decision};
+use super::handler::{decide, Decided, Decision};
 use super::leases::Phase as HeldPhase;
-use super::shared::{backoff, Shared};
+use super::shared::{backoff, Claimed, Shared};
 use crate::error::Result;
 use crate::store::transaction::{CommitHooks, TransactionAccess};
 use crate::store::{Completion, Delivery, Failure, Lease, Renewal, Store};
+use crate::telemetry::{self, InFlight};
 
 /// A success waiting for the completer.
 #[derive(Debug, Clone)]
@@ -27,6 +28,8 @@ pub(crate) struct PendingAck {
     pub lease: Lease,
     /// For metrics.
     pub queue: String,
+    /// The run's `settle` span: it ends once the batched delete reported the row.
+    pub span: Span,
 }
 
 /// Which completion a write was: the `phase` label of `lease_lost` metrics and events.
@@ -57,29 +60,53 @@ impl Phase {
 /// One handler slot: takes claimed rows until the claim loop closes the channel.
 pub(crate) async fn handler_task<S: Store>(
     shared: Arc<Shared<S>>,
-    deliveries: Arc<Mutex<mpsc::Receiver<Delivery>>>,
+    deliveries: Arc<Mutex<mpsc::Receiver<Claimed>>>,
     acks: Option<mpsc::Sender<PendingAck>>,
 ) {
     loop {
         let next = deliveries.lock().await.recv().await;
-        let Some(d) = next else { return };
+        let Some(Claimed {
+            delivery: d,
+            receive,
+        }) = next
+        else {
+            return;
+        };
         // A row whose lease was lost while it waited, or that shutdown releases, never
         // starts (SPEC §7.5, §7.8).
         let Some(stop) = shared.held.start(d.lease) else {
             continue;
         };
-        let span = tracing::info_span!(
-            "outbox.delivery",
-            queue = %d.queue,
-            id = d.lease.id,
-            timer_id = d.timer_id.as_deref(),
-            delivery = d.deliveries_count,
-            attempt = d.attempts_count + 1,
-        );
-        process(&shared, d, stop, acks.as_ref())
-            .instrument(span)
-            .await;
+        let span = process_span(&d, &receive);
+        drop(receive);
+        process(&shared, d, stop, acks.as_ref(), span).await;
     }
+}
+
+/// The `process` span of a delivery: follows from the claim's `receive` span, links to the
+/// trace context its publish wrote into the headers.
+pub(crate) fn process_span(d: &Delivery, receive: &Span) -> Span {
+    let run = telemetry::Run {
+        queue: &d.queue,
+        id: d.lease.id,
+        timer_id: d.timer_id.as_deref(),
+        delivery: d.deliveries_count,
+        attempt: d.attempts_count.saturating_add(1),
+    };
+    let span = telemetry::process_span(&run, receive);
+    telemetry::link_creation(&span, d.headers.as_ref(), None);
+    span
+}
+
+/// Records what a run decided on its `process` span and ends its in-flight count.
+pub(crate) fn finish_run(run: InFlight, decided: &Decided) {
+    let (outcome, reason) = match &decided.decision {
+        Decision::Ack => ("ack", None),
+        Decision::Retry { .. } => ("retry", None),
+        Decision::Fail { reason, .. } => ("fail", Some(reason.as_str())),
+        Decision::Completed { .. } => ("completed", None),
+    };
+    run.finish(outcome, reason, decided.error_type);
 }
 
 /// Handles one delivery and writes its fenced completion.
@@ -88,11 +115,12 @@ async fn process<S: Store>(
     d: Delivery,
     stop: watch::Receiver<Option<super::handler::CancelReason>>,
     acks: Option<&mpsc::Sender<PendingAck>>,
+    span: Span,
 ) {
     let lease = d.lease;
     let Some(route) = shared.routes.get(&d.queue) else {
         // Unreachable: we only claim queues we serve. Leave the row to lease expiry.
-        tracing::error!("outbox: claimed a row of a queue without handler");
+        span.in_scope(|| tracing::error!("outbox: claimed a row of a queue without handler"));
         shared.held.remove(lease);
         return;
     };
@@ -109,7 +137,11 @@ async fn process<S: Store>(
         lease,
     });
     let transaction = TransactionAccess::new(shared.store.transactions(), lease).hooks(hooks);
-    let decision = decide(route, &d, Some(stop), transaction).await;
+    let run = InFlight::start(&d.queue, &span);
+    let decided = decide(route, &d, Some(stop), transaction)
+        .instrument(span.clone())
+        .await;
+    finish_run(run, &decided);
     metrics::histogram!("outbox_handler_duration_seconds", "queue" => d.queue.clone())
         .record(started.elapsed().as_secs_f64());
     shared.held.completing(lease);
@@ -120,19 +152,40 @@ async fn process<S: Store>(
             shared.wake_at_local(Instant::now());
         }
     }
+    let settle = telemetry::settle_span(&span, &d.queue, lease.id);
+    drop(span);
+    if settle_run(shared, &d, decided.decision, acks, &settle)
+        .instrument(settle.clone())
+        .await
+    {
+        shared.held.remove(lease);
+    }
+}
+
+/// Writes the completion a run decided, in its `settle` span (the events of the write land
+/// there). False when a success went to the completer, which then owns the row.
+async fn settle_run<S: Store>(
+    shared: &Arc<Shared<S>>,
+    d: &Delivery,
+    decision: Decision,
+    acks: Option<&mpsc::Sender<PendingAck>>,
+    span: &Span,
+) -> bool {
+    let lease = d.lease;
     match decision {
         Decision::Ack => {
             if let Some(acks) = acks {
                 let pending = PendingAck {
                     lease,
                     queue: d.queue.clone(),
+                    span: span.clone(),
                 };
                 if acks.send(pending).await.is_ok() {
-                    return;
+                    return false;
                 }
             }
             let done = write_with_retry(shared, lease, || shared.store.ack(lease)).await;
-            report(shared, &d.queue, Phase::Ack, done);
+            settled(shared, span, &d.queue, Phase::Ack, done);
         }
         Decision::Retry { delay, error } => {
             let done = write_with_retry(shared, lease, || shared.store.retry(lease, delay)).await;
@@ -142,11 +195,11 @@ async fn process<S: Store>(
             } else {
                 tracing::info!(error = %error, "outbox: handler failed");
             }
-            report(shared, &d.queue, Phase::Retry, done);
+            settled(shared, span, &d.queue, Phase::Retry, done);
         }
         Decision::Completed { completion } => {
             // Written by the handler's own transaction (SPEC §7.9).
-            report(shared, &d.queue, Phase::Ack, Some(completion));
+            settled(shared, span, &d.queue, Phase::Ack, Some(completion));
         }
         Decision::Fail { reason, error } => {
             tracing::warn!(reason = %reason, error = error.as_deref().unwrap_or(""), "outbox: terminal failure");
@@ -164,10 +217,50 @@ async fn process<S: Store>(
                     tracing::warn!(reason = %reason, "outbox: dead letter written");
                 }
             }
-            report(shared, &d.queue, Phase::Fail, done);
+            span.record("outbox.failure_reason", reason.as_str());
+            settled(shared, span, &d.queue, Phase::Fail, done);
         }
     }
-    shared.held.remove(lease);
+    true
+}
+
+/// What a completion did, as the `settle` span's `outbox.outcome` and, for a write that
+/// did not happen, its `error.type`.
+pub(crate) fn settle_outcome(
+    phase: Phase,
+    done: Option<&Completion>,
+    dead_letter: bool,
+) -> (&'static str, Option<&'static str>) {
+    match done {
+        None => ("not_written", Some("completion_failed")),
+        Some(Completion::LeaseLost) => ("lease_lost", Some("lease_lost")),
+        Some(Completion::Cancelled) => ("cancelled", None),
+        Some(Completion::Rearmed { .. }) => ("rearmed", None),
+        Some(Completion::RetryScheduled { .. }) => ("retried", None),
+        Some(Completion::Deleted) => match phase {
+            Phase::Fail if dead_letter => ("dead_lettered", None),
+            Phase::Fail => ("deleted", None),
+            _ => ("acked", None),
+        },
+    }
+}
+
+/// Records a finished completion on its `settle` span, then its metrics, events and
+/// wake-up hints ([`report`]).
+fn settled<S: Store>(
+    shared: &Shared<S>,
+    span: &Span,
+    queue: &str,
+    phase: Phase,
+    done: Option<Completion>,
+) {
+    let (outcome, error_type) =
+        settle_outcome(phase, done.as_ref(), shared.store.dead_letter_enabled());
+    telemetry::outcome(span, outcome);
+    if let Some(e) = error_type {
+        telemetry::error(span, e);
+    }
+    report(shared, queue, phase, done);
 }
 
 /// The held-lease bookkeeping around a handler's own commit (the row's completion runs
@@ -342,7 +435,9 @@ async fn flush<S: Store>(shared: &Shared<S>, batch: Vec<PendingAck>) {
         |done| done.into_iter().map(Some).collect(),
     );
     for (pending, done) in batch.iter().zip(results) {
-        report(shared, &pending.queue, Phase::Ack, done);
+        pending
+            .span
+            .in_scope(|| settled(shared, &pending.span, &pending.queue, Phase::Ack, done));
         shared.held.remove(pending.lease);
     }
 }

@@ -583,6 +583,23 @@ impl Route {
     }
 }
 
+/// A run's decision and, when the run failed, the class of its failure: the `error.type`
+/// of its `process` span (the list is in [`crate::telemetry`]).
+#[derive(Debug)]
+pub(crate) struct Decided {
+    pub(crate) decision: Decision,
+    pub(crate) error_type: Option<&'static str>,
+}
+
+impl Decided {
+    fn new(decision: Decision, error_type: &'static str) -> Self {
+        Decided {
+            decision,
+            error_type: Some(error_type),
+        }
+    }
+}
+
 /// Runs one delivery through its route: the `max_deliveries` check, decoding, the handler
 /// (a panic is a failed run, and so is a run past the route's timeout), and the retry
 /// strategy. Touches no storage, so the worker and the test harness share it. `stop` is
@@ -592,36 +609,43 @@ pub(crate) async fn decide(
     delivery: &Delivery,
     stop: Option<watch::Receiver<Option<CancelReason>>>,
     transaction: TransactionAccess,
-) -> Decision {
+) -> Decided {
     if i64::from(delivery.deliveries_count) > i64::from(route.max_deliveries) {
-        return Decision::Fail {
+        let decision = Decision::Fail {
             reason: FailureReason::MaxDeliveries,
             error: Some(format!(
                 "delivered {} times; max_deliveries is {}",
                 delivery.deliveries_count, route.max_deliveries
             )),
         };
+        return Decided::new(decision, "max_deliveries");
     }
     if let Some(problem) = &delivery.decode_error {
         // The stored row itself does not decode: no handler can run it, and retrying it
         // would only fail the same way (SPEC §7.4).
-        return Decision::Fail {
+        let decision = Decision::Fail {
             reason: FailureReason::DecodeError,
             error: Some(format!("the stored row does not decode: {problem}")),
         };
+        return Decided::new(decision, "decode_error");
     }
     let ctx = Context::new(delivery, stop, transaction.clone());
     // A panic is a failed run wherever it happens: while decoding (a hand-written
     // Deserialize), in the synchronous part of a handler closure, or in its future. None
     // may take the worker's handler task down.
     let panicked = |p: Box<dyn std::any::Any + Send>| {
-        Outcome::Retry(format!("handler panicked: {}", panic_text(&*p)))
+        (
+            Outcome::Retry(format!("handler panicked: {}", panic_text(&*p))),
+            Some("panic"),
+        )
     };
     let dispatched = std::panic::catch_unwind(AssertUnwindSafe(|| {
         route.handler.dispatch(&delivery.payload, ctx)
     }));
     let mut timed_out = false;
-    let result = match dispatched {
+    // `cause`: the failure class when the run itself failed (a panic or the timeout);
+    // otherwise what the handler returned says it.
+    let (result, cause) = match dispatched {
         Ok(Ok(fut)) => {
             let run = AssertUnwindSafe(fut).catch_unwind();
             let outcome = match route.timeout {
@@ -629,7 +653,8 @@ pub(crate) async fn decide(
                 None => Some(run.await),
             };
             match outcome {
-                Some(done) => done.unwrap_or_else(panicked),
+                Some(Ok(done)) => (done, None),
+                Some(Err(p)) => panicked(p),
                 None => {
                     timed_out = true;
                     let limit = route.timeout.unwrap_or_default();
@@ -640,22 +665,26 @@ pub(crate) async fn decide(
                         timeout_ms = limit.as_millis() as u64,
                         "outbox: handler timed out; its run is stopped and counts as failed"
                     );
-                    Outcome::Retry(format!("handler timed out after {limit:?}"))
+                    (
+                        Outcome::Retry(format!("handler timed out after {limit:?}")),
+                        Some("timeout"),
+                    )
                 }
             }
         }
         Ok(Err(e)) => {
-            return Decision::Fail {
+            let decision = Decision::Fail {
                 reason: FailureReason::DecodeError,
                 error: Some(e),
-            }
+            };
+            return Decided::new(decision, "decode_error");
         }
         Err(p) => panicked(p),
     };
     // What the handler did with its transaction decides before what it returned (SPEC
     // §7.9). Its future is done or dropped by now; a commit in flight is waited for.
-    let result = match (transaction.settle().await, result) {
-        (RunTransaction::None | RunTransaction::RolledBack, result) => result,
+    let (result, cause) = match (transaction.settle().await, result) {
+        (RunTransaction::None | RunTransaction::RolledBack, result) => (result, cause),
         (RunTransaction::Committed(completion), result) => {
             if result != Outcome::Ack {
                 tracing::warn!(
@@ -663,24 +692,37 @@ pub(crate) async fn decide(
                     "outbox: the handler committed its transaction (which completed the row) and then reported a failure; the commit stands"
                 );
             }
-            return Decision::Completed { completion };
-        }
-        (RunTransaction::Failed { lease_lost: true, .. }, _) => {
-            return Decision::Completed {
-                completion: Completion::LeaseLost,
+            return Decided {
+                decision: Decision::Completed { completion },
+                error_type: None,
             };
         }
-        (RunTransaction::Failed { error, .. }, Outcome::Ack) => Outcome::Retry(format!(
-            "the handler's transaction failed to commit (rolled back): {error}"
-        )),
-        (RunTransaction::Dropped, Outcome::Ack) => Outcome::Retry(
-            "transaction not committed: the handler began a transaction and returned without committing or rolling it back (it was rolled back)".to_owned(),
+        (RunTransaction::Failed { lease_lost: true, .. }, _) => {
+            let decision = Decision::Completed {
+                completion: Completion::LeaseLost,
+            };
+            return Decided::new(decision, "lease_lost");
+        }
+        (RunTransaction::Failed { error, .. }, Outcome::Ack) => (
+            Outcome::Retry(format!(
+                "the handler's transaction failed to commit (rolled back): {error}"
+            )),
+            Some("transaction_error"),
         ),
-        (RunTransaction::Abandoned, Outcome::Ack) => Outcome::Retry(
-            "transaction not committed: the handler returned while its transaction was still open elsewhere; it can no longer commit, and rolls back when dropped".to_owned(),
+        (RunTransaction::Dropped, Outcome::Ack) => (
+            Outcome::Retry(
+                "transaction not committed: the handler began a transaction and returned without committing or rolling it back (it was rolled back)".to_owned(),
+            ),
+            Some("transaction_error"),
+        ),
+        (RunTransaction::Abandoned, Outcome::Ack) => (
+            Outcome::Retry(
+                "transaction not committed: the handler returned while its transaction was still open elsewhere; it can no longer commit, and rolls back when dropped".to_owned(),
+            ),
+            Some("transaction_error"),
         ),
         // Open and Committing are resolved by `settle`.
-        (_, failed) => failed,
+        (_, failed) => (failed, cause),
     };
     let failures = u32::try_from(delivery.attempts_count)
         .unwrap_or(0)
@@ -690,13 +732,19 @@ pub(crate) async fn decide(
         .and_then(|first| (delivery.claimed_at - first).to_std().ok())
         .unwrap_or_default();
     match result {
-        Outcome::Ack => Decision::Ack,
-        Outcome::Reject(e) => Decision::Fail {
-            reason: FailureReason::Rejected,
-            error: Some(e),
+        Outcome::Ack => Decided {
+            decision: Decision::Ack,
+            error_type: None,
         },
+        Outcome::Reject(e) => Decided::new(
+            Decision::Fail {
+                reason: FailureReason::Rejected,
+                error: Some(e),
+            },
+            "rejected",
+        ),
         Outcome::Retry(error) => {
-            match route
+            let decision = match route
                 .retry
                 .next_delay(failures, elapsed, rand::random::<f64>())
             {
@@ -709,23 +757,30 @@ pub(crate) async fn decide(
                     },
                     error: Some(error),
                 },
-            }
+            };
+            Decided::new(decision, cause.unwrap_or("handler_error"))
         }
         Outcome::RetryAfter(delay) => {
             let delay = delay.min(super::retry::MAX_RETRY_DELAY);
             // An explicit delay replaces the strategy's, but its attempt limit still holds.
+            // The run itself did not fail (the handler asked for it): no error class until
+            // the attempts are exhausted.
             if route.retry.allows_another(failures) {
-                Decision::Retry {
-                    delay,
-                    error: format!("handler asked to retry after {delay:?}"),
+                Decided {
+                    decision: Decision::Retry {
+                        delay,
+                        error: format!("handler asked to retry after {delay:?}"),
+                    },
+                    error_type: None,
                 }
             } else {
-                Decision::Fail {
+                let decision = Decision::Fail {
                     reason: FailureReason::RetryExhausted,
                     error: Some(format!(
                         "handler asked to retry after {delay:?}; attempts exhausted"
                     )),
-                }
+                };
+                Decided::new(decision, "retry_exhausted")
             }
         }
     }

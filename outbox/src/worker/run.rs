@@ -8,19 +8,24 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch, Mutex};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::claim_loop::claim_loop;
-use super::complete::{completer, handler_task, renewal_loop};
+use super::complete::{
+    completer, finish_run, handler_task, process_span, renewal_loop, settle_outcome,
+    Phase as CompletePhase,
+};
 use super::config::Config;
 use super::gauge::queue_depth;
 use super::handler::{decide, Decision, Route};
 use super::leases::Phase;
-use super::shared::Shared;
+use super::shared::{Claimed, Shared};
 use crate::error::Result;
 use crate::store::transaction::TransactionAccess;
 use crate::store::{
     ClaimRequest, Completion, Delivery, Failure, FailureReason, Release, Released, Store,
 };
+use crate::telemetry::{self, InFlight};
 
 /// A worker: one claim loop, `concurrency` handler tasks, fenced completions, on-time
 /// wake-ups, recovery from database failures, graceful shutdown. Build one with
@@ -334,39 +339,84 @@ impl<S: Store> Worker<S> {
     /// # Errors
     /// The first storage error; deliveries before it have been completed.
     pub async fn run_due(&self) -> Result<Vec<Dispatched>> {
-        crate::telemetry::describe();
+        telemetry::describe();
         let mut out = Vec::new();
         while out.len() < RUN_DUE_LIMIT {
             let limit = self.config.fetch_batch_size.min(RUN_DUE_LIMIT - out.len());
-            let batch = self
+            let receive = telemetry::receive_span(&self.queues);
+            let claimed = self
                 .store
                 .claim(ClaimRequest::new(
                     &self.queues,
                     limit,
                     self.config.lease_ttl,
                 ))
-                .await?;
+                .instrument(receive.clone())
+                .await;
+            let batch = match claimed {
+                Ok(batch) => batch,
+                Err(e) => {
+                    telemetry::error(&receive, e.variant());
+                    return Err(e);
+                }
+            };
+            receive.record("messaging.batch.message_count", batch.len() as u64);
             if batch.is_empty() {
                 break;
+            }
+            for d in &batch {
+                telemetry::link_creation(&receive, d.headers.as_ref(), Some(d.lease.id));
             }
             for d in batch {
                 let Some(route) = self.routes.get(&d.queue) else {
                     continue;
                 };
+                let span = process_span(&d, &receive);
                 let transaction = TransactionAccess::new(self.store.transactions(), d.lease);
-                let decision = decide(route, &d, None, transaction).await;
-                let completion = match &decision {
-                    Decision::Completed { completion } => *completion,
-                    Decision::Ack => self.store.ack(d.lease).await?,
-                    Decision::Retry { delay, .. } => self.store.retry(d.lease, *delay).await?,
-                    Decision::Fail { reason, error } => {
-                        let failure = Failure {
-                            reason: *reason,
-                            last_error: error.as_deref(),
-                        };
-                        self.store.fail(d.lease, failure).await?
+                let run = InFlight::start(&d.queue, &span);
+                let decided = decide(route, &d, None, transaction)
+                    .instrument(span.clone())
+                    .await;
+                finish_run(run, &decided);
+                let decision = decided.decision;
+                let settle = telemetry::settle_span(&span, &d.queue, d.lease.id);
+                let written = async {
+                    Ok::<_, crate::error::Error>(match &decision {
+                        Decision::Completed { completion } => (CompletePhase::Ack, *completion),
+                        Decision::Ack => (CompletePhase::Ack, self.store.ack(d.lease).await?),
+                        Decision::Retry { delay, .. } => (
+                            CompletePhase::Retry,
+                            self.store.retry(d.lease, *delay).await?,
+                        ),
+                        Decision::Fail { reason, error } => {
+                            settle.record("outbox.failure_reason", reason.as_str());
+                            let failure = Failure {
+                                reason: *reason,
+                                last_error: error.as_deref(),
+                            };
+                            (
+                                CompletePhase::Fail,
+                                self.store.fail(d.lease, failure).await?,
+                            )
+                        }
+                    })
+                }
+                .instrument(settle.clone())
+                .await;
+                let (phase, completion) = match written {
+                    Ok(done) => done,
+                    Err(e) => {
+                        telemetry::outcome(&settle, "not_written");
+                        telemetry::error(&settle, e.variant());
+                        return Err(e);
                     }
                 };
+                let (outcome, error_type) =
+                    settle_outcome(phase, Some(&completion), self.store.dead_letter_enabled());
+                telemetry::outcome(&settle, outcome);
+                if let Some(e) = error_type {
+                    telemetry::error(&settle, e);
+                }
                 out.push(Dispatched {
                     delivery: d,
                     decision,
@@ -382,7 +432,7 @@ impl<S: Store> Worker<S> {
     /// # Panics
     /// Outside a Tokio runtime.
     pub fn start(self) -> RunningWorker {
-        crate::telemetry::describe();
+        telemetry::describe();
         let (stop, stopped) = watch::channel(false);
         let task = tokio::spawn(self.run(stopped));
         RunningWorker {
@@ -415,7 +465,7 @@ impl<S: Store> Worker<S> {
             }
         };
         warn_if_autovacuum_off(&shared.store).await;
-        let (deliveries_tx, deliveries_rx) = mpsc::channel::<Delivery>(config.fetch_batch_size);
+        let (deliveries_tx, deliveries_rx) = mpsc::channel::<Claimed>(config.fetch_batch_size);
         let deliveries_rx = Arc::new(Mutex::new(deliveries_rx));
         // One statement's worth of successes may wait while the completer writes: a burst
         // behind a slow commit fills its next statement, and a full channel holds the

@@ -15,7 +15,14 @@ use super::config::Config;
 use super::handler::Route;
 use super::leases::Held;
 use super::quarantine::Quarantine;
-use crate::store::Store;
+use crate::store::{Delivery, Store};
+
+/// A claimed row on its way from the claim loop to a handler task, with the `receive` span
+/// of the claim that took it (its `process` span follows from it).
+pub(crate) struct Claimed {
+    pub(crate) delivery: Delivery,
+    pub(crate) receive: tracing::Span,
+}
 
 /// State shared by the claim loop, handler tasks and the completer.
 pub(crate) struct Shared<S> {

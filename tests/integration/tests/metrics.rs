@@ -208,3 +208,127 @@ async fn every_metric_has_a_unit_and_a_description() {
     );
     f.cleanup().await;
 }
+
+/// `outbox_in_flight{queue}` counts handler runs in progress and comes back to zero on
+/// every way a run ends: success, error, panic, timeout, and a run stopped at shutdown.
+/// Its own test binary process under nextest, so its recorder is the global one.
+#[tokio::test]
+async fn in_flight_counts_runs_and_comes_back_to_zero_on_every_path() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::set_global_recorder(recorder).expect("the only recorder of this process");
+
+    let f = Fixture::new().await;
+    let (main, hang) = ("inflight", "inflight.hang");
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let handler = {
+        let release = release.clone();
+        move |payload: Vec<u8>, _ctx: Context| {
+            let release = release.clone();
+            async move {
+                match &payload[..] {
+                    b"hold" => {
+                        let _permit = release.acquire().await.map_err(|e| e.to_string())?;
+                        Ok(Outcome::Ack)
+                    }
+                    b"error" => Err("fails".to_owned()),
+                    b"panic" => panic!("handler panics"),
+                    // Past the queue's timeout (200 ms), or forever on the queue without one.
+                    b"sleep" => {
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                        Ok(Outcome::Ack)
+                    }
+                    _ => Ok(Outcome::Ack),
+                }
+            }
+        }
+    };
+    let once = RetryStrategy::constant(Duration::from_millis(10)).max_attempts(1);
+    let worker = Worker::builder(f.store.clone())
+        .idle_poll(Duration::from_millis(50))
+        .concurrency(4)
+        .graceful_timeout(Duration::from_millis(100))
+        .queue_with(
+            main,
+            handler.clone(),
+            HandlerOptions::new()
+                .retry(once)
+                .timeout(Duration::from_millis(200)),
+        )
+        .queue_with(hang, handler, HandlerOptions::new().retry(once))
+        .build()
+        .unwrap()
+        .start();
+    let mut m = HashMap::new();
+    let key = |q: &str| format!("outbox_in_flight{{queue={q}}}");
+    let publish = |queue: &'static str, payload: &'static [u8]| {
+        let (pool, outbox) = (f.pool.clone(), f.outbox.clone());
+        async move {
+            let mut conn = pool.acquire().await.unwrap();
+            outbox
+                .publish(&mut conn, outbox::Message::new(queue, payload))
+                .await
+                .unwrap();
+        }
+    };
+
+    // Two runs held open: the gauge shows both.
+    publish(main, b"hold").await;
+    publish(main, b"hold").await;
+    let end = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        read_into(&snapshotter, &mut m);
+        if m.get(&key(main)).copied() == Some(2.0) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < end,
+            "two runs never showed: {m:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    release.add_permits(2);
+    // An error, a panic and a timeout, each ending for good (one attempt).
+    for payload in [&b"error"[..], b"panic", b"sleep"] {
+        publish(main, payload).await;
+    }
+    outbox_tests::eventually(20, "every run of the main queue ended", || async {
+        f.rows(main).await.is_empty()
+    })
+    .await;
+    read_into(&snapshotter, &mut m);
+    assert_eq!(m.get(&key(main)).copied(), Some(0.0), "{m:#?}");
+    let letters = f
+        .store
+        .dead_letters(&outbox::dlq::DeadLetterFilter::new().queue(main), None, 10)
+        .await
+        .unwrap();
+    let mut reasons: Vec<String> = letters.iter().map(|d| d.failure_reason.clone()).collect();
+    reasons.sort();
+    assert_eq!(
+        reasons,
+        ["retry_exhausted", "retry_exhausted", "timeout"],
+        "the error, the panic and the timeout ran and ended: {letters:#?}"
+    );
+
+    // A run still going at shutdown is stopped (its future dropped): it comes back down.
+    publish(hang, b"sleep").await;
+    let end = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        read_into(&snapshotter, &mut m);
+        if m.get(&key(hang)).copied() == Some(1.0) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < end,
+            "the hanging run never showed: {m:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let report = worker.shutdown().await;
+    assert_eq!(report.abandoned, 1, "{report:?}");
+    read_into(&snapshotter, &mut m);
+    assert_eq!(m.get(&key(hang)).copied(), Some(0.0), "{m:#?}");
+    assert_eq!(m.get(&key(main)).copied(), Some(0.0), "{m:#?}");
+    f.cleanup().await;
+}

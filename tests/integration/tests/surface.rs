@@ -114,6 +114,7 @@ fn the_crate_root_holds_the_quick_start_names_and_the_modules() {
             "schema",
             "stats",
             "store",
+            "telemetry",
             "testing",
             "worker"
         ])
