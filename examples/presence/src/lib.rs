@@ -10,7 +10,8 @@
 //! - [`server`]: the HTTP API, the users table, the expiry handler and its worker.
 //! - [`load`]: a load driver over real HTTP that checks every state it reads, with the
 //!   definition of a *wrong transition*.
-//! - [`telemetry`]: a small `metrics` recorder so the service can show the worker's metrics.
+//! - [`telemetry`]: the worker's metrics through the `metrics-exporter-prometheus` recorder,
+//!   served on `GET /metrics` and read back for `GET /stats`.
 //!
 //! The binary (`cargo run --release -p presence -- --help`) has three subcommands:
 //! `serve`, `load --url ...` and `demo` (both in one process).

@@ -15,7 +15,8 @@
 //!   timer extended with a slack may fire up to the slack early, and this puts it back).
 //!   Both in its own transaction, which also completes the timer's row (SPEC §7.9). It
 //!   gets the service's state from the worker (`Context::state`).
-//! - `GET /stats` and `GET /metrics` report what the service and the worker did.
+//! - `GET /stats` (JSON) and `GET /metrics` (the Prometheus text format, from the
+//!   [`telemetry`] module's exporter) report what the service and the worker did.
 
 use sqlx::AssertSqlSafe;
 use std::net::SocketAddr;
@@ -38,7 +39,9 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool, Row};
 use tokio::sync::watch;
 
-use crate::telemetry;
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::telemetry::{self, Scrape};
 
 /// The expiry timer of one user. Its timer id is the user id.
 #[outbox::timer(queue = "presence.expiry", max_deliveries = 5)]
@@ -432,7 +435,7 @@ struct App {
     slack: Duration,
     handler_delay: Duration,
     counters: Counters,
-    metrics: Option<&'static telemetry::Registry>,
+    metrics: Option<&'static PrometheusHandle>,
 }
 
 /// A running service: HTTP server and expiry worker.
@@ -862,16 +865,17 @@ async fn get_user(
 }
 
 /// Firing lateness of the expiry timers: claim time − deadline (database clock), from the
-/// worker's `outbox_firing_lateness_seconds` histogram.
+/// worker's `outbox_firing_lateness_seconds` histogram (a Prometheus summary: the quantiles
+/// cover the last [`telemetry::SUMMARY_WINDOW`], the count the whole process).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Lateness {
-    /// Firings measured.
+    /// Firings measured since the process started.
     pub count: u64,
-    /// Median, milliseconds.
+    /// Median over the window, milliseconds.
     pub p50_ms: f64,
-    /// 99th percentile, milliseconds.
+    /// 99th percentile over the window, milliseconds.
     pub p99_ms: f64,
-    /// Largest, milliseconds.
+    /// Largest within the window, milliseconds.
     pub max_ms: f64,
 }
 
@@ -921,7 +925,8 @@ pub struct Stats {
     pub already_offline: u64,
     /// Runs that failed (retried by the worker).
     pub handler_errors: u64,
-    /// Rearms the worker applied (`outbox_rearmed_total`); `None` without our recorder.
+    /// Rearms the worker applied (`outbox_rearmed_total`, summed over the process); `None`
+    /// when another `metrics` recorder was installed first (see [`telemetry::install`]).
     pub rearms_applied: Option<u64>,
     /// Completions the worker dropped because the lease was lost (`outbox_lease_lost_total`).
     pub lease_lost: Option<u64>,
@@ -929,7 +934,8 @@ pub struct Stats {
     pub retried: Option<u64>,
     /// Terminal failures (`outbox_terminal_total`).
     pub terminal: Option<u64>,
-    /// Firing lateness.
+    /// Firing lateness (`outbox_firing_lateness_seconds` of the expiry queue): quantiles over
+    /// the last [`telemetry::SUMMARY_WINDOW`], count since the process started.
     pub lateness: Option<Lateness>,
 }
 
@@ -943,7 +949,9 @@ impl App {
             .await?;
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let m = self.metrics;
+        // The same text `GET /metrics` serves, read back.
+        let m = self.metrics.map(|h| Scrape::parse(&h.render()));
+        let m = m.as_ref();
         Ok(Stats {
             timeout_ms: self.timeout.as_millis() as u64,
             handler_delay_ms: self.handler_delay.as_millis() as u64,
@@ -971,11 +979,19 @@ impl App {
             retried: m.map(|m| m.counter("outbox_retried_total")),
             terminal: m.map(|m| m.counter("outbox_terminal_total")),
             lateness: m
-                .and_then(|m| m.quantiles("outbox_firing_lateness_seconds"))
+                .and_then(|m| {
+                    m.summary(
+                        "outbox_firing_lateness_seconds",
+                        ("queue", <PresenceExpiry as outbox::Timer>::QUEUE),
+                    )
+                })
+                // The exporter's quantiles are sketch estimates (0.01 % relative error) and
+                // can sit a hair above the exact largest value (quantile 1); no quantile
+                // exceeds the largest value, so they are capped there.
                 .map(|q| Lateness {
                     count: q.count,
-                    p50_ms: q.p50 * 1e3,
-                    p99_ms: q.p99 * 1e3,
+                    p50_ms: q.p50.min(q.max) * 1e3,
+                    p99_ms: q.p99.min(q.max) * 1e3,
                     max_ms: q.max * 1e3,
                 }),
         })
@@ -999,9 +1015,17 @@ async fn stats(
     Ok(Json(app.stats(range).await?))
 }
 
+/// `GET /metrics`: the exporter's rendering, in the text format version 0.0.4.
 async fn prometheus(State(app): State<Arc<App>>) -> Response {
     match app.metrics {
-        Some(m) => m.render_prometheus().into_response(),
+        Some(m) => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            m.render(),
+        )
+            .into_response(),
         None => (StatusCode::NOT_FOUND, "metrics go to another recorder").into_response(),
     }
 }

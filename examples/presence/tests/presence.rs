@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use outbox::Outbox;
 use presence::server::connect;
+use presence::telemetry::Scrape;
 use presence::{LoadConfig, Server, ServerConfig};
 
 fn database_url() -> String {
@@ -82,6 +83,15 @@ async fn run(slack: Duration) -> presence::server::Stats {
     }
     let report = presence::load::run(load).await;
     let audit = server.audit(1, 200).await;
+    // What a Prometheus scrape gets after the run.
+    let scraped = match reqwest::get(format!("{}/metrics", server.url())).await {
+        Ok(r) => (
+            r.status(),
+            r.headers().get("content-type").cloned(),
+            r.text().await,
+        ),
+        Err(e) => panic!("GET /metrics: {e}"),
+    };
     server.shutdown().await;
 
     let cleanup = connect(&database_url(), 1)
@@ -154,5 +164,43 @@ async fn run(slack: Duration) -> presence::server::Stats {
     assert_eq!(stats.handler_errors, 0, "{stats:#?}");
     assert_eq!(stats.lease_lost, Some(0), "{stats:#?}");
     assert!(!report.silent.is_empty() && !report.edge.is_empty() && !report.logout.is_empty());
+
+    // GET /metrics is the exporter's text: described metrics (HELP and TYPE lines from the
+    // library's descriptions), the worker's counters, the lateness summary of the queue.
+    let (status, content_type, text) = scraped;
+    let text = text.expect("GET /metrics body");
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        content_type.as_ref().and_then(|v| v.to_str().ok()),
+        Some("text/plain; version=0.0.4; charset=utf-8")
+    );
+    for line in [
+        "# HELP outbox_acked_total Successful runs whose fenced completion committed, by queue",
+        "# TYPE outbox_acked_total counter",
+        "# HELP outbox_firing_lateness_seconds Claim time minus deadline of each delivery, by queue",
+        "# TYPE outbox_firing_lateness_seconds summary",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
+    }
+    let scrape = Scrape::parse(&text);
+    let acked = scrape
+        .samples
+        .iter()
+        .find(|s| s.name == "outbox_acked_total" && s.label("queue") == Some("presence.expiry"));
+    assert!(
+        acked.is_some_and(|s| s.value >= 1.0),
+        "outbox_acked_total of the queue: {acked:?}\n{text}"
+    );
+    // /stats reads the same exporter: its lateness is that summary's.
+    let lateness = stats.lateness.expect("lateness in /stats");
+    assert!(lateness.count >= 1 && lateness.max_ms > 0.0, "{lateness:?}");
+    assert!(
+        lateness.p50_ms <= lateness.p99_ms && lateness.p99_ms <= lateness.max_ms,
+        "{lateness:?}"
+    );
+    assert!(
+        scrape.counter("outbox_rearmed_total") >= stats.rearms_applied.unwrap_or(0),
+        "counters only grow between /stats and /metrics: {stats:#?}\n{text}"
+    );
     stats
 }
