@@ -34,10 +34,11 @@ pub struct Global {
     /// The dead-letter table, when it is not `<table>_dlq`.
     #[arg(long, global = true)]
     pub dead_letter_table: Option<String>,
-    /// Whether the application archives terminal failures to the dead-letter table
-    /// (`OutboxBuilder::dead_letter`). `migrate` and `validate` then cover that table too,
-    /// and the `dlq` commands need it.
-    #[arg(long, global = true, default_value_t = true, action = clap::ArgAction::Set)]
+    /// The application archives terminal failures to the dead-letter table
+    /// (`OutboxBuilder::dead_letter(true)`): `migrate` and `validate` then cover that table's
+    /// upgrades too, and `status` counts dead letters. Off by default, as in the library.
+    /// The `dlq` commands always work with the dead-letter table.
+    #[arg(long, global = true)]
     pub dead_letter: bool,
     /// Print JSON instead of a table (one document per command; one per refresh with
     /// `status --watch`).
@@ -87,8 +88,9 @@ pub enum Command {
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// The lease TTL your workers use: a lease older than this counts as expired.
-    #[arg(long, value_parser = duration, default_value = "30s")]
+    /// The lease TTL your workers use (`WorkerBuilder::lease_ttl`, 60 s by default): a lease
+    /// older than this counts as expired.
+    #[arg(long, value_parser = duration, default_value = "60s")]
     pub lease_ttl: Duration,
     /// Only these queues (repeat the option); default: every queue with rows or dead letters.
     #[arg(long = "queue")]

@@ -30,8 +30,8 @@ async fn main() -> ExitCode {
 
 /// The application's `Outbox`, from the global options (names are checked here, before any
 /// connection).
-fn outbox(g: &Global) -> Result<Outbox, Failure> {
-    let mut b = Outbox::builder().table(&g.table).dead_letter(g.dead_letter);
+fn outbox(g: &Global, dead_letter: bool) -> Result<Outbox, Failure> {
+    let mut b = Outbox::builder().table(&g.table).dead_letter(dead_letter);
     if let Some(s) = &g.schema {
         b = b.schema(s);
     }
@@ -43,7 +43,9 @@ fn outbox(g: &Global) -> Result<Outbox, Failure> {
 
 async fn run(cli: Cli) -> Result<(), Failure> {
     let g = &cli.global;
-    let outbox = outbox(g)?;
+    // The dead-letter commands work on the dead-letter table whatever the flag says.
+    let dead_letter = g.dead_letter || matches!(cli.command, Command::Dlq(_));
+    let outbox = outbox(g, dead_letter)?;
     let pool = connect::connect(g.database_url.as_deref()).await?;
     let json = g.json;
     match cli.command {

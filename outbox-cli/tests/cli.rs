@@ -215,6 +215,16 @@ async fn dead_letters_list_redrive_and_purge() {
     ))
     .await;
 
+    // `status` counts dead letters when told the application has them.
+    assert_eq!(
+        queue_of(&t.json(&["--dead-letter", "status"]), "cli.q")["dead_letters"],
+        2
+    );
+    assert_eq!(
+        t.json(&["status"])["queues"],
+        serde_json::json!([]),
+        "without --dead-letter a queue of dead letters only is not listed"
+    );
     let all = t.json(&["dlq", "list"]);
     let ids: Vec<i64> = all["dead_letters"]
         .as_array()
