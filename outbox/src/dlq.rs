@@ -370,6 +370,22 @@ impl Redrive {
     }
 }
 
+impl Redrive {
+    /// Dead-letter ids are positive (an identity column starting at 1): an id below 1 is a
+    /// mistake, refused before any SQL as `run_now` refuses one, not reported `NotFound`.
+    pub(crate) fn check(&self) -> Result<()> {
+        if let Selection::Ids(ids) = &self.selection {
+            if let Some(bad) = ids.iter().find(|id| **id < 1) {
+                return Err(Error::invalid(
+                    "id",
+                    format!("dead-letter ids are positive, got {bad}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// What a redrive did with one dead letter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RedriveOutcome {
@@ -490,6 +506,7 @@ pub(crate) async fn redrive(
     conn: &mut PgConnection,
     redrive: &Redrive,
 ) -> Result<Vec<RedriveOutcome>> {
+    redrive.check()?;
     let max = i64::try_from(MAX_HEADERS_BYTES).unwrap_or(i64::MAX);
     let rows = match &redrive.selection {
         Selection::Ids(ids) => {

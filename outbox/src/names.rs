@@ -146,6 +146,20 @@ impl Names {
         {
             check_identifier(id)?;
         }
+        // Every table of the outbox needs a name of its own: a dead-letter table named like
+        // the queue table (or like a table the migrations create beside it) would make the
+        // migrations skip a table that "exists" and every later statement fail.
+        let tables = [
+            ("the queue table", &names.table_name),
+            ("the table of applied migration steps", &names.versions_name),
+            ("the table of paused queues", &names.paused_name),
+        ];
+        if let Some((what, _)) = tables.iter().find(|(_, n)| **n == names.dlq_name) {
+            return Err(Error::InvalidName {
+                identifier: names.dlq_name.clone(),
+                reason: format!("names {what} too; the dead-letter table needs a name of its own"),
+            });
+        }
         Ok(names)
     }
 
@@ -212,5 +226,29 @@ mod tests {
         assert!(matches!(err, Error::InvalidName { identifier, .. } if identifier == long));
         assert!(Names::new(None, String::new(), None).is_err());
         assert!(Names::new(Some("a\0b".into()), DEFAULT_TABLE.into(), None).is_err());
+    }
+
+    /// Found by the issue-16 trial: a dead-letter table named like the queue table passed
+    /// `build()` and failed in the migrations with "column failed_at does not exist".
+    #[test]
+    fn the_dead_letter_table_needs_a_name_of_its_own() {
+        for (dlq, what) in [
+            ("jobs", "the queue table"),
+            ("jobs_paused", "the table of paused queues"),
+            (
+                "jobs_schema_migrations",
+                "the table of applied migration steps",
+            ),
+        ] {
+            let err = Names::new(None, "jobs".into(), Some(dlq.into())).unwrap_err();
+            match err {
+                Error::InvalidName { identifier, reason } => {
+                    assert_eq!(identifier, dlq);
+                    assert!(reason.contains(what), "{reason}");
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert!(Names::new(None, "jobs".into(), Some("jobs_failed".into())).is_ok());
     }
 }

@@ -24,7 +24,8 @@
 //! With [`StatsRequest::queues`], exactly those queues, each once (a queue without any row
 //! gets zeros). Without, every queue that has a live row or a dead letter: a queue whose
 //! only rows are dead letters is listed too. In [`StatsMode::Estimate`] without a list,
-//! the queues the planner's statistics name (see below) and those with leased rows.
+//! every queue with a pending or leased row, and the dead-letter queues the planner's
+//! statistics name (see below).
 //!
 //! # Lease TTL
 //!
@@ -61,11 +62,14 @@
 //! | `oldest_due_lateness` | exact: one probe of `<table>_pending_idx` per queue (the earliest unleased deadline) |
 //! | `dead_letters` | [`Count::Estimate`]: the dead-letter table's `reltuples` × the queue's frequency there × the fraction of NULL `redriven_at` in `pg_stats`; [`Count::Unavailable`] before its first `ANALYZE` or with the dead-letter queue off |
 //!
-//! Without a queue list, estimate mode lists the queues of `most_common_vals` (with the
-//! default statistics target of 100, every queue that appears at least twice in the
-//! `ANALYZE` sample when there are at most 100 queues), the queues with leased rows and the
-//! dead-letter table's common queues. A queue too rare to be sampled is not listed; name it
-//! in [`StatsRequest::queues`] to get the planner's estimate for it.
+//! Without a queue list, estimate mode lists every queue with a pending row, found by a
+//! skip scan of the pending index (one index probe per distinct queue, so the cost grows
+//! with the number of queues, not of rows), every queue with leased rows, and the
+//! dead-letter table's queues in `most_common_vals` (with the default statistics target of
+//! 100, every queue that appears at least twice in the `ANALYZE` sample when there are at
+//! most 100 queues); name a rarer dead-letter queue in [`StatsRequest::queues`]. A table
+//! never analyzed (`reltuples` is -1) gives [`Count::Unavailable`] for `pending`: run
+//! `ANALYZE` on it (autovacuum does once enough rows have changed).
 //!
 //! [`MemoryStore::stats`](crate::testing::MemoryStore::stats) answers the same request
 //! with exact counts, in either mode.

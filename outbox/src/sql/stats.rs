@@ -160,14 +160,30 @@ fn estimate(n: &Names, queues: bool) -> String {
     let set = if queues {
         "SELECT DISTINCT queue FROM unnest($5::text[]) AS x(queue)"
     } else {
-        "SELECT queue FROM t_mcv UNION SELECT queue FROM leased UNION SELECT queue FROM d_mcv"
+        "SELECT queue FROM pending_queues UNION SELECT queue FROM leased \
+         UNION SELECT queue FROM d_mcv"
     };
+    // Every queue with a pending row, by a skip scan of `<t>_pending_idx` (one index probe
+    // per distinct queue, in queue order): the planner's most common values miss rare
+    // queues, and a table never analyzed has none at all.
+    let pending_queues = format!(
+        r#"pending_queues AS (
+    WITH RECURSIVE walk(queue) AS (
+        (SELECT queue FROM {t} WHERE acquired_token IS NULL ORDER BY queue LIMIT 1)
+        UNION ALL
+        SELECT (SELECT o.queue FROM {t} o
+                WHERE o.acquired_token IS NULL AND o.queue > walk.queue
+                ORDER BY o.queue LIMIT 1)
+        FROM walk WHERE walk.queue IS NOT NULL)
+    SELECT queue FROM walk WHERE queue IS NOT NULL
+)"#
+    );
     format!(
         r#"
 WITH ttls AS (
     {TTLS}
 ), leased AS ({leased}
-), {tstats}, {dstats}, redriven AS (
+), {pending_queues}, {tstats}, {dstats}, redriven AS (
     SELECT s.null_frac::float8 AS not_redriven
     FROM pg_class c
     JOIN pg_namespace ns ON ns.oid = c.relnamespace
@@ -178,7 +194,8 @@ WITH ttls AS (
     {set}
 )
 SELECT q.queue,
-       CASE WHEN ts.reltuples = 0 THEN 0
+       CASE WHEN ts.reltuples IS NULL THEN NULL -- never analyzed: no figure to give
+            WHEN ts.reltuples = 0 THEN 0
             ELSE greatest(round(ts.reltuples * coalesce(tm.freq, tother.freq))
                           - coalesce(l.leased, 0), 0)
        END::bigint,

@@ -830,6 +830,7 @@ impl State {
     /// default does before ON CONFLICT looks), mark them, and notify once per queue.
     fn redrive(&mut self, redrive: &Redrive) -> Result<Vec<RedriveOutcome>> {
         crate::dlq::require_enabled(self.dead_letter)?;
+        redrive.check()?;
         let selected: Vec<(i64, Option<usize>)> = match &redrive.selection {
             Selection::Ids(ids) => ids
                 .iter()

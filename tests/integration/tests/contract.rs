@@ -2141,6 +2141,12 @@ async fn redrive_publishes_dead_letters_again_into_their_queue<H: Harness>(h: &H
     );
     assert_eq!(rows(h, Q).await, vec![new_row.clone()], "nothing new");
     assert!(h.redrive(&Redrive::ids([])).await.unwrap().is_empty());
+    // Ids below 1 are a mistake, refused before any SQL (found by the issue-16 trial: they
+    // were reported `NotFound`, unlike `run_now`'s).
+    for bad in [0, -3] {
+        let e = h.redrive(&Redrive::ids([1, bad])).await.unwrap_err();
+        assert_eq!(invalid_field(e), "id");
+    }
 
     // Many by filter, lowest ids first, up to the limit, never a redriven one.
     h.advance(secs(5)).await; // 15 s

@@ -114,3 +114,26 @@ fn the_testing_example_is_a_test_that_runs() {
         "tests/integration/tests/readme_testing.rs",
     );
 }
+
+/// Found by the issue-16 trial: the README's list of metrics had fallen behind the ones the
+/// runtime describes (`outbox/src/telemetry.rs` names each in a `describe_*!` call).
+#[test]
+fn the_readme_names_every_metric_the_runtime_describes() {
+    let readme = read("README.md");
+    let telemetry = read("outbox/src/telemetry.rs");
+    let mut described = Vec::new();
+    for piece in telemetry.split("describe_").skip(1) {
+        // `counter!(\n "outbox_…",` — the first string literal after the macro name.
+        if let Some(name) = piece.split('"').nth(1) {
+            if name.starts_with("outbox_") {
+                described.push(name.to_owned());
+            }
+        }
+    }
+    assert!(described.len() >= 15, "{described:?}");
+    let missing: Vec<&String> = described
+        .iter()
+        .filter(|m| !readme.contains(&format!("`{m}")))
+        .collect();
+    assert!(missing.is_empty(), "the README does not name {missing:?}");
+}

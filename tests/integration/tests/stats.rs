@@ -244,6 +244,36 @@ async fn estimate_mode_reads_the_planner_statistics() {
     f.cleanup().await;
 }
 
+/// Found by the issue-16 trial: a queue table never analyzed (`reltuples` -1, as Postgres
+/// 14+ marks a new table until its first VACUUM or ANALYZE) showed `~0` pending for a queue
+/// with rows, and a queue without leases vanished from the list. Now its pending figure is
+/// unavailable and every queue with a pending row is listed (a skip scan of the pending
+/// index).
+#[tokio::test]
+async fn estimate_mode_on_a_table_never_analyzed() {
+    let f = Fixture::new().await;
+    backlog(&f).await;
+    // What a table that was never vacuumed or analyzed shows (the test role is the
+    // database owner and a superuser on the test server).
+    exec(
+        &f.pool,
+        format!(
+            "UPDATE pg_class SET reltuples = -1 WHERE oid = to_regclass('{}')",
+            f.outbox.table().replace('\'', "''")
+        ),
+    )
+    .await;
+    let all = stats(&f, &StatsRequest::new(TTL).mode(StatsMode::Estimate)).await;
+    let queues: Vec<&str> = all.iter().map(|s| s.queue.as_str()).collect();
+    assert_eq!(queues, ["a", "b", "c"], "{all:#?}");
+    for s in &all {
+        assert_eq!(s.pending, Count::Unavailable, "{s:#?}");
+    }
+    assert_eq!(of(&all, "a").leased, Count::Exact(50));
+    late_by(of(&all, "b").oldest_due_lateness, 60);
+    f.cleanup().await;
+}
+
 /// Every scan node of `plan` on `table`, by node type.
 fn scans_of(plan: &Value, table: &str, out: &mut Vec<String>) {
     let kind = plan["Node Type"].as_str().unwrap_or("");
