@@ -656,6 +656,30 @@ mod tests {
         assert_eq!(r[0].metric, "wal.records");
     }
 
+    /// Found by CI on a busy machine: two completions of `extend/rearm` written in one
+    /// batch made 499 `DELETE`s and 5499 settles where the baseline has 500 and 5500.
+    #[test]
+    fn the_rearm_completions_are_gated_as_ranges() {
+        let rearm = |delete: i64, settle: i64| {
+            let mut m = on("extend/rearm", delete, 30000, 2000.0);
+            m.statements.insert("WITH…SELECT".to_owned(), settle);
+            m
+        };
+        let base = Baseline::new(Machine::default(), &[rearm(500, 5500)]);
+        for (d, w) in [(500, 5500), (499, 5499), (5, 5005)] {
+            let r = compare(&base, &[rearm(d, w)]);
+            assert!(r.is_empty(), "{d}/{w}: {r:?}");
+        }
+        let r = compare(&base, &[rearm(501, 5501)]);
+        assert_eq!(r.len(), 2, "{r:?}");
+        assert_eq!(r[0].baseline, "[5, 500]");
+        assert_eq!(r[1].baseline, "[5005, 5500]");
+        // Every other statement stays exact.
+        let mut more = rearm(500, 5500);
+        more.statements.insert("WITH…UPDATE".to_owned(), 502);
+        assert_eq!(compare(&base, &[more]).len(), 1);
+    }
+
     #[test]
     fn baseline_round_trips() {
         let b = baseline();

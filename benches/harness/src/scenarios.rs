@@ -122,6 +122,11 @@ impl Scenario {
             // How many successes the completer finds waiting when it writes depends on how
             // the handler and completer tasks interleave (SPEC §12 v2).
             Kind::Consumer { ack_batch, .. } if ack_batch > 1 => Some(&["DELETE"]),
+            // The same for the completions of `extend/rearm`: each batch the completer writes
+            // is one `DELETE` (matching no row: every run has a rearm) and one settle
+            // (`WITH…SELECT`) that applies the rearms. Under load two completions can wait
+            // for one write (found by CI on a busy machine: 499 of 500).
+            Kind::ExtendRearm => Some(&["DELETE", "WITH…SELECT"]),
             // How many timers fall due per wake-up depends on the clock; how many renewals
             // fit in the window too.
             Kind::Lateness | Kind::Renewal { .. } => None,
@@ -139,6 +144,16 @@ impl Scenario {
             Kind::Consumer { ack_batch, .. } if ack_batch > 1 && kind == "DELETE" => {
                 let n = self.messages();
                 Some(((n.div_ceil(ack_batch as u64)) as i64, n as i64))
+            }
+            // One `DELETE` and one settle per completion batch (at most the worker's default
+            // `ack_batch_size` runs each); the settles add to one `WITH…SELECT` per extend.
+            Kind::ExtendRearm if kind == "DELETE" || kind == "WITH…SELECT" => {
+                let cap = outbox::worker::DEFAULT_ACK_BATCH_SIZE as u64;
+                let extends = if kind == "DELETE" { 0 } else { MESSAGES };
+                Some((
+                    (extends + TIMERS.div_ceil(cap)) as i64,
+                    (extends + TIMERS) as i64,
+                ))
             }
             _ => None,
         }
