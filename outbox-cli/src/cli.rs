@@ -96,10 +96,10 @@ pub enum Command {
         #[arg(value_parser = clap::value_parser!(i64).range(1..))]
         id: i64,
         /// Due this long from now (database clock), e.g. 5m.
-        #[arg(long = "in", id = "in_", value_parser = duration)]
+        #[arg(long = "in", id = "in_", value_name = "DURATION", value_parser = duration)]
         in_: Option<Duration>,
         /// Due at this time (RFC 3339).
-        #[arg(long, value_parser = timestamp)]
+        #[arg(long, value_name = "TIME", value_parser = timestamp)]
         at: Option<DateTime<Utc>>,
     },
     /// Delete pending row ID: it will not run. Exit status 1 when a worker holds the row or
