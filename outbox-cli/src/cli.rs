@@ -67,9 +67,9 @@ pub enum Command {
         /// The queue.
         #[arg(long)]
         queue: String,
-        /// At most this many rows.
-        #[arg(long, default_value_t = 50)]
-        limit: usize,
+        /// At most this many rows (at least 1).
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..))]
+        limit: u64,
     },
     /// Pause a queue: workers stop claiming it; publishing goes on.
     Pause {
@@ -80,6 +80,34 @@ pub enum Command {
     Resume {
         /// The queue.
         queue: String,
+    },
+    /// Make pending row ID due now (its counters and retry history stay). Exit status 1
+    /// when a worker holds the row or no live row has the id.
+    RunNow {
+        /// The row's id (`outbox pending` lists them).
+        #[arg(value_parser = clap::value_parser!(i64).range(1..))]
+        id: i64,
+    },
+    /// Move the deadline of pending row ID, earlier or later. Exit status 1 when a worker
+    /// holds the row or no live row has the id.
+    #[command(group(clap::ArgGroup::new("when").required(true).args(["in_", "at"])))]
+    Reschedule {
+        /// The row's id (`outbox pending` lists them).
+        #[arg(value_parser = clap::value_parser!(i64).range(1..))]
+        id: i64,
+        /// Due this long from now (database clock), e.g. 5m.
+        #[arg(long = "in", id = "in_", value_name = "DURATION", value_parser = duration)]
+        in_: Option<Duration>,
+        /// Due at this time (RFC 3339).
+        #[arg(long, value_name = "TIME", value_parser = timestamp)]
+        at: Option<DateTime<Utc>>,
+    },
+    /// Delete pending row ID: it will not run. Exit status 1 when a worker holds the row or
+    /// no live row has the id.
+    Delete {
+        /// The row's id (`outbox pending` lists them).
+        #[arg(value_parser = clap::value_parser!(i64).range(1..))]
+        id: i64,
     },
     /// Dead letters: list, redrive, purge.
     #[command(subcommand)]
@@ -98,8 +126,9 @@ pub struct StatusArgs {
     /// Planner estimates instead of exact counts (cheap on very large tables).
     #[arg(long)]
     pub estimate: bool,
-    /// Refresh every interval (e.g. 2s) until interrupted.
-    #[arg(long, value_parser = duration, num_args = 0..=1, default_missing_value = "2s")]
+    /// Refresh every interval (e.g. 5s; at least 100ms) until interrupted; a bare --watch
+    /// refreshes every 2s.
+    #[arg(long, value_parser = watch_interval, num_args = 0..=1, default_missing_value = "2s")]
     pub watch: Option<Duration>,
 }
 
@@ -109,26 +138,37 @@ pub enum DlqCommand {
     List {
         #[command(flatten)]
         filter: DlqFilter,
-        /// At most this many rows.
-        #[arg(long, default_value_t = 50)]
-        limit: usize,
+        /// At most this many rows (at least 1).
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..))]
+        limit: u64,
         /// Continue after this dead-letter id (the last id of the previous page).
         #[arg(long)]
         after: Option<i64>,
     },
-    /// Send dead letters back to their queue (a row is redriven once).
+    /// Send dead letters back to their queue (a row is redriven once; redriving it again
+    /// reports it already redriven, which counts as done).
+    ///
+    /// Prints each dead letter's outcome. Exit status 1 when any was not redriven: no such
+    /// dead letter, a live row holds its timer key, or its headers are not a string map or
+    /// would grow over the limit.
     Redrive {
-        /// These dead-letter ids (repeat the option, or separate with commas).
-        #[arg(long = "id", value_delimiter = ',', conflicts_with = "all")]
+        /// These dead-letter ids (repeat the option, or separate with commas); not with
+        /// --all, --limit or filters.
+        #[arg(
+            long = "id",
+            value_delimiter = ',',
+            value_parser = clap::value_parser!(i64).range(1..),
+            conflicts_with_all = ["all", "limit", "queue", "reason", "since", "until"]
+        )]
         ids: Vec<i64>,
-        /// Every dead letter matching the filter (up to --limit).
+        /// Every dead letter matching the filter (up to --limit) that is not redriven yet.
         #[arg(long)]
         all: bool,
         #[command(flatten)]
-        filter: DlqFilter,
-        /// With --all: at most this many.
-        #[arg(long, default_value_t = 1000)]
-        limit: usize,
+        filter: RedriveFilter,
+        /// With --all: at most this many (at least 1).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+        limit: u64,
     },
     /// Delete dead letters older than an age, in batches.
     Purge {
@@ -138,9 +178,9 @@ pub enum DlqCommand {
         /// Only this queue.
         #[arg(long)]
         queue: Option<String>,
-        /// Rows per batch (each batch its own short transaction).
-        #[arg(long, default_value_t = 1000)]
-        batch_size: usize,
+        /// Rows per batch (each batch its own short transaction; at least 1).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+        batch_size: u64,
     },
 }
 
@@ -163,6 +203,52 @@ pub struct DlqFilter {
     /// Include dead letters already redriven.
     #[arg(long)]
     pub include_redriven: bool,
+}
+
+/// Which dead letters a redrive with --all takes (never those already redriven).
+#[derive(Debug, Args, Clone, Default)]
+pub struct RedriveFilter {
+    /// Only this queue.
+    #[arg(long)]
+    pub queue: Option<String>,
+    /// Only this failure reason (max_deliveries, retry_exhausted, rejected, decode_error,
+    /// timeout, aborted).
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// Failed at or after this time (RFC 3339, e.g. 2026-11-30T00:00:00Z).
+    #[arg(long, value_parser = timestamp)]
+    pub since: Option<DateTime<Utc>>,
+    /// Failed before this time (RFC 3339).
+    #[arg(long, value_parser = timestamp)]
+    pub until: Option<DateTime<Utc>>,
+}
+
+impl From<RedriveFilter> for DlqFilter {
+    fn from(f: RedriveFilter) -> DlqFilter {
+        DlqFilter {
+            queue: f.queue,
+            reason: f.reason,
+            since: f.since,
+            until: f.until,
+            include_redriven: false,
+        }
+    }
+}
+
+/// A count from the command line (at least 1 by its parser) as a `usize`.
+pub fn count(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+/// A `--watch` interval: a duration of at least 100 ms.
+fn watch_interval(s: &str) -> Result<Duration, String> {
+    let d = duration(s)?;
+    if d < Duration::from_millis(100) {
+        return Err(format!(
+            "{s} is too short: refresh at most every 100ms (a bare --watch means every 2s)"
+        ));
+    }
+    Ok(d)
 }
 
 /// A duration such as `500ms`, `30s`, `5m`, `7d`.
@@ -197,5 +283,9 @@ mod tests {
             DateTime::parse_from_rfc3339("2026-11-30T00:00:00Z").unwrap()
         );
         assert!(timestamp("yesterday").unwrap_err().contains("RFC 3339"));
+        assert_eq!(watch_interval("100ms"), Ok(Duration::from_millis(100)));
+        assert!(watch_interval("10ms")
+            .unwrap_err()
+            .contains("at most every 100ms"));
     }
 }

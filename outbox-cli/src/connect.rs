@@ -1,104 +1,296 @@
 //! Connecting, and turning what goes wrong into a sentence that says what to do.
 
-use std::fmt;
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use outbox::Error;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, PgPool};
 
-/// A failure the command reports: one message that says what happened and what to do.
-#[derive(Debug)]
-pub struct Failure(pub String);
+/// The README section on the grants each command needs.
+pub const ROLES_GUIDE: &str =
+    "https://github.com/outbox-rs/outbox#deployment-roles-poolers-session-settings";
 
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+/// A failure the command reports: the library's error (explained in main, with the tables the
+/// command ran on), or a message with its exit status.
+#[derive(Debug)]
+pub enum Failure {
+    /// An error of the library, explained with [`Target`] when reported.
+    Lib(Error),
+    /// A finished sentence and the exit status it ends the process with.
+    Message {
+        /// What happened and what to do.
+        text: String,
+        /// 1 for a failure, 2 for a usage error.
+        code: u8,
+    },
+}
+
+impl Failure {
+    /// A usage error (exit status 2): the command line asked for something impossible.
+    pub fn usage(text: impl Into<String>) -> Failure {
+        Failure::Message {
+            text: text.into(),
+            code: 2,
+        }
+    }
+
+    /// A failure of the operation (exit status 1).
+    pub fn failed(text: impl Into<String>) -> Failure {
+        Failure::Message {
+            text: text.into(),
+            code: 1,
+        }
+    }
+
+    /// The exit status: 2 for usage errors, including the library's rejected arguments and
+    /// names (refused before any SQL), 1 for everything else.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Failure::Lib(Error::InvalidArgument { .. } | Error::InvalidName { .. }) => 2,
+            Failure::Lib(_) => 1,
+            Failure::Message { code, .. } => *code,
+        }
+    }
+
+    /// The sentence to print, naming the commands to run for `target`.
+    pub fn render(&self, target: &Target) -> String {
+        match self {
+            Failure::Lib(e) => explain(e, target),
+            Failure::Message { text, .. } => text.clone(),
+        }
     }
 }
 
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
-        Failure(explain(&e))
+        Failure::Lib(e)
     }
 }
 
 impl From<sqlx::Error> for Failure {
     fn from(e: sqlx::Error) -> Self {
-        Failure::from(Error::from(e))
+        Failure::Lib(Error::from(e))
+    }
+}
+
+/// The tables a command ran on, as given on its command line: what a piece of advice must
+/// repeat so that the command it names works on the same tables.
+#[derive(Debug, Clone, Default)]
+pub struct Target {
+    /// `--schema`, when given.
+    pub schema: Option<String>,
+    /// `--table`, when not the default `outbox`.
+    pub table: Option<String>,
+    /// `--dead-letter-table`, when given.
+    pub dead_letter_table: Option<String>,
+    /// The command ran with the dead-letter table on (`--dead-letter`, or a `dlq` command).
+    pub dead_letter: bool,
+}
+
+impl Target {
+    /// `outbox [--schema S] [--table T] [--dead-letter-table D] <sub>[ --dead-letter]`.
+    pub fn command(&self, sub: &str) -> String {
+        let mut c = "outbox".to_owned();
+        for (flag, value) in [
+            ("--schema", &self.schema),
+            ("--table", &self.table),
+            ("--dead-letter-table", &self.dead_letter_table),
+        ] {
+            if let Some(v) = value {
+                let _ = write!(c, " {flag} {}", shell_word(v));
+            }
+        }
+        let _ = write!(c, " {sub}");
+        if self.dead_letter {
+            c.push_str(" --dead-letter");
+        }
+        c
+    }
+
+    /// The migrate command for these tables.
+    pub fn migrate(&self) -> String {
+        self.command("migrate")
+    }
+}
+
+/// `s` quoted for a POSIX shell when it holds anything but plain name characters.
+fn shell_word(s: &str) -> String {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
+    {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
     }
 }
 
 /// The library's error, with the instruction an operator at a shell needs: the command to
-/// run rather than the function to call.
-fn explain(e: &Error) -> String {
+/// run (with this command's tables and dead-letter setting) rather than the function to call.
+pub fn explain(e: &Error, target: &Target) -> String {
+    let migrate = target.migrate();
     match e {
         Error::NotMigrated { detail } => format!(
-            "the outbox tables do not exist ({detail}): run `outbox migrate` with the same \
-             --schema/--table, or check that --schema/--table name your application's tables"
+            "the outbox tables do not exist ({detail}): run `{migrate}`, or check that \
+             --schema/--table name your application's tables"
         ),
         Error::UpgradeRequired { detail } => format!(
-            "the outbox schema predates this version ({detail}): run `outbox migrate` with \
-             the same --schema/--table ({})",
+            "the schema lacks what this command needs ({detail}): run `{migrate}` (what each \
+             step adds and locks: {})",
             outbox::schema::UPGRADE_GUIDE
         ),
-        Error::SchemaNotFound { detail } => format!(
-            "{detail}: create the schema first (CREATE SCHEMA …), then run `outbox migrate`"
+        Error::SchemaNotFound { detail } => {
+            format!("{detail}: create the schema first (CREATE SCHEMA …), then run `{migrate}`")
+        }
+        Error::MigrationBlocked { .. } => format!(
+            "{e}; run `{migrate}` again once those sessions are done (or give it longer with \
+             --deadline)"
         ),
+        Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42501") => {
+            let table = target.table.as_deref().unwrap_or("outbox");
+            format!(
+                "{}: the role in the database URL lacks a grant. `migrate` must run as the \
+                 tables' owner; workers and publishers need SELECT, INSERT, UPDATE, DELETE on \
+                 the outbox tables; pausing and resuming need INSERT, DELETE on {table}_paused. \
+                 Grant what is missing (or use the owner's role); see {ROLES_GUIDE}",
+                db.message()
+            )
+        }
         other => other.to_string(),
     }
 }
 
-/// The URL with its password replaced, for messages.
+/// The connection string with its password replaced, for messages: the password of a URL's
+/// user part, a `password=` parameter of a URL's query, and a `password=` pair of a
+/// `key=value` connection string (quoted or not).
 pub fn redact(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.to_owned();
+    match url.find("://") {
+        Some(i) => redact_url(url, i + 3),
+        None => redact_pairs(url),
+    }
+}
+
+fn redact_url(url: &str, scheme_end: usize) -> String {
+    let (head, query) = match url.find('?') {
+        Some(q) => (&url[..q], Some(&url[q + 1..])),
+        None => (url, None),
     };
-    let rest = &url[scheme_end..];
-    let Some(at) = rest.rfind('@') else {
-        return url.to_owned();
+    let rest = &head[scheme_end..];
+    let mut out = match rest.rfind('@') {
+        Some(at) => match rest[..at].find(':') {
+            Some(colon) => format!(
+                "{}{}:***{}",
+                &head[..scheme_end],
+                &rest[..colon],
+                &rest[at..]
+            ),
+            None => head.to_owned(),
+        },
+        None => head.to_owned(),
     };
-    match rest[..at].find(':') {
-        Some(colon) => format!(
-            "{}{}:***{}",
-            &url[..scheme_end],
-            &rest[..colon],
-            &rest[at..]
-        ),
-        None => url.to_owned(),
+    if let Some(query) = query {
+        out.push('?');
+        let pairs: Vec<String> = query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
+                _ => pair.to_owned(),
+            })
+            .collect();
+        out.push_str(&pairs.join("&"));
+    }
+    out
+}
+
+/// `host=h password=secret` or `password = 'a b'`: each password value becomes `***`.
+fn redact_pairs(dsn: &str) -> String {
+    let mut out = String::with_capacity(dsn.len());
+    let mut rest = dsn;
+    loop {
+        // The next `password` key at the start of the text or after whitespace.
+        let found = rest.match_indices("password").find(|(i, _)| {
+            rest[..*i]
+                .chars()
+                .next_back()
+                .is_none_or(char::is_whitespace)
+        });
+        let Some((i, _)) = found else {
+            out.push_str(rest);
+            return out;
+        };
+        let after_key = &rest[i + "password".len()..];
+        let trimmed = after_key.trim_start();
+        let Some(value) = trimmed.strip_prefix('=') else {
+            out.push_str(&rest[..i + "password".len()]);
+            rest = after_key;
+            continue;
+        };
+        let value = value.trim_start();
+        out.push_str(&rest[..i]);
+        out.push_str("password=***");
+        rest = skip_value(value);
+    }
+}
+
+/// What follows a `key=value` value: a quoted value ends at its unescaped closing quote,
+/// a bare one at whitespace.
+fn skip_value(value: &str) -> &str {
+    if let Some(quoted) = value.strip_prefix('\'') {
+        let mut escaped = false;
+        for (i, c) in quoted.char_indices() {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' => escaped = true,
+                '\'' => return &quoted[i + 1..],
+                _ => {}
+            }
+        }
+        ""
+    } else {
+        let end = value.find(char::is_whitespace).unwrap_or(value.len());
+        &value[end..]
     }
 }
 
 /// A small pool (a command needs one connection; a purge or watch reuses it).
 pub async fn connect(url: Option<&str>) -> Result<PgPool, Failure> {
     let Some(url) = url.filter(|u| !u.is_empty()) else {
-        return Err(Failure(
+        return Err(Failure::usage(
             "no database given: pass --database-url postgres://user@host:5432/db or set \
-             DATABASE_URL"
-                .to_owned(),
+             DATABASE_URL",
         ));
     };
     let shown = redact(url);
+    if let Some(i) = url.find("://") {
+        let scheme = &url[..i];
+        if !scheme.eq_ignore_ascii_case("postgres") && !scheme.eq_ignore_ascii_case("postgresql") {
+            return Err(Failure::usage(format!(
+                "the database URL {shown} is a {scheme}:// URL: outbox works on Postgres only; \
+                 write postgres://user[:password]@host[:port]/database"
+            )));
+        }
+    }
     let options = url
         .parse::<sqlx::postgres::PgConnectOptions>()
         .map_err(|e| {
-            Failure(format!(
+            Failure::usage(format!(
                 "the database URL {shown} is not a Postgres URL ({e}): write \
-             postgres://user[:password]@host[:port]/database"
+                 postgres://user[:password]@host[:port]/database"
             ))
         })?;
     // One direct connection first: a pool retries until its acquire timeout and then reports
     // only that it timed out, hiding the cause (refused, unknown host, bad password).
     let probe = sqlx::PgConnection::connect_with(&options)
         .await
-        .map_err(|e| Failure(unreachable(&shown, &e)))?;
+        .map_err(|e| Failure::failed(unreachable(&shown, &e)))?;
     probe.close().await.ok();
     PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(options)
         .await
-        .map_err(|e| Failure(unreachable(&shown, &e)))
+        .map_err(|e| Failure::failed(unreachable(&shown, &e)))
 }
 
 /// Why the first connection failed, by cause.
@@ -138,5 +330,53 @@ mod tests {
         );
         assert_eq!(redact("postgres://app@db/prod"), "postgres://app@db/prod");
         assert_eq!(redact("not a url"), "not a url");
+        assert_eq!(
+            redact("postgres:///db?host=h&user=u&password=secret&port=1"),
+            "postgres:///db?host=h&user=u&password=***&port=1"
+        );
+        assert_eq!(
+            redact("postgres://a:b@h/db?password=c&sslmode=require"),
+            "postgres://a:***@h/db?password=***&sslmode=require"
+        );
+        assert_eq!(
+            redact("host=h user=u password=secret dbname=d"),
+            "host=h user=u password=*** dbname=d"
+        );
+        assert_eq!(
+            redact("host=h password = 'a b\\' c' dbname=d"),
+            "host=h password=*** dbname=d"
+        );
+        assert_eq!(redact("password=x"), "password=***");
+        assert_eq!(redact("host=h mypassword=x"), "host=h mypassword=x");
+    }
+
+    #[test]
+    fn advice_repeats_the_tables_and_the_dead_letter_setting() {
+        let t = Target {
+            schema: Some("s".into()),
+            table: Some("t".into()),
+            dead_letter_table: None,
+            dead_letter: true,
+        };
+        assert_eq!(
+            t.migrate(),
+            "outbox --schema s --table t migrate --dead-letter"
+        );
+        let e = Error::UpgradeRequired {
+            detail: "column \"redriven_at\" does not exist".into(),
+        };
+        let text = explain(&e, &t);
+        assert!(
+            text.contains("run `outbox --schema s --table t migrate --dead-letter`"),
+            "{text}"
+        );
+        assert!(text.contains("lacks what this command needs"), "{text}");
+        assert!(!text.contains("predates"), "{text}");
+        assert_eq!(Target::default().migrate(), "outbox migrate");
+        let odd = Target {
+            table: Some("it's".into()),
+            ..Target::default()
+        };
+        assert_eq!(odd.migrate(), r"outbox --table 'it'\''s' migrate");
     }
 }

@@ -6,7 +6,7 @@ use outbox::Outbox;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use crate::cli::{DlqCommand, DlqFilter};
+use crate::cli::{count, DlqCommand, DlqFilter};
 use crate::connect::Failure;
 use crate::output;
 
@@ -25,7 +25,7 @@ fn reason(s: &str) -> Result<FailureReason, Failure> {
         .into_iter()
         .find(|r| r.as_str() == s)
         .ok_or_else(|| {
-            Failure(format!(
+            Failure::usage(format!(
                 "unknown failure reason {s:?}: use one of {}",
                 REASONS.map(FailureReason::as_str).join(", ")
             ))
@@ -60,7 +60,7 @@ pub async fn run(
             filter: f,
             limit,
             after,
-        } => list(outbox, pool, &filter(&f)?, after, limit, as_json).await,
+        } => list(outbox, pool, &filter(&f)?, after, count(limit), as_json).await,
         DlqCommand::Redrive {
             ids,
             all,
@@ -69,11 +69,10 @@ pub async fn run(
         } => {
             let selection = match (ids.is_empty(), all) {
                 (false, _) => Redrive::ids(ids),
-                (true, true) => Redrive::matching(filter(&f)?, limit),
+                (true, true) => Redrive::matching(filter(&f.into())?, count(limit)),
                 (true, false) => {
-                    return Err(Failure(
-                        "say which dead letters: --id N (repeatable) or --all with filters"
-                            .to_owned(),
+                    return Err(Failure::usage(
+                        "say which dead letters: --id N (repeatable) or --all with filters",
                     ))
                 }
             };
@@ -90,14 +89,16 @@ pub async fn run(
             if let Some(q) = queue {
                 f = f.queue(q);
             }
-            let deleted = outbox.purge_dead_letters(pool, &f, batch_size).await?;
+            let deleted = outbox
+                .purge_dead_letters(pool, &f, count(batch_size))
+                .await?;
             if as_json {
                 output::json(&json!({ "deleted": deleted }));
             } else {
-                println!(
+                output::line(format!(
                     "deleted {deleted} dead letter(s) older than {}",
                     humantime::format_duration(older_than)
-                );
+                ));
             }
             Ok(())
         }
@@ -139,6 +140,7 @@ async fn list(
                     "headers": d.headers,
                     "raw_headers": d.raw_headers,
                     "payload": output::payload_json(&d.payload),
+                    "payload_hex": output::payload_hex(&d.payload),
                     "payload_bytes": d.payload.len(),
                 })
             })
@@ -148,6 +150,7 @@ async fn list(
     }
     let mut t = output::table(&[
         "id",
+        "original id",
         "queue",
         "timer id",
         "reason",
@@ -159,20 +162,26 @@ async fn list(
     for d in &rows {
         t.add_row(vec![
             d.id.to_string(),
+            d.original_id.to_string(),
             d.queue.clone(),
             d.timer_id.clone().unwrap_or_else(|| "-".to_owned()),
             d.failure_reason.clone(),
             output::time(d.failed_at),
-            d.last_error.clone().unwrap_or_else(|| "-".to_owned()),
+            d.last_error
+                .as_deref()
+                .map_or_else(|| "-".to_owned(), output::one_line),
             d.redriven_id
                 .map_or_else(|| "-".to_owned(), |id| format!("as row {id}")),
             output::payload(&d.payload),
         ]);
     }
-    println!("{t}");
+    output::line(t);
     match next {
-        Some(id) => println!("{} dead letter(s); next page: --after {id}", rows.len()),
-        None => println!("{} dead letter(s)", rows.len()),
+        Some(id) => output::line(format!(
+            "{} dead letter(s); next page: --after {id}",
+            rows.len()
+        )),
+        None => output::line(format!("{} dead letter(s)", rows.len())),
     }
     Ok(())
 }
@@ -209,15 +218,35 @@ async fn redrive(
             })
             .collect();
         output::json(&json!({ "redriven": redriven, "outcomes": list }));
-        return Ok(());
+    } else {
+        let mut t = output::table(&["dead letter", "outcome"]);
+        for o in &outcomes {
+            t.add_row(vec![o.dead_letter_id.to_string(), describe(o.result)]);
+        }
+        output::line(t);
+        output::line(format!("redriven {redriven} of {}", outcomes.len()));
     }
-    let mut t = output::table(&["dead letter", "outcome"]);
-    for o in &outcomes {
-        t.add_row(vec![o.dead_letter_id.to_string(), describe(o.result)]);
+    // A redrive is idempotent: one already redriven counts as done; any other outcome left
+    // its dead letter where it was.
+    let undone: Vec<String> = outcomes
+        .iter()
+        .filter(|o| {
+            !matches!(
+                o.result,
+                RedriveResult::Redriven { .. } | RedriveResult::AlreadyRedriven { .. }
+            )
+        })
+        .map(|o| o.dead_letter_id.to_string())
+        .collect();
+    if undone.is_empty() {
+        Ok(())
+    } else {
+        Err(Failure::failed(format!(
+            "{} dead letter(s) not redriven ({}): see the outcome of each above",
+            undone.len(),
+            undone.join(", ")
+        )))
     }
-    println!("{t}");
-    println!("redriven {redriven} of {}", outcomes.len());
-    Ok(())
 }
 
 fn result_name(r: RedriveResult) -> &'static str {

@@ -1,4 +1,10 @@
-//! Printing: a table for people, JSON for scripts.
+//! Printing: a table for people, JSON for scripts. Everything the commands print on stdout
+//! goes through [`line`] and [`raw`], which end the process quietly (status 0) when the
+//! reader has gone (`outbox status --watch | head`), rather than panicking as `println!`
+//! does on a closed pipe.
+
+use std::fmt::Display;
+use std::io::{ErrorKind, Write};
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use comfy_table::{presets::UTF8_FULL_CONDENSED, ContentArrangement, Table};
@@ -13,9 +19,36 @@ pub fn table(header: &[&str]) -> Table {
     t
 }
 
+/// `text` and a newline on stdout.
+pub fn line(text: impl Display) {
+    let mut out = std::io::stdout().lock();
+    let written = writeln!(out, "{text}").and_then(|()| out.flush());
+    done_or_exit(written);
+}
+
+/// `text` on stdout as it is (no newline), flushed.
+pub fn raw(text: &str) {
+    let mut out = std::io::stdout().lock();
+    let written = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    done_or_exit(written);
+}
+
+/// A closed pipe means the reader has what it wanted: exit 0 without a word. Any other write
+/// error ends the process with status 1 and the reason.
+fn done_or_exit(written: std::io::Result<()>) {
+    match written {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => {
+            eprintln!("error: cannot write to stdout: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 /// One JSON document on its own line.
 pub fn json(value: &Value) {
-    println!("{value}");
+    line(value);
 }
 
 /// A time as RFC 3339 in UTC, to the millisecond.
@@ -28,11 +61,25 @@ pub fn maybe_time(t: Option<DateTime<Utc>>) -> String {
     t.map_or_else(|| "-".to_owned(), time)
 }
 
-/// A payload for a person: the text when it is UTF-8, else its size.
+/// Text cut to 80 characters (the 80th an ellipsis when cut).
+pub fn cut(s: &str) -> String {
+    if s.chars().count() <= 80 {
+        s.to_owned()
+    } else {
+        format!("{}…", s.chars().take(79).collect::<String>())
+    }
+}
+
+/// A one-line cell: runs of whitespace (newlines included) become one space, cut to 80
+/// characters.
+pub fn one_line(s: &str) -> String {
+    cut(&s.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+/// A payload for a person: the text when it is UTF-8 (cut to 80 characters), else its size.
 pub fn payload(bytes: &[u8]) -> String {
     match std::str::from_utf8(bytes) {
-        Ok(s) if s.chars().count() <= 80 => s.to_owned(),
-        Ok(s) => format!("{}…", s.chars().take(79).collect::<String>()),
+        Ok(s) => cut(s),
         Err(_) => format!("<{} bytes, not UTF-8>", bytes.len()),
     }
 }
@@ -42,5 +89,33 @@ pub fn payload_json(bytes: &[u8]) -> Value {
     match std::str::from_utf8(bytes) {
         Ok(s) => Value::String(s.to_owned()),
         Err(_) => Value::Null,
+    }
+}
+
+/// The payload in lowercase hex when it is not UTF-8 (what `payload_json` leaves null), else
+/// null.
+pub fn payload_hex(bytes: &[u8]) -> Value {
+    if std::str::from_utf8(bytes).is_ok() {
+        return Value::Null;
+    }
+    let mut hex = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        hex.push_str(&format!("{b:02x}"));
+    }
+    Value::String(hex)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cells_are_one_line_and_cut() {
+        assert_eq!(one_line("a\n  b\tc "), "a b c");
+        let long = one_line(&"x ".repeat(100));
+        assert_eq!(long.chars().count(), 80);
+        assert!(long.ends_with('…'));
+        assert_eq!(payload_hex(&[0xff, 0x00, 0x1a]), "ff001a");
+        assert_eq!(payload_hex(b"text"), Value::Null);
     }
 }

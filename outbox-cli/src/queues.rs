@@ -1,5 +1,10 @@
-//! `outbox pending`, `outbox pause`, `outbox resume`.
+//! `outbox pending`, `pause`, `resume`, and the actions on one row: `run-now`, `reschedule`,
+//! `delete`.
 
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox::admin::RowAction;
 use outbox::Outbox;
 use serde_json::json;
 use sqlx::PgPool;
@@ -16,6 +21,7 @@ pub async fn pending(
 ) -> Result<(), Failure> {
     let mut conn = pool.acquire().await?;
     let rows = outbox.pending(&mut conn, queue, limit).await?;
+    let limit_reached = rows.len() == limit;
     if as_json {
         let list: Vec<_> = rows
             .iter()
@@ -34,18 +40,19 @@ pub async fn pending(
                     "cancelled_at": r.cancelled_at.map(output::time),
                     "headers": r.headers,
                     "payload": output::payload_json(&r.payload),
+                    "payload_hex": output::payload_hex(&r.payload),
                     "payload_bytes": r.payload.len(),
                 })
             })
             .collect();
-        output::json(&json!({ "queue": queue, "rows": list }));
+        output::json(&json!({ "queue": queue, "rows": list, "limit_reached": limit_reached }));
         return Ok(());
     }
     let mut t = output::table(&[
         "id",
         "timer id",
         "state",
-        "due",
+        "deadline",
         "attempts",
         "deliveries",
         "rearm at",
@@ -68,8 +75,11 @@ pub async fn pending(
             output::payload(&r.payload),
         ]);
     }
-    println!("{t}");
-    println!("{} row(s) of {queue}", rows.len());
+    output::line(t);
+    output::line(format!("{} row(s) of {queue}", rows.len()));
+    if limit_reached {
+        output::line("(limit reached: more rows may exist; raise --limit)");
+    }
     Ok(())
 }
 
@@ -87,13 +97,93 @@ pub async fn pause(
     } else {
         outbox.resume_queue(&mut conn, queue).await?
     };
+    // A pause of a misspelt queue succeeds and stops nothing: say when it has no rows now.
+    let empty = on && outbox.pending(&mut conn, queue, 1).await?.is_empty();
     let state = if on { "paused" } else { "running" };
     if as_json {
-        output::json(&json!({ "queue": queue, "state": state, "changed": changed }));
-    } else if changed {
-        println!("{queue}: {state}");
+        let mut doc = json!({ "queue": queue, "state": state, "changed": changed });
+        if on {
+            doc["rows_now"] = json!(!empty);
+        }
+        output::json(&doc);
+        return Ok(());
+    }
+    let hint = if empty {
+        " (no rows in it now: check the name)"
     } else {
-        println!("{queue}: already {state}");
+        ""
+    };
+    match (on, changed) {
+        (true, true) => output::line(format!("{queue}: paused{hint}")),
+        (true, false) => output::line(format!("{queue}: already paused{hint}")),
+        (false, true) => output::line(format!("{queue}: running")),
+        (false, false) => output::line(format!("{queue} was not paused: nothing to resume")),
     }
     Ok(())
+}
+
+/// An operator's action on one pending row.
+#[derive(Debug, Clone, Copy)]
+pub enum Action {
+    RunNow,
+    In(Duration),
+    At(DateTime<Utc>),
+    Delete,
+}
+
+/// Runs `action` on row `id` in its own transaction; a row a worker holds or no live row
+/// is a failure (exit status 1) with the reason.
+pub async fn act(
+    outbox: &Outbox,
+    pool: &PgPool,
+    id: i64,
+    action: Action,
+    as_json: bool,
+) -> Result<(), Failure> {
+    let mut tx = pool.begin().await?;
+    let result = match action {
+        Action::RunNow => outbox.run_now(&mut tx, id).await?,
+        Action::In(d) => outbox.reschedule(&mut tx, id, d).await?,
+        Action::At(t) => outbox.reschedule(&mut tx, id, t).await?,
+        Action::Delete => outbox.delete_pending(&mut tx, id).await?,
+    };
+    tx.commit().await?;
+    let (name, text) = match result {
+        RowAction::Rescheduled { next_attempt_at } => (
+            "rescheduled",
+            format!("row {id}: due at {}", output::time(next_attempt_at)),
+        ),
+        RowAction::Deleted => ("deleted", format!("row {id}: deleted; it will not run")),
+        RowAction::Leased => (
+            "leased",
+            format!(
+                "row {id} is leased: a worker holds it (its handler runs, or its lease has not \
+                 expired yet), so nothing changed; try again later, or stop a keyed timer with \
+                 the library's `Outbox::cancel`, which handles a running one"
+            ),
+        ),
+        RowAction::NotFound => (
+            "not_found",
+            format!(
+                "no live row has id {id}: it completed, was cancelled or deleted, or never \
+                 existed (`outbox pending --queue Q` lists live rows)"
+            ),
+        ),
+        other => ("other", format!("row {id}: {other:?}")),
+    };
+    let done = matches!(result, RowAction::Rescheduled { .. } | RowAction::Deleted);
+    if as_json {
+        let mut doc = json!({ "id": id, "result": name });
+        if let RowAction::Rescheduled { next_attempt_at } = result {
+            doc["next_attempt_at"] = json!(output::time(next_attempt_at));
+        }
+        output::json(&doc);
+    } else if done {
+        output::line(&text);
+    }
+    if done {
+        Ok(())
+    } else {
+        Err(Failure::failed(text))
+    }
 }

@@ -36,7 +36,8 @@ pub async fn run(
     let clear = !as_json && std::io::stdout().is_terminal();
     loop {
         once(outbox, pool, &request, as_json, clear).await?;
-        tokio::time::sleep(every.max(Duration::from_millis(100))).await;
+        // At least 100 ms by the option's parser.
+        tokio::time::sleep(every).await;
     }
 }
 
@@ -70,7 +71,7 @@ async fn once(
         return Ok(());
     }
     if clear {
-        print!("\x1b[2J\x1b[H");
+        output::raw("\x1b[2J\x1b[H");
     }
     let mut t = output::table(&[
         "queue",
@@ -99,7 +100,7 @@ async fn once(
             s.dead_letters.to_string(),
         ]);
     }
-    println!(
+    output::line(format!(
         "{} at {}{}",
         outbox.table(),
         output::time(Utc::now()),
@@ -108,20 +109,20 @@ async fn once(
         } else {
             ""
         }
-    );
-    println!("{t}");
+    ));
+    output::line(t);
     let idle: Vec<&String> = paused
         .iter()
         .filter(|q| !stats.iter().any(|s| &s.queue == *q))
         .collect();
     if !idle.is_empty() {
-        println!(
+        output::line(format!(
             "paused, without rows: {}",
             idle.iter()
                 .map(|q| q.as_str())
                 .collect::<Vec<_>>()
                 .join(", ")
-        );
+        ));
     }
     Ok(())
 }

@@ -25,6 +25,11 @@ struct Tables {
 
 impl Tables {
     async fn new() -> Tables {
+        Tables::with(true, true).await
+    }
+
+    /// Tables of a unique name, migrated (`migrate`) with the dead-letter table on or off.
+    async fn with(dead_letter: bool, migrate: bool) -> Tables {
         let name = format!("cli_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         let pool = PgPoolOptions::new()
             .max_connections(4)
@@ -33,10 +38,12 @@ impl Tables {
             .unwrap_or_else(|e| panic!("Postgres at DATABASE_URL must be reachable: {e}"));
         let outbox = Outbox::builder()
             .table(&name)
-            .dead_letter(true)
+            .dead_letter(dead_letter)
             .build()
             .unwrap();
-        outbox.migrate(&pool).await.unwrap();
+        if migrate {
+            outbox.migrate(&pool).await.unwrap();
+        }
         Tables { name, outbox, pool }
     }
 
@@ -67,10 +74,11 @@ impl Tables {
     }
 
     async fn cleanup(self) {
+        // The dead-letter table is named whether or not it is on.
+        let dlq = format!("{}_dlq", self.name);
         self.exec(format!(
-            "DROP TABLE IF EXISTS {}, {}, {}, {}",
+            "DROP TABLE IF EXISTS {}, {dlq}, {}, {}",
             self.outbox.table(),
-            self.outbox.dead_letter_table(),
             self.outbox.migrations_table(),
             self.outbox.paused_table()
         ))
@@ -118,15 +126,22 @@ async fn migrate_and_validate() {
     // A missing piece: listed, exit status 1, and the fix named.
     t.exec(format!("DROP TABLE {}", t.outbox.paused_table()))
         .await;
-    let out = t.run(&["validate"]);
+    let out = t.run(&["--dead-letter", "validate"]);
     assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
     assert!(
-        text(&out.stdout).contains(&format!("{}_paused: table is missing", t.name)),
-        "{}",
-        text(&out.stdout)
+        stdout.contains(&format!(
+            "{}_paused: table is missing (run `outbox --table {} migrate --dead-letter`)",
+            t.name, t.name
+        )),
+        "{stdout}"
     );
     assert!(
-        text(&out.stderr).contains("run `outbox migrate`"),
+        !stdout.contains("Outbox::migrate") && !stdout.contains("run the migrations"),
+        "{stdout}"
+    );
+    assert!(
+        text(&out.stderr).contains(&format!("run `outbox --table {} migrate", t.name)),
         "{}",
         text(&out.stderr)
     );
@@ -306,7 +321,10 @@ async fn errors_say_what_to_do() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
-    assert!(err.contains("run `outbox migrate`"), "{err}");
+    assert!(
+        err.contains("run `outbox --table cli_never_migrated migrate`"),
+        "{err}"
+    );
 
     // An unreachable server: the URL (password hidden) and what to check.
     let out = outbox_cmd()
@@ -340,7 +358,7 @@ async fn errors_say_what_to_do() {
     // Bad input: refused with the rule, before anything is written.
     let t = Tables::new().await;
     let out = t.run(&["pause", ""]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2), "a usage error");
     assert!(text(&out.stderr).contains("queue"), "{}", text(&out.stderr));
     let out = t.run(&["dlq", "list", "--reason", "nope"]);
     assert!(
@@ -361,11 +379,399 @@ async fn errors_say_what_to_do() {
         .args(["--table", &long, "status"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2), "a usage error");
     assert!(
         text(&out.stderr).contains("63 bytes"),
         "{}",
         text(&out.stderr)
     );
     t.cleanup().await;
+}
+
+/// Runs `outbox args…` (no `--table`), to completion.
+fn run_bare(args: &[&str]) -> Output {
+    outbox_cmd().args(args).output().expect("the binary runs")
+}
+
+#[tokio::test]
+async fn dead_letter_advice_names_migrate_with_dead_letter() {
+    // Migrated with the dead-letter table off: its redrive columns are missing.
+    let t = Tables::with(false, true).await;
+    let fix = format!("outbox --table {} migrate --dead-letter", t.name);
+    let out = t.run(&["dlq", "list"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains(&format!("run `{fix}`")), "{err}");
+    assert!(err.contains("lacks what this command needs"), "{err}");
+    assert!(!err.contains("predates"), "{err}");
+    // validate in the CLI's words, with the same command.
+    let out = t.run(&["--dead-letter", "validate"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains(&format!("(run `{fix}`)")), "{stdout}");
+    assert!(!stdout.contains("Outbox::migrate"), "{stdout}");
+    let out = t.run(&["--json", "--dead-letter", "validate"]);
+    assert_eq!(out.status.code(), Some(1));
+    let problems: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        problems["problems"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["needs_upgrade"] == true && p["fix"] == fix.as_str()),
+        "{problems}"
+    );
+    // The advice works: after it, the command does.
+    let out = t.run(&["migrate", "--dead-letter"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(t.run(&["dlq", "list"]).status.success());
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn migrate_tells_this_runs_steps_from_earlier_ones() {
+    let t = Tables::with(true, false).await;
+    let first = t.run(&["--dead-letter", "migrate"]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let stdout = text(&first.stdout);
+    let n = t.outbox.migration_steps().len();
+    assert!(stdout.contains("applied now"), "{stdout}");
+    assert!(!stdout.contains("applied earlier"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("is up to date; {n} step(s) applied now")),
+        "{stdout}"
+    );
+    let second = text(&t.run(&["--dead-letter", "migrate"]).stdout);
+    assert!(second.contains("applied earlier"), "{second}");
+    assert!(!second.contains("applied now\u{20}"), "{second}");
+    assert!(
+        second.contains("is up to date; 0 step(s) applied now"),
+        "{second}"
+    );
+    assert_eq!(t.json(&["--dead-letter", "migrate"])["applied_now"], 0);
+    t.cleanup().await;
+}
+
+#[test]
+fn database_urls_of_other_databases_are_refused_and_passwords_hidden() {
+    let out = run_bare(&["--database-url", "mysql://u:hunter2@h/db", "status"]);
+    assert_eq!(out.status.code(), Some(2), "a usage error");
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("mysql://") && err.contains("Postgres"),
+        "{err}"
+    );
+    assert!(!err.contains("hunter2"), "{err}");
+    // A password in the query is hidden too.
+    let out = run_bare(&[
+        "--database-url",
+        "postgres:///test?host=127.0.0.1&port=1&user=u&password=hunter2",
+        "status",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("password=***"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+    // No URL: a usage error.
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .env_remove("DATABASE_URL")
+        .arg("status")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[tokio::test]
+async fn a_closed_pipe_ends_watch_quietly() {
+    let t = Tables::new().await;
+    let mut child = outbox_cmd()
+        .args(["--table", &t.name, "status", "--watch", "100ms"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    lines.next().expect("a first line").unwrap();
+    drop(lines);
+    // The next refresh (100 ms on) finds the pipe closed; allow 30x that.
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("status --watch kept running after its reader left");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn usage_errors_exit_2_and_json_errors_are_json() {
+    let t = Tables::new().await;
+    for args in [
+        &["dlq", "redrive"][..],
+        &["dlq", "redrive", "--id", "13", "--queue", "other"],
+        &["dlq", "redrive", "--id", "13", "--all"],
+        &["dlq", "redrive", "--id", "13", "--limit", "5"],
+        &["dlq", "redrive", "--all", "--include-redriven"],
+        &["dlq", "redrive", "--id", "0"],
+        &["dlq", "list", "--reason", "nope"],
+        &["dlq", "list", "--limit", "0"],
+        &[
+            "dlq",
+            "list",
+            "--since",
+            "2026-02-01T00:00:00Z",
+            "--until",
+            "2026-01-01T00:00:00Z",
+        ],
+        &["dlq", "redrive", "--all", "--limit", "0"],
+        &["pending", "--queue", "q", "--limit", "0"],
+        &["pending", "--queue", ""],
+        &["status", "--watch", "10ms"],
+        &["run-now", "0"],
+        &["reschedule", "1"],
+        &[
+            "reschedule",
+            "1",
+            "--in",
+            "5m",
+            "--at",
+            "2026-01-01T00:00:00Z",
+        ],
+    ] {
+        let out = t.run(args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+    // --include-redriven stays an option of list.
+    assert!(t
+        .run(&["dlq", "list", "--include-redriven"])
+        .status
+        .success());
+    let help = text(&t.run(&["status", "--help"]).stdout);
+    assert!(help.contains("a bare --watch refreshes every 2s"), "{help}");
+    let help = text(&t.run(&["dlq", "redrive", "--help"]).stdout);
+    assert!(help.contains("Exit status 1"), "{help}");
+
+    // With --json an error is one JSON object on stderr, ours and clap's alike.
+    for (args, code) in [
+        (&["--json", "dlq", "redrive"][..], 2),
+        (&["--json", "dlq", "redrive", "--id", "0"], 2),
+        (&["--json", "run-now", "999999999"], 1),
+    ] {
+        let out = t.run(args);
+        assert_eq!(out.status.code(), Some(code), "{args:?}");
+        let err: Value = serde_json::from_slice(&out.stderr)
+            .unwrap_or_else(|e| panic!("{args:?}: {e}: {}", text(&out.stderr)));
+        assert_eq!(err["exit_code"], code, "{err}");
+        assert!(
+            err["error"].as_str().is_some_and(|s| !s.is_empty()),
+            "{err}"
+        );
+    }
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn redrive_fails_when_a_dead_letter_stays() {
+    let t = Tables::new().await;
+    let dlq = t.outbox.dead_letter_table();
+    t.exec(format!(
+        "INSERT INTO {dlq} (original_id, queue, payload, attempts_count, deliveries_count, \
+         created_at, failed_at, failure_reason, last_error) VALUES \
+         (41, 'cli.q', '\\xff00'::bytea, 1, 1, now(), now(), 'rejected', \
+          'line one\n   line two ' || repeat('x', 200))"
+    ))
+    .await;
+    let list = t.json(&["dlq", "list"]);
+    let d = &list["dead_letters"][0];
+    assert_eq!(d["payload"], Value::Null);
+    assert_eq!(d["payload_hex"], "ff00");
+    let id = d["id"].as_i64().unwrap();
+    let table = text(&t.run(&["dlq", "list"]).stdout);
+    assert!(
+        table.contains("original id") && table.contains("41"),
+        "{table}"
+    );
+    assert!(table.contains("line one line two"), "{table}");
+    assert!(!table.contains(&"x".repeat(100)), "{table}");
+
+    // One found, one not: the outcomes are printed, and the exit status says one stayed.
+    let out = t.run(&["dlq", "redrive", "--id", &format!("{id},999999999")]);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("redriven as row") && stdout.contains("no such dead letter"),
+        "{stdout}"
+    );
+    assert!(
+        text(&out.stderr).contains("999999999"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Already redriven counts as done.
+    assert!(t
+        .run(&["dlq", "redrive", "--id", &id.to_string()])
+        .status
+        .success());
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn pause_resume_and_pending_say_what_they_did() {
+    let t = Tables::new().await;
+    let out = t.run(&["resume", "nothere"]);
+    assert!(out.status.success());
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "nothere was not paused: nothing to resume"
+    );
+    let out = t.run(&["pause", "nothere"]);
+    assert!(out.status.success());
+    assert!(
+        text(&out.stdout).contains("(no rows in it now: check the name)"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert_eq!(t.json(&["pause", "nothere"])["rows_now"], false);
+
+    let mut conn = t.pool.acquire().await.unwrap();
+    for p in [b"a", b"b"] {
+        t.outbox
+            .publish(&mut conn, Message::new("cli.p", p))
+            .await
+            .unwrap();
+    }
+    drop(conn);
+    let out = text(&t.run(&["pause", "cli.p"]).stdout);
+    assert_eq!(out.trim(), "cli.p: paused");
+    let full = text(
+        &t.run(&["pending", "--queue", "cli.p", "--limit", "2"])
+            .stdout,
+    );
+    assert!(
+        full.contains("deadline") && !full.contains(" due "),
+        "{full}"
+    );
+    assert!(
+        full.contains("(limit reached: more rows may exist; raise --limit)"),
+        "{full}"
+    );
+    let all = text(
+        &t.run(&["pending", "--queue", "cli.p", "--limit", "3"])
+            .stdout,
+    );
+    assert!(!all.contains("limit reached"), "{all}");
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn run_now_reschedule_and_delete_one_row() {
+    let t = Tables::new().await;
+    let mut conn = t.pool.acquire().await.unwrap();
+    let mut ids = Vec::new();
+    for p in [b"a", b"b"] {
+        let published = t
+            .outbox
+            .publish(
+                &mut conn,
+                Message::new("cli.r", p).schedule(Duration::from_secs(3600)),
+            )
+            .await
+            .unwrap();
+        ids.push(published.id().expect("a new row").to_string());
+    }
+    drop(conn);
+    let (a, b) = (&ids[0], &ids[1]);
+
+    let moved = t.json(&["reschedule", a, "--in", "2h"]);
+    assert_eq!(moved["result"], "rescheduled");
+    let at = t.json(&["reschedule", a, "--at", "2030-01-01T00:00:00Z"]);
+    assert_eq!(at["next_attempt_at"], "2030-01-01T00:00:00.000Z");
+    let out = t.run(&["run-now", a]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains(&format!("row {a}: due at")));
+    let pending = t.json(&["pending", "--queue", "cli.r"]);
+    assert_eq!(pending["rows"][0]["id"].to_string(), *a, "{pending}");
+
+    let out = t.run(&["delete", a]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = t.run(&["delete", a]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("no live row has id"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    // A leased row is left alone, and the exit status says so.
+    t.exec(format!(
+        "UPDATE {} SET acquired_token = gen_random_uuid(), acquired_at = now() WHERE id = {b}",
+        t.outbox.table()
+    ))
+    .await;
+    for args in [
+        &["run-now", b][..],
+        &["delete", b],
+        &["reschedule", b, "--in", "1m"],
+    ] {
+        let out = t.run(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(
+            text(&out.stderr).contains("a worker holds it"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn permission_errors_say_which_grant_is_missing() {
+    let t = Tables::new().await;
+    let role = format!("{}_role", t.name);
+    t.exec(format!(
+        "CREATE ROLE {role} LOGIN; GRANT SELECT ON {} TO {role}",
+        t.outbox.table()
+    ))
+    .await;
+    let url = database_url();
+    // The same server and database, as the new role (trust authentication).
+    let rest = url.split_once('@').map_or(url.as_str(), |(_, r)| r);
+    let as_role = format!("postgres://{role}@{rest}");
+    let out = outbox_cmd()
+        .args(["--database-url", &as_role, "--table", &t.name, "pause", "q"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("lacks a grant"), "{err}");
+    assert!(
+        err.contains(&format!("INSERT, DELETE on {}_paused", t.name)),
+        "{err}"
+    );
+    assert!(
+        err.contains("#deployment-roles-poolers-session-settings"),
+        "{err}"
+    );
+    let name = t.name.clone();
+    let pool = t.pool.clone();
+    t.cleanup().await;
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP ROLE {role}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let _ = name;
 }
