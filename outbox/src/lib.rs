@@ -178,6 +178,7 @@ mod validate;
 pub mod admin;
 pub mod dlq;
 pub mod message;
+pub mod periodic;
 pub mod schema;
 pub mod stats;
 pub mod store;
