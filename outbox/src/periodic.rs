@@ -96,7 +96,8 @@ enum Kind {
     Cron {
         /// The fields as given, joined by single spaces (for the fingerprint).
         expr: String,
-        cron: croner::Cron,
+        /// Boxed: a parsed pattern is several hundred bytes, an interval sixteen.
+        cron: Box<croner::Cron>,
         tz: chrono_tz::Tz,
     },
 }
@@ -118,7 +119,7 @@ impl Recurrence {
                 "is longer than 10 000 years (overflow)",
             ));
         }
-        if interval.subsec_nanos() % 1_000 != 0 {
+        if !interval.subsec_nanos().is_multiple_of(1_000) {
             return Err(Error::invalid(
                 "every",
                 "must be a whole number of microseconds (the resolution of a Postgres timestamp)",
@@ -179,7 +180,7 @@ impl Recurrence {
         }
         Ok(Recurrence(Kind::Cron {
             expr: normalized,
-            cron,
+            cron: Box::new(cron),
             tz: zone,
         }))
     }
