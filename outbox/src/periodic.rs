@@ -2,7 +2,7 @@
 //!
 //! A [`Recurrence`] is either a **fixed interval** ([`Recurrence::every`],
 //! [`Recurrence::parse_every`]; always available) or a **cron expression in a time zone**
-//! ([`Recurrence::cron`]; cargo feature `cron`). Its arithmetic is pure: every function
+//! (`Recurrence::cron`; cargo feature `cron`). Its arithmetic is pure: every function
 //! takes the current time as a parameter and reads no clock, so the worker passes the
 //! **database** clock (the claim's `now()`), and tests pass any instant they like.
 //!
@@ -104,7 +104,7 @@ enum Kind {
 
 impl Recurrence {
     /// A fixed interval of real time: above zero, at most 10 000 years
-    /// ([`MAX_DELAY`](crate::message::MAX_DELAY)), in whole microseconds. Otherwise
+    /// ([`message::MAX_DELAY`](crate::message::MAX_DELAY)), in whole microseconds. Otherwise
     /// [`Error::InvalidArgument`] (`field = "every"`).
     pub fn every(interval: Duration) -> Result<Self> {
         if interval.is_zero() {
