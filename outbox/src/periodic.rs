@@ -227,8 +227,11 @@ impl Recurrence {
                     return Some(next);
                 }
                 let floor = floor_second(now)?.with_timezone(tz);
-                let latest = cron.find_previous_occurrence(&floor, true).ok()?;
-                Some(latest.with_timezone(&Utc))
+                // `next` is itself an instant <= now, so the latest one is never earlier; the
+                // max keeps the result after `deadline` even if a backward search resolved a
+                // DST fold differently from the forward one (the tests show it does not).
+                let latest = cron.find_previous_occurrence(&floor, true).ok();
+                Some(latest.map_or(next, |t| t.with_timezone(&Utc).max(next)))
             }
         }
     }
@@ -510,6 +513,29 @@ mod tests {
             assert_eq!(
                 r.next_after(utc(2026, 10, 25, 1, 0, 0)),
                 Some(utc(2026, 10, 26, 1, 30, 0))
+            );
+        }
+
+        #[test]
+        fn missed_instants_across_dst_days_are_instants_of_the_forward_series() {
+            let r = Recurrence::cron("0 30 2 * * *", BERLIN).unwrap();
+            // Spring: from the 28th's 02:30 CET, late until 07:00 CEST on the 29th: the
+            // 29th's only instant, 03:00 CEST.
+            assert_eq!(
+                r.next_instant(utc(2026, 3, 28, 1, 30, 0), utc(2026, 3, 29, 5, 0, 0)),
+                Some(utc(2026, 3, 29, 1, 0, 0))
+            );
+            // Autumn: from the 24th's 02:30 CEST, late until 04:00 CET on the 25th: the
+            // 25th's only instant, the first pass of 02:30 (CEST).
+            assert_eq!(
+                r.next_instant(utc(2026, 10, 24, 0, 30, 0), utc(2026, 10, 25, 3, 0, 0)),
+                Some(utc(2026, 10, 25, 0, 30, 0))
+            );
+            // Hourly, late into the second pass of 02:xx: its 02:00 CET fires once.
+            let hourly = Recurrence::cron("0 * * * *", BERLIN).unwrap();
+            assert_eq!(
+                hourly.next_instant(utc(2026, 10, 24, 22, 0, 0), utc(2026, 10, 25, 1, 40, 0)),
+                Some(utc(2026, 10, 25, 1, 0, 0))
             );
         }
 
