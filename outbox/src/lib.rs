@@ -64,6 +64,7 @@
 //! | queue statistics: depth, lateness, leases, dead letters | [`Outbox::stats`]; requests, figures and modes in [`stats`] |
 //! | migrations (online), validation, upgrading an older schema | [`migrate`], [`Outbox::migrate`]; the rest in [`schema`], the guide in [`schema::upgrading`] |
 //! | spans (OpenTelemetry messaging conventions), trace context in headers (feature `opentelemetry`), metrics | [`telemetry`] |
+//! | recurrences of periodic timers: fixed intervals, cron expressions in a time zone (feature `cron`), next instants across DST | [`periodic`] |
 //! | tests without a database (feature `testing`) | [`testing`] |
 //!
 //! ## Features
@@ -78,6 +79,11 @@
 //!   `opentelemetry` 0.33, `opentelemetry_sdk` 0.33 and `tracing-opentelemetry` 0.34, the
 //!   versions your application's layer must use. Without it the spans carry the same
 //!   names and attributes as plain `tracing` spans. See [`telemetry`].
+//! - `cron` (off by default): `periodic::Recurrence::cron`, cron expressions (5 fields, or 6
+//!   with seconds) evaluated in an IANA time zone, with DST handled by the `croner` crate
+//!   and zones from `chrono-tz` (which compiles the time-zone database into your binary,
+//!   hence a feature). Fixed intervals ([`periodic::Recurrence::every`]) need no feature.
+//!   See [`periodic`].
 //!
 //! ## Units and clocks
 //!
@@ -178,6 +184,7 @@ mod validate;
 pub mod admin;
 pub mod dlq;
 pub mod message;
+pub mod periodic;
 pub mod schema;
 pub mod stats;
 pub mod store;
