@@ -1,8 +1,7 @@
 //! The text of every statement the runtime sends, rendered once per [`Outbox`] for its
 //! names and executed elsewhere: `publish.rs`, `cancel.rs`, `admin.rs`, `read.rs`, `dlq.rs`,
 //! `stats.rs`, `migrate.rs`, `validate.rs`, `store/postgres.rs`, `store/periodic.rs` and
-//! `store/listen.rs` run what is
-//! rendered here.
+//! `store/listen.rs` run what is rendered here.
 //!
 //! This module is a leaf over [`crate::names`]: it renders text and executes nothing. Every
 //! value a statement needs travels as a bind parameter; the only text pasted in is quoted
