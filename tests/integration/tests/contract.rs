@@ -3163,6 +3163,46 @@ async fn registration_rejects_bad_requests_before_writing<H: Harness>(h: &H) {
     assert_eq!(only_row(h).await.rearm_at, None);
 }
 
+async fn registrations_that_make_a_row_due_send_a_wakeup_hint<H: Harness>(h: &H) {
+    let mut hints = h
+        .store()
+        .wakeups()
+        .await
+        .unwrap()
+        .expect("both stores push hints");
+    register(h, b"s", "A", at(10)).await; // inserted: a hint
+    register(h, b"s", "A", at(5)).await; // unchanged: none
+    register(h, b"s", "B", at(3)).await; // a pending row moved: a hint
+    h.advance(secs(3)).await;
+    let d = claim_one(h).await;
+    // A rearm replaced on a running row: no hint (its completion sends one).
+    assert_eq!(
+        register(h, b"s", "C", at(50)).await,
+        Registered::RearmReplaced { id: 1, at: at(50) }
+    );
+    h.store().ack(d.lease).await.unwrap();
+    publish(h, Message::new(Q3, b"marker")).await;
+    let hint = |queue: &str, at: DateTime<Utc>| Wakeup::Published {
+        queue: queue.to_owned(),
+        at,
+    };
+    let want = vec![
+        hint(Q, at(10)),
+        hint(Q, at(3)),
+        hint(Q, at(50)),
+        hint(Q3, at(3)),
+    ];
+    let mut got = Vec::new();
+    while got.len() < want.len() {
+        let next = tokio::time::timeout(secs(10), hints.recv()).await;
+        got.push(
+            next.expect("a hint within 10 s")
+                .expect("the hint channel is open"),
+        );
+    }
+    assert_eq!(got, want);
+}
+
 macro_rules! contract {
     ($($name:ident(dead_letter = $dlq:expr);)*) => {
         mod postgres {
@@ -3253,4 +3293,5 @@ contract! {
     an_armed_instant_survives_every_way_a_run_ends(dead_letter = true);
     an_armed_instant_survives_a_terminal_failure_without_dead_letters(dead_letter = false);
     registration_rejects_bad_requests_before_writing(dead_letter = true);
+    registrations_that_make_a_row_due_send_a_wakeup_hint(dead_letter = true);
 }
