@@ -1,7 +1,7 @@
 //! The text of every statement the runtime sends, rendered once per [`Outbox`] for its
 //! names and executed elsewhere: `publish.rs`, `cancel.rs`, `admin.rs`, `read.rs`, `dlq.rs`,
-//! `stats.rs`, `migrate.rs`, `validate.rs`, `store/postgres.rs` and `store/listen.rs` run what is
-//! rendered here.
+//! `stats.rs`, `migrate.rs`, `validate.rs`, `store/postgres.rs`, `store/periodic.rs` and
+//! `store/listen.rs` run what is rendered here.
 //!
 //! This module is a leaf over [`crate::names`]: it renders text and executes nothing. Every
 //! value a statement needs travels as a bind parameter; the only text pasted in is quoted
@@ -25,6 +25,7 @@ pub(crate) mod claim;
 pub(crate) mod complete;
 pub(crate) mod ddl;
 pub(crate) mod dlq;
+pub(crate) mod periodic;
 pub(crate) mod publish;
 pub(crate) mod read;
 pub(crate) mod stats;
@@ -54,6 +55,7 @@ pub(crate) struct Statements {
     pub dlq: dlq::Dlq,
     pub stats: stats::Stats,
     pub ddl: ddl::Ddl,
+    pub periodic: periodic::Periodic,
 }
 
 impl Statements {
@@ -68,6 +70,7 @@ impl Statements {
             dlq: dlq::Dlq::render(n),
             stats: stats::Stats::render(n),
             ddl: ddl::Ddl::render(n),
+            periodic: periodic::Periodic::render(n),
         }
     }
 
@@ -84,6 +87,7 @@ impl Statements {
         out.extend(self.dlq.all());
         out.extend(self.stats.all());
         out.extend(self.ddl.all());
+        out.extend(self.periodic.all());
         out
     }
 }

@@ -9,8 +9,8 @@
 //!
 //! | group | methods | rule |
 //! |---|---|---|
-//! | claiming | [`Store::claim`] | due rows and rows whose lease expired, `FOR UPDATE SKIP LOCKED`, one new lease token per claim |
-//! | completing | [`Store::ack`], [`Store::ack_batch`], [`Store::retry`], [`Store::fail`] | every write matches the row id **and** the lease token; a queued rearm is applied by the same write |
+//! | claiming | [`Store::claim`], [`Store::register_schedule`] | due rows and rows whose lease expired, `FOR UPDATE SKIP LOCKED`, one new lease token per claim; a schedule's row written once per key |
+//! | completing | [`Store::arm_next`], [`Store::ack`], [`Store::ack_batch`], [`Store::retry`], [`Store::fail`] | every write matches the row id **and** the lease token; a queued rearm is applied by the same write |
 //! | waking up | [`Store::next_wakeup`], [`Store::wakeups`] | sleep until the earliest deadline or a notification, never poll in a loop |
 //! | clock and settings | [`Store::now`], [`Store::dead_letter_enabled`], [`Store::autovacuum_off`] | deadlines and lease ages come from the store's clock |
 //! | statistics | [`Store::queue_stats`] | what the opt-in queue-depth gauge reports; optional (`None` by default) |
@@ -34,8 +34,11 @@
 //!   register on the in-memory store, which is how handlers are tested without a database.)
 //!
 //! The contract grows by groups: keeping a running handler's lease alive and giving rows
-//! back at shutdown belong with completing (fenced by the same token), and registering a
-//! recurring schedule belongs with claiming (it writes the row a claim will find). Requests
+//! back at shutdown belong with completing (fenced by the same token), as does queuing a
+//! periodic run's next instant ([`Store::arm_next`]); registering a recurring schedule
+//! belongs with claiming (it writes the row a claim will find). Both periodic methods have
+//! a default that refuses with [`Error::InvalidConfig`], so a store written before them
+//! still compiles and says plainly that it cannot run schedules. Requests
 //! that may gain options are structs ([`ClaimRequest`]), so adding one is not a breaking
 //! change.
 
@@ -50,12 +53,16 @@ use crate::publish::{Headers, MAX_DELAY};
 use crate::stats::{QueueStats, StatsRequest};
 
 pub(crate) mod listen;
+pub(crate) mod periodic;
 pub(crate) mod postgres;
 pub(crate) mod rows;
 pub(crate) mod transaction;
 
 // Each public item has one path: `PgStore` and `HandlerTransaction` live at the crate root
 // (the quick start names them), the rest of what a store reads and answers here.
+pub use self::periodic::{
+    Armed, RegisterSchedule, Registered, SCHEDULE_HEADER, SCHEDULE_KEY_PREFIX,
+};
 pub use self::postgres::LOCK_TIMEOUT;
 pub use self::transaction::TransactionSource;
 pub use crate::read::{DeadLetter, StoredRow};
@@ -219,6 +226,15 @@ pub(crate) fn fair_order(rows: &mut Vec<Delivery>) {
         (ta, a.deadline, a.lease.id).cmp(&(tb, b.deadline, b.lease.id))
     });
     rows.extend(keyed.into_iter().map(|(_, d)| d));
+}
+
+/// The refusal of a store without periodic timers (the trait's defaults).
+fn periodic_unsupported() -> Error {
+    Error::InvalidConfig {
+        knob: "store",
+        reason: "this store does not support periodic timers (`arm_next`, `register_schedule`)"
+            .to_owned(),
+    }
 }
 
 /// Retry delays longer than [`crate::message::MAX_DELAY`] are rejected before any SQL: the deadline
@@ -547,6 +563,42 @@ pub trait Store: Clone + Send + Sync + 'static {
         lease_ttl: Duration,
         failure: Failure<'_>,
     ) -> impl Future<Output = Result<Completion>> + Send;
+
+    /// Queues the next instant `at` of a periodic run as the rearm of its leased row, with
+    /// the row's own payload and headers, when the run starts: fenced by the lease token and
+    /// by the absence of a cancel mark (a cancel mark is never cleared here). A rearm already
+    /// queued stays when it is not earlier than `at` or when it carries another schedule's
+    /// fingerprint (a registration of a changed schedule queued it); otherwise `at` replaces
+    /// it. What each way the run ends then does is the completion table above. See
+    /// [`Armed`]. On Postgres one statement that locks the row first.
+    ///
+    /// The default refuses with [`Error::InvalidConfig`] (`knob` `"store"`): the store
+    /// cannot run periodic timers.
+    fn arm_next(
+        &self,
+        lease: Lease,
+        at: DateTime<Utc>,
+    ) -> impl Future<Output = Result<Armed>> + Send {
+        let _ = (lease, at);
+        async { Err(periodic_unsupported()) }
+    }
+
+    /// Registers a schedule: inserts its row, leaves it alone when the stored schedule is
+    /// the same, or brings it to the new one (the table of [`Registered`]). On Postgres one
+    /// `INSERT … ON CONFLICT DO UPDATE` on the timer key's unique index, so workers that
+    /// register one schedule at once leave one live row.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a request that breaks [`RegisterSchedule`]'s rules,
+    /// before anything is written. The default refuses with [`Error::InvalidConfig`]
+    /// (`knob` `"store"`): the store cannot run periodic timers.
+    fn register_schedule(
+        &self,
+        request: RegisterSchedule<'_>,
+    ) -> impl Future<Output = Result<Registered>> + Send {
+        let _ = request;
+        async { Err(periodic_unsupported()) }
+    }
 
     /// Earliest deadline and lease expiry among the rows `request` could claim, to sleep
     /// until: its queues, leases expiring after its `lease_ttl`, its `exclude`d rows left out

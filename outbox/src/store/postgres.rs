@@ -15,10 +15,12 @@ use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
+use super::periodic::{arm_next_on, check_instant, register_on};
 use super::rows::delivery_from_row;
 use super::{
-    check_retry_delay, clean_error_text, fair_order, ClaimRequest, Completion, Delivery, Failure,
-    Lease, NextWakeup, Release, Released, Renewal, Store, Wakeup,
+    check_retry_delay, clean_error_text, fair_order, Armed, ClaimRequest, Completion, Delivery,
+    Failure, Lease, NextWakeup, RegisterSchedule, Registered, Release, Released, Renewal, Store,
+    Wakeup,
 };
 use crate::cancel::Cancelled;
 use crate::dlq::DeadLetterFilter;
@@ -581,6 +583,18 @@ impl Store for PgStore {
         } else {
             Completion::LeaseLost
         })
+    }
+
+    async fn arm_next(&self, lease: Lease, at: DateTime<Utc>) -> Result<Armed> {
+        check_instant("at", at)?;
+        let sql = &self.outbox.sql().periodic;
+        self.single(|db| arm_next_on(sql, db, lease, at)).await
+    }
+
+    async fn register_schedule(&self, request: RegisterSchedule<'_>) -> Result<Registered> {
+        // On the caller's pool: a registration may wait for a claim's or a completion's row
+        // lock, and holds no other.
+        register_on(&self.outbox.sql().periodic, &self.pool, request).await
     }
 
     async fn next_wakeup(&self, request: ClaimRequest<'_>) -> Result<NextWakeup> {

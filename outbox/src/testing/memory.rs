@@ -25,8 +25,8 @@ use crate::publish::{
 use crate::read::{DeadLetter, StoredRow};
 use crate::stats::{complete, lateness, Count, QueueStats, StatsMode, StatsRequest};
 use crate::store::{
-    clean_error_text, ClaimRequest, Completion, Delivery, Failure, Lease, NextWakeup, Release,
-    Released, Renewal, Store, Wakeup,
+    clean_error_text, Armed, ClaimRequest, Completion, Delivery, Failure, Lease, NextWakeup,
+    RegisterSchedule, Registered, Release, Released, Renewal, Store, Wakeup, SCHEDULE_HEADER,
 };
 use crate::timer::Publisher;
 
@@ -364,6 +364,101 @@ impl State {
         } else {
             Cancelled::Running { id }
         })
+    }
+
+    /// `periodic.rs`, `arm_next`: lock the leased row, keep a rearm that is not earlier
+    /// than `at` or that a registration of another schedule queued, else queue `at` with
+    /// the row's own payload and headers; never on a cancel-marked row.
+    fn arm_next(&mut self, lease: Lease, at: DateTime<Utc>) -> Armed {
+        let at = to_postgres_precision(at);
+        let Some(row) = self.leased(lease) else {
+            return Armed::LeaseLost;
+        };
+        if row.cancelled_at.is_some() {
+            return Armed::Cancelled;
+        }
+        if let Some(queued) = row.rearm_at {
+            let theirs = row
+                .rearm_headers
+                .as_ref()
+                .and_then(|h| h.get(SCHEDULE_HEADER));
+            let ours = row.headers.as_ref().and_then(|h| h.get(SCHEDULE_HEADER));
+            if queued >= at || (theirs.is_some() && theirs != ours) {
+                return Armed::Kept { at: queued };
+            }
+        }
+        row.rearm_at = Some(at);
+        row.rearm_payload = Some(row.payload.clone());
+        row.rearm_headers = row.headers.clone();
+        Armed::Queued { at }
+    }
+
+    /// `periodic.rs`, `register`: insert, or compare the fingerprint the row carries next
+    /// and bring the row to the new schedule.
+    fn register_schedule(&mut self, request: RegisterSchedule<'_>) -> Result<Registered> {
+        request.validate()?;
+        let at = to_postgres_precision(request.first);
+        // The identity default is evaluated before ON CONFLICT looks for the key.
+        let id = self.next_id();
+        let Some(existing) = self.timer_row(request.queue, request.timer_id) else {
+            self.rows.insert(
+                id,
+                StoredRow {
+                    id,
+                    queue: request.queue.to_owned(),
+                    payload: request.payload.to_vec(),
+                    headers: Some(request.headers.clone()),
+                    attempts_count: 0,
+                    deliveries_count: 0,
+                    created_at: self.now,
+                    next_attempt_at: at,
+                    first_attempt_at: None,
+                    last_attempt_at: None,
+                    acquired_at: None,
+                    acquired_token: None,
+                    timer_id: Some(request.timer_id.to_owned()),
+                    rearm_at: None,
+                    rearm_payload: None,
+                    rearm_headers: None,
+                    cancelled_at: None,
+                    raw_headers: None,
+                    raw_rearm_headers: None,
+                },
+            );
+            self.notify(request.queue, at);
+            return Ok(Registered::Inserted { id, at });
+        };
+        let Some(row) = self.rows.get_mut(&existing) else {
+            return Ok(Registered::Unchanged);
+        };
+        let next = if row.rearm_at.is_some() {
+            row.rearm_headers.as_ref()
+        } else {
+            row.headers.as_ref()
+        };
+        let same =
+            next.and_then(|h| h.get(SCHEDULE_HEADER)) == request.headers.get(SCHEDULE_HEADER);
+        let stopped = row.cancelled_at.is_some() && row.rearm_at.is_none();
+        if same && !stopped {
+            return Ok(Registered::Unchanged);
+        }
+        row.cancelled_at = None;
+        if row.acquired_token.is_none() {
+            row.next_attempt_at = at;
+            row.payload = request.payload.to_vec();
+            row.headers = Some(request.headers.clone());
+            row.attempts_count = 0;
+            row.first_attempt_at = None;
+            row.last_attempt_at = None;
+            let id = row.id;
+            self.notify(request.queue, at);
+            Ok(Registered::Rescheduled { id, at })
+        } else {
+            row.rearm_at = Some(at);
+            row.rearm_payload = Some(request.payload.to_vec());
+            row.rearm_headers = Some(request.headers.clone());
+            Ok(Registered::RearmReplaced { id: row.id, at })
+        }
     }
 
     /// The candidates of the claim statement: `(deadline, id)` of what a claim would take,
@@ -1439,6 +1534,23 @@ impl Store for MemoryStore {
         failure: Failure<'_>,
     ) -> impl Future<Output = Result<Completion>> + Send {
         ready(self.lock().fail_unclaimed(id, lease_ttl, failure))
+    }
+
+    fn arm_next(
+        &self,
+        lease: Lease,
+        at: DateTime<Utc>,
+    ) -> impl Future<Output = Result<Armed>> + Send {
+        let done = crate::store::periodic::check_instant("at", at)
+            .map(|()| self.lock().arm_next(lease, at));
+        ready(done)
+    }
+
+    fn register_schedule(
+        &self,
+        request: RegisterSchedule<'_>,
+    ) -> impl Future<Output = Result<Registered>> + Send {
+        ready(self.lock().register_schedule(request))
     }
 
     fn next_wakeup(

@@ -1,0 +1,124 @@
+//! Periodic timers: the start-of-run arming of a schedule's next instant, and the
+//! registration of a schedule (insert its row, or bring a stored one up to a changed
+//! schedule). A schedule is a keyed timer with a reserved `schedule:<name>` key; its
+//! fingerprint travels in the row's headers under [`SCHEDULE_HEADER`].
+
+use sqlx::SqlStr;
+
+use super::{notify, query};
+use crate::names::Names;
+
+/// The header that holds a schedule's fingerprint. A literal of our own, pasted into the
+/// statements as a JSON key (it holds no quote).
+pub(crate) const SCHEDULE_HEADER: &str = "outbox-schedule";
+
+#[derive(Debug)]
+pub(crate) struct Periodic {
+    /// Queues the next instant on a running periodic row: `$1` id, `$2` token, `$3` next
+    /// instant → `(rows locked, cancelled, rearm deadline now stored, written)`.
+    pub arm_next: SqlStr,
+    /// Registers a schedule: `$1` queue, `$2` timer id, `$3` payload, `$4` headers, `$5`
+    /// first instant → one row `(id, inserted, leased, deadline or rearm deadline, notify)`
+    /// when something was written, none when the stored schedule is the same.
+    pub register: SqlStr,
+}
+
+impl Periodic {
+    pub(crate) fn render(n: &Names) -> Self {
+        let t = &n.qtable;
+        let h = SCHEDULE_HEADER;
+        // SPEC §9.1: at the start of a run, the next instant as a rearm, fenced by the token
+        // and `cancelled_at IS NULL` (it never clears a cancel mark: a cancel stops the
+        // schedule). The primary key finds the row; `IS NOT DISTINCT FROM` keeps the planner
+        // on it (see complete.rs). It locks the row first and decides under the lock, reading
+        // every value another transaction may change from the locking CTE (complete.rs,
+        // APPLY_REARM): an extend or a registration that committed while we waited is seen.
+        // A rearm already queued stays when
+        // - it is not earlier than the next instant (a reclaim after a crash finds the one
+        //   the crashed run queued; a user's extend to a later deadline): later only, as an
+        //   extend, so two runs of one instant arm the same next instant once;
+        // - or it carries another schedule's fingerprint than the running row: a registration
+        //   of a changed schedule replaced it, and the new schedule wins, earlier or not.
+        // Otherwise (an earlier rearm of this schedule, or one without a fingerprint) the
+        // next instant replaces it, with the row's own payload and headers. A cancel racing
+        // this statement is ordered by the row lock: first, and we write nothing; after, and
+        // it drops what we queued and marks the row.
+        let arm_next = format!(
+            r#"
+WITH cur AS (
+    SELECT id, payload, headers, rearm_at, cancelled_at IS NOT NULL AS cancelled,
+           rearm_at IS NOT NULL
+             AND (rearm_at >= $3::timestamptz
+                  OR (rearm_headers->>'{h}' IS NOT NULL
+                      AND rearm_headers->>'{h}' IS DISTINCT FROM headers->>'{h}')) AS keep
+    FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 FOR UPDATE),
+armed AS (
+    UPDATE {t} t SET rearm_at = $3::timestamptz, rearm_payload = cur.payload,
+                     rearm_headers = cur.headers
+    FROM cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.cancelled AND NOT cur.keep
+    RETURNING t.rearm_at)
+SELECT (SELECT count(*) FROM cur), (SELECT bool_or(cancelled) FROM cur),
+       coalesce((SELECT rearm_at FROM armed),
+                (SELECT rearm_at FROM cur WHERE NOT cancelled)),
+       (SELECT count(*) FROM armed) > 0"#
+        );
+        // SPEC §9.1: registration in one statement, on the partial unique index
+        // `<t>_timer_id_uq` `(queue, timer_id) WHERE timer_id IS NOT NULL`. Two workers
+        // registering at once: the second's insert waits for the first's to commit, then
+        // takes the DO UPDATE branch and finds the same fingerprint, so one live row. A
+        // registration racing a claim waits on the claim's row lock and then sees the leased
+        // row (as an extend does, SPEC §5.3); one racing a completion that deletes the row
+        // inserts it again (ON CONFLICT retries the insert once the conflicting row is gone).
+        // The fingerprint compared is the one the row will carry next: a queued rearm's when
+        // there is one, else the row's. The same fingerprint writes nothing (a failed DO
+        // UPDATE WHERE only locks the row) unless a cancel stopped the schedule on a running
+        // row (mark set, no rearm): "a cancel stops the schedule until the next
+        // registration", so that registration queues the first instant as a rearm and clears
+        // the mark (the newest intent wins, as an extend, SPEC §3); a cancelled pending row
+        // was deleted, and the insert brings it back. A different fingerprint moves a pending
+        // row to the new first instant (earlier allowed, unlike an extend; retry history
+        // reset as for an extend) with the new payload and headers, or replaces the rearm
+        // queued on a leased row (earlier allowed). `xmax = 0` marks a fresh insert. An insert
+        // or a moved pending row notifies (it may be due earlier than any worker's wake-up);
+        // a queued rearm does not: its completion notifies when it applies.
+        let pending = "t.acquired_token IS NULL";
+        let register = format!(
+            r#"
+WITH up AS (
+    INSERT INTO {t} AS t (queue, payload, headers, next_attempt_at, timer_id)
+    VALUES ($1, $3, $4, $5::timestamptz, $2)
+    ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO UPDATE SET
+        next_attempt_at  = CASE WHEN {pending} THEN excluded.next_attempt_at ELSE t.next_attempt_at END,
+        payload          = CASE WHEN {pending} THEN excluded.payload ELSE t.payload END,
+        headers          = CASE WHEN {pending} THEN excluded.headers ELSE t.headers END,
+        attempts_count   = CASE WHEN {pending} THEN 0 ELSE t.attempts_count END,
+        first_attempt_at = CASE WHEN {pending} THEN NULL ELSE t.first_attempt_at END,
+        last_attempt_at  = CASE WHEN {pending} THEN NULL ELSE t.last_attempt_at END,
+        rearm_at         = CASE WHEN {pending} THEN t.rearm_at ELSE excluded.next_attempt_at END,
+        rearm_payload    = CASE WHEN {pending} THEN t.rearm_payload ELSE excluded.payload END,
+        rearm_headers    = CASE WHEN {pending} THEN t.rearm_headers ELSE excluded.headers END,
+        cancelled_at     = NULL
+    WHERE (CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_headers ELSE t.headers END)->>'{h}'
+              IS DISTINCT FROM excluded.headers->>'{h}'
+       OR (t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL)
+    RETURNING t.id, t.queue, t.next_attempt_at, t.rearm_at, (t.xmax = 0) AS inserted,
+              (t.acquired_token IS NOT NULL) AS leased)
+SELECT up.id, up.inserted, up.leased,
+       CASE WHEN up.leased THEN up.rearm_at ELSE up.next_attempt_at END,
+       CASE WHEN NOT up.leased THEN {notify} END
+FROM up"#,
+            notify = notify(n, "up"),
+        );
+        Periodic {
+            arm_next: query(arm_next),
+            register: query(register),
+        }
+    }
+
+    pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
+        vec![
+            ("periodic.arm_next", self.arm_next.as_str()),
+            ("periodic.register", self.register.as_str()),
+        ]
+    }
+}

@@ -1,0 +1,253 @@
+//! The storage side of periodic timers: what a worker writes when a periodic run starts
+//! ([`Store::arm_next`](super::Store::arm_next)) and when it registers a schedule
+//! ([`Store::register_schedule`](super::Store::register_schedule)), with the Postgres
+//! executors of the statements `sql::periodic` renders.
+//!
+//! A schedule is a keyed timer whose key is `schedule:<name>` and whose headers carry a
+//! fingerprint of the schedule under [`SCHEDULE_HEADER`]: any number of workers keep one
+//! live row per schedule through the timer key's unique index, with no leader.
+
+use chrono::{DateTime, Datelike, Utc};
+use sqlx::types::Json;
+use sqlx::{PgPool, Row};
+
+use super::Lease;
+use crate::error::{Error, Result};
+use crate::publish::{
+    validate_headers, validate_payload, validate_queue, validate_timer_id, Headers,
+};
+use crate::sql::periodic::Periodic;
+
+/// The header that holds a schedule's fingerprint: a text that changes whenever the
+/// schedule does (its cron expression or interval, its time zone). Registration compares it
+/// with the stored one to decide whether the stored row follows an older schedule.
+pub const SCHEDULE_HEADER: &str = crate::sql::periodic::SCHEDULE_HEADER;
+
+/// The prefix of every schedule's timer key: a schedule named `nightly` is the timer
+/// `schedule:nightly` of its queue.
+pub const SCHEDULE_KEY_PREFIX: &str = "schedule:";
+
+/// What [`Store::arm_next`](super::Store::arm_next) found on the running row.
+///
+/// At the start of a periodic run the worker queues the schedule's next instant as a rearm
+/// on the leased row, carrying the row's own payload and headers, so every way the run ends
+/// keeps the schedule: success and terminal failure apply the rearm (a fresh instance due
+/// at the next instant), a retry is replaced by it, a crash leaves it queued for the run
+/// that reclaims the row. The write is fenced by the lease token and by the absence of a
+/// cancel mark: it never clears a cancel mark, so a cancel stops the schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Armed {
+    /// The next instant is queued as the row's rearm, due at `at`.
+    Queued {
+        /// The rearm deadline (the next instant given).
+        at: DateTime<Utc>,
+    },
+    /// A rearm already queued stays and nothing was written: it is not earlier than the next
+    /// instant (a reclaimed run finds the one its crashed predecessor queued; a user's
+    /// extend to a later deadline), or a registration of a changed schedule queued it (its
+    /// fingerprint differs from the running row's), which wins earlier or not.
+    Kept {
+        /// The deadline of the rearm that stays.
+        at: DateTime<Utc>,
+    },
+    /// A cancel reached the row: nothing was written, and the schedule stops when the run
+    /// ends, until the schedule is registered again.
+    Cancelled,
+    /// The lease token no longer matches (the row was reclaimed or is gone). Nothing was
+    /// written.
+    LeaseLost,
+}
+
+/// A schedule to register ([`Store::register_schedule`](super::Store::register_schedule)):
+/// the row of timer `timer_id` on `queue`, due first at `first`.
+///
+/// `timer_id` starts with [`SCHEDULE_KEY_PREFIX`] followed by a non-empty name, and
+/// `headers` hold the schedule's fingerprint under [`SCHEDULE_HEADER`] (non-empty). Queue,
+/// timer id, payload and headers follow the rules of a publish (1..=255 bytes without NUL;
+/// payload at most 64 MiB; headers at most 64 KiB in total, no NUL).
+///
+/// ```
+/// use outbox::store::{RegisterSchedule, SCHEDULE_HEADER};
+/// let headers = [(SCHEDULE_HEADER.to_owned(), "every 300s".to_owned())].into();
+/// let first = chrono::Utc::now();
+/// let request = RegisterSchedule::new("reports", "schedule:cleanup", b"{}", &headers, first);
+/// assert_eq!(request.timer_id, "schedule:cleanup");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RegisterSchedule<'a> {
+    /// The queue.
+    pub queue: &'a str,
+    /// The timer key, `schedule:<name>`.
+    pub timer_id: &'a str,
+    /// The payload every instance of the schedule carries.
+    pub payload: &'a [u8],
+    /// The headers every instance carries, the fingerprint among them.
+    pub headers: &'a Headers,
+    /// The schedule's first instant (computed from the store's clock).
+    pub first: DateTime<Utc>,
+}
+
+impl<'a> RegisterSchedule<'a> {
+    /// Registers timer `timer_id` of `queue`, first due at `first`.
+    pub fn new(
+        queue: &'a str,
+        timer_id: &'a str,
+        payload: &'a [u8],
+        headers: &'a Headers,
+        first: DateTime<Utc>,
+    ) -> Self {
+        RegisterSchedule {
+            queue,
+            timer_id,
+            payload,
+            headers,
+            first,
+        }
+    }
+
+    /// The checks run before anything is written.
+    pub(crate) fn validate(&self) -> Result<()> {
+        validate_queue(self.queue)?;
+        validate_timer_id(self.timer_id)?;
+        if self
+            .timer_id
+            .strip_prefix(SCHEDULE_KEY_PREFIX)
+            .is_none_or(str::is_empty)
+        {
+            return Err(Error::invalid(
+                "timer_id",
+                format!("a schedule's key is `{SCHEDULE_KEY_PREFIX}<name>` with a non-empty name"),
+            ));
+        }
+        validate_payload(self.payload)?;
+        validate_headers(self.headers)?;
+        if self
+            .headers
+            .get(SCHEDULE_HEADER)
+            .is_none_or(String::is_empty)
+        {
+            return Err(Error::invalid(
+                "headers",
+                format!("a schedule's headers hold its fingerprint under `{SCHEDULE_HEADER}`"),
+            ));
+        }
+        check_instant("first", self.first)
+    }
+}
+
+/// What a registration did.
+///
+/// | stored row | same fingerprint | another fingerprint |
+/// |---|---|---|
+/// | none (never registered, or fired and gone, or deleted by a cancel) | [`Inserted`](Registered::Inserted) | [`Inserted`](Registered::Inserted) |
+/// | pending | [`Unchanged`](Registered::Unchanged) | [`Rescheduled`](Registered::Rescheduled): due at `first` (earlier allowed) with the new payload and headers, retry history reset |
+/// | leased, running | [`Unchanged`](Registered::Unchanged) (its run queues the next instant) | [`RearmReplaced`](Registered::RearmReplaced): its rearm is `first` with the new payload and headers, whatever rearm was queued (earlier allowed) |
+/// | leased, a cancel reached it | [`RearmReplaced`](Registered::RearmReplaced): the cancel mark cleared, the rearm queued at `first` | the same |
+///
+/// The fingerprint compared is the one the row carries next: a queued rearm's when there
+/// is one, else the row's. An insert and a rescheduled pending row wake the queue's
+/// workers; a queued rearm wakes them when the run's completion applies it. On Postgres one
+/// `INSERT … ON CONFLICT DO UPDATE` on the timer key's unique index, so concurrent
+/// registrations of one schedule leave one row; "unchanged" writes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Registered {
+    /// No live row held the key: a new row, due at `at`.
+    Inserted {
+        /// The new row's id.
+        id: i64,
+        /// Its deadline (`first`).
+        at: DateTime<Utc>,
+    },
+    /// The live row follows the same schedule: nothing was written.
+    Unchanged,
+    /// A pending row of another schedule now follows this one, due at `at`.
+    Rescheduled {
+        /// The row id.
+        id: i64,
+        /// Its new deadline (`first`).
+        at: DateTime<Utc>,
+    },
+    /// A leased row's rearm now installs this schedule at `at` when its run ends.
+    RearmReplaced {
+        /// The row id.
+        id: i64,
+        /// The rearm deadline (`first`).
+        at: DateTime<Utc>,
+    },
+}
+
+/// Postgres' `timestamptz` starts in 4713 BC; chrono's range is wider at the bottom.
+pub(crate) fn check_instant(field: &'static str, at: DateTime<Utc>) -> Result<()> {
+    if at.year() < -4712 {
+        return Err(Error::invalid(
+            field,
+            "the time is before postgres' earliest timestamp (4713 BC)",
+        ));
+    }
+    Ok(())
+}
+
+/// `arm_next` on `db`: one locking statement, see [`Armed`].
+pub(crate) async fn arm_next_on(
+    sql: &Periodic,
+    db: &PgPool,
+    lease: Lease,
+    at: DateTime<Utc>,
+) -> Result<Armed> {
+    let row = sqlx::query(sql.arm_next.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(at)
+        .fetch_one(db)
+        .await?;
+    let locked: i64 = row.try_get(0)?;
+    let cancelled: Option<bool> = row.try_get(1)?;
+    let stored: Option<DateTime<Utc>> = row.try_get(2)?;
+    let written: bool = row.try_get(3)?;
+    Ok(match (locked, cancelled, stored) {
+        (0, _, _) => Armed::LeaseLost,
+        (_, Some(true), _) => Armed::Cancelled,
+        (_, _, Some(at)) if written => Armed::Queued { at },
+        (_, _, Some(at)) => Armed::Kept { at },
+        // Locked and not cancelled: the statement either kept a rearm or wrote one.
+        (_, _, None) => {
+            return Err(Error::Database(sqlx::Error::Protocol(
+                "arm_next held the row but reported no rearm".to_owned(),
+            )))
+        }
+    })
+}
+
+/// `register` on `db`: one `INSERT … ON CONFLICT DO UPDATE`, see [`Registered`].
+pub(crate) async fn register_on(
+    sql: &Periodic,
+    db: &PgPool,
+    request: RegisterSchedule<'_>,
+) -> Result<Registered> {
+    request.validate()?;
+    let row = sqlx::query(sql.register.clone())
+        .bind(request.queue)
+        .bind(request.timer_id)
+        .bind(request.payload)
+        .bind(Json(request.headers))
+        .bind(request.first)
+        .fetch_optional(db)
+        .await?;
+    let Some(row) = row else {
+        return Ok(Registered::Unchanged);
+    };
+    let id: i64 = row.try_get(0)?;
+    let inserted: bool = row.try_get(1)?;
+    let leased: bool = row.try_get(2)?;
+    let at: DateTime<Utc> = row.try_get(3)?;
+    Ok(if inserted {
+        Registered::Inserted { id, at }
+    } else if leased {
+        Registered::RearmReplaced { id, at }
+    } else {
+        Registered::Rescheduled { id, at }
+    })
+}
