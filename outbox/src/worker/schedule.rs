@@ -19,8 +19,8 @@ use super::shared::backoff;
 use crate::error::{Error, Result};
 use crate::periodic::Recurrence;
 use crate::publish::{validate_payload, validate_timer_id, Headers};
-use crate::store::{Armed, Delivery, RegisterSchedule, Registered, Store, SCHEDULE_HEADER};
 use crate::store::SCHEDULE_KEY_PREFIX;
+use crate::store::{Armed, Delivery, RegisterSchedule, Registered, Store, SCHEDULE_HEADER};
 
 /// A schedule declared on the builder, checked by `build`.
 #[derive(Debug, Clone)]
@@ -159,7 +159,10 @@ pub(crate) async fn arm_next<S: Store>(
         return;
     };
     let Some(at) = recurrence.next_instant(d.deadline, d.claimed_at) else {
-        tracing::warn!(timer_id, "outbox: the schedule has no next instant; it ends with this run");
+        tracing::warn!(
+            timer_id,
+            "outbox: the schedule has no next instant; it ends with this run"
+        );
         return;
     };
     match store.arm_next(d.lease, at).await {
