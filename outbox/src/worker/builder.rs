@@ -174,7 +174,7 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// use outbox::periodic::Recurrence;
     /// use outbox::{Context, Outbox, PgStore, Worker};
     ///
-    /// #[outbox::timer(queue = "maintenance")]
+    /// #[outbox::timer(queue = "maintenance", max_deliveries = 3)]
     /// #[derive(serde::Serialize, serde::Deserialize)]
     /// struct Cleanup { older_than_days: u32 }
     ///
