@@ -7,7 +7,9 @@ use std::time::Duration;
 use super::config::{Config, QueueDepth};
 use super::handler::{Handler, HandlerOptions, Route};
 use super::run::Worker;
+use super::schedule::{Declared, Schedule};
 use crate::error::{Error, Result};
+use crate::periodic::Recurrence;
 use crate::publish::validate_queue;
 use crate::stats::StatsMode;
 use crate::store::Store;
@@ -21,6 +23,7 @@ impl<S: Store> Worker<S> {
             routes: Vec::new(),
             config: Config::default(),
             invalid_queue: None,
+            schedules: Vec::new(),
             state: Arc::new(()),
         }
     }
@@ -35,6 +38,7 @@ pub struct WorkerBuilder<S, St = ()> {
     routes: Vec<Route>,
     config: Config,
     invalid_queue: Option<Error>,
+    schedules: Vec<Declared>,
     state: Arc<St>,
 }
 
@@ -74,6 +78,7 @@ impl<S: Store, Old> WorkerBuilder<S, Old> {
             routes: self.routes,
             config: self.config,
             invalid_queue: self.invalid_queue,
+            schedules: self.schedules,
             state: Arc::new(state),
         }
     }
@@ -119,6 +124,77 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
         }
         let state = self.state.clone();
         self.routes.push(Route::raw(queue, handler, state, options));
+        self
+    }
+
+    /// Runs the `#[timer]` type `T` on a schedule: the timer `schedule:<name>` of `T`'s queue,
+    /// carrying `payload` (stored as JSON, as a published `T` is), due at every instant of
+    /// `recurrence` ([`Recurrence`](crate::periodic::Recurrence): a fixed interval or a cron
+    /// expression in a time zone). A type may have several schedules under distinct names.
+    ///
+    /// The rules:
+    ///
+    /// - **One live row per schedule**, whatever the number of workers and restarts: the
+    ///   schedule is a keyed timer, and the unique index on `(queue, timer_id)` keeps one live
+    ///   row per key; no leader is elected.
+    /// - **Registration** at [`Worker::start`] (before the first claim; by
+    ///   [`Worker::register_schedules`] for [`Worker::run_due`]): one statement per schedule,
+    ///   first due at the recurrence's first instant strictly after the **database** clock
+    ///   (`now()`). The schedule's fingerprint
+    ///   ([`Recurrence::fingerprint`](crate::periodic::Recurrence::fingerprint)) is kept in the
+    ///   row's headers under [`SCHEDULE_HEADER`](crate::store::SCHEDULE_HEADER). A failed
+    ///   registration on a database error is logged and tried again (100 ms doubling to 5 s)
+    ///   until it succeeds or the worker stops; claiming starts after it.
+    /// - **When a run of the schedule starts** (after the claim, before the handler and before
+    ///   the `max_deliveries` terminal path), the worker queues the next instant as the row's
+    ///   rearm, fenced by the lease token and never clearing a cancel mark: the instant after
+    ///   the run's deadline, from the claim's database clock. So success and terminal failure
+    ///   both re-arm the schedule, and a crash keeps the rearm queued for the run that
+    ///   reclaims the row. A failure to queue it is logged and the run goes on.
+    /// - **Missed instants fire once**: when workers were down past several instants, the
+    ///   latest instant not after the claim fires once, right away, and the schedule goes on
+    ///   from there.
+    /// - **Retries yield to the next instant**: a failed run with a retry left is not retried
+    ///   at its backoff; the row is due at the next instant instead.
+    /// - **A cancel** ([`Outbox::cancel`](crate::Outbox::cancel) of `schedule:<name>`) stops
+    ///   the schedule until the next worker start registers it again; to stop it for good,
+    ///   remove it from the code.
+    /// - **A changed schedule** (another fingerprint) applies at the next worker start: the
+    ///   registration moves the pending row to the new first instant, **earlier deadlines
+    ///   included**, or replaces the rearm queued on a running one. During a rolling deploy
+    ///   the last worker to start wins.
+    ///
+    /// Checked by [`build`](Self::build): the name is non-empty and `schedule:<name>` is at
+    /// most 255 bytes without NUL ([`Error::InvalidArgument`], `field` `"schedule"`), the
+    /// payload encodes (`field` `"schedule"`) within 64 MiB, a handler for `T`'s queue is
+    /// registered on this builder and the name is not taken twice on that queue
+    /// ([`Error::InvalidConfig`], `knob` `"schedule"`).
+    ///
+    /// ```no_run
+    /// use outbox::periodic::Recurrence;
+    /// use outbox::{Context, Outbox, PgStore, Worker};
+    ///
+    /// #[outbox::timer(queue = "maintenance", max_deliveries = 3)]
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct Cleanup { older_than_days: u32 }
+    ///
+    /// async fn cleanup(job: Cleanup, _ctx: Context) -> Result<(), sqlx::Error> { Ok(()) }
+    ///
+    /// # fn f(pool: sqlx::PgPool) -> Result<(), outbox::Error> {
+    /// let worker = Worker::builder(PgStore::new(pool, Outbox::default()))
+    ///     .timer::<Cleanup>(cleanup)
+    ///     .schedule("cleanup", Recurrence::parse_every("5m")?, Cleanup { older_than_days: 30 })
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn schedule<T: Timer>(mut self, name: &str, recurrence: Recurrence, payload: T) -> Self {
+        self.schedules.push(Declared {
+            queue: T::QUEUE,
+            type_name: std::any::type_name::<T>(),
+            name: name.to_owned(),
+            recurrence,
+            payload: payload.encode().map_err(|e| e.to_string()),
+        });
         self
     }
 
@@ -231,7 +307,8 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// `queue_depth_gauge` for an interval under 15 s, `max_connections` for a store pool
     /// smaller than the worker needs);
     /// [`Error::InvalidArgument`] for a bad raw queue name; [`Error::DuplicateHandler`]
-    /// naming both handlers when two serve one queue.
+    /// naming both handlers when two serve one queue; for schedules, the errors listed at
+    /// [`schedule`](Self::schedule).
     pub fn build(self) -> Result<Worker<S>> {
         if let Some(e) = self.invalid_queue {
             return Err(e);
@@ -281,6 +358,32 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
             }
             routes.insert(route.queue.clone(), route);
         }
+        let mut schedules: Vec<Schedule> = Vec::with_capacity(self.schedules.len());
+        for declared in self.schedules {
+            let schedule = declared.check()?;
+            let Some(route) = routes.get_mut(&schedule.queue) else {
+                return Err(Error::config(
+                    "schedule",
+                    format!(
+                        "`{}` of queue `{}` has no handler: register one for the queue on this builder",
+                        schedule.timer_id, schedule.queue
+                    ),
+                ));
+            };
+            if route.schedules.contains_key(&schedule.timer_id) {
+                return Err(Error::config(
+                    "schedule",
+                    format!(
+                        "`{}` is registered twice on queue `{}`",
+                        schedule.timer_id, schedule.queue
+                    ),
+                ));
+            }
+            route
+                .schedules
+                .insert(schedule.timer_id.clone(), schedule.recurrence.clone());
+            schedules.push(schedule);
+        }
         if let Some(has) = self.store.max_connections() {
             let needs = self.config.connections_needed();
             if has < needs {
@@ -301,6 +404,6 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
                 ));
             }
         }
-        Ok(Worker::new(self.store, routes, self.config))
+        Ok(Worker::new(self.store, routes, schedules, self.config))
     }
 }

@@ -131,6 +131,11 @@ async fn process<S: Store>(
         / 1e6;
     metrics::histogram!("outbox_firing_lateness_seconds", "queue" => d.queue.clone())
         .record(lateness);
+    // A periodic run queues its next instant when it starts, before the handler and the
+    // `max_deliveries` check, so every way it ends keeps the schedule (SPEC §9.1).
+    super::schedule::arm_next(&shared.store, &route.schedules, &d)
+        .instrument(span.clone())
+        .await;
     let started = Instant::now();
     let hooks = Arc::new(HeldCommit {
         shared: shared.clone(),

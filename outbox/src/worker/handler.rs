@@ -2,6 +2,7 @@
 //! delivery becomes a decision (ack, retry, terminal failure) without touching storage.
 
 use std::any::type_name;
+use std::collections::HashMap;
 use std::fmt::Display;
 use std::future::Future;
 use std::marker::PhantomData;
@@ -16,6 +17,7 @@ use tokio::sync::watch;
 
 use super::retry::RetryStrategy;
 use crate::error::Result;
+use crate::periodic::Recurrence;
 use crate::publish::Headers;
 use crate::store::transaction::{HandlerTransaction, RunTransaction, TransactionAccess};
 use crate::store::{Completion, Delivery, FailureReason};
@@ -537,6 +539,8 @@ pub(crate) struct Route {
     pub timeout: Option<Duration>,
     /// The most rows of the queue held at once (buffered or running), if limited.
     pub max_concurrency: Option<usize>,
+    /// The schedules of this queue the worker registered, by timer id (`schedule:<name>`).
+    pub schedules: HashMap<String, Recurrence>,
 }
 
 impl Route {
@@ -558,6 +562,7 @@ impl Route {
             retry: options.retry,
             timeout: options.timeout,
             max_concurrency: options.max_concurrency,
+            schedules: HashMap::new(),
         }
     }
 
@@ -579,6 +584,7 @@ impl Route {
             retry: options.retry,
             timeout: options.timeout,
             max_concurrency: options.max_concurrency,
+            schedules: HashMap::new(),
         }
     }
 }

@@ -11,7 +11,7 @@
 // handler gets and returns, and the decision a run comes to), `retry.rs` (strategies),
 // `claim_loop.rs` (claiming and waking up), `complete.rs` (running handlers and writing
 // their completions), `leases.rs` (held rows and renewal), `isolate.rs` and `quarantine.rs`
-// (a claim that fails), `gauge.rs` (the opt-in queue-depth gauge), `shared.rs` (state
+// (a claim that fails), `gauge.rs` (the opt-in queue-depth gauge), `schedule.rs` (periodic timers), `shared.rs` (state
 // those share), and `run.rs` (Worker,
 // RunningWorker, shutdown, run_due). Each public item has one path: the crate root for what
 // the quick start types, this module for the rest.
@@ -26,6 +26,7 @@ mod leases;
 mod quarantine;
 pub(crate) mod retry;
 pub(crate) mod run;
+mod schedule;
 mod shared;
 
 pub use self::config::{DEFAULT_ACK_BATCH_SIZE, MIN_QUEUE_DEPTH_INTERVAL};

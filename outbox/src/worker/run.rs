@@ -19,11 +19,13 @@ use super::config::Config;
 use super::gauge::queue_depth;
 use super::handler::{decide, Decision, Route};
 use super::leases::Phase;
+use super::schedule::{arm_next, register_all, register_one, Schedule};
 use super::shared::{Claimed, Shared};
 use crate::error::Result;
 use crate::store::transaction::TransactionAccess;
 use crate::store::{
-    ClaimRequest, Completion, Delivery, Failure, FailureReason, Release, Released, Store,
+    ClaimRequest, Completion, Delivery, Failure, FailureReason, Registered, Release, Released,
+    Store,
 };
 use crate::telemetry::{self, InFlight};
 
@@ -190,6 +192,7 @@ pub struct Worker<S> {
     store: S,
     routes: Arc<HashMap<String, Route>>,
     queues: Arc<Vec<String>>,
+    schedules: Arc<Vec<Schedule>>,
     config: Config,
 }
 
@@ -306,15 +309,41 @@ impl Drop for RunningWorker {
 
 impl<S: Store> Worker<S> {
     /// Assembles a checked configuration (see [`Worker::builder`]).
-    pub(crate) fn new(store: S, routes: HashMap<String, Route>, config: Config) -> Self {
+    pub(crate) fn new(
+        store: S,
+        routes: HashMap<String, Route>,
+        schedules: Vec<Schedule>,
+        config: Config,
+    ) -> Self {
         let mut queues: Vec<String> = routes.keys().cloned().collect();
         queues.sort();
         Worker {
             store,
             routes: Arc::new(routes),
             queues: Arc::new(queues),
+            schedules: Arc::new(schedules),
             config,
         }
+    }
+
+    /// Registers every schedule of the worker
+    /// ([`WorkerBuilder::schedule`](crate::WorkerBuilder::schedule)) once, in the order they
+    /// were declared, and returns what each registration did, as `(timer_id, registered)`:
+    /// the first instant after the store's clock, one statement per schedule.
+    /// [`Worker::start`] does this itself before claiming; call it before
+    /// [`Worker::run_due`] in tests.
+    ///
+    /// # Errors
+    /// The first storage error (earlier schedules stay registered);
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) (`knob` `"store"`) from a store
+    /// without periodic timers.
+    pub async fn register_schedules(&self) -> Result<Vec<(String, Registered)>> {
+        let mut out = Vec::with_capacity(self.schedules.len());
+        for schedule in self.schedules.iter() {
+            let registered = register_one(&self.store, schedule).await?;
+            out.push((schedule.timer_id.clone(), registered));
+        }
+        Ok(out)
     }
 
     /// The queues this worker serves, sorted.
@@ -372,6 +401,9 @@ impl<S: Store> Worker<S> {
                     continue;
                 };
                 let span = process_span(&d, &receive);
+                arm_next(&self.store, &route.schedules, &d)
+                    .instrument(span.clone())
+                    .await;
                 let transaction = TransactionAccess::new(self.store.transactions(), d.lease);
                 let run = InFlight::start(&d.queue, &span);
                 let decided = decide(route, &d, None, transaction)
@@ -487,6 +519,9 @@ impl<S: Store> Worker<S> {
         drop(acks_tx);
         let (stop_renewal, renewal_stopped) = watch::channel(false);
         let renewal = tokio::spawn(renewal_loop(shared.clone(), renewal_stopped));
+        // Schedules are registered before the first claim, so a schedule first due at once
+        // is found by the first scan.
+        register_all(&shared.store, &self.schedules, &stopped).await;
         let claims = tokio::spawn({
             let (shared, queues, mut stopped) =
                 (shared.clone(), self.queues.clone(), stopped.clone());

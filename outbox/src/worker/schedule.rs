@@ -1,0 +1,188 @@
+//! Periodic timers on the worker: the schedules registered with
+//! [`WorkerBuilder::schedule`](crate::WorkerBuilder::schedule), their registration when the
+//! worker starts, and the next instant a periodic run queues when it starts.
+//!
+//! A schedule is the keyed timer `schedule:<name>` of its type's queue. Registration writes
+//! its row once per worker start (one statement, so racing workers leave one live row); a
+//! run of that row, when it starts, queues the schedule's next instant as a rearm on its own
+//! leased row, so every way the run ends keeps the schedule going.
+
+// SPEC §9.1: the rearm is queued when the run starts (after the claim, before the handler
+// and before the `max_deliveries` terminal path), from the database clock.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::watch;
+
+use super::shared::backoff;
+use crate::error::{Error, Result};
+use crate::periodic::Recurrence;
+use crate::publish::{validate_payload, validate_timer_id, Headers};
+use crate::store::SCHEDULE_KEY_PREFIX;
+use crate::store::{Armed, Delivery, RegisterSchedule, Registered, Store, SCHEDULE_HEADER};
+
+/// A schedule declared on the builder, checked by `build`.
+#[derive(Debug, Clone)]
+pub(crate) struct Declared {
+    pub(crate) queue: &'static str,
+    /// The payload type, for error messages.
+    pub(crate) type_name: &'static str,
+    pub(crate) name: String,
+    pub(crate) recurrence: Recurrence,
+    /// The encoded payload, or the encoding error `build` returns.
+    pub(crate) payload: std::result::Result<Vec<u8>, String>,
+}
+
+/// A checked schedule: what registration writes.
+#[derive(Debug, Clone)]
+pub(crate) struct Schedule {
+    pub(crate) queue: String,
+    pub(crate) timer_id: String,
+    pub(crate) recurrence: Recurrence,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: Headers,
+}
+
+impl Declared {
+    /// The checks of `build`, before anything is written.
+    pub(crate) fn check(self) -> Result<Schedule> {
+        if self.name.is_empty() {
+            return Err(Error::invalid(
+                "schedule",
+                format!("a schedule of {} needs a non-empty name", self.type_name),
+            ));
+        }
+        let timer_id = format!("{SCHEDULE_KEY_PREFIX}{}", self.name);
+        validate_timer_id(&timer_id).map_err(|e| {
+            Error::invalid(
+                "schedule",
+                format!("schedule {:?} of {}: {e}", self.name, self.type_name),
+            )
+        })?;
+        let payload = self.payload.map_err(|e| {
+            Error::invalid(
+                "schedule",
+                format!(
+                    "schedule {:?}: the payload of {} does not encode: {e}",
+                    self.name, self.type_name
+                ),
+            )
+        })?;
+        validate_payload(&payload)?;
+        let headers: Headers = [(SCHEDULE_HEADER.to_owned(), self.recurrence.fingerprint())].into();
+        Ok(Schedule {
+            queue: self.queue.to_owned(),
+            timer_id,
+            recurrence: self.recurrence,
+            payload,
+            headers,
+        })
+    }
+}
+
+/// Registers every schedule once, first due at the recurrence's first instant after the
+/// store's clock. A database error is logged and tried again after the worker's back-off
+/// (100 ms doubling to 5 s) until it succeeds or the worker is stopped; any other error
+/// (a store without periodic timers) is logged and that schedule is skipped.
+pub(crate) async fn register_all<S: Store>(
+    store: &S,
+    schedules: &[Schedule],
+    stopped: &watch::Receiver<bool>,
+) {
+    for schedule in schedules {
+        let mut attempt = 0u32;
+        loop {
+            match register_one(store, schedule).await {
+                Ok(registered) => {
+                    tracing::debug!(queue = %schedule.queue, timer_id = %schedule.timer_id, ?registered, "outbox: schedule registered");
+                    break;
+                }
+                Err(e @ Error::Database(_)) | Err(e @ Error::NotMigrated { .. }) => {
+                    tracing::warn!(queue = %schedule.queue, timer_id = %schedule.timer_id, error = %e, "outbox: could not register a schedule; retrying");
+                    let mut stop = stopped.clone();
+                    if *stop.borrow() {
+                        return;
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff(attempt)) => {}
+                        _ = stop.wait_for(|s| *s) => return,
+                    }
+                    attempt = attempt.saturating_add(1);
+                }
+                Err(e) => {
+                    tracing::error!(queue = %schedule.queue, timer_id = %schedule.timer_id, error = %e, "outbox: could not register a schedule; it does not run until the next start");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// One registration: the first instant from the store's clock.
+pub(crate) async fn register_one<S: Store>(store: &S, schedule: &Schedule) -> Result<Registered> {
+    let now = store.now().await?;
+    let first = schedule.recurrence.next_after(now).ok_or_else(|| {
+        Error::invalid(
+            "schedule",
+            format!("{} has no instant after {now}", schedule.timer_id),
+        )
+    })?;
+    store
+        .register_schedule(RegisterSchedule::new(
+            &schedule.queue,
+            &schedule.timer_id,
+            &schedule.payload,
+            &schedule.headers,
+            first,
+        ))
+        .await
+}
+
+/// When a claimed row of a schedule this worker registered starts running: queues the
+/// schedule's next instant (after the row's deadline, from the claim's database clock) as
+/// the row's rearm. A failure is logged and the run goes on: the row keeps its lease
+/// fencing, and a run whose rearm was not queued simply ends the schedule's row as any
+/// keyed timer's run does.
+pub(crate) async fn arm_next<S: Store>(
+    store: &S,
+    schedules: &HashMap<String, Recurrence>,
+    d: &Delivery,
+) {
+    let Some(timer_id) = d.timer_id.as_deref() else {
+        return;
+    };
+    if !timer_id.starts_with(SCHEDULE_KEY_PREFIX) {
+        return;
+    }
+    let Some(recurrence) = schedules.get(timer_id) else {
+        return;
+    };
+    let Some(at) = recurrence.next_instant(d.deadline, d.claimed_at) else {
+        tracing::warn!(
+            timer_id,
+            "outbox: the schedule has no next instant; it ends with this run"
+        );
+        return;
+    };
+    match store.arm_next(d.lease, at).await {
+        Ok(armed) => log_armed(timer_id, armed, at),
+        Err(e) => {
+            tracing::warn!(timer_id, error = %e, "outbox: could not queue a schedule's next instant; the run goes on")
+        }
+    }
+}
+
+fn log_armed(timer_id: &str, armed: Armed, at: DateTime<Utc>) {
+    match armed {
+        Armed::Queued { .. } | Armed::Kept { .. } => {
+            tracing::debug!(timer_id, ?armed, next = %at, "outbox: schedule armed")
+        }
+        Armed::Cancelled => {
+            tracing::info!(timer_id, "outbox: the schedule was cancelled; it stops after this run until the next registration")
+        }
+        Armed::LeaseLost => {
+            tracing::debug!(timer_id, "outbox: lease lost before the schedule was armed")
+        }
+    }
+}
