@@ -61,6 +61,19 @@ fn schedule<'a>(key: &'a str, payload: &'a [u8], schedule: impl Into<Schedule>) 
     Message::new(Q, payload).timer_id(key).schedule(schedule)
 }
 
+/// The next `n` wake-up hints, each within 10 s.
+async fn next_hints(hints: &mut tokio::sync::mpsc::Receiver<Wakeup>, n: usize) -> Vec<Wakeup> {
+    let mut got = Vec::with_capacity(n);
+    while got.len() < n {
+        let next = tokio::time::timeout(secs(10), hints.recv()).await;
+        got.push(
+            next.expect("a hint within 10 s")
+                .expect("the hint channel is open"),
+        );
+    }
+    got
+}
+
 fn rejected(last_error: Option<&str>) -> Failure<'_> {
     Failure {
         reason: FailureReason::Rejected,
@@ -1305,14 +1318,7 @@ async fn inserts_and_completions_that_make_a_row_due_send_a_wakeup_hint<H: Harne
         hint(Q2, at(27)),
         hint(Q3, at(20)),
     ];
-    let mut got = Vec::new();
-    while got.len() < want.len() {
-        let next = tokio::time::timeout(secs(10), hints.recv()).await;
-        got.push(
-            next.expect("a hint within 10 s")
-                .expect("the hint channel is open"),
-        );
-    }
+    let got = next_hints(&mut hints, want.len()).await;
     assert_eq!(
         got, want,
         "deadlines at millisecond precision, as the NOTIFY payload carries"
@@ -2332,11 +2338,7 @@ async fn a_redrive_wakes_workers_once_per_queue<H: Harness>(h: &H) {
         queue: queue.to_owned(),
         at,
     };
-    let mut got = Vec::new();
-    while got.len() < 3 {
-        let next = tokio::time::timeout(secs(10), hints.recv()).await;
-        got.push(next.expect("a hint within 10 s").expect("open"));
-    }
+    let mut got = next_hints(&mut hints, 3).await;
     // The queues of one statement notify in no particular order; the marker comes last.
     let marker = got.pop();
     assert_eq!(marker, Some(hint(Q3, at(6))));
@@ -2471,14 +2473,7 @@ async fn a_paused_queue_is_skipped_by_claims_and_wakeups<H: Harness>(h: &H) {
         hint(Q, at(31)),
         hint(Q, at(31)),
     ];
-    let mut seen = Vec::new();
-    while seen.len() < want.len() {
-        let next = tokio::time::timeout(secs(10), hints.recv()).await;
-        seen.push(
-            next.expect("a hint within 10 s")
-                .expect("the hint channel is open"),
-        );
-    }
+    let seen = next_hints(&mut hints, want.len()).await;
     assert_eq!(seen, want);
     // Bad names are refused before any SQL.
     assert_eq!(invalid_field(h.pause("", true).await.unwrap_err()), "queue");
@@ -3192,14 +3187,7 @@ async fn registrations_that_make_a_row_due_send_a_wakeup_hint<H: Harness>(h: &H)
         hint(Q, at(50)),
         hint(Q3, at(3)),
     ];
-    let mut got = Vec::new();
-    while got.len() < want.len() {
-        let next = tokio::time::timeout(secs(10), hints.recv()).await;
-        got.push(
-            next.expect("a hint within 10 s")
-                .expect("the hint channel is open"),
-        );
-    }
+    let got = next_hints(&mut hints, want.len()).await;
     assert_eq!(got, want);
 }
 
