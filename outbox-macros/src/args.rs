@@ -12,7 +12,7 @@ use syn::{Expr, Lit, LitInt, LitStr, Meta, Path, UnOp};
 use crate::model::Errors;
 
 /// The argument names, in the order the error messages list them.
-pub(crate) const ARGUMENTS: &[&str] = &["queue", "max_deliveries", "crate"];
+pub(crate) const ARGUMENTS: &[&str] = &["queue", "max_deliveries", "every", "cron", "tz", "crate"];
 
 /// One argument's state after parsing.
 pub(crate) enum Slot<T> {
@@ -44,6 +44,12 @@ pub(crate) struct IntArg {
 pub(crate) struct Args {
     pub(crate) queue: Slot<LitStr>,
     pub(crate) max_deliveries: Slot<IntArg>,
+    /// `every = "5m"`: a fixed-interval schedule.
+    pub(crate) every: Slot<LitStr>,
+    /// `cron = "0 0 6 * * *"`: a cron schedule (feature `cron`).
+    pub(crate) cron: Slot<LitStr>,
+    /// `tz = "Europe/Berlin"`: the zone of `cron`.
+    pub(crate) tz: Slot<LitStr>,
     pub(crate) krate: Slot<Path>,
 }
 
@@ -53,6 +59,9 @@ impl Args {
         let mut args = Args {
             queue: Slot::Absent,
             max_deliveries: Slot::Absent,
+            every: Slot::Absent,
+            cron: Slot::Absent,
+            tz: Slot::Absent,
             krate: Slot::Absent,
         };
         let metas = match NestedMeta::parse_meta_list(tokens) {
@@ -63,6 +72,9 @@ impl Args {
                 errors.push(err);
                 args.queue = Slot::Invalid;
                 args.max_deliveries = Slot::Invalid;
+                args.every = Slot::Invalid;
+                args.cron = Slot::Invalid;
+                args.tz = Slot::Invalid;
                 args.krate = Slot::Invalid;
                 return args;
             }
@@ -97,6 +109,9 @@ impl Args {
         let already = match name.as_str() {
             "queue" => !self.queue.is_absent(),
             "max_deliveries" => !self.max_deliveries.is_absent(),
+            "every" => !self.every.is_absent(),
+            "cron" => !self.cron.is_absent(),
+            "tz" => !self.tz.is_absent(),
             "crate" => !self.krate.is_absent(),
             _ => {
                 errors.error(path, format!("unknown argument `{name}`; {}", expected()));
@@ -122,7 +137,10 @@ impl Args {
             }
         };
         match name.as_str() {
-            "queue" => self.queue = value.map_or(Slot::Invalid, |v| parse_queue(v, errors)),
+            "queue" => self.queue = value.map_or(Slot::Invalid, |v| parse_str("queue", v, errors)),
+            "every" => self.every = value.map_or(Slot::Invalid, |v| parse_str("every", v, errors)),
+            "cron" => self.cron = value.map_or(Slot::Invalid, |v| parse_str("cron", v, errors)),
+            "tz" => self.tz = value.map_or(Slot::Invalid, |v| parse_str("tz", v, errors)),
             "max_deliveries" => {
                 self.max_deliveries =
                     value.map_or(Slot::Invalid, |v| parse_max_deliveries(v, errors));
@@ -132,7 +150,8 @@ impl Args {
     }
 }
 
-fn parse_queue(value: Expr, errors: &mut Errors) -> Slot<LitStr> {
+/// A string-literal argument (`queue`, `every`, `cron`, `tz`).
+fn parse_str(name: &str, value: Expr, errors: &mut Errors) -> Slot<LitStr> {
     match strip_groups(value) {
         Expr::Lit(syn::ExprLit {
             lit: Lit::Str(s), ..
@@ -141,8 +160,8 @@ fn parse_queue(value: Expr, errors: &mut Errors) -> Slot<LitStr> {
             errors.error(
                 &other,
                 format!(
-                    "`queue` must be a string literal, like {}",
-                    example("queue")
+                    "`{name}` must be a string literal, like {}",
+                    example(name)
                 ),
             );
             Slot::Invalid
@@ -245,9 +264,12 @@ pub(crate) fn expected() -> String {
 
 fn usage() -> String {
     format!(
-        "write {}, {} and optionally {}",
+        "write {}, {} and optionally {}, {} (with {}) or {}",
         example("queue"),
         example("max_deliveries"),
+        example("every"),
+        example("cron"),
+        example("tz"),
         example("crate")
     )
 }
@@ -257,6 +279,9 @@ pub(crate) fn example(name: &str) -> &'static str {
     match name {
         "queue" => "`queue = \"presence.expiry\"`",
         "max_deliveries" => "`max_deliveries = 5`",
+        "every" => "`every = \"5m\"`",
+        "cron" => "`cron = \"0 0 6 * * *\"`",
+        "tz" => "`tz = \"Europe/Berlin\"`",
         _ => "`crate = \"my_crate::outbox\"`",
     }
 }
@@ -280,7 +305,7 @@ mod tests {
     fn error_message_lists_every_argument() {
         assert_eq!(
             expected(),
-            "expected one of `queue`, `max_deliveries` or `crate`"
+            "expected one of `queue`, `max_deliveries`, `every`, `cron`, `tz` or `crate`"
         );
     }
 
@@ -289,9 +314,15 @@ mod tests {
         let (args, errors) = parse(quote::quote!(
             queue = "a",
             max_deliveries = 3,
+            every = "5m",
+            cron = "0 * * * *",
+            tz = "UTC",
             crate = "x::y"
         ));
         assert_eq!(errors, 0);
+        assert!(matches!(args.every, Slot::Given(ref e) if e.value() == "5m"));
+        assert!(matches!(args.cron, Slot::Given(ref c) if c.value() == "0 * * * *"));
+        assert!(matches!(args.tz, Slot::Given(ref t) if t.value() == "UTC"));
         assert!(matches!(args.queue, Slot::Given(ref q) if q.value() == "a"));
         assert!(matches!(args.max_deliveries, Slot::Given(ref n) if !n.negative));
         assert!(matches!(args.krate, Slot::Given(ref p) if p.segments.len() == 2));
@@ -305,9 +336,11 @@ mod tests {
             crate = "not a path",
             retries = 3,
             queue = "b",
+            every = 5,
+            tz,
             "lit"
         ));
-        assert_eq!(errors, 6);
+        assert_eq!(errors, 8);
         assert!(matches!(args.queue, Slot::Invalid));
         assert!(matches!(args.max_deliveries, Slot::Invalid));
         assert!(matches!(args.krate, Slot::Invalid));

@@ -17,6 +17,7 @@ use quote::{format_ident, quote, quote_spanned};
 use syn::ext::IdentExt;
 
 use crate::model::Model;
+use crate::schedule::Declared;
 
 /// The names of the generated functions for a payload type.
 pub(crate) struct FnNames {
@@ -74,6 +75,8 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
         &docs.cancel,
     );
 
+    let declared_schedule = model.schedule.as_ref().map(|s| declared_schedule(s, krate));
+
     quote! {
         #[doc(hidden)]
         const _: () = {
@@ -81,6 +84,7 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
             #impl_header {
                 const QUEUE: &'static #private::str = #queue;
                 const MAX_DELIVERIES: #private::u32 = #max_deliveries;
+                #declared_schedule
             }
         };
 
@@ -128,6 +132,31 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
             __timer_id: &#private::str,
         ) -> #private::Result<#krate::Cancelled, #krate::Error> {
             #krate::message::cancel_timer::<#ident>(__conn, __timer_id).await
+        }
+    }
+}
+
+/// `Timer::declared_schedule` for `every`/`cron`. The call is spanned at the string, so a
+/// payload without `Default` is reported there (with the runtime's message saying what to
+/// do), not inside generated code.
+fn declared_schedule(schedule: &Declared, krate: &syn::Path) -> TokenStream {
+    let private = quote!(#krate::__private);
+    let call = match schedule {
+        Declared::Every { text, span } => {
+            let text = Literal::string(text);
+            quote_spanned! {*span=> #private::every_schedule::<Self>(#text) }
+        }
+        Declared::Cron { expr, tz, span } => {
+            let (expr, tz) = (Literal::string(expr), Literal::string(tz));
+            quote_spanned! {*span=> #private::cron_schedule::<Self>(#expr, #tz) }
+        }
+    };
+    quote! {
+        fn declared_schedule() -> #private::Option<(
+            #private::Result<#krate::periodic::Recurrence, #krate::Error>,
+            Self,
+        )> {
+            #private::Option::Some(#call)
         }
     }
 }

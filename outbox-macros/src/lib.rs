@@ -144,6 +144,7 @@ mod args;
 mod expand;
 mod from_ref;
 mod model;
+mod schedule;
 mod validate;
 
 use proc_macro::TokenStream;

@@ -5,6 +5,8 @@ use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use syn::{Ident, Path, Visibility};
 
+use crate::schedule::Declared;
+
 /// A timer to expand: a non-generic struct with a validated queue and delivery limit.
 pub(crate) struct Model {
     /// The payload type, as written.
@@ -17,6 +19,8 @@ pub(crate) struct Model {
     pub(crate) max_deliveries: u32,
     /// The runtime crate's path: `::outbox` unless `crate = "..."` says otherwise.
     pub(crate) krate: Path,
+    /// The schedule declared with `every` or `cron`, checked; `None` without one.
+    pub(crate) schedule: Option<Declared>,
 }
 
 /// The problems found so far, each spanned at its token. serde_derive's `Ctxt` in small:

@@ -1,11 +1,12 @@
-//! The rules on `#[timer]`'s input: the queue name, `max_deliveries`, and the shape of the
-//! annotated item. Every broken rule is recorded, spanned at its token.
+//! The rules on `#[timer]`'s input: the queue name, `max_deliveries`, the schedule (in
+//! `schedule.rs`), and the shape of the annotated item. Every broken rule is recorded, spanned at its token.
 
 use proc_macro2::Span;
 use syn::{Ident, Item, LitStr, Visibility};
 
 use crate::args::{example, Args, IntArg, Slot};
 use crate::model::{Errors, Model};
+use crate::schedule;
 
 /// The longest queue name, in bytes: the `queue` column is `varchar(255)`.
 pub(crate) const MAX_QUEUE_BYTES: usize = 255;
@@ -49,6 +50,7 @@ pub(crate) fn check(args: Args, item: &Item, errors: &mut Errors) -> Checked {
         }
         Slot::Invalid => None,
     };
+    let schedule = schedule::check(args.every, args.cron, args.tz, errors);
     let krate = match args.krate {
         Slot::Given(path) => path,
         Slot::Absent | Slot::Invalid => syn::parse_quote!(::outbox),
@@ -65,6 +67,7 @@ pub(crate) fn check(args: Args, item: &Item, errors: &mut Errors) -> Checked {
         queue: queue.unwrap_or_default(),
         max_deliveries: max_deliveries.unwrap_or(1),
         krate,
+        schedule,
     };
     if errors.is_empty() {
         Checked::Valid(model)

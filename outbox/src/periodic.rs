@@ -79,6 +79,12 @@ use chrono::{DateTime, TimeDelta, Utc};
 use crate::error::{Error, Result};
 use crate::publish::MAX_DELAY;
 
+/// The name of the schedule declared on a payload type (`#[timer(every = …)]` or
+/// `#[timer(cron = …, tz = …)]`, [`Timer::declared_schedule`](crate::Timer::declared_schedule)):
+/// its keyed timer is `schedule:default` in the type's queue. A schedule registered with
+/// `WorkerBuilder::schedule` under the same name for the same type is refused by `build`.
+pub const DECLARED_SCHEDULE_NAME: &str = "default";
+
 /// Longest cron expression accepted by `Recurrence::cron`, in bytes (its fingerprint is
 /// kept in the row's headers, so it stays small).
 pub const MAX_CRON_BYTES: usize = 256;

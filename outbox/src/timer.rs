@@ -12,6 +12,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use crate::cancel::Cancelled;
 use crate::error::{explain, Error, Result};
 use crate::outbox::{Bound, Outbox};
+use crate::periodic::Recurrence;
 use crate::publish::{validate_queue, validate_timer_id, Message, OnConflict, Published, Schedule};
 
 /// A typed timer payload bound to a queue.
@@ -62,6 +63,29 @@ pub trait Timer: Serialize + DeserializeOwned + Send + Sync + 'static {
     /// The serde_json error when the bytes are not this type's JSON.
     fn decode(bytes: &[u8]) -> std::result::Result<Self, serde_json::Error> {
         serde_json::from_slice(bytes)
+    }
+
+    /// The schedule declared on the type, `None` by default. `#[outbox::timer(...,
+    /// every = "5m")]` or `#[outbox::timer(..., cron = "0 0 6 * * *", tz = "Europe/Berlin")]`
+    /// implements it as `Some((recurrence, Self::default()))`: the recurrence, and the
+    /// payload every run of the schedule gets.
+    ///
+    /// Every worker with a handler for the type ([`WorkerBuilder::timer`]) registers it when
+    /// it starts, as [`WorkerBuilder::schedule`] would under the name
+    /// [`DECLARED_SCHEDULE_NAME`] (`"default"`): the keyed timer `schedule:default` of the
+    /// type's queue, with the rules listed there (one live row per schedule, the next
+    /// instant queued when a run starts, missed instants fire once).
+    ///
+    /// An `Err` recurrence (possible only in a hand-written impl: the attribute checks the
+    /// expression at compile time) makes [`WorkerBuilder::build`] fail with
+    /// [`Error::InvalidArgument`] (`field` `"schedule"`).
+    ///
+    /// [`WorkerBuilder::timer`]: crate::WorkerBuilder::timer
+    /// [`WorkerBuilder::schedule`]: crate::WorkerBuilder::schedule
+    /// [`WorkerBuilder::build`]: crate::WorkerBuilder::build
+    /// [`DECLARED_SCHEDULE_NAME`]: crate::periodic::DECLARED_SCHEDULE_NAME
+    fn declared_schedule() -> Option<(Result<Recurrence>, Self)> {
+        None
     }
 }
 

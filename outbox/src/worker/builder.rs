@@ -102,6 +102,8 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
         let state = self.state.clone();
         self.routes
             .push(Route::typed::<T, _, St>(handler, state, options));
+        // A schedule declared on the type runs wherever the type is handled.
+        self.schedules.extend(Declared::declared_on::<T>());
         self
     }
 
@@ -188,13 +190,8 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// # Ok(()) }
     /// ```
     pub fn schedule<T: Timer>(mut self, name: &str, recurrence: Recurrence, payload: T) -> Self {
-        self.schedules.push(Declared {
-            queue: T::QUEUE,
-            type_name: std::any::type_name::<T>(),
-            name: name.to_owned(),
-            recurrence,
-            payload: payload.encode().map_err(|e| e.to_string()),
-        });
+        self.schedules
+            .push(Declared::of::<T>(name, Ok(recurrence), &payload));
         self
     }
 

@@ -17,7 +17,8 @@ use tokio::sync::watch;
 
 use super::shared::backoff;
 use crate::error::{Error, Result};
-use crate::periodic::Recurrence;
+use crate::periodic::{Recurrence, DECLARED_SCHEDULE_NAME};
+use crate::timer::Timer;
 use crate::publish::{validate_payload, validate_timer_id, Headers};
 use crate::store::SCHEDULE_KEY_PREFIX;
 use crate::store::{Armed, Delivery, RegisterSchedule, Registered, Store, SCHEDULE_HEADER};
@@ -29,7 +30,9 @@ pub(crate) struct Declared {
     /// The payload type, for error messages.
     pub(crate) type_name: &'static str,
     pub(crate) name: String,
-    pub(crate) recurrence: Recurrence,
+    /// The recurrence, or why the type's declared one is invalid (only a hand-written
+    /// `Timer::declared_schedule` can fail: the attribute checks at compile time).
+    pub(crate) recurrence: std::result::Result<Recurrence, String>,
     /// The encoded payload, or the encoding error `build` returns.
     pub(crate) payload: std::result::Result<Vec<u8>, String>,
 }
@@ -45,6 +48,32 @@ pub(crate) struct Schedule {
 }
 
 impl Declared {
+    /// A schedule of `T`: `name`, `recurrence` and the payload each run gets.
+    pub(crate) fn of<T: Timer>(
+        name: &str,
+        recurrence: std::result::Result<Recurrence, String>,
+        payload: &T,
+    ) -> Declared {
+        Declared {
+            queue: T::QUEUE,
+            type_name: std::any::type_name::<T>(),
+            name: name.to_owned(),
+            recurrence,
+            payload: payload.encode().map_err(|e| e.to_string()),
+        }
+    }
+
+    /// The schedule declared on `T` itself (`#[timer(every = …)]`, `#[timer(cron = …)]`),
+    /// under [`DECLARED_SCHEDULE_NAME`]; `None` for a type without one.
+    pub(crate) fn declared_on<T: Timer>() -> Option<Declared> {
+        let (recurrence, payload) = T::declared_schedule()?;
+        Some(Declared::of::<T>(
+            DECLARED_SCHEDULE_NAME,
+            recurrence.map_err(|e| e.to_string()),
+            &payload,
+        ))
+    }
+
     /// The checks of `build`, before anything is written.
     pub(crate) fn check(self) -> Result<Schedule> {
         if self.name.is_empty() {
@@ -60,6 +89,15 @@ impl Declared {
                 format!("schedule {:?} of {}: {e}", self.name, self.type_name),
             )
         })?;
+        let recurrence = self.recurrence.map_err(|e| {
+            Error::invalid(
+                "schedule",
+                format!(
+                    "schedule {:?} of {}: invalid recurrence: {e}",
+                    self.name, self.type_name
+                ),
+            )
+        })?;
         let payload = self.payload.map_err(|e| {
             Error::invalid(
                 "schedule",
@@ -70,11 +108,11 @@ impl Declared {
             )
         })?;
         validate_payload(&payload)?;
-        let headers: Headers = [(SCHEDULE_HEADER.to_owned(), self.recurrence.fingerprint())].into();
+        let headers: Headers = [(SCHEDULE_HEADER.to_owned(), recurrence.fingerprint())].into();
         Ok(Schedule {
             queue: self.queue.to_owned(),
             timer_id,
-            recurrence: self.recurrence,
+            recurrence,
             payload,
             headers,
         })
