@@ -114,7 +114,48 @@
 //! |---|---|---|
 //! | `queue = "..."` | yes | the queue's name: 1..=255 bytes of ASCII letters, digits, `.`, `_`, `:` and `-` (the runtime accepts any 1..=255 bytes without NUL; the macro keeps names safe for metric labels, logs and shells) |
 //! | `max_deliveries = N` | yes | an integer literal from 1 to `u32::MAX`: how many claims a row may have: a claim that brings its `deliveries_count` past `N` is a terminal failure with reason `max_deliveries`, and the handler does not run. Counts reclaims after lost leases too, so it also stops a handler that crashes its worker every time |
+//! | `every = "..."` | no | a schedule of the type: a run every interval of real time, as the `humantime` crate reads it (`"30s"`, `"5m"`, `"1h 30m"`, `"2days"`; above zero, at most 10 000 years, whole microseconds) |
+//! | `cron = "..."` | no (cargo feature `cron` of `outbox`) | a schedule of the type: a cron expression of 5 fields (`minute hour day-of-month month day-of-week`) or 6 (a leading `second`), as the `croner` crate reads it, at most 256 bytes, that matches at least one instant |
+//! | `tz = "..."` | no, only with `cron` | the IANA time zone the `cron` expression's wall clock is read in (`"Europe/Berlin"`), from the `chrono-tz` database, case-sensitive. Default `"UTC"` |
 //! | `crate = "path"` | no | where the runtime crate is, for crates that re-export `outbox` or rename the dependency: `crate = "my_lib::outbox"`. Default `::outbox` |
+//!
+//! # Schedules
+//!
+//! `every` or `cron` (with `tz`) makes the type a **periodic timer**: every worker that
+//! handles the type registers the schedule when it starts, as the keyed timer
+//! `schedule:default` in the type's queue (`outbox::periodic::DECLARED_SCHEDULE_NAME`), and
+//! each run gets `T::default()` as its payload, so the struct must implement `Default`
+//! (a compile error at the schedule string otherwise). Registration is one statement that
+//! leaves exactly one live row however many workers start at once, so no leader is needed;
+//! when a run starts, the next instant is queued on the row, so a failed, dead-lettered or
+//! crashed run keeps the schedule. The runtime docs (`outbox::periodic`,
+//! `WorkerBuilder::schedule`) give the rules: which instants fire across daylight-saving
+//! changes, missed instants, changing and cancelling a schedule. Several schedules of one
+//! type, or a payload that is not `Default`, are registered on the worker with
+//! `WorkerBuilder::schedule(name, recurrence, payload)` instead.
+//!
+//! ```no_run
+//! #[outbox::timer(queue = "maintenance.cleanup", max_deliveries = 3, every = "5m")]
+//! #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+//! pub struct Cleanup {}
+//! ```
+//!
+//! With the `cron` feature (`outbox = { version = "0.1", features = ["cron"] }`):
+//!
+//! ```ignore
+//! // Every day at 06:00 Berlin time (05:00 UTC in winter, 04:00 UTC in summer).
+//! #[outbox::timer(queue = "reports.daily", max_deliveries = 3, cron = "0 0 6 * * *", tz = "Europe/Berlin")]
+//! #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+//! pub struct DailyReport {}
+//! ```
+//!
+//! The attribute then also generates, inside the `Timer` impl:
+//!
+//! ```ignore
+//! fn declared_schedule() -> Option<(outbox::Result<outbox::periodic::Recurrence>, Self)> {
+//!     Some((outbox::periodic::Recurrence::parse_every("5m"), Self::default()))
+//! }
+//! ```
 //!
 //! Retry strategy and lease length are not arguments: they are chosen where a handler is
 //! registered on a worker, so the same payload type can be served with different settings
@@ -126,7 +167,11 @@
 //! or `max_deliveries` (at the attribute); an empty, over-long (more than 255 bytes) or
 //! badly charactered queue; `max_deliveries` that is zero, negative, not an integer or
 //! larger than `u32::MAX`; an unknown argument (the message lists the allowed ones); a
-//! duplicate argument; the attribute on an enum, a union, a generic struct or anything
+//! duplicate argument; an `every` that is not a duration, is zero or is over 10 000
+//! years; a `cron` expression that does not parse, is over 256 bytes or never matches; an
+//! unknown `tz`; both `every` and `cron`; `tz` without `cron` or with `every`; `cron`
+//! without the `cron` feature (the message names it); a scheduled payload without
+//! `Default`; the attribute on an enum, a union, a generic struct or anything
 //! that is not a struct; and a payload that is not `Serialize` + `DeserializeOwned`
 //! (reported at the struct's name). The struct is always emitted, and when the struct
 //! itself is fine the impl and functions are too (with placeholder values), so a mistake
@@ -217,7 +262,10 @@ pub fn derive_from_ref(input: TokenStream) -> TokenStream {
 /// clock), an absolute time or `Schedule::now()`.
 ///
 /// Arguments: `queue = "..."` (required; 1..=255 bytes of `[A-Za-z0-9._:-]`),
-/// `max_deliveries = N` (required; 1..=`u32::MAX` claims before a terminal failure) and
+/// `max_deliveries = N` (required; 1..=`u32::MAX` claims before a terminal failure),
+/// `every = "5m"` or `cron = "0 0 6 * * *"` with `tz = "Europe/Berlin"` (optional, `cron`
+/// needs the cargo feature `cron`; a schedule registered as `schedule:default` by every
+/// worker handling the type, each run with `Self::default()` as its payload) and
 /// `crate = "path"` (optional; where the runtime is when `outbox` is re-exported or
 /// renamed). Mistakes are compile errors at the offending token, all reported at once.
 ///

@@ -21,7 +21,11 @@ pub(crate) enum Declared {
     /// `every = "..."`: the text as written (the runtime parses it again).
     Every { text: String, span: Span },
     /// `cron = "..."`, in zone `tz` (`"UTC"` when `tz` is not given).
-    Cron { expr: String, tz: String, span: Span },
+    Cron {
+        expr: String,
+        tz: String,
+        span: Span,
+    },
 }
 
 /// Checks `every`, `cron` and `tz` together; `None` when no schedule is declared or one is
@@ -190,8 +194,9 @@ fn check_cron(lit: &LitStr, tz: Option<&LitStr>, errors: &mut Errors) -> bool {
             errors.error(
                 lit,
                 format!(
-                    "{expr:?} is not a cron expression: {e}; write 5 fields (minute hour \
+                    "{expr:?} is not a cron expression ({}): write 5 fields (minute hour \
                      day-of-month month day-of-week) or 6 (a leading second), e.g. {}",
+                    e.to_string().trim_end_matches('.'),
                     example("cron")
                 ),
             );

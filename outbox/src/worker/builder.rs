@@ -133,6 +133,11 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// carrying `payload` (stored as JSON, as a published `T` is), due at every instant of
     /// `recurrence` ([`Recurrence`](crate::periodic::Recurrence): a fixed interval or a cron
     /// expression in a time zone). A type may have several schedules under distinct names.
+    /// A type that declares its own schedule in its attribute (`#[timer(every = "5m")]`,
+    /// `#[timer(cron = "0 0 6 * * *", tz = "Europe/Berlin")]`) has it under the name
+    /// [`DECLARED_SCHEDULE_NAME`](crate::periodic::DECLARED_SCHEDULE_NAME) (`"default"`),
+    /// added by [`timer`](Self::timer) with `T::default()` as its payload and following the
+    /// same rules; `schedule` then takes any other name.
     ///
     /// The rules:
     ///

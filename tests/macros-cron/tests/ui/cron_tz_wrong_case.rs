@@ -1,0 +1,5 @@
+#[outbox::timer(queue = "reports", max_deliveries = 3, cron = "0 6 * * *", tz = "europe/berlin")]
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct Report {}
+
+fn main() {}
