@@ -159,10 +159,7 @@ fn parse_str(name: &str, value: Expr, errors: &mut Errors) -> Slot<LitStr> {
         other => {
             errors.error(
                 &other,
-                format!(
-                    "`{name}` must be a string literal, like {}",
-                    example(name)
-                ),
+                format!("`{name}` must be a string literal, like {}", example(name)),
             );
             Slot::Invalid
         }

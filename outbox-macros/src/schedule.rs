@@ -21,7 +21,11 @@ pub(crate) enum Declared {
     /// `every = "..."`: the text as written (the runtime parses it again).
     Every { text: String, span: Span },
     /// `cron = "..."`, in zone `tz` (`"UTC"` when `tz` is not given).
-    Cron { expr: String, tz: String, span: Span },
+    Cron {
+        expr: String,
+        tz: String,
+        span: Span,
+    },
 }
 
 /// Checks `every`, `cron` and `tz` together; `None` when no schedule is declared or one is

@@ -43,7 +43,10 @@ impl<T: Default> SchedulePayload for T {
 pub fn every_schedule<T: SchedulePayload>(
     every: &str,
 ) -> (crate::Result<crate::periodic::Recurrence>, T) {
-    (crate::periodic::Recurrence::parse_every(every), T::payload())
+    (
+        crate::periodic::Recurrence::parse_every(every),
+        T::payload(),
+    )
 }
 
 /// `Timer::declared_schedule` of `#[timer(cron = "…", tz = "…")]`.
