@@ -1,13 +1,16 @@
 //! The virtual-time harness (SPEC §10): `Worker::run_due` over `MemoryStore`, no database,
-//! and the same call draining a Postgres store.
+//! and the same call draining a Postgres store; periodic timers (SPEC §9.1) registered by
+//! `run_due`'s first call, as a started worker registers them at start.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use chrono::{DateTime, TimeDelta, Utc};
+use outbox::periodic::Recurrence;
 use outbox::testing::MemoryStore;
 use outbox::{
-    store::{Completion, FailureReason},
+    store::{Completion, FailureReason, SCHEDULE_HEADER},
     worker::Decision,
     Context, HandlerOptions, Message, Publisher, RetryStrategy, Worker,
 };
@@ -187,4 +190,158 @@ async fn a_transaction_on_the_memory_store_is_refused_with_a_typed_error() {
     );
     assert_eq!(refusals.lock().unwrap().len(), 1);
     assert!(refusals.lock().unwrap()[0].contains("in-memory store"));
+}
+
+/// The deadlines of the runs of `worker` over one virtual day from the store's clock, in
+/// steps of one minute, each step's `run_due` returning what ran.
+async fn a_day_in_minutes<S: outbox::store::Store>(
+    store: &MemoryStore,
+    worker: &Worker<S>,
+) -> Vec<DateTime<Utc>> {
+    let mut deadlines = Vec::new();
+    for _ in 0..24 * 60 {
+        store.advance(Duration::from_secs(60));
+        for run in worker.run_due().await.unwrap() {
+            assert_eq!(run.decision, Decision::Ack, "{run:?}");
+            deadlines.push(run.delivery.deadline);
+        }
+    }
+    deadlines
+}
+
+fn start() -> DateTime<Utc> {
+    "2026-03-01T00:00:00Z".parse().unwrap()
+}
+
+/// No `register_schedules` call: the first `run_due` registers the schedule at the virtual
+/// clock of that call, and a day of a 5-minute schedule fires 288 times, once per instant,
+/// on that grid. Registration happens once per worker (as once per start): after a cancel
+/// the same worker's `run_due` does not bring the schedule back; a new worker (the next
+/// start) does, on its first call.
+#[tokio::test]
+async fn run_due_registers_the_schedules_on_its_first_call() {
+    let store = MemoryStore::starting_at(start());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = |store: &MemoryStore| {
+        Worker::builder(store.clone())
+            .timer::<Reminder>(count_runs::<Reminder>(&runs))
+            .schedule(
+                "tick",
+                Recurrence::parse_every("5m").unwrap(),
+                Reminder { n: 5 },
+            )
+            .build()
+            .unwrap()
+    };
+    let first = worker(&store);
+    assert!(store.rows().is_empty(), "building registers nothing");
+    assert!(first.run_due().await.unwrap().is_empty());
+    let rows = store.rows();
+    assert_eq!(rows.len(), 1, "{rows:#?}");
+    assert_eq!(rows[0].timer_id.as_deref(), Some("schedule:tick"));
+    assert_eq!(rows[0].next_attempt_at, start() + TimeDelta::minutes(5));
+
+    let deadlines = a_day_in_minutes(&store, &first).await;
+    let want: Vec<_> = (1..=288)
+        .map(|k| start() + TimeDelta::minutes(5 * k))
+        .collect();
+    assert_eq!(deadlines, want);
+    assert_eq!(runs.load(Ordering::SeqCst), 288);
+    assert_eq!(store.rows().len(), 1, "one live row");
+
+    // A cancel stops the schedule for this worker: its later calls do not register again.
+    let cancelled = cancel_reminder(&store, "schedule:tick").await.unwrap();
+    assert!(
+        matches!(cancelled, outbox::Cancelled::Deleted { .. }),
+        "{cancelled:?}"
+    );
+    store.advance(Duration::from_secs(3600));
+    assert!(first.run_due().await.unwrap().is_empty());
+    assert!(store.rows().is_empty(), "{:#?}", store.rows());
+
+    // The next start registers it again, first due 5 minutes after that call.
+    let second = worker(&store);
+    assert!(second.run_due().await.unwrap().is_empty());
+    let rows = store.rows();
+    assert_eq!(rows.len(), 1, "{rows:#?}");
+    assert_eq!(
+        rows[0].next_attempt_at,
+        store.time() + TimeDelta::minutes(5)
+    );
+    store.advance(Duration::from_secs(5 * 60));
+    assert_eq!(second.run_due().await.unwrap().len(), 1);
+}
+
+/// A registration that fails is `run_due`'s error, and the next call tries again: here the
+/// clock sits where the schedule has no next instant in chrono's range, then comes back.
+#[tokio::test]
+async fn a_failed_registration_is_returned_and_retried_by_the_next_run_due() {
+    let store = MemoryStore::starting_at(DateTime::<Utc>::MAX_UTC - TimeDelta::minutes(1));
+    let worker = Worker::builder(store.clone())
+        .timer::<Reminder>(|_: Reminder, _: Context| std::future::ready(()))
+        .schedule(
+            "tick",
+            Recurrence::parse_every("5m").unwrap(),
+            Reminder { n: 5 },
+        )
+        .build()
+        .unwrap();
+    let err = worker.run_due().await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            outbox::Error::InvalidArgument {
+                field: "schedule",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(store.rows().is_empty());
+    store.set_time(start());
+    assert!(worker.run_due().await.unwrap().is_empty());
+    let rows = store.rows();
+    assert_eq!(rows.len(), 1, "{rows:#?}");
+    assert_eq!(rows[0].next_attempt_at, start() + TimeDelta::minutes(5));
+}
+
+/// A schedule declared on the type (`every = "1h"`), no `.schedule` call: handling the type
+/// is enough. Over a virtual day it fires 24 times with the type's `Default` payload, as
+/// the timer `schedule:default` carrying the fingerprint `every:3600s`.
+#[outbox::timer(queue = "hourly", max_deliveries = 3, every = "1h")]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+struct Hourly {
+    note: String,
+}
+
+#[tokio::test]
+async fn a_schedule_declared_on_the_type_fires_hourly_without_schedule_calls() {
+    let store = MemoryStore::starting_at(start());
+    let seen: Arc<std::sync::Mutex<Vec<Hourly>>> = Arc::default();
+    let worker = {
+        let seen = seen.clone();
+        Worker::builder(store.clone())
+            .timer::<Hourly>(move |h: Hourly, _: Context| {
+                seen.lock().unwrap().push(h);
+                std::future::ready(())
+            })
+            .build()
+            .unwrap()
+    };
+    assert!(worker.run_due().await.unwrap().is_empty());
+    let deadlines = a_day_in_minutes(&store, &worker).await;
+    let want: Vec<_> = (1..=24).map(|k| start() + TimeDelta::hours(k)).collect();
+    assert_eq!(deadlines, want);
+    assert_eq!(*seen.lock().unwrap(), vec![Hourly::default(); 24]);
+    let rows = store.rows();
+    assert_eq!(rows.len(), 1, "{rows:#?}");
+    assert_eq!(rows[0].timer_id.as_deref(), Some("schedule:default"));
+    assert_eq!(
+        rows[0]
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(SCHEDULE_HEADER)),
+        Some(&"every:3600s".to_owned())
+    );
+    assert_eq!(rows[0].next_attempt_at, start() + TimeDelta::hours(25));
 }
