@@ -345,3 +345,110 @@ async fn a_schedule_declared_on_the_type_fires_hourly_without_schedule_calls() {
     );
     assert_eq!(rows[0].next_attempt_at, start() + TimeDelta::hours(25));
 }
+
+/// A schedule whose handler fails at every instant keeps its grid: a failed run's retry
+/// yields to the next instant (no run between instants), the failures count on across
+/// instants until a success, and with `max_deliveries = 3` the fourth consecutive failing
+/// instant is not run: it ends as a `max_deliveries` terminal failure (dead-lettered here),
+/// and the schedule goes on from the next instant with fresh counts.
+#[tokio::test]
+async fn a_failing_schedule_keeps_its_grid_and_ends_every_fourth_run_as_terminal() {
+    let store = MemoryStore::starting_at(start()).with_dead_letter(true);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let runs = runs.clone();
+        Worker::builder(store.clone())
+            .timer::<Reminder>(move |_: Reminder, _: Context| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                std::future::ready(Err::<(), _>("boom".to_owned()))
+            })
+            .schedule(
+                "tick",
+                Recurrence::parse_every("5m").unwrap(),
+                Reminder { n: 5 },
+            )
+            .build()
+            .unwrap()
+    };
+    assert!(worker.run_due().await.unwrap().is_empty());
+    let mut ran = Vec::new();
+    for _ in 0..60 {
+        store.advance(Duration::from_secs(60));
+        ran.extend(worker.run_due().await.unwrap());
+    }
+    let deadlines: Vec<_> = ran.iter().map(|r| r.delivery.deadline).collect();
+    let want: Vec<_> = (1..=12)
+        .map(|k| start() + TimeDelta::minutes(5 * k))
+        .collect();
+    assert_eq!(deadlines, want, "one delivery per instant, none between");
+    for (k, r) in ran.iter().enumerate() {
+        let next = start() + TimeDelta::minutes(5 * (k as i64 + 2));
+        assert_eq!(r.completion, Completion::Rearmed { at: next }, "{r:?}");
+        assert_eq!(r.delivery.deliveries_count, (k % 4) as i32 + 1, "{r:?}");
+        if k % 4 == 3 {
+            assert!(
+                matches!(
+                    r.decision,
+                    Decision::Fail {
+                        reason: FailureReason::MaxDeliveries,
+                        ..
+                    }
+                ),
+                "{r:?}"
+            );
+        } else {
+            assert!(matches!(r.decision, Decision::Retry { .. }), "{r:?}");
+        }
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        9,
+        "the handler ran 3 of every 4"
+    );
+    let dead = store.dead_letter_rows();
+    assert_eq!(dead.len(), 3, "{dead:#?}");
+    assert!(dead.iter().all(|d| d.failure_reason == "max_deliveries"));
+    let rows = store.rows();
+    assert_eq!(rows.len(), 1, "{rows:#?}");
+    assert_eq!(rows[0].next_attempt_at, start() + TimeDelta::minutes(65));
+}
+
+/// A schedule removed from the code (the next start's worker still handles the type but no
+/// longer declares the schedule): its row, pending at the next instant, runs once more on
+/// that worker, which queues no next instant, so the run's success deletes it.
+#[tokio::test]
+async fn a_schedule_removed_from_the_code_runs_once_more_and_ends() {
+    let store = MemoryStore::starting_at(start());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let old = Worker::builder(store.clone())
+        .timer::<Reminder>(count_runs::<Reminder>(&runs))
+        .schedule(
+            "tick",
+            Recurrence::parse_every("5m").unwrap(),
+            Reminder { n: 5 },
+        )
+        .build()
+        .unwrap();
+    assert!(old.run_due().await.unwrap().is_empty());
+    store.advance(Duration::from_secs(5 * 60));
+    assert_eq!(old.run_due().await.unwrap().len(), 1);
+    assert_eq!(
+        store.rows()[0].next_attempt_at,
+        start() + TimeDelta::minutes(10)
+    );
+
+    let new = Worker::builder(store.clone())
+        .timer::<Reminder>(count_runs::<Reminder>(&runs))
+        .build()
+        .unwrap();
+    assert!(new.run_due().await.unwrap().is_empty());
+    store.advance(Duration::from_secs(5 * 60));
+    let ran = new.run_due().await.unwrap();
+    assert_eq!(ran.len(), 1);
+    assert_eq!(ran[0].delivery.timer_id.as_deref(), Some("schedule:tick"));
+    assert_eq!(ran[0].completion, Completion::Deleted);
+    assert!(store.rows().is_empty());
+    store.advance(Duration::from_secs(3600));
+    assert!(new.run_due().await.unwrap().is_empty());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
