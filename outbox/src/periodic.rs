@@ -613,14 +613,22 @@ mod tests {
             );
             let spring = instants(&r, utc(2026, 3, 28, 13, 0, 0), utc(2026, 3, 29, 12, 0, 0));
             assert_eq!(spring, vec![utc(2026, 3, 29, 12, 0, 0)]); // 14:00 CEST only
-            // A single 02:00, by contrast: once after the gap, once at the first pass.
+                                                                  // A single 02:00, by contrast: once after the gap, once at the first pass.
             let fixed = Recurrence::cron("0 0 2 * * *", BERLIN).unwrap();
             assert_eq!(
-                instants(&fixed, utc(2026, 3, 28, 12, 0, 0), utc(2026, 3, 29, 12, 0, 0)),
+                instants(
+                    &fixed,
+                    utc(2026, 3, 28, 12, 0, 0),
+                    utc(2026, 3, 29, 12, 0, 0)
+                ),
                 vec![utc(2026, 3, 29, 1, 0, 0)] // 03:00 CEST
             );
             assert_eq!(
-                instants(&fixed, utc(2026, 10, 24, 12, 0, 0), utc(2026, 10, 25, 12, 0, 0)),
+                instants(
+                    &fixed,
+                    utc(2026, 10, 24, 12, 0, 0),
+                    utc(2026, 10, 25, 12, 0, 0)
+                ),
                 vec![utc(2026, 10, 25, 0, 0, 0)] // 02:00 CEST
             );
         }
