@@ -48,18 +48,22 @@
 //!
 //! An interval is a step of real time: across a DST change it keeps its length in UTC (a
 //! `"1h"` schedule fires every 3600 s, so its wall-clock times shift by an hour). A cron
-//! expression follows the zone's wall clock, as croner resolves it; the module's tests
-//! prove these cases in `Europe/Berlin`, 2026:
+//! expression follows the zone's wall clock, as croner resolves it. croner counts a job as
+//! **fixed-time** when its second, minute and hour fields are each a single value
+//! (`0 30 2 * * *`, `0 6 * * *`); a wildcard, step, range or **list** in any of them
+//! (`0 * * * *`, `*/15 * * * *`, `0 0 2,14 * * *`) makes it an interval/wildcard job. The
+//! module's tests prove these cases in `Europe/Berlin`, 2026:
 //!
 //! - **A wall time that does not exist** (29 March, 02:00–03:00 is skipped): a job with
 //!   fixed second, minute and hour (`0 30 2 * * *`) fires **once** on that day, at the first
 //!   time after the gap, 03:00 CEST (01:00 UTC); interval and wildcard jobs (`0 * * * *`,
 //!   `*/15 * * * *`) have no instants inside the gap and continue with the next one after it
-//!   (03:00, 03:15, … CEST).
+//!   (03:00, 03:15, … CEST), and `0 0 2,14 * * *` fires only at 14:00 that day.
 //! - **A wall time that occurs twice** (25 October, 02:00–03:00 is repeated): a fixed-time
 //!   job fires **once**, at the first occurrence, 02:30 CEST (00:30 UTC); interval and
 //!   wildcard jobs fire at **both** passes (hourly: 02:00 CEST and 02:00 CET, one hour
-//!   apart; every 15 minutes: eight instants in the two hours of 02:xx wall time).
+//!   apart; every 15 minutes: eight instants in the two hours of 02:xx wall time;
+//!   `0 0 2,14 * * *`: 02:00 twice, then 14:00).
 //!
 //! # Fingerprints
 //!
@@ -594,6 +598,39 @@ mod tests {
                 .map(|i| utc(2026, 10, 25, 0, 0, 0) + TimeDelta::minutes(15 * i))
                 .collect();
             assert_eq!(autumn, expected);
+        }
+
+        #[test]
+        fn a_list_in_the_hour_field_is_not_a_fixed_time_for_dst() {
+            // croner treats a job as fixed-time only when second, minute and hour are single
+            // values; `2,14` is a list, so on the autumn day its 02:00 fires at both passes
+            // (00:00 UTC CEST, 01:00 UTC CET) and on the spring day it has no 02:00 at all.
+            let r = Recurrence::cron("0 0 2,14 * * *", BERLIN).unwrap();
+            let autumn = instants(&r, utc(2026, 10, 24, 13, 0, 0), utc(2026, 10, 25, 12, 0, 0));
+            assert_eq!(
+                autumn,
+                vec![utc(2026, 10, 25, 0, 0, 0), utc(2026, 10, 25, 1, 0, 0)]
+            );
+            let spring = instants(&r, utc(2026, 3, 28, 13, 0, 0), utc(2026, 3, 29, 12, 0, 0));
+            assert_eq!(spring, vec![utc(2026, 3, 29, 12, 0, 0)]); // 14:00 CEST only
+                                                                  // A single 02:00, by contrast: once after the gap, once at the first pass.
+            let fixed = Recurrence::cron("0 0 2 * * *", BERLIN).unwrap();
+            assert_eq!(
+                instants(
+                    &fixed,
+                    utc(2026, 3, 28, 12, 0, 0),
+                    utc(2026, 3, 29, 12, 0, 0)
+                ),
+                vec![utc(2026, 3, 29, 1, 0, 0)] // 03:00 CEST
+            );
+            assert_eq!(
+                instants(
+                    &fixed,
+                    utc(2026, 10, 24, 12, 0, 0),
+                    utc(2026, 10, 25, 12, 0, 0)
+                ),
+                vec![utc(2026, 10, 25, 0, 0, 0)] // 02:00 CEST
+            );
         }
 
         #[test]

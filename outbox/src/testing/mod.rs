@@ -108,6 +108,60 @@
 //! # }).unwrap();
 //! ```
 //!
+//! ## Periodic timers in virtual time
+//!
+//! A worker's schedules ([`WorkerBuilder::schedule`](crate::WorkerBuilder::schedule), or
+//! `every = …` / `cron = …` on a handled `#[timer]` type) are registered by its first
+//! [`run_due`](crate::Worker::run_due) call, as a started worker registers them when it
+//! starts: nothing to call first. Each schedule's first instant is the first one strictly
+//! after the virtual clock at that call, so call `run_due` once before moving the clock.
+//! Each run then queues the schedule's next instant when it starts, from the virtual clock.
+//!
+//! A day of a five-minute schedule, in steps of one minute: 24 × 12 = 288 runs, each
+//! instant once, on the grid of the first call's clock.
+//!
+//! ```
+//! use std::time::Duration;
+//! use outbox::periodic::Recurrence;
+//! use outbox::testing::MemoryStore;
+//! use outbox::{Context, Worker};
+//!
+//! #[outbox::timer(queue = "maintenance", max_deliveries = 3)]
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! pub struct Cleanup {
+//!     pub older_than_days: u32,
+//! }
+//!
+//! async fn cleanup(_job: Cleanup, _ctx: Context) {}
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+//! let store = MemoryStore::new();
+//! let worker = Worker::builder(store.clone())
+//!     .timer::<Cleanup>(cleanup)
+//!     .schedule("cleanup", Recurrence::parse_every("5m")?, Cleanup { older_than_days: 30 })
+//!     .build()?;
+//! let start = store.time();
+//!
+//! // The first call registers `schedule:cleanup`, first due 5 minutes from now.
+//! assert!(worker.run_due().await?.is_empty());
+//! let mut deadlines = Vec::new();
+//! for _ in 0..24 * 60 {
+//!     store.advance(Duration::from_secs(60));
+//!     for run in worker.run_due().await? {
+//!         deadlines.push(run.delivery.deadline);
+//!     }
+//! }
+//! assert_eq!(deadlines.len(), 288);
+//! assert_eq!(deadlines[0], start + Duration::from_secs(5 * 60));
+//! assert_eq!(deadlines[287], start + Duration::from_secs(24 * 3600));
+//! // One live row, due at the next instant.
+//! let row = &store.rows()[0];
+//! assert_eq!(row.timer_id.as_deref(), Some("schedule:cleanup"));
+//! assert_eq!(row.next_attempt_at, start + Duration::from_secs(24 * 3600 + 5 * 60));
+//! # Ok::<(), outbox::Error>(())
+//! # }).unwrap();
+//! ```
+//!
 //! The same worker can also [`start`](crate::Worker::start) over a `MemoryStore` (it
 //! sleeps on the real clock between wake-ups, so prefer `run_due` in tests).
 

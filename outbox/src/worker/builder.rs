@@ -144,8 +144,8 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// - **One live row per schedule**, whatever the number of workers and restarts: the
     ///   schedule is a keyed timer, and the unique index on `(queue, timer_id)` keeps one live
     ///   row per key; no leader is elected.
-    /// - **Registration** at [`Worker::start`] (before the first claim; by
-    ///   [`Worker::register_schedules`] for [`Worker::run_due`]): one statement per schedule,
+    /// - **Registration** at [`Worker::start`] (before the first claim; in tests, by the
+    ///   first [`Worker::run_due`] call): one statement per schedule,
     ///   first due at the recurrence's first instant strictly after the **database** clock
     ///   (`now()`). The schedule's fingerprint
     ///   ([`Recurrence::fingerprint`](crate::periodic::Recurrence::fingerprint)) is kept in the

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, watch, Mutex};
+use tokio::sync::{mpsc, watch, Mutex, OnceCell};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -193,6 +193,10 @@ pub struct Worker<S> {
     routes: Arc<HashMap<String, Route>>,
     queues: Arc<Vec<String>>,
     schedules: Arc<Vec<Schedule>>,
+    /// Set once the schedules are registered by [`Worker::run_due`]'s first call (or a
+    /// successful [`Worker::register_schedules`]): a test driving the worker with `run_due`
+    /// gets its schedules as a started worker does, once per worker, as once per start.
+    registered: OnceCell<()>,
     config: Config,
 }
 
@@ -322,22 +326,37 @@ impl<S: Store> Worker<S> {
             routes: Arc::new(routes),
             queues: Arc::new(queues),
             schedules: Arc::new(schedules),
+            registered: OnceCell::new(),
             config,
         }
     }
 
-    /// Registers every schedule of the worker
-    /// ([`WorkerBuilder::schedule`](crate::WorkerBuilder::schedule)) once, in the order they
-    /// were declared, and returns what each registration did, as `(timer_id, registered)`:
-    /// the first instant after the store's clock, one statement per schedule.
-    /// [`Worker::start`] does this itself before claiming; call it before
-    /// [`Worker::run_due`] in tests.
+    /// Registers every schedule of the worker (those of
+    /// [`WorkerBuilder::schedule`](crate::WorkerBuilder::schedule) and those declared on the
+    /// handled types with `#[timer(every = …)]` or `#[timer(cron = …)]`) once, in the order
+    /// they were declared, and returns what each registration did, as
+    /// `(timer_id, registered)`: the first instant strictly after the store's clock, one
+    /// statement per schedule.
+    ///
+    /// You rarely need it: [`Worker::start`] registers before its first claim, and
+    /// [`Worker::run_due`] on its first call. Call it to see what a registration did (for
+    /// example [`Registered::Unchanged`] when the stored schedule is the same), or to register
+    /// at a chosen virtual time before the first `run_due`. Each call registers again (as a
+    /// new worker start would); once one has succeeded, `run_due` does not register again.
     ///
     /// # Errors
     /// The first storage error (earlier schedules stay registered);
     /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) (`knob` `"store"`) from a store
     /// without periodic timers.
     pub async fn register_schedules(&self) -> Result<Vec<(String, Registered)>> {
+        let out = self.register_each().await?;
+        // A `run_due` racing this call may be registering too; a second registration of the
+        // same schedule writes nothing, so losing the race to set the cell is harmless.
+        let _ = self.registered.set(());
+        Ok(out)
+    }
+
+    async fn register_each(&self) -> Result<Vec<(String, Registered)>> {
         let mut out = Vec::with_capacity(self.schedules.len());
         for schedule in self.schedules.iter() {
             let registered = register_one(&self.store, schedule).await?;
@@ -362,13 +381,29 @@ impl<S: Store> Worker<S> {
     /// publish, [`advance`](crate::testing::MemoryStore::advance), `run_due`, inspect. It
     /// works on [`PgStore`](crate::PgStore) too (for a drain in a script or a test).
     ///
+    /// **Schedules**: the first call registers the worker's schedules, as
+    /// [`Worker::start`] does when it starts (see [`Worker::register_schedules`]), before it
+    /// claims; later calls do not register again (once per worker, as once per start). Each
+    /// schedule's first instant is the first one strictly after the store's clock **at that
+    /// first call**, so call `run_due` once before you advance the clock to start the
+    /// schedules where the test starts. A failed registration is returned as the error and
+    /// tried again by the next call. Each run of a schedule queues its next instant when it
+    /// starts, as on a started worker; the [`testing`](crate::testing) module docs show a day of
+    /// a five-minute schedule in virtual time.
+    ///
     /// Stops after [`RUN_DUE_LIMIT`] deliveries, so a handler that keeps making itself due
     /// at once cannot loop forever.
     ///
     /// # Errors
-    /// The first storage error; deliveries before it have been completed.
+    /// The first storage error (of the first call's registration, or of a claim or a
+    /// completion); deliveries before it have been completed.
     pub async fn run_due(&self) -> Result<Vec<Dispatched>> {
         telemetry::describe();
+        // As `start` registers before its first claim. `get_or_try_init` leaves the cell
+        // empty on an error, so the next call tries again.
+        self.registered
+            .get_or_try_init(|| async { self.register_each().await.map(drop) })
+            .await?;
         let mut out = Vec::new();
         while out.len() < RUN_DUE_LIMIT {
             let limit = self.config.fetch_batch_size.min(RUN_DUE_LIMIT - out.len());

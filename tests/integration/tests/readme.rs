@@ -95,24 +95,38 @@ fn every_link_of_the_readme_is_absolute() {
     );
 }
 
-#[test]
-fn the_testing_example_is_a_test_that_runs() {
-    let readme = read("README.md");
+/// The body of the first ```rust block of the README's section `heading` (`## …`).
+fn first_rust_block(readme: &str, heading: &str) -> String {
     let section = readme
-        .split_once("\n## Testing your handlers without a database\n")
-        .expect("README.md has the testing section")
+        .split_once(&format!("\n## {heading}\n"))
+        .unwrap_or_else(|| panic!("README.md has a `## {heading}` section"))
         .1;
     let section = section.split("\n## ").next().unwrap();
     let mut lines = section.lines();
     lines
         .by_ref()
         .find(|l| l.starts_with("```rust"))
-        .expect("a ```rust block in the testing section");
+        .unwrap_or_else(|| panic!("a ```rust block in `## {heading}`"));
     let block: Vec<&str> = lines.take_while(|l| l.trim_end() != "```").collect();
-    check_contained(
-        &block.join("\n"),
-        "tests/integration/tests/readme_testing.rs",
+    block.join("\n")
+}
+
+#[test]
+fn the_testing_example_is_a_test_that_runs() {
+    let block = first_rust_block(
+        &read("README.md"),
+        "Testing your handlers without a database",
     );
+    check_contained(&block, "tests/integration/tests/readme_testing.rs");
+}
+
+/// The periodic example is compiled as a doc test (with the rest of the README) and run
+/// in virtual time in readme_periodic.rs, whose checks are what the section says.
+#[test]
+fn the_periodic_example_is_a_test_that_runs() {
+    let block = first_rust_block(&read("README.md"), "Periodic timers");
+    assert!(block.contains("every = \"5m\"") && block.contains("Recurrence::cron("));
+    check_contained(&block, "tests/integration/tests/readme_periodic.rs");
 }
 
 /// Found by the issue-16 trial: the README's list of metrics had fallen behind the ones the
