@@ -151,8 +151,7 @@ fn a_worker_schedule_named_default_collides_with_the_declared_one() {
         .timer::<Hourly>(|_: Hourly, _: Context| std::future::ready(()))
         .schedule("default", Recurrence::parse_every("5m").unwrap(), Hourly {})
         .build()
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(
         matches!(&err, Error::InvalidConfig { knob: "schedule", reason } if reason.contains("schedule:default")),
         "{err:?}"
@@ -188,8 +187,7 @@ fn an_invalid_hand_written_declared_schedule_is_a_build_error() {
     let err = Worker::builder(store.clone())
         .timer::<HandWritten>(|_: HandWritten, _: Context| std::future::ready(()))
         .build()
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(
         matches!(&err, Error::InvalidArgument { field: "schedule", reason } if reason.contains("Mars/Olympus") && reason.contains("schedule \"default\"")),
         "{err:?}"
