@@ -152,12 +152,12 @@
 //! | `outbox_retried_total` | counter | `queue` | failed runs scheduled for another attempt |
 //! | `outbox_terminal_total` | counter | `queue`, `reason` | rows ended for good without success |
 //! | `outbox_dlq_written_total` | counter | `queue` | rows archived to the dead-letter table |
-//! | `outbox_lease_lost_total` | counter | `queue`, `phase` | writes that found their lease gone |
+//! | `outbox_lease_lost_total` | counter | `queue`, `phase` | writes that found their lease gone; `phase` is `ack`, `retry`, `fail`, `renew`, `buffered` (lost while waiting for a handler slot) or `arm` (a periodic run's next instant, before it started) |
 //! | `outbox_cancelled_runs_total` | counter | `queue` | runs of timers cancelled while running |
 //! | `outbox_poison_rows_total` | counter | `queue` | rows no claim could take, set aside |
 //! | `outbox_lease_renewals_total` | counter | | renewal statements that succeeded |
 //! | `outbox_claim_errors_total` | counter | | claim statements that failed |
-//! | `outbox_completion_errors_total` | counter | | completions that failed for good |
+//! | `outbox_completion_errors_total` | counter | | fenced writes of a run that failed for good (a completion, or the next instant a periodic run queues when it starts); the row is redelivered after its lease expires |
 //! | `outbox_in_flight` | gauge, count | `queue` | handler runs in progress: up when a run starts, down when it ends, whichever way (success, error, panic, timeout, or stopped at shutdown) |
 //! | `outbox_firing_lateness_seconds` | histogram, s | `queue` | claim time minus deadline of each delivery |
 //! | `outbox_handler_duration_seconds` | histogram, s | `queue` | wall time of each handler run |

@@ -157,7 +157,13 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     ///   rearm, fenced by the lease token and never clearing a cancel mark: the instant after
     ///   the run's deadline, from the claim's database clock. So success and terminal failure
     ///   both re-arm the schedule, and a crash keeps the rearm queued for the run that
-    ///   reclaims the row. A failure to queue it is logged and the run goes on.
+    ///   reclaims the row. The write is retried as completions are (a broken connection, a
+    ///   deadlock or a lock timeout, while the lease lasts); if it still does not happen, or
+    ///   the lease was lost, **the run does not start**: the row keeps its instant and runs
+    ///   again, armed, once its lease expires, so a failed write never ends a schedule.
+    /// - **A deploy skips no instant**: a row claimed but not yet started when the worker
+    ///   shuts down carries no rearm; it is given back with its instant, which the next
+    ///   worker runs.
     /// - **Missed instants fire once**: when workers were down past several instants, the
     ///   latest instant not after the claim fires once, right away, and the schedule goes on
     ///   from there.

@@ -15,10 +15,11 @@ use tracing::{Instrument, Span};
 
 use super::handler::{decide, Decided, Decision};
 use super::leases::Phase as HeldPhase;
+use super::schedule;
 use super::shared::{backoff, Claimed, Shared};
 use crate::error::Result;
 use crate::store::transaction::{CommitHooks, TransactionAccess};
-use crate::store::{Completion, Delivery, Failure, Lease, Renewal, Store};
+use crate::store::{Armed, Completion, Delivery, Failure, Lease, Renewal, Store};
 use crate::telemetry::{self, InFlight};
 
 /// A success waiting for the completer.
@@ -43,6 +44,8 @@ pub(crate) enum Phase {
     Fail,
     /// A lease renewal.
     Renew,
+    /// Queueing a periodic run's next instant when it starts.
+    Arm,
 }
 
 impl Phase {
@@ -53,6 +56,7 @@ impl Phase {
             Phase::Retry => "retry",
             Phase::Fail => "fail",
             Phase::Renew => "renew",
+            Phase::Arm => "arm",
         }
     }
 }
@@ -132,10 +136,24 @@ async fn process<S: Store>(
     metrics::histogram!("outbox_firing_lateness_seconds", "queue" => d.queue.clone())
         .record(lateness);
     // A periodic run queues its next instant when it starts, before the handler and the
-    // `max_deliveries` check, so every way it ends keeps the schedule (SPEC §9.1).
-    super::schedule::arm_next(&shared.store, &route.schedules, &d)
+    // `max_deliveries` check, so every way it ends keeps the schedule (SPEC §9.1). A run
+    // whose next instant could not be queued does not start: it would end the schedule.
+    if let Some(at) = schedule::next_instant(&route.schedules, &d) {
+        let armed = write_with_retry(shared, lease, "arming a schedule's next instant", || {
+            shared.store.arm_next(lease, at)
+        })
         .instrument(span.clone())
         .await;
+        let timer_id = d.timer_id.as_deref().unwrap_or_default();
+        if !span.in_scope(|| schedule::may_start(timer_id, at, armed)) {
+            if armed == Some(Armed::LeaseLost) {
+                metrics::counter!("outbox_lease_lost_total", "queue" => d.queue.clone(), "phase" => Phase::Arm.as_str())
+                    .increment(1);
+            }
+            shared.held.remove(lease);
+            return;
+        }
+    }
     let started = Instant::now();
     let hooks = Arc::new(HeldCommit {
         shared: shared.clone(),
@@ -189,11 +207,15 @@ async fn settle_run<S: Store>(
                     return false;
                 }
             }
-            let done = write_with_retry(shared, lease, || shared.store.ack(lease)).await;
+            let done =
+                write_with_retry(shared, lease, COMPLETION, || shared.store.ack(lease)).await;
             settled(shared, span, &d.queue, Phase::Ack, done);
         }
         Decision::Retry { delay, error } => {
-            let done = write_with_retry(shared, lease, || shared.store.retry(lease, delay)).await;
+            let done = write_with_retry(shared, lease, COMPLETION, || {
+                shared.store.retry(lease, delay)
+            })
+            .await;
             if matches!(done, Some(Completion::RetryScheduled { .. })) {
                 tracing::info!(delay_ms = delay.as_millis() as u64, error = %error, "outbox: handler failed; retry scheduled");
                 metrics::counter!("outbox_retried_total", "queue" => d.queue.clone()).increment(1);
@@ -212,7 +234,10 @@ async fn settle_run<S: Store>(
                 reason,
                 last_error: error.as_deref(),
             };
-            let done = write_with_retry(shared, lease, || shared.store.fail(lease, failure)).await;
+            let done = write_with_retry(shared, lease, COMPLETION, || {
+                shared.store.fail(lease, failure)
+            })
+            .await;
             if matches!(done, Some(Completion::Deleted | Completion::Rearmed { .. })) {
                 metrics::counter!("outbox_terminal_total", "queue" => d.queue.clone(), "reason" => reason.as_str())
                     .increment(1);
@@ -291,7 +316,7 @@ impl<S: Store> CommitHooks for HeldCommit<S> {
     }
 }
 
-/// Runs a fenced write, retrying while the lease lasts (renewals extend it) when the
+/// Runs a fenced write (`what` names it in the logs), retrying while the lease lasts (renewals extend it) when the
 /// connection failed or the write met a deadlock, a serialization failure or a lock timeout
 /// (a fenced write is safe to repeat: it changes the row only while the token still
 /// matches). Any other statement error is not retried: the row is left to lease expiry, so
@@ -299,6 +324,7 @@ impl<S: Store> CommitHooks for HeldCommit<S> {
 pub(crate) async fn write_with_retry<S, T, F, Fut>(
     shared: &Shared<S>,
     lease: Lease,
+    what: &'static str,
     mut write: F,
 ) -> Option<T>
 where
@@ -314,12 +340,12 @@ where
                 if (e.is_connection_error() || e.is_transient())
                     && Instant::now() + backoff(attempt) < shared.held.until(lease) =>
             {
-                tracing::warn!(error = %e, attempt, "outbox: completion failed; retrying");
+                tracing::warn!(error = %e, attempt, "outbox: {what} failed; retrying");
                 tokio::time::sleep(backoff(attempt)).await;
                 attempt += 1;
             }
             Err(e) => {
-                tracing::error!(error = %e, "outbox: completion failed; the row will be redelivered after its lease expires");
+                tracing::error!(error = %e, "outbox: {what} failed; the row will be redelivered after its lease expires");
                 metrics::counter!("outbox_completion_errors_total").increment(1);
                 // The row is no longer held (so no longer renewed): look again when its
                 // lease has expired, not only at the idle poll.
@@ -329,6 +355,9 @@ where
         }
     }
 }
+
+/// How [`write_with_retry`] names a completion in the logs.
+const COMPLETION: &str = "completion";
 
 /// Metrics, events and wake-up hints for a finished completion.
 pub(crate) fn report<S: Store>(
@@ -434,7 +463,10 @@ async fn flush<S: Store>(shared: &Shared<S>, batch: Vec<PendingAck>) {
         .copied()
         .min_by_key(|&l| shared.held.until(l))
         .unwrap_or(leases[0]);
-    let results = write_with_retry(shared, shortest, || shared.store.ack_batch(&leases)).await;
+    let results = write_with_retry(shared, shortest, COMPLETION, || {
+        shared.store.ack_batch(&leases)
+    })
+    .await;
     let results = results.map_or_else(
         || vec![None; batch.len()],
         |done| done.into_iter().map(Some).collect(),

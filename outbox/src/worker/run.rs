@@ -19,7 +19,7 @@ use super::config::Config;
 use super::gauge::queue_depth;
 use super::handler::{decide, Decision, Route};
 use super::leases::Phase;
-use super::schedule::{arm_next, register_all, register_one, Schedule};
+use super::schedule::{may_start, next_instant, register_all, register_one, Schedule};
 use super::shared::{Claimed, Shared};
 use crate::error::Result;
 use crate::store::transaction::TransactionAccess;
@@ -395,8 +395,9 @@ impl<S: Store> Worker<S> {
     /// at once cannot loop forever.
     ///
     /// # Errors
-    /// The first storage error (of the first call's registration, or of a claim or a
-    /// completion); deliveries before it have been completed.
+    /// The first storage error (of the first call's registration, of a claim, of queueing a
+    /// periodic run's next instant, or of a completion); deliveries before it have been
+    /// completed, and the row it met stays leased until its lease expires.
     pub async fn run_due(&self) -> Result<Vec<Dispatched>> {
         telemetry::describe();
         // As `start` registers before its first claim. `get_or_try_init` leaves the cell
@@ -436,9 +437,19 @@ impl<S: Store> Worker<S> {
                     continue;
                 };
                 let span = process_span(&d, &receive);
-                arm_next(&self.store, &route.schedules, &d)
-                    .instrument(span.clone())
-                    .await;
+                // As a started worker's run (complete.rs): a periodic run queues its next
+                // instant first, and does not start without it.
+                if let Some(at) = next_instant(&route.schedules, &d) {
+                    let armed = self
+                        .store
+                        .arm_next(d.lease, at)
+                        .instrument(span.clone())
+                        .await?;
+                    let timer_id = d.timer_id.as_deref().unwrap_or_default();
+                    if !span.in_scope(|| may_start(timer_id, at, Some(armed))) {
+                        continue;
+                    }
+                }
                 let transaction = TransactionAccess::new(self.store.transactions(), d.lease);
                 let run = InFlight::start(&d.queue, &span);
                 let decided = decide(route, &d, None, transaction)

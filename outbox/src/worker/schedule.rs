@@ -177,50 +177,56 @@ pub(crate) async fn register_one<S: Store>(store: &S, schedule: &Schedule) -> Re
         .await
 }
 
-/// When a claimed row of a schedule this worker registered starts running: queues the
-/// schedule's next instant (after the row's deadline, from the claim's database clock) as
-/// the row's rearm. A failure is logged and the run goes on: the row keeps its lease
-/// fencing, and a run whose rearm was not queued simply ends the schedule's row as any
-/// keyed timer's run does.
-pub(crate) async fn arm_next<S: Store>(
-    store: &S,
+/// The next instant to queue when a claimed row starts running: `Some` for a row of a
+/// schedule this worker registered (the schedule's next instant after the row's deadline,
+/// from the claim's database clock), `None` for any other row and for a schedule that has
+/// no next instant (logged: it ends with this run).
+pub(crate) fn next_instant(
     schedules: &HashMap<String, Recurrence>,
     d: &Delivery,
-) {
-    let Some(timer_id) = d.timer_id.as_deref() else {
-        return;
-    };
+) -> Option<DateTime<Utc>> {
+    let timer_id = d.timer_id.as_deref()?;
     if !timer_id.starts_with(SCHEDULE_KEY_PREFIX) {
-        return;
+        return None;
     }
-    let Some(recurrence) = schedules.get(timer_id) else {
-        return;
-    };
-    let Some(at) = recurrence.next_instant(d.deadline, d.claimed_at) else {
+    let recurrence = schedules.get(timer_id)?;
+    let at = recurrence.next_instant(d.deadline, d.claimed_at);
+    if at.is_none() {
         tracing::warn!(
             timer_id,
             "outbox: the schedule has no next instant; it ends with this run"
         );
-        return;
-    };
-    match store.arm_next(d.lease, at).await {
-        Ok(armed) => log_armed(timer_id, armed, at),
-        Err(e) => {
-            tracing::warn!(timer_id, error = %e, "outbox: could not queue a schedule's next instant; the run goes on")
-        }
     }
+    at
 }
 
-fn log_armed(timer_id: &str, armed: Armed, at: DateTime<Utc>) {
+/// Whether a periodic run may start, from what arming its next instant wrote: it starts
+/// once the next instant is queued (or a queued one kept) and when a cancel reached the row
+/// (the run goes on as any cancelled run; the schedule stops after it). It does not start
+/// when the lease was lost (another worker holds the row, or it is gone) or when the write
+/// did not happen (`None`): the run would end the row without a next instant and stop the
+/// schedule, so the row is left to its lease instead and runs again, armed, once the lease
+/// has expired.
+pub(crate) fn may_start(timer_id: &str, at: DateTime<Utc>, armed: Option<Armed>) -> bool {
     match armed {
-        Armed::Queued { .. } | Armed::Kept { .. } => {
-            tracing::debug!(timer_id, ?armed, next = %at, "outbox: schedule armed")
+        Some(armed @ (Armed::Queued { .. } | Armed::Kept { .. })) => {
+            tracing::debug!(timer_id, ?armed, next = %at, "outbox: schedule armed");
+            true
         }
-        Armed::Cancelled => {
-            tracing::info!(timer_id, "outbox: the schedule was cancelled; it stops after this run until the next registration")
+        Some(Armed::Cancelled) => {
+            tracing::info!(timer_id, "outbox: the schedule was cancelled; it stops after this run until the next registration");
+            true
         }
-        Armed::LeaseLost => {
-            tracing::debug!(timer_id, "outbox: lease lost before the schedule was armed")
+        Some(Armed::LeaseLost) => {
+            tracing::warn!(
+                timer_id,
+                "outbox: lease lost before the schedule was armed; the run does not start"
+            );
+            false
+        }
+        None => {
+            tracing::error!(timer_id, next = %at, "outbox: could not queue a schedule's next instant; the run does not start and the row runs again after its lease expires");
+            false
         }
     }
 }

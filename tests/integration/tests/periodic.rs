@@ -1,9 +1,11 @@
 //! Periodic timers on Postgres (SPEC §9.1, issue 17): registrations of one schedule racing
 //! each other leave exactly one live row; workers with `WorkerBuilder::schedule` fire each
-//! instant once, a cancel stops a schedule until the next start, a changed schedule applies
-//! at the next start. The single-session rules of `arm_next` and registration are in the
+//! instant once (three workers, 20 s of a 1 s schedule, every instant fired or a documented
+//! miss), a worker process killed mid-run leaves the schedule going, a row claimed but not
+//! started at shutdown keeps its instant, a failed write of the next instant never ends the
+//! schedule, a cancel stops a schedule until the next start, a changed schedule applies at
+//! the next start. The single-session rules of `arm_next` and registration are in the
 //! contract suite (`contract.rs`), on both stores.
-
 use chrono::{DateTime, TimeDelta, Utc};
 use futures::future::join_all;
 use outbox::periodic::Recurrence;
@@ -54,6 +56,39 @@ fn scheduled(store: PgStore, seen: &Seen, every: &str) -> Worker<PgStore> {
         .expect("valid worker")
 }
 
+/// The lease of the tests that wait for one to expire.
+const SHORT_LEASE: Duration = Duration::from_secs(1);
+
+/// One run of a schedule as a handler saw it: (deadline, claimed at, delivery number).
+type Run = (DateTime<Utc>, DateTime<Utc>, u32);
+
+/// A worker on `store` with the schedule `tick` of `Report` (`every`) and `lease_ttl`,
+/// whose handler records every run in `runs`.
+fn recording<S: Store>(
+    store: S,
+    runs: &Arc<Mutex<Vec<Run>>>,
+    every: &str,
+    lease_ttl: Duration,
+) -> Worker<S> {
+    let runs = runs.clone();
+    Worker::builder(store)
+        .idle_poll(Duration::from_millis(200))
+        .lease_ttl(lease_ttl)
+        .timer::<Report>(move |_: Report, ctx: Context| {
+            runs.lock()
+                .unwrap()
+                .push((ctx.deadline(), ctx.claimed_at(), ctx.delivery()));
+            std::future::ready(())
+        })
+        .schedule(
+            "tick",
+            Recurrence::parse_every(every).unwrap(),
+            report("tick"),
+        )
+        .build()
+        .expect("valid worker")
+}
+
 const Q: &str = "reports";
 
 fn fingerprint(fp: &str) -> Headers {
@@ -68,6 +103,23 @@ async fn register(store: &PgStore, key: &str, fp: &str, first: DateTime<Utc>) ->
     let hs = fingerprint(fp);
     store
         .register_schedule(RegisterSchedule::new(Q, key, b"{}", &hs, first))
+        .await
+        .expect("register")
+}
+
+/// Registers the schedule `tick` as a worker with `every` = `fp` would, with the payload
+/// such a worker registers, but due first at `first` (in the past, say).
+async fn register_tick(store: &PgStore, fp: &str, first: DateTime<Utc>) -> Registered {
+    let hs = fingerprint(fp);
+    let payload = serde_json::to_vec(&report("tick")).unwrap();
+    store
+        .register_schedule(RegisterSchedule::new(
+            Q,
+            "schedule:tick",
+            &payload,
+            &hs,
+            first,
+        ))
         .await
         .expect("register")
 }
@@ -276,61 +328,74 @@ async fn bad_schedules_are_typed_build_errors() {
         .expect("two names");
 }
 
-/// Three workers of one outbox with one schedule every second, for about 8 s: no instant
-/// fires twice (every deadline a handler saw is distinct, on the schedule's 1 s grid), the
-/// instants fire (at least a third of the expected count: a 3x margin, no throughput
-/// claim), and one live row remains.
+/// Three workers of one outbox with one schedule every second, for 20 s: no instant fires
+/// twice, and every instant fires or is a documented miss. Each run's deadline is exactly
+/// the instant its predecessor queued when it started: the next one on the 1 s grid, or,
+/// for a run that started more than a second late, the latest instant not after its claim
+/// (missed instants fire once). The row left at the end is the instant the last run queued,
+/// no more than three periods before the workers stopped. Counts are bounded with a 3x
+/// margin; nothing about throughput.
 #[tokio::test]
 async fn three_workers_fire_each_instant_once() {
     let f = Fixture::new().await;
-    let seen: Seen = Arc::default();
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let every = Recurrence::parse_every("1s").unwrap();
+    let period = TimeDelta::seconds(1);
+    let began = Utc::now();
+    // A lease long enough that none expires on a loaded machine: a reclaim would run an
+    // instant again (at least once), which is not what this test counts.
     let workers: Vec<_> = (0..3)
-        .map(|_| scheduled(f.store.clone(), &seen, "1s").start())
+        .map(|_| recording(f.store.clone(), &runs, "1s", Duration::from_secs(30)).start())
         .collect();
-    let window = Duration::from_secs(8);
+    let window = Duration::from_secs(20);
     tokio::time::sleep(window).await;
+    let stopping = Utc::now();
     for w in workers {
         w.shutdown().await;
     }
-    let mut deadlines: Vec<DateTime<Utc>> = seen.lock().unwrap().iter().map(|(d, _)| *d).collect();
-    deadlines.sort();
-    let fired = deadlines.len();
+    let mut runs = runs.lock().unwrap().clone();
+    runs.sort();
+    let fired = runs.len();
+    let mut deadlines: Vec<_> = runs.iter().map(|(d, _, _)| *d).collect();
     deadlines.dedup();
-    assert_eq!(
-        deadlines.len(),
-        fired,
-        "an instant fired twice: {deadlines:?}"
-    );
+    assert_eq!(deadlines.len(), fired, "an instant fired twice: {runs:?}");
     let expected = window.as_secs() as usize; // one instant per second
     assert!(
         fired * 3 >= expected,
-        "{fired} fires in {window:?}: {deadlines:?}"
+        "{fired} fires in {window:?}: {runs:?}"
     );
+    assert!(fired <= expected + 1, "more fires than instants: {runs:?}");
     assert!(
-        fired <= expected + 1,
-        "more fires than instants: {deadlines:?}"
+        runs[0].0 <= began + period * 3,
+        "the first instant is one period after the start: {runs:?}"
     );
-    for pair in deadlines.windows(2) {
-        let step = (pair[1] - pair[0]).num_microseconds().unwrap();
-        assert!(
-            step > 0 && step % 1_000_000 == 0,
-            "off the 1 s grid: {deadlines:?}"
+    for pair in runs.windows(2) {
+        let ((deadline, claimed, _), (next, _, _)) = (pair[0], pair[1]);
+        assert_eq!(
+            Some(next),
+            every.next_instant(deadline, claimed),
+            "the run of {deadline} (claimed {claimed}) queued another instant: {runs:?}"
         );
     }
-    assert!(seen
-        .lock()
-        .unwrap()
-        .iter()
-        .all(|(_, r)| *r == report("tick")));
-    let rows = f.rows(Q).await;
-    assert_eq!(rows.len(), 1, "one live row: {rows:#?}");
-    assert_eq!(rows[0].timer_id.as_deref(), Some("schedule:tick"));
+    let row = f.only_row(Q).await;
+    assert_eq!(row.timer_id.as_deref(), Some("schedule:tick"));
     assert_eq!(
-        rows[0]
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(SCHEDULE_HEADER)),
+        row.headers.as_ref().and_then(|h| h.get(SCHEDULE_HEADER)),
         Some(&"every:1s".to_owned())
+    );
+    let (last, last_claimed, _) = runs[fired - 1];
+    assert_eq!(
+        Some(row.next_attempt_at),
+        every.next_instant(last, last_claimed),
+        "the stored instant is the one the last run queued"
+    );
+    assert!(
+        row.next_attempt_at >= stopping - period * 3,
+        "due instants left unfired at the stop: {row:?}"
+    );
+    assert!(
+        runs.iter().all(|&(d, c, n)| c >= d && n == 1),
+        "a run before its instant, or delivered twice: {runs:?}"
     );
     f.cleanup().await;
 }
@@ -466,4 +531,333 @@ async fn memory_store_runs_a_schedule_in_virtual_time() {
         row.next_attempt_at,
         end + TimeDelta::hours(3) + TimeDelta::minutes(5)
     );
+}
+
+/// A worker process killed in the middle of a periodic run (SIGKILL, nothing written at
+/// the end): the next instant it queued when the run started is on the row, the worker
+/// that reclaims the row once its lease has expired runs the killed instant again (at least
+/// once) and the schedule goes on from there; one live row throughout.
+#[tokio::test]
+async fn a_worker_killed_mid_run_keeps_the_schedule() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let f = Fixture::new().await;
+    let table = f.outbox.table().trim_matches('"').to_owned();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_periodic_process"))
+        .args([&outbox_tests::database_url(), &table])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("the worker process starts");
+    let mut lines = BufReader::new(child.stdout.take().unwrap());
+    // Killed if the test fails before it does (a read that never returns ends with it).
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Kill(child);
+    let reader = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        lines.read_line(&mut line).map(|_| line)
+    });
+    // The first instant is a second after its registration; the process starts in far less.
+    let line = tokio::time::timeout(Duration::from_secs(30), reader)
+        .await
+        .expect("the process starts a run")
+        .unwrap()
+        .unwrap();
+    let killed: DateTime<Utc> = line
+        .trim()
+        .strip_prefix("started ")
+        .unwrap_or_else(|| panic!("unexpected output {line:?}"))
+        .parse()
+        .unwrap();
+    let row = f.only_row(Q).await;
+    assert!(
+        row.acquired_token.is_some(),
+        "leased while it runs: {row:?}"
+    );
+    assert_eq!(row.next_attempt_at, killed);
+    let queued = row.rearm_at.expect("the next instant is queued");
+    assert_eq!(queued, killed + TimeDelta::seconds(1), "{row:?}");
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
+
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let worker = recording(f.store.clone(), &runs, "1s", SHORT_LEASE).start();
+    // The lease (1 s) expires, the row is claimed (idle poll 200 ms) and runs; its next
+    // instant then runs a second or so later: 3x margin on all of it.
+    eventually(3 * 4, "two runs after the kill", || async {
+        runs.lock().unwrap().len() >= 2
+    })
+    .await;
+    worker.shutdown().await;
+    let runs = runs.lock().unwrap().clone();
+    let (deadline, claimed, delivery) = runs[0];
+    assert_eq!(
+        (deadline, delivery),
+        (killed, 2),
+        "the killed instant runs again: {runs:?}"
+    );
+    let every = Recurrence::parse_every("1s").unwrap();
+    assert_eq!(
+        Some(runs[1].0),
+        every.next_instant(deadline, claimed),
+        "the schedule goes on from the reclaimed run: {runs:?}"
+    );
+    let row = f.only_row(Q).await;
+    assert_eq!(row.timer_id.as_deref(), Some("schedule:tick"));
+    f.cleanup().await;
+}
+
+/// A periodic row claimed but not started when the worker shuts down (its only handler
+/// slot busy with another row) is given back as it was: no rearm queued, its own instant,
+/// not counted as a delivery; the next worker runs that instant.
+#[tokio::test]
+async fn a_periodic_row_released_at_shutdown_keeps_its_instant() {
+    let f = Fixture::new().await;
+    let now = micros(Utc::now());
+    // An ordinary timer of the same queue, due before the schedule's instant, takes the
+    // one handler slot first (claims of one queue go in deadline order).
+    let mut conn = f.pool.acquire().await.unwrap();
+    let blocker = f
+        .outbox
+        .publish(
+            &mut conn,
+            outbox::Message::new(Q, br#"{"kind":"block"}"#)
+                .timer_id("blocker")
+                .schedule(now - TimeDelta::seconds(10)),
+        )
+        .await
+        .unwrap();
+    drop(conn);
+    // The schedule's row, registered as the worker below would (same fingerprint, so the
+    // worker's registration leaves it alone), due 5 s ago.
+    let instant = now - TimeDelta::seconds(5);
+    let Registered::Inserted { id, .. } = register_tick(&f.store, "every:3600s", instant).await
+    else {
+        panic!("inserted");
+    };
+    let started = Arc::new(tokio::sync::Notify::new());
+    let worker = {
+        let started = started.clone();
+        Worker::builder(f.store.clone())
+            .concurrency(1)
+            .fetch_batch_size(2)
+            .idle_poll(Duration::from_millis(200))
+            .lease_ttl(Duration::from_secs(30))
+            .graceful_timeout(Duration::from_millis(200))
+            .timer::<Report>(move |r: Report, _: Context| {
+                let started = started.clone();
+                async move {
+                    assert_eq!(r, report("block"), "only the blocker starts");
+                    started.notify_one();
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+            })
+            .schedule(
+                "tick",
+                Recurrence::parse_every("1h").unwrap(),
+                report("tick"),
+            )
+            .build()
+            .unwrap()
+            .start()
+    };
+    tokio::time::timeout(Duration::from_secs(30), started.notified())
+        .await
+        .expect("the blocker starts");
+    let shut = worker.shutdown().await;
+    assert_eq!(
+        (shut.abandoned, shut.released, shut.unreleased),
+        (1, 1, 0),
+        "{shut:?}"
+    );
+    let rows = f.rows(Q).await;
+    let tick = rows
+        .iter()
+        .find(|r| r.id == id)
+        .expect("the schedule's row");
+    assert!(tick.acquired_token.is_none(), "given back: {tick:?}");
+    assert_eq!(tick.next_attempt_at, instant, "its own instant: {tick:?}");
+    assert_eq!(tick.rearm_at, None, "no next instant queued: {tick:?}");
+    assert_eq!(tick.deliveries_count, 0, "never delivered: {tick:?}");
+    assert!(rows.iter().any(|r| Some(r.id) == blocker.id()));
+
+    // The next worker runs the instant that was given back.
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let next = recording(f.store.clone(), &runs, "1h", SHORT_LEASE).start();
+    eventually(10, "the released instant runs", || async {
+        runs.lock().unwrap().len() >= 2 // the blocker and the schedule's instant
+    })
+    .await;
+    next.shutdown().await;
+    let runs = runs.lock().unwrap().clone();
+    assert!(
+        runs.iter().any(|&(d, _, n)| d == instant && n == 1),
+        "{runs:?}"
+    );
+    let row = f.only_row(Q).await;
+    assert_eq!(row.id, id);
+    assert_eq!(row.next_attempt_at, instant + TimeDelta::hours(1));
+    f.cleanup().await;
+}
+
+/// `PgStore` with `arm_next` failing with the queued errors first (one per call).
+#[derive(Clone)]
+struct FailingArm {
+    inner: PgStore,
+    errors: Arc<Mutex<Vec<Error>>>,
+    arms: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Store for FailingArm {
+    async fn claim(
+        &self,
+        r: outbox::store::ClaimRequest<'_>,
+    ) -> outbox::Result<Vec<outbox::store::Delivery>> {
+        self.inner.claim(r).await
+    }
+    async fn ack(&self, l: outbox::store::Lease) -> outbox::Result<outbox::store::Completion> {
+        self.inner.ack(l).await
+    }
+    async fn ack_batch(
+        &self,
+        l: &[outbox::store::Lease],
+    ) -> outbox::Result<Vec<outbox::store::Completion>> {
+        self.inner.ack_batch(l).await
+    }
+    async fn retry(
+        &self,
+        l: outbox::store::Lease,
+        d: Duration,
+    ) -> outbox::Result<outbox::store::Completion> {
+        self.inner.retry(l, d).await
+    }
+    async fn fail(
+        &self,
+        l: outbox::store::Lease,
+        f: outbox::store::Failure<'_>,
+    ) -> outbox::Result<outbox::store::Completion> {
+        self.inner.fail(l, f).await
+    }
+    async fn renew(
+        &self,
+        l: &[outbox::store::Lease],
+    ) -> outbox::Result<Vec<outbox::store::Renewal>> {
+        self.inner.renew(l).await
+    }
+    async fn release(
+        &self,
+        i: &[outbox::store::Release],
+    ) -> outbox::Result<Vec<outbox::store::Released>> {
+        self.inner.release(i).await
+    }
+    async fn fail_unclaimed(
+        &self,
+        id: i64,
+        ttl: Duration,
+        f: outbox::store::Failure<'_>,
+    ) -> outbox::Result<outbox::store::Completion> {
+        self.inner.fail_unclaimed(id, ttl, f).await
+    }
+    async fn arm_next(
+        &self,
+        lease: outbox::store::Lease,
+        at: DateTime<Utc>,
+    ) -> outbox::Result<outbox::store::Armed> {
+        self.arms.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let injected = self.errors.lock().unwrap().pop();
+        match injected {
+            Some(e) => Err(e),
+            None => self.inner.arm_next(lease, at).await,
+        }
+    }
+    async fn register_schedule(&self, r: RegisterSchedule<'_>) -> outbox::Result<Registered> {
+        self.inner.register_schedule(r).await
+    }
+    async fn next_wakeup(
+        &self,
+        r: outbox::store::ClaimRequest<'_>,
+    ) -> outbox::Result<outbox::store::NextWakeup> {
+        self.inner.next_wakeup(r).await
+    }
+    async fn peek(&self, r: outbox::store::ClaimRequest<'_>) -> outbox::Result<Vec<(i64, String)>> {
+        self.inner.peek(r).await
+    }
+    async fn wakeups(
+        &self,
+    ) -> outbox::Result<Option<tokio::sync::mpsc::Receiver<outbox::store::Wakeup>>> {
+        self.inner.wakeups().await
+    }
+    async fn now(&self) -> outbox::Result<DateTime<Utc>> {
+        self.inner.now().await
+    }
+    fn dead_letter_enabled(&self) -> bool {
+        self.inner.dead_letter_enabled()
+    }
+    fn max_connections(&self) -> Option<u32> {
+        self.inner.max_connections()
+    }
+}
+
+/// Arming a periodic run's next instant fails: a connection error is retried (100 ms
+/// later, well inside the lease) and the run starts on its first delivery; any other error
+/// keeps the run from starting (it would end the row without a next instant and stop the
+/// schedule): the row runs once its lease has expired, for the same instant, armed, and the
+/// schedule goes on. Without that rule the first case loses the schedule.
+#[tokio::test]
+async fn a_failed_arm_never_ends_the_schedule() {
+    let cases = [
+        (
+            "connection error, retried",
+            Error::Database(sqlx::Error::Protocol("injected".into())),
+            1,
+        ),
+        (
+            "statement error, not started",
+            Error::Database(sqlx::Error::ColumnNotFound("injected".into())),
+            2,
+        ),
+    ];
+    for (case, injected, delivery) in cases {
+        let f = Fixture::new().await;
+        let instant = micros(Utc::now() - TimeDelta::seconds(5));
+        register_tick(&f.store, "every:3600s", instant).await;
+        let store = FailingArm {
+            inner: f.store.clone(),
+            errors: Arc::new(Mutex::new(vec![injected])),
+            arms: Arc::default(),
+        };
+        let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+        let worker = recording(store.clone(), &runs, "1h", SHORT_LEASE).start();
+        // A lease (1 s) to expire, then an idle poll (200 ms): 3x margin.
+        eventually(3 * 2, "the instant runs", || async {
+            !runs.lock().unwrap().is_empty()
+        })
+        .await;
+        worker.shutdown().await;
+        let runs = runs.lock().unwrap().clone();
+        assert_eq!(runs.len(), 1, "{case}: {runs:?}");
+        assert_eq!(
+            (runs[0].0, runs[0].2),
+            (instant, delivery),
+            "{case}: {runs:?}"
+        );
+        assert_eq!(
+            store.arms.load(std::sync::atomic::Ordering::SeqCst),
+            2,
+            "{case}"
+        );
+        let row = f.only_row(Q).await;
+        assert_eq!(
+            row.next_attempt_at,
+            instant + TimeDelta::hours(1),
+            "{case}: the schedule goes on: {row:?}"
+        );
+        f.cleanup().await;
+    }
 }
