@@ -114,7 +114,7 @@
 //! |---|---|---|
 //! | `queue = "..."` | yes | the queue's name: 1..=255 bytes of ASCII letters, digits, `.`, `_`, `:` and `-` (the runtime accepts any 1..=255 bytes without NUL; the macro keeps names safe for metric labels, logs and shells) |
 //! | `max_deliveries = N` | yes | an integer literal from 1 to `u32::MAX`: how many claims a row may have: a claim that brings its `deliveries_count` past `N` is a terminal failure with reason `max_deliveries`, and the handler does not run. Counts reclaims after lost leases too, so it also stops a handler that crashes its worker every time |
-//! | `every = "..."` | no | a schedule of the type: a run every interval of real time, as the `humantime` crate reads it (`"30s"`, `"5m"`, `"1h 30m"`, `"2days"`; above zero, at most 10 000 years, whole microseconds) |
+//! | `every = "..."` | no | a schedule of the type: a run every interval of real time, as the `humantime` crate reads it (`"30s"`, `"5m"`, `"1h 30m"`, `"2days"`; no months or years; above zero, at most 10 000 years of 366 days, whole microseconds) |
 //! | `cron = "..."` | no (cargo feature `cron` of `outbox`) | a schedule of the type: a cron expression of 5 fields (`minute hour day-of-month month day-of-week`) or 6 (a leading `second`), as the `croner` crate reads it, at most 256 bytes, that matches at least one instant |
 //! | `tz = "..."` | no, only with `cron` | the IANA time zone the `cron` expression's wall clock is read in (`"Europe/Berlin"`), from the `chrono-tz` database, case-sensitive. Default `"UTC"` |
 //! | `crate = "path"` | no | where the runtime crate is, for crates that re-export `outbox` or rename the dependency: `crate = "my_lib::outbox"`. Default `::outbox` |

@@ -93,10 +93,26 @@ pub(crate) fn check(
     }
 }
 
-/// `Recurrence::parse_every`'s rules: a human duration (humantime), above zero, at most
-/// 10 000 years, in whole microseconds.
+/// `Recurrence::parse_every`'s rules: a human duration (humantime) without months or
+/// years, above zero, at most 10 000 × 366 days, in whole microseconds.
 fn check_every(lit: &LitStr, errors: &mut Errors) -> bool {
     let text = lit.value();
+    // As `Recurrence::parse_every`: humantime reads months and years as fixed averages, and
+    // "1M" (a month) is one letter from "1m" (a minute).
+    if let Some(unit) = text
+        .split(|c: char| !c.is_ascii_alphabetic())
+        .find(|unit| matches!(*unit, "M" | "month" | "months" | "y" | "year" | "years"))
+    {
+        errors.error(
+            lit,
+            format!(
+                "`every` counts in {unit:?}, a calendar unit that humantime reads as a fixed \
+                 average (a month is 30.44 days, a year 365.25): give days (\"30days\") for a \
+                 fixed step, or a `cron` expression for calendar dates"
+            ),
+        );
+        return false;
+    }
     let interval = match humantime::parse_duration(text.trim()) {
         Ok(interval) => interval,
         Err(e) => {
@@ -115,7 +131,7 @@ fn check_every(lit: &LitStr, errors: &mut Errors) -> bool {
     } else if interval.as_secs() > MAX_EVERY_SECS
         || (interval.as_secs() == MAX_EVERY_SECS && interval.subsec_nanos() > 0)
     {
-        Some("must be at most 10 000 years")
+        Some("must be at most 10 000 years of 366 days")
     } else if !interval.subsec_nanos().is_multiple_of(1_000) {
         Some("must be a whole number of microseconds (the resolution of a Postgres timestamp)")
     } else {

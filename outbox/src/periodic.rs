@@ -9,7 +9,7 @@
 //! # Constructors
 //!
 //! - [`Recurrence::every`]`(Duration)`: a fixed step of real (UTC) time, above zero, at most
-//!   [`MAX_DELAY`] (10 000 years), in whole microseconds (the resolution of a Postgres
+//!   [`MAX_DELAY`] (10 000 years of 366 days), in whole microseconds (the resolution of a Postgres
 //!   `timestamptz`). Anything else is [`Error::InvalidArgument`] with `field = "every"`.
 //! - [`Recurrence::parse_every`]`(&str)`: the same from a human duration as the `humantime`
 //!   crate reads it: `"30s"`, `"5m"`, `"1h"`, `"1h 30m"`, `"500ms"`, `"2days"`. A string
@@ -113,7 +113,7 @@ enum Kind {
 }
 
 impl Recurrence {
-    /// A fixed interval of real time: above zero, at most 10 000 years
+    /// A fixed interval of real time: above zero, at most 10 000 years of 366 days
     /// ([`message::MAX_DELAY`](crate::message::MAX_DELAY)), in whole microseconds. Otherwise
     /// [`Error::InvalidArgument`] (`field = "every"`).
     pub fn every(interval: Duration) -> Result<Self> {
@@ -126,7 +126,7 @@ impl Recurrence {
         if interval > MAX_DELAY {
             return Err(Error::invalid(
                 "every",
-                "is longer than 10 000 years (overflow)",
+                "is longer than 10 000 years of 366 days (overflow)",
             ));
         }
         if !interval.subsec_nanos().is_multiple_of(1_000) {
@@ -141,10 +141,77 @@ impl Recurrence {
     /// A fixed interval from a human duration (`"30s"`, `"5m"`, `"1h"`, `"1h 30m"`), as the
     /// `humantime` crate reads it, then checked as [`Recurrence::every`] does. A string it
     /// cannot read is [`Error::InvalidArgument`] (`field = "every"`).
+    ///
+    /// Months and years (`"1M"`, `"1month"`, `"1y"`, `"1year"`) are refused: humantime reads
+    /// them as fixed averages (30.44 and 365.25 days), not calendar months, and `"1M"` (a
+    /// month) is one letter away from `"1m"` (a minute). Use a cron expression for "on the
+    /// first of each month", or days (`"30days"`) for a fixed step.
     pub fn parse_every(text: &str) -> Result<Self> {
+        if let Some(unit) = calendar_unit(text) {
+            return Err(Error::invalid(
+                "every",
+                format!(
+                    "{text:?} counts in {unit:?}, a calendar unit that humantime reads as a fixed \
+                     average (a month is 30.44 days, a year 365.25): give days (\"30days\") for a \
+                     fixed step, or a cron expression for calendar dates"
+                ),
+            ));
+        }
         let interval = humantime::parse_duration(text.trim())
             .map_err(|e| Error::invalid("every", format!("{text:?} is not a duration: {e}")))?;
         Self::every(interval)
+    }
+
+    /// The recurrence a [`fingerprint`](Self::fingerprint) names: the inverse of
+    /// `fingerprint`, so `Recurrence::from_fingerprint(&r.fingerprint()) == Ok(r)`. A
+    /// registered schedule's row carries its fingerprint, and a run's next instant comes from
+    /// it, so any worker that handles the queue keeps the stored schedule going.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] (`field = "fingerprint"`) for a text that is not a
+    /// fingerprint, or names a cron expression without the `cron` feature; the checks of
+    /// [`every`](Self::every) and `cron` for the recurrence it names.
+    pub fn from_fingerprint(text: &str) -> Result<Self> {
+        let unknown = || {
+            Error::invalid(
+                "fingerprint",
+                format!("{text:?} is not a schedule's fingerprint (`every:<n>s`, `every:<n>us` or `cron:<expression>@<zone>`)"),
+            )
+        };
+        if let Some(every) = text.strip_prefix("every:") {
+            let (digits, unit): (&str, fn(u64) -> Duration) =
+                if let Some(us) = every.strip_suffix("us") {
+                    (us, Duration::from_micros)
+                } else if let Some(s) = every.strip_suffix('s') {
+                    (s, Duration::from_secs)
+                } else {
+                    return Err(unknown());
+                };
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(unknown());
+            }
+            let n: u64 = digits.parse().map_err(|_| unknown())?;
+            return Self::every(unit(n));
+        }
+        if let Some(cron) = text.strip_prefix("cron:") {
+            // A zone name holds no `@`; an expression may (`@daily`).
+            let (expr, zone) = cron.rsplit_once('@').ok_or_else(unknown)?;
+            return Self::cron_from_fingerprint(text, expr, zone);
+        }
+        Err(unknown())
+    }
+
+    #[cfg(feature = "cron")]
+    fn cron_from_fingerprint(_text: &str, expr: &str, zone: &str) -> Result<Self> {
+        Self::cron(expr, zone)
+    }
+
+    #[cfg(not(feature = "cron"))]
+    fn cron_from_fingerprint(text: &str, _expr: &str, _zone: &str) -> Result<Self> {
+        Err(Error::invalid(
+            "fingerprint",
+            format!("{text:?} is a cron schedule, and this build of outbox has no `cron` feature"),
+        ))
     }
 
     /// A cron expression evaluated in an IANA time zone (feature `cron`).
@@ -261,6 +328,12 @@ impl Recurrence {
     }
 }
 
+/// The first calendar unit (months, years) `text` counts in, as humantime spells them.
+fn calendar_unit(text: &str) -> Option<&str> {
+    text.split(|c: char| !c.is_ascii_alphabetic())
+        .find(|unit| matches!(*unit, "M" | "month" | "months" | "y" | "year" | "years"))
+}
+
 fn delta(interval: Duration) -> Option<TimeDelta> {
     TimeDelta::from_std(interval).ok()
 }
@@ -320,6 +393,64 @@ mod tests {
         for bad in ["", "5", "five minutes", "-5m", "0s", "5x"] {
             assert_eq!(field(Recurrence::parse_every(bad)), "every", "{bad:?}");
         }
+    }
+
+    #[test]
+    fn parse_every_refuses_months_and_years() {
+        for bad in [
+            "1M", "2months", "1month", "1y", "1year", "3years", "1d 1M", "1M1d",
+        ] {
+            match Recurrence::parse_every(bad) {
+                Err(Error::InvalidArgument { field, reason }) => {
+                    assert_eq!(field, "every", "{bad:?}");
+                    assert!(reason.contains("calendar unit"), "{bad:?}: {reason}");
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        // Minutes (lower-case m), milliseconds and days are not calendar units.
+        assert_eq!(
+            Recurrence::parse_every("1m").unwrap(),
+            Recurrence::every(Duration::from_secs(60)).unwrap()
+        );
+        assert!(Recurrence::parse_every("500ms").is_ok());
+        assert!(Recurrence::parse_every("30days").is_ok());
+        assert!(Recurrence::parse_every("2min").is_ok());
+    }
+
+    #[test]
+    fn fingerprints_name_their_recurrence() {
+        for r in [
+            Recurrence::parse_every("5m").unwrap(),
+            Recurrence::every(Duration::from_millis(1500)).unwrap(),
+            Recurrence::every(Duration::from_micros(1)).unwrap(),
+            Recurrence::every(MAX_DELAY).unwrap(),
+        ] {
+            assert_eq!(Recurrence::from_fingerprint(&r.fingerprint()).unwrap(), r);
+        }
+        for bad in [
+            "",
+            "every:",
+            "every:s",
+            "every:5",
+            "every:5m",
+            "every:-5s",
+            "every:+5s",
+            "every: 5s",
+            "every:99999999999999999999s",
+            "cron:",
+            "nightly",
+        ] {
+            assert!(
+                matches!(
+                    Recurrence::from_fingerprint(bad),
+                    Err(Error::InvalidArgument { .. })
+                ),
+                "{bad:?}"
+            );
+        }
+        // A fingerprint of a recurrence `every` refuses is refused as `every` would.
+        assert_eq!(field(Recurrence::from_fingerprint("every:0s")), "every");
     }
 
     #[test]
@@ -630,6 +761,29 @@ mod tests {
                     utc(2026, 10, 25, 12, 0, 0)
                 ),
                 vec![utc(2026, 10, 25, 0, 0, 0)] // 02:00 CEST
+            );
+        }
+
+        #[test]
+        fn cron_fingerprints_name_their_recurrence() {
+            for (expr, tz) in [
+                ("0 0 6 * * *", BERLIN),
+                ("*/15 * * * *", "UTC"),
+                ("@daily", "America/New_York"),
+                ("0 0 2,14 * * MON-FRI", BERLIN),
+            ] {
+                let r = Recurrence::cron(expr, tz).unwrap();
+                assert_eq!(Recurrence::from_fingerprint(&r.fingerprint()).unwrap(), r);
+            }
+            assert_eq!(
+                field(Recurrence::from_fingerprint(
+                    "cron:0 0 6 * * *@Mars/Olympus"
+                )),
+                "tz"
+            );
+            assert_eq!(
+                field(Recurrence::from_fingerprint("cron:bogus@UTC")),
+                "cron"
             );
         }
 

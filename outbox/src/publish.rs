@@ -39,7 +39,7 @@ pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024 * 1024;
 /// [`Error::InvalidArgument`] (`field = "headers"`) before any SQL runs.
 pub const MAX_HEADERS_BYTES: usize = 64 * 1024;
 
-/// Longest delay accepted by [`Schedule`]: 10 000 years. Anything longer is an overflow in
+/// Longest delay accepted by [`Schedule`]: 10 000 years of 366 days. Anything longer is an overflow in
 /// practice and would push the deadline towards the end of Postgres' timestamp range.
 pub const MAX_DELAY: Duration = Duration::from_secs(10_000 * 366 * 24 * 3600);
 
@@ -92,7 +92,7 @@ impl Schedule {
                 if us > MAX_DELAY.as_micros() as i128 {
                     return Err(Error::invalid(
                         "schedule",
-                        "the delay is longer than 10 000 years (overflow)",
+                        "the delay is longer than 10 000 years of 366 days (overflow)",
                     ));
                 }
                 Ok(Resolved::In(us as i64))
@@ -334,7 +334,7 @@ impl<'a> Message<'a> {
         if self.slack > MAX_SLACK {
             return Err(Error::invalid(
                 "slack",
-                "is longer than 10 000 years (overflow)",
+                "is longer than 10 000 years of 366 days (overflow)",
             ));
         }
         validate_payload(self.payload)?;

@@ -323,7 +323,7 @@ fn check_ttl(ttl: Duration) -> Result<()> {
     if ttl > MAX_DELAY {
         return Err(Error::invalid(
             "lease_ttl",
-            "is longer than 10 000 years (overflow)",
+            "is longer than 10 000 years of 366 days (overflow)",
         ));
     }
     Ok(())

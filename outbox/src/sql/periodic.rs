@@ -65,41 +65,57 @@ SELECT (SELECT count(*) FROM cur), (SELECT bool_or(cancelled) FROM cur),
         // SPEC §9.1: registration in one statement, on the partial unique index
         // `<t>_timer_id_uq` `(queue, timer_id) WHERE timer_id IS NOT NULL`. Two workers
         // registering at once: the second's insert waits for the first's to commit, then
-        // takes the DO UPDATE branch and finds the same fingerprint, so one live row. A
+        // takes the DO UPDATE branch and finds the same schedule, so one live row. A
         // registration racing a claim waits on the claim's row lock and then sees the leased
         // row (as an extend does, SPEC §5.3); one racing a completion that deletes the row
         // inserts it again (ON CONFLICT retries the insert once the conflicting row is gone).
-        // The fingerprint compared is the one the row will carry next: a queued rearm's when
-        // there is one, else the row's. The same fingerprint writes nothing (a failed DO
-        // UPDATE WHERE only locks the row) unless a cancel stopped the schedule on a running
-        // row (mark set, no rearm): "a cancel stops the schedule until the next
-        // registration", so that registration queues the first instant as a rearm and clears
-        // the mark (the newest intent wins, as an extend, SPEC §3); a cancelled pending row
-        // was deleted, and the insert brings it back. A different fingerprint moves a pending
-        // row to the new first instant (earlier allowed, unlike an extend; retry history
-        // reset as for an extend) with the new payload and headers, or replaces the rearm
-        // queued on a leased row (earlier allowed). `xmax = 0` marks a fresh insert. An insert
-        // or a moved pending row notifies (it may be due earlier than any worker's wake-up);
-        // a queued rearm does not: its completion notifies when it applies.
+        // What is compared is what the row carries next: a queued rearm's fingerprint and
+        // payload when there is one, else the row's. The same fingerprint and payload write
+        // nothing (a failed DO UPDATE WHERE only locks the row) unless a cancel stopped the
+        // schedule on a running row (mark set, no rearm): "a cancel stops the schedule until
+        // the next registration", so that registration queues the first instant as a rearm
+        // and clears the mark (the newest intent wins, as an extend, SPEC §3); a cancelled
+        // pending row was deleted, and the insert brings it back.
+        // - Another fingerprint (a changed recurrence) moves a pending row to the new first
+        //   instant (earlier allowed, unlike an extend) with the new payload and headers, or
+        //   replaces the rearm queued on a leased row (earlier allowed).
+        // - The same fingerprint with another payload (the code's payload changed) replaces
+        //   the payload and keeps the timing: a pending row keeps its deadline, a leased
+        //   row's queued rearm keeps its deadline (a leased row without one gets the first
+        //   instant, as after a cancel). So a payload whose encoding varies between starts
+        //   (a map's order) costs a write per start, never a moved deadline.
+        // Any write to a pending row resets its retry history, as an extend does. `xmax = 0`
+        // marks a fresh insert. An insert or a rewritten pending row notifies (it may be due
+        // earlier than any worker's wake-up); a queued rearm does not: its completion
+        // notifies when it applies.
         let pending = "t.acquired_token IS NULL";
+        let next_fp = format!(
+            "(CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_headers ELSE t.headers END)->>'{h}'"
+        );
+        let moved = format!("({next_fp} IS DISTINCT FROM excluded.headers->>'{h}')");
+        let next_payload =
+            "(CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_payload ELSE t.payload END)";
         let register = format!(
             r#"
 WITH up AS (
     INSERT INTO {t} AS t (queue, payload, headers, next_attempt_at, timer_id)
     VALUES ($1, $3, $4, $5::timestamptz, $2)
     ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO UPDATE SET
-        next_attempt_at  = CASE WHEN {pending} THEN excluded.next_attempt_at ELSE t.next_attempt_at END,
+        next_attempt_at  = CASE WHEN {pending} AND {moved} THEN excluded.next_attempt_at
+                                ELSE t.next_attempt_at END,
         payload          = CASE WHEN {pending} THEN excluded.payload ELSE t.payload END,
         headers          = CASE WHEN {pending} THEN excluded.headers ELSE t.headers END,
         attempts_count   = CASE WHEN {pending} THEN 0 ELSE t.attempts_count END,
         first_attempt_at = CASE WHEN {pending} THEN NULL ELSE t.first_attempt_at END,
         last_attempt_at  = CASE WHEN {pending} THEN NULL ELSE t.last_attempt_at END,
-        rearm_at         = CASE WHEN {pending} THEN t.rearm_at ELSE excluded.next_attempt_at END,
+        rearm_at         = CASE WHEN {pending} THEN t.rearm_at
+                                WHEN {moved} OR t.rearm_at IS NULL THEN excluded.next_attempt_at
+                                ELSE t.rearm_at END,
         rearm_payload    = CASE WHEN {pending} THEN t.rearm_payload ELSE excluded.payload END,
         rearm_headers    = CASE WHEN {pending} THEN t.rearm_headers ELSE excluded.headers END,
         cancelled_at     = NULL
-    WHERE (CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_headers ELSE t.headers END)->>'{h}'
-              IS DISTINCT FROM excluded.headers->>'{h}'
+    WHERE {moved}
+       OR {next_payload} IS DISTINCT FROM excluded.payload
        OR (t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL)
     RETURNING t.id, t.queue, t.next_attempt_at, t.rearm_at, (t.xmax = 0) AS inserted,
               (t.acquired_token IS NOT NULL) AS leased)

@@ -243,7 +243,7 @@ pub(crate) fn check_retry_delay(delay: Duration) -> Result<()> {
     if delay > MAX_DELAY {
         return Err(Error::InvalidArgument {
             field: "delay",
-            reason: "the retry delay is longer than 10 000 years (overflow)".to_owned(),
+            reason: "the retry delay is longer than 10 000 years of 366 days (overflow)".to_owned(),
         });
     }
     Ok(())

@@ -139,18 +139,21 @@ impl<'a> RegisterSchedule<'a> {
 
 /// What a registration did.
 ///
-/// | stored row | same fingerprint | another fingerprint |
-/// |---|---|---|
-/// | none (never registered, or fired and gone, or deleted by a cancel) | [`Inserted`](Registered::Inserted) | [`Inserted`](Registered::Inserted) |
-/// | pending | [`Unchanged`](Registered::Unchanged) | [`Rescheduled`](Registered::Rescheduled): due at `first` (earlier allowed) with the new payload and headers, retry history reset |
-/// | leased, running | [`Unchanged`](Registered::Unchanged) (its run queues the next instant) | [`RearmReplaced`](Registered::RearmReplaced): its rearm is `first` with the new payload and headers, whatever rearm was queued (earlier allowed) |
-/// | leased, a cancel reached it | [`RearmReplaced`](Registered::RearmReplaced): the cancel mark cleared, the rearm queued at `first` | the same |
+/// | stored row | same schedule | another payload, same fingerprint | another fingerprint |
+/// |---|---|---|---|
+/// | none (never registered, or deleted by a cancel) | [`Inserted`](Registered::Inserted) | [`Inserted`](Registered::Inserted) | [`Inserted`](Registered::Inserted) |
+/// | pending | [`Unchanged`](Registered::Unchanged) | [`Rescheduled`](Registered::Rescheduled): the new payload and headers, **its deadline kept**, retry history reset | [`Rescheduled`](Registered::Rescheduled): due at `first` (earlier allowed) with the new payload and headers, retry history reset |
+/// | leased, running | [`Unchanged`](Registered::Unchanged) (its run queues the next instant) | [`RearmReplaced`](Registered::RearmReplaced): the queued rearm carries the new payload and headers, **its deadline kept** (`first` when none was queued yet) | [`RearmReplaced`](Registered::RearmReplaced): its rearm is `first` with the new payload and headers, whatever rearm was queued (earlier allowed) |
+/// | leased, a cancel reached it | [`RearmReplaced`](Registered::RearmReplaced): the cancel mark cleared, the rearm queued at `first` | the same | the same |
 ///
-/// The fingerprint compared is the one the row carries next: a queued rearm's when there
-/// is one, else the row's. An insert and a rescheduled pending row wake the queue's
-/// workers; a queued rearm wakes them when the run's completion applies it. On Postgres one
-/// `INSERT … ON CONFLICT DO UPDATE` on the timer key's unique index, so concurrent
-/// registrations of one schedule leave one row; "unchanged" writes nothing.
+/// "Same schedule" is the same fingerprint ([`SCHEDULE_HEADER`]) and the same payload
+/// bytes as the row carries next: a queued rearm's when there is one, else the row's. So a
+/// changed payload applies at the next registration without moving the schedule's grid,
+/// and a payload whose encoding changes from start to start (a map in another order) costs
+/// a write per start but never moves a deadline. An insert and a rewritten pending row
+/// wake the queue's workers; a queued rearm wakes them when the run's completion applies
+/// it. On Postgres one `INSERT … ON CONFLICT DO UPDATE` on the timer key's unique index, so
+/// concurrent registrations of one schedule leave one row; "unchanged" writes nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Registered {
@@ -163,18 +166,20 @@ pub enum Registered {
     },
     /// The live row follows the same schedule: nothing was written.
     Unchanged,
-    /// A pending row of another schedule now follows this one, due at `at`.
+    /// A pending row of another schedule (or payload) now follows this one, due at `at`.
     Rescheduled {
         /// The row id.
         id: i64,
-        /// Its new deadline (`first`).
+        /// Its deadline: `first` for another fingerprint, the one it had for another
+        /// payload alone.
         at: DateTime<Utc>,
     },
     /// A leased row's rearm now installs this schedule at `at` when its run ends.
     RearmReplaced {
         /// The row id.
         id: i64,
-        /// The rearm deadline (`first`).
+        /// The rearm deadline: `first` for another fingerprint (or when none was queued),
+        /// the queued one's for another payload alone.
         at: DateTime<Utc>,
     },
 }

@@ -393,8 +393,9 @@ impl State {
         Armed::Queued { at }
     }
 
-    /// `periodic.rs`, `register`: insert, or compare the fingerprint the row carries next
-    /// and bring the row to the new schedule.
+    /// `periodic.rs`, `register`: insert, or compare the fingerprint and payload the row
+    /// carries next and bring the row to the new schedule (another payload alone keeps the
+    /// timing).
     fn register_schedule(&mut self, request: RegisterSchedule<'_>) -> Result<Registered> {
         request.validate()?;
         let at = to_postgres_precision(request.first);
@@ -431,33 +432,45 @@ impl State {
         let Some(row) = self.rows.get_mut(&existing) else {
             return Ok(Registered::Unchanged);
         };
-        let next = if row.rearm_at.is_some() {
-            row.rearm_headers.as_ref()
+        // What the row carries next: its queued rearm, else itself.
+        let (next_headers, next_payload) = if row.rearm_at.is_some() {
+            (row.rearm_headers.as_ref(), row.rearm_payload.as_deref())
         } else {
-            row.headers.as_ref()
+            (row.headers.as_ref(), Some(row.payload.as_slice()))
         };
-        let same =
-            next.and_then(|h| h.get(SCHEDULE_HEADER)) == request.headers.get(SCHEDULE_HEADER);
+        let moved = next_headers.and_then(|h| h.get(SCHEDULE_HEADER))
+            != request.headers.get(SCHEDULE_HEADER);
+        let same_payload = next_payload == Some(request.payload);
         let stopped = row.cancelled_at.is_some() && row.rearm_at.is_none();
-        if same && !stopped {
+        if !moved && same_payload && !stopped {
             return Ok(Registered::Unchanged);
         }
         row.cancelled_at = None;
         if row.acquired_token.is_none() {
-            row.next_attempt_at = at;
+            // Another recurrence moves the deadline; another payload alone keeps it.
+            if moved {
+                row.next_attempt_at = at;
+            }
             row.payload = request.payload.to_vec();
             row.headers = Some(request.headers.clone());
             row.attempts_count = 0;
             row.first_attempt_at = None;
             row.last_attempt_at = None;
-            let id = row.id;
-            self.notify(request.queue, at);
-            Ok(Registered::Rescheduled { id, at })
+            let (id, due) = (row.id, row.next_attempt_at);
+            self.notify(request.queue, due);
+            Ok(Registered::Rescheduled { id, at: due })
         } else {
-            row.rearm_at = Some(at);
+            let rearm_at = match row.rearm_at {
+                Some(queued) if !moved => queued,
+                _ => at,
+            };
+            row.rearm_at = Some(rearm_at);
             row.rearm_payload = Some(request.payload.to_vec());
             row.rearm_headers = Some(request.headers.clone());
-            Ok(Registered::RearmReplaced { id: row.id, at })
+            Ok(Registered::RearmReplaced {
+                id: row.id,
+                at: rearm_at,
+            })
         }
     }
 

@@ -15,7 +15,7 @@ use tracing::{Instrument, Span};
 
 use super::handler::{decide, Decided, Decision};
 use super::leases::Phase as HeldPhase;
-use super::schedule;
+use super::schedule::{self, Start};
 use super::shared::{backoff, Claimed, Shared};
 use crate::error::Result;
 use crate::store::transaction::{CommitHooks, TransactionAccess};
@@ -138,21 +138,29 @@ async fn process<S: Store>(
     // A periodic run queues its next instant when it starts, before the handler and the
     // `max_deliveries` check, so every way it ends keeps the schedule (SPEC §9.1). A run
     // whose next instant could not be queued does not start: it would end the schedule.
-    if let Some(at) = schedule::next_instant(&route.schedules, &d) {
-        let armed = write_with_retry(shared, lease, "arming a schedule's next instant", || {
-            shared.store.arm_next(lease, at)
-        })
-        .instrument(span.clone())
-        .await;
-        let timer_id = d.timer_id.as_deref().unwrap_or_default();
-        if !span.in_scope(|| schedule::may_start(timer_id, at, armed)) {
+    let start = span.in_scope(|| schedule::next_instant(&route.schedules, &d));
+    let starts = match start {
+        Start::Plain => true,
+        Start::Hold => false,
+        Start::Arm(at) => {
+            let armed = write_with_retry(shared, lease, "arming a schedule's next instant", || {
+                shared.store.arm_next(lease, at)
+            })
+            .instrument(span.clone())
+            .await;
             if armed == Some(Armed::LeaseLost) {
                 metrics::counter!("outbox_lease_lost_total", "queue" => d.queue.clone(), "phase" => Phase::Arm.as_str())
                     .increment(1);
             }
-            shared.held.remove(lease);
-            return;
+            let timer_id = d.timer_id.as_deref().unwrap_or_default();
+            span.in_scope(|| schedule::may_start(timer_id, at, armed))
         }
+    };
+    if !starts {
+        // Left to its lease (no longer renewed): look again once it has expired.
+        shared.wake_at_local(shared.held.until(lease) + Duration::from_millis(10));
+        shared.held.remove(lease);
+        return;
     }
     let started = Instant::now();
     let hooks = Arc::new(HeldCommit {

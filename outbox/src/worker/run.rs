@@ -19,7 +19,7 @@ use super::config::Config;
 use super::gauge::queue_depth;
 use super::handler::{decide, Decision, Route};
 use super::leases::Phase;
-use super::schedule::{may_start, next_instant, register_all, register_one, Schedule};
+use super::schedule::{may_start, next_instant, register_all, register_one, Schedule, Start};
 use super::shared::{Claimed, Shared};
 use crate::error::Result;
 use crate::store::transaction::TransactionAccess;
@@ -439,15 +439,19 @@ impl<S: Store> Worker<S> {
                 let span = process_span(&d, &receive);
                 // As a started worker's run (complete.rs): a periodic run queues its next
                 // instant first, and does not start without it.
-                if let Some(at) = next_instant(&route.schedules, &d) {
-                    let armed = self
-                        .store
-                        .arm_next(d.lease, at)
-                        .instrument(span.clone())
-                        .await?;
-                    let timer_id = d.timer_id.as_deref().unwrap_or_default();
-                    if !span.in_scope(|| may_start(timer_id, at, Some(armed))) {
-                        continue;
+                match span.in_scope(|| next_instant(&route.schedules, &d)) {
+                    Start::Plain => {}
+                    Start::Hold => continue,
+                    Start::Arm(at) => {
+                        let armed = self
+                            .store
+                            .arm_next(d.lease, at)
+                            .instrument(span.clone())
+                            .await?;
+                        let timer_id = d.timer_id.as_deref().unwrap_or_default();
+                        if !span.in_scope(|| may_start(timer_id, at, Some(armed))) {
+                            continue;
+                        }
                     }
                 }
                 let transaction = TransactionAccess::new(self.store.transactions(), d.lease);

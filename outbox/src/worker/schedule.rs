@@ -177,27 +177,80 @@ pub(crate) async fn register_one<S: Store>(store: &S, schedule: &Schedule) -> Re
         .await
 }
 
-/// The next instant to queue when a claimed row starts running: `Some` for a row of a
-/// schedule this worker registered (the schedule's next instant after the row's deadline,
-/// from the claim's database clock), `None` for any other row and for a schedule that has
-/// no next instant (logged: it ends with this run).
-pub(crate) fn next_instant(
-    schedules: &HashMap<String, Recurrence>,
-    d: &Delivery,
-) -> Option<DateTime<Utc>> {
-    let timer_id = d.timer_id.as_deref()?;
+/// What a claimed row needs before it starts running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// Nothing: not a schedule's row (or a schedule with no next instant, which ends).
+    Plain,
+    /// Queue this next instant first ([`may_start`] says whether the run starts).
+    Arm(DateTime<Utc>),
+    /// Do not start: the row's schedule cannot be computed here; it is left to its lease
+    /// for a worker that can.
+    Hold,
+}
+
+/// What a claimed row needs before it starts running: [`Start::Arm`] with the next instant
+/// for a row of a schedule (its key starts with `schedule:`), [`Start::Plain`] for any
+/// other row.
+///
+/// The recurrence is the one the row carries (its fingerprint header, written by the last
+/// registration), so every worker that handles the queue keeps a stored schedule going on
+/// the schedule last registered: one whose code lacks the schedule (an older version during
+/// a deploy, another program handling the same type, a schedule removed from the code but
+/// not cancelled) as well as one that registered another version of it. A row without a
+/// fingerprint this build can read (a user's extend replaced the headers, a cron schedule on
+/// a build without the `cron` feature) follows the worker's own schedule of that name, if
+/// it has one. The instant is the next one after the row's deadline, from the claim's
+/// database clock. [`Start::Plain`] also for a schedule with no next instant (logged: it
+/// ends with this run) and for a `schedule:` row without a fingerprint that the worker does
+/// not register (a plain timer). [`Start::Hold`] for a stored fingerprint this build cannot
+/// read on a worker that does not register the schedule (logged as an error): running it
+/// would end the schedule.
+pub(crate) fn next_instant(schedules: &HashMap<String, Recurrence>, d: &Delivery) -> Start {
+    let Some(timer_id) = d.timer_id.as_deref() else {
+        return Start::Plain;
+    };
     if !timer_id.starts_with(SCHEDULE_KEY_PREFIX) {
-        return None;
+        return Start::Plain;
     }
-    let recurrence = schedules.get(timer_id)?;
-    let at = recurrence.next_instant(d.deadline, d.claimed_at);
-    if at.is_none() {
-        tracing::warn!(
-            timer_id,
-            "outbox: the schedule has no next instant; it ends with this run"
-        );
+    let stored = d
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(SCHEDULE_HEADER))
+        .map(|fp| (fp, Recurrence::from_fingerprint(fp)));
+    let own = schedules.get(timer_id);
+    let recurrence = match (stored, own) {
+        (Some((_, Ok(stored))), own) => {
+            if own.is_none() {
+                tracing::info!(
+                    timer_id,
+                    "outbox: this worker does not register the schedule; it runs on the recurrence stored with it (cancel it to stop it for good)"
+                );
+            }
+            std::borrow::Cow::Owned(stored)
+        }
+        (stored, Some(own)) => {
+            if let Some((fp, Err(e))) = stored {
+                tracing::warn!(timer_id, fingerprint = %fp, error = %e, "outbox: the stored schedule is unreadable here; this worker's own recurrence applies");
+            }
+            std::borrow::Cow::Borrowed(own)
+        }
+        (Some((fp, Err(e))), None) => {
+            tracing::error!(timer_id, fingerprint = %fp, error = %e, "outbox: the stored schedule is unreadable here and this worker does not register it; the run does not start (running it would end the schedule), and the row is claimed again once its lease expires");
+            return Start::Hold;
+        }
+        (None, None) => return Start::Plain,
+    };
+    match recurrence.next_instant(d.deadline, d.claimed_at) {
+        Some(at) => Start::Arm(at),
+        None => {
+            tracing::warn!(
+                timer_id,
+                "outbox: the schedule has no next instant; it ends with this run"
+            );
+            Start::Plain
+        }
     }
-    at
 }
 
 /// Whether a periodic run may start, from what arming its next instant wrote: it starts

@@ -2931,9 +2931,9 @@ async fn registration_inserts_once_and_follows_a_changed_schedule<H: Harness>(h:
         register(h, b"a", "A", at(60)).await,
         Registered::Inserted { id: 1, at: at(60) }
     );
-    // The same fingerprint: nothing written, whatever the payload and first instant.
-    assert_eq!(register(h, b"x", "A", at(10)).await, Registered::Unchanged);
-    assert_eq!(register(h, b"x", "A", at(100)).await, Registered::Unchanged);
+    // The same fingerprint and payload: nothing written, whatever the first instant.
+    assert_eq!(register(h, b"a", "A", at(10)).await, Registered::Unchanged);
+    assert_eq!(register(h, b"a", "A", at(100)).await, Registered::Unchanged);
     assert_eq!(only_row(h).await, schedule_row(1, b"a", "A", at(60)));
     // Another fingerprint moves a pending row, earlier too, with the new payload.
     assert_eq!(
@@ -2995,6 +2995,75 @@ async fn registration_inserts_once_and_follows_a_changed_schedule<H: Harness>(h:
         Completion::Rearmed { at: at(50) }
     );
     assert_eq!(only_row(h).await, schedule_row(1, b"d", "D", at(50)));
+}
+
+async fn registration_brings_a_changed_payload_and_keeps_the_timing<H: Harness>(h: &H) {
+    register(h, b"a", "A", at(60)).await;
+    // A pending row waiting for a retry: the new payload, its deadline kept, retry history
+    // reset (a fixed payload deserves fresh counts), deliveries kept.
+    h.advance(secs(60)).await;
+    let d = claim_one(h).await;
+    h.store().retry(d.lease, secs(10)).await.unwrap();
+    assert_eq!(
+        register(h, b"b", "A", at(500)).await,
+        Registered::Rescheduled { id: 1, at: at(70) }
+    );
+    assert_eq!(
+        only_row(h).await,
+        StoredRow {
+            deliveries_count: 1,
+            ..schedule_row(1, b"b", "A", at(70))
+        }
+    );
+    assert_eq!(register(h, b"b", "A", at(500)).await, Registered::Unchanged);
+
+    // A running row whose run armed its next instant: the rearm gets the new payload and
+    // keeps its deadline; the run's end applies it.
+    h.advance(secs(10)).await;
+    let d = claim_one(h).await;
+    let running = leased(
+        StoredRow {
+            deliveries_count: 1,
+            ..schedule_row(1, b"b", "A", at(70))
+        },
+        &d,
+        at(70),
+        2,
+    );
+    h.store().arm_next(d.lease, at(130)).await.unwrap();
+    assert_eq!(
+        register(h, b"c", "A", at(500)).await,
+        Registered::RearmReplaced { id: 1, at: at(130) }
+    );
+    assert_eq!(
+        only_row(h).await,
+        armed(running.clone(), at(130), b"c", "A")
+    );
+    assert_eq!(register(h, b"c", "A", at(500)).await, Registered::Unchanged);
+    assert_eq!(
+        h.store().ack(d.lease).await.unwrap(),
+        Completion::Rearmed { at: at(130) }
+    );
+    assert_eq!(only_row(h).await, schedule_row(1, b"c", "A", at(130)));
+
+    // A running row with no rearm yet: the first instant is queued with the new payload,
+    // and the run's own next instant, not later, keeps it.
+    h.advance(secs(60)).await;
+    let d = claim_one(h).await;
+    let running = leased(schedule_row(1, b"c", "A", at(130)), &d, at(130), 1);
+    assert_eq!(
+        register(h, b"d", "A", at(190)).await,
+        Registered::RearmReplaced { id: 1, at: at(190) }
+    );
+    assert_eq!(
+        only_row(h).await,
+        armed(running.clone(), at(190), b"d", "A")
+    );
+    assert_eq!(
+        h.store().arm_next(d.lease, at(190)).await.unwrap(),
+        Armed::Kept { at: at(190) }
+    );
+    assert_eq!(only_row(h).await, armed(running, at(190), b"d", "A"));
 }
 
 async fn registration_after_a_cancel_restarts_the_schedule<H: Harness>(h: &H) {
@@ -3277,6 +3346,7 @@ contract! {
     arm_next_keeps_a_user_extend_that_is_later_and_replaces_an_earlier_one(dead_letter = true);
     arm_next_never_arms_nor_clears_a_cancelled_row(dead_letter = true);
     registration_inserts_once_and_follows_a_changed_schedule(dead_letter = true);
+    registration_brings_a_changed_payload_and_keeps_the_timing(dead_letter = true);
     registration_after_a_cancel_restarts_the_schedule(dead_letter = true);
     an_armed_instant_survives_every_way_a_run_ends(dead_letter = true);
     an_armed_instant_survives_a_terminal_failure_without_dead_letters(dead_letter = false);
