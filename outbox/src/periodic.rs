@@ -13,7 +13,8 @@
 //!   `timestamptz`). Anything else is [`Error::InvalidArgument`] with `field = "every"`.
 //! - [`Recurrence::parse_every`]`(&str)`: the same from a human duration as the `humantime`
 //!   crate reads it: `"30s"`, `"5m"`, `"1h"`, `"1h 30m"`, `"500ms"`, `"2days"`. A string
-//!   it cannot read is [`Error::InvalidArgument`] with `field = "every"`.
+//!   it cannot read, or one in months or years (`"1M"`, `"1year"`: humantime's fixed
+//!   averages, not calendar units), is [`Error::InvalidArgument`] with `field = "every"`.
 //! - `Recurrence::cron(expr, tz)` (feature `cron`): a cron expression of **5 fields**
 //!   (`minute hour day-of-month month day-of-week`, second 0) or **6 fields** (a leading
 //!   `second`), as the `croner` crate reads it (ranges, lists, steps, `L`, `W`, `#`, month
@@ -68,10 +69,13 @@
 //! # Fingerprints
 //!
 //! [`Recurrence::fingerprint`] is a text naming the schedule, stored with a registered
-//! periodic timer to notice a changed schedule: `every:<seconds>s` (or `every:<µs>us` for an
-//! interval that is not whole seconds), `cron:<expression>@<zone>` with the expression's
-//! fields separated by single spaces. The format is **stable across versions**: a new
-//! release never changes the fingerprint of an unchanged schedule.
+//! periodic timer: `every:<seconds>s` (or `every:<µs>us` for an interval that is not whole
+//! seconds), `cron:<expression>@<zone>` with the expression's fields separated by single
+//! spaces. Registration compares it to notice a changed schedule, and a run reads it back
+//! ([`Recurrence::from_fingerprint`]) to compute its next instant, so the recurrence stored
+//! with the row, not the running worker's code, decides when the schedule fires next. The
+//! format is **stable across versions**: a new release never changes the fingerprint of an
+//! unchanged schedule, and reads every fingerprint an earlier one wrote.
 //!
 //! [`MAX_DELAY`]: crate::message::MAX_DELAY
 //! [`Error::InvalidArgument`]: crate::error::Error::InvalidArgument

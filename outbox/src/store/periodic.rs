@@ -18,9 +18,11 @@ use crate::publish::{
 };
 use crate::sql::periodic::Periodic;
 
-/// The header that holds a schedule's fingerprint: a text that changes whenever the
-/// schedule does (its cron expression or interval, its time zone). Registration compares it
-/// with the stored one to decide whether the stored row follows an older schedule.
+/// The header that holds a schedule's fingerprint: a text that names the recurrence (its
+/// cron expression and time zone, or its interval;
+/// [`Recurrence::fingerprint`](crate::periodic::Recurrence::fingerprint)). Registration
+/// compares it (and the payload) with the stored one to decide whether the stored row
+/// follows an older schedule; a run reads it back to compute the next instant.
 pub const SCHEDULE_HEADER: &str = crate::sql::periodic::SCHEDULE_HEADER;
 
 /// The prefix of every schedule's timer key: a schedule named `nightly` is the timer

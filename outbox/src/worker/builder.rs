@@ -9,10 +9,10 @@ use super::handler::{Handler, HandlerOptions, Route};
 use super::run::Worker;
 use super::schedule::{Declared, Schedule};
 use crate::error::{Error, Result};
-use crate::periodic::Recurrence;
+use crate::periodic::{Recurrence, DECLARED_SCHEDULE_NAME};
 use crate::publish::validate_queue;
 use crate::stats::StatsMode;
-use crate::store::Store;
+use crate::store::{Store, SCHEDULE_KEY_PREFIX};
 use crate::timer::Timer;
 
 impl<S: Store> Worker<S> {
@@ -155,27 +155,40 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// - **When a run of the schedule starts** (after the claim, before the handler and before
     ///   the `max_deliveries` terminal path), the worker queues the next instant as the row's
     ///   rearm, fenced by the lease token and never clearing a cancel mark: the instant after
-    ///   the run's deadline, from the claim's database clock. So success and terminal failure
+    ///   the run's deadline, from the claim's database clock, on the recurrence **stored
+    ///   with the row** (the fingerprint of the last registration, read back with
+    ///   [`Recurrence::from_fingerprint`](crate::periodic::Recurrence::from_fingerprint); the
+    ///   worker's own recurrence for that name when the stored one is missing or unreadable
+    ///   in this build). So any worker that handles the queue keeps the schedule going, its
+    ///   code registering it or not (an older version during a deploy, another program), and
+    ///   a worker that can compute neither does not start the run. Success and terminal failure
     ///   both re-arm the schedule, and a crash keeps the rearm queued for the run that
     ///   reclaims the row. The write is retried as completions are (a broken connection, a
     ///   deadlock or a lock timeout, while the lease lasts); if it still does not happen, or
     ///   the lease was lost, **the run does not start**: the row keeps its instant and runs
     ///   again, armed, once its lease expires, so a failed write never ends a schedule.
-    /// - **A deploy skips no instant**: a row claimed but not yet started when the worker
-    ///   shuts down carries no rearm; it is given back with its instant, which the next
-    ///   worker runs.
+    /// - **A deploy skips no instant that had not started**: a row claimed but not yet
+    ///   started when the worker shuts down carries no rearm; it is given back with its
+    ///   instant, which the next worker runs. A run stopped at the shutdown deadline counts as
+    ///   a failed attempt and yields to the next instant, as retries do.
     /// - **Missed instants fire once**: when workers were down past several instants, the
     ///   latest instant not after the claim fires once, right away, and the schedule goes on
     ///   from there.
     /// - **Retries yield to the next instant**: a failed run with a retry left is not retried
     ///   at its backoff; the row is due at the next instant instead.
+    /// - **An interval's grid starts at registration** (its first instant is the database
+    ///   clock plus the interval), not on the hour: use a cron expression for wall-clock
+    ///   times.
     /// - **A cancel** ([`Outbox::cancel`](crate::Outbox::cancel) of `schedule:<name>`) stops
     ///   the schedule until the next worker start registers it again; to stop it for good,
-    ///   remove it from the code.
+    ///   remove it from the code, deploy, then cancel it (removing the code alone does not:
+    ///   the workers that handle the queue follow the recurrence stored with the row).
     /// - **A changed schedule** (another fingerprint) applies at the next worker start: the
     ///   registration moves the pending row to the new first instant, **earlier deadlines
-    ///   included**, or replaces the rearm queued on a running one. During a rolling deploy
-    ///   the last worker to start wins.
+    ///   included**, or replaces the rearm queued on a running one. A changed payload with
+    ///   the same recurrence applies at the next start too, keeping the row's deadline.
+    ///   During a rolling deploy the last worker to start wins, on old workers too (they
+    ///   follow the stored recurrence).
     ///
     /// Checked by [`build`](Self::build): the name is non-empty and `schedule:<name>` is at
     /// most 255 bytes without NUL ([`Error::InvalidArgument`], `field` `"schedule"`), the
@@ -379,10 +392,19 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
                 ));
             };
             if route.schedules.contains_key(&schedule.timer_id) {
+                let declared = format!("{SCHEDULE_KEY_PREFIX}{DECLARED_SCHEDULE_NAME}");
+                let why = if schedule.timer_id == declared {
+                    format!(
+                        " (\"{DECLARED_SCHEDULE_NAME}\" is the name of the schedule a type declares in \
+                         `#[timer(every = …)]` or `#[timer(cron = …)]`: give `schedule` another name)"
+                    )
+                } else {
+                    String::new()
+                };
                 return Err(Error::config(
                     "schedule",
                     format!(
-                        "`{}` is registered twice on queue `{}`",
+                        "`{}` is registered twice on queue `{}`{why}",
                         schedule.timer_id, schedule.queue
                     ),
                 ));

@@ -3,7 +3,7 @@
 //! `run_due`'s first call, as a started worker registers them at start.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
@@ -17,7 +17,7 @@ use outbox::{
 use outbox_tests::{count_runs, Fixture};
 
 #[outbox::timer(queue = "reminders", max_deliveries = 3)]
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Reminder {
     n: u32,
 }
@@ -152,7 +152,7 @@ async fn run_due_drains_a_postgres_store() {
 #[tokio::test]
 async fn a_transaction_on_the_memory_store_is_refused_with_a_typed_error() {
     let store = MemoryStore::new().with_dead_letter(true);
-    let refusals = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let refusals = Arc::new(Mutex::new(Vec::new()));
     let worker = {
         let refusals = refusals.clone();
         Worker::builder(store.clone())
@@ -317,7 +317,7 @@ struct Hourly {
 #[tokio::test]
 async fn a_schedule_declared_on_the_type_fires_hourly_without_schedule_calls() {
     let store = MemoryStore::starting_at(start());
-    let seen: Arc<std::sync::Mutex<Vec<Hourly>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<Hourly>>> = Arc::default();
     let worker = {
         let seen = seen.clone();
         Worker::builder(store.clone())
@@ -413,15 +413,24 @@ async fn a_failing_schedule_keeps_its_grid_and_ends_every_fourth_run_as_terminal
     assert_eq!(rows[0].next_attempt_at, start() + TimeDelta::minutes(65));
 }
 
-/// A schedule removed from the code (the next start's worker still handles the type but no
-/// longer declares the schedule): its row, pending at the next instant, runs once more on
-/// that worker, which queues no next instant, so the run's success deletes it.
+/// A worker that handles the type without the schedule (an older version during a deploy,
+/// another program, or the schedule removed from the code): the row's stored recurrence
+/// keeps the schedule going on its grid, with its stored payload; a cancel then stops it
+/// for good, since no worker registers it again.
 #[tokio::test]
-async fn a_schedule_removed_from_the_code_runs_once_more_and_ends() {
+async fn a_worker_without_the_schedule_keeps_it_until_a_cancel() {
     let store = MemoryStore::starting_at(start());
-    let runs = Arc::new(AtomicUsize::new(0));
+    type Seen = Arc<Mutex<Vec<(DateTime<Utc>, Reminder)>>>;
+    let seen: Seen = Arc::default();
+    let recorder = || {
+        let seen = seen.clone();
+        move |r: Reminder, ctx: Context| {
+            seen.lock().unwrap().push((ctx.deadline(), r));
+            std::future::ready(())
+        }
+    };
     let old = Worker::builder(store.clone())
-        .timer::<Reminder>(count_runs::<Reminder>(&runs))
+        .timer::<Reminder>(recorder())
         .schedule(
             "tick",
             Recurrence::parse_every("5m").unwrap(),
@@ -432,23 +441,33 @@ async fn a_schedule_removed_from_the_code_runs_once_more_and_ends() {
     assert!(old.run_due().await.unwrap().is_empty());
     store.advance(Duration::from_secs(5 * 60));
     assert_eq!(old.run_due().await.unwrap().len(), 1);
-    assert_eq!(
-        store.rows()[0].next_attempt_at,
-        start() + TimeDelta::minutes(10)
-    );
 
     let new = Worker::builder(store.clone())
-        .timer::<Reminder>(count_runs::<Reminder>(&runs))
+        .timer::<Reminder>(recorder())
         .build()
         .unwrap();
     assert!(new.run_due().await.unwrap().is_empty());
-    store.advance(Duration::from_secs(5 * 60));
-    let ran = new.run_due().await.unwrap();
-    assert_eq!(ran.len(), 1);
-    assert_eq!(ran[0].delivery.timer_id.as_deref(), Some("schedule:tick"));
-    assert_eq!(ran[0].completion, Completion::Deleted);
-    assert!(store.rows().is_empty());
+    for _ in 0..3 {
+        store.advance(Duration::from_secs(5 * 60));
+        let ran = new.run_due().await.unwrap();
+        assert_eq!(ran.len(), 1);
+        assert!(
+            matches!(ran[0].completion, Completion::Rearmed { .. }),
+            "{ran:?}"
+        );
+    }
+    let want: Vec<_> = (1..=4)
+        .map(|k| (start() + TimeDelta::minutes(5 * k), Reminder { n: 5 }))
+        .collect();
+    assert_eq!(*seen.lock().unwrap(), want);
+
+    let cancelled = cancel_reminder(&store, "schedule:tick").await.unwrap();
+    assert!(
+        matches!(cancelled, outbox::Cancelled::Deleted { .. }),
+        "{cancelled:?}"
+    );
     store.advance(Duration::from_secs(3600));
     assert!(new.run_due().await.unwrap().is_empty());
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert!(store.rows().is_empty());
+    assert_eq!(seen.lock().unwrap().len(), 4);
 }

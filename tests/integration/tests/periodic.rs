@@ -861,3 +861,164 @@ async fn a_failed_arm_never_ends_the_schedule() {
         f.cleanup().await;
     }
 }
+
+/// The grid check of a run log: each run's deadline is the instant its predecessor queued
+/// with `every` (the next one, or the latest missed one for a late run), no instant twice.
+fn assert_chain(runs: &[Run], every: &Recurrence) {
+    for pair in runs.windows(2) {
+        let ((deadline, claimed, _), (next, _, _)) = (pair[0], pair[1]);
+        assert_eq!(
+            Some(next),
+            every.next_instant(deadline, claimed),
+            "the run of {deadline} (claimed {claimed}) queued another instant: {runs:?}"
+        );
+    }
+}
+
+/// A worker that handles the type without registering the schedule, beside one that does:
+/// the runs it takes queue the next instant from the recurrence stored with the row, so
+/// the schedule goes on whichever worker runs it (no run ends it), each instant once.
+#[tokio::test]
+async fn a_worker_without_the_schedule_keeps_it_going() {
+    let f = Fixture::new().await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let with = recording(f.store.clone(), &runs, "1s", Duration::from_secs(30)).start();
+    let without = {
+        let runs = runs.clone();
+        Worker::builder(f.store.clone())
+            .idle_poll(Duration::from_millis(200))
+            .lease_ttl(Duration::from_secs(30))
+            .timer::<Report>(move |_: Report, ctx: Context| {
+                runs.lock()
+                    .unwrap()
+                    .push((ctx.deadline(), ctx.claimed_at(), ctx.delivery()));
+                std::future::ready(())
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    eventually(10, "the schedule's row", || async {
+        !f.rows(Q).await.is_empty()
+    })
+    .await;
+    // Only the worker without the schedule from here on.
+    with.shutdown().await;
+    let before = runs.lock().unwrap().len();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    without.shutdown().await;
+    let mut runs = runs.lock().unwrap().clone();
+    runs.sort();
+    assert!(
+        runs.len() >= before + 4 / 3,
+        "the schedule ran on without its registering worker: {runs:?}"
+    );
+    assert_chain(&runs, &Recurrence::parse_every("1s").unwrap());
+    let row = f.only_row(Q).await;
+    assert_eq!(row.timer_id.as_deref(), Some("schedule:tick"));
+    f.cleanup().await;
+}
+
+/// A rolling deploy that changes the recurrence: once the new worker registered, every
+/// run, on the old worker too, queues its next instant on the new recurrence stored with
+/// the row: the two do not mix.
+#[tokio::test]
+async fn during_a_rolling_deploy_the_registered_recurrence_holds_on_old_workers() {
+    let f = Fixture::new().await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let old = recording(f.store.clone(), &runs, "1s", Duration::from_secs(30)).start();
+    eventually(3 * 2, "a run of the old schedule", || async {
+        !runs.lock().unwrap().is_empty()
+    })
+    .await;
+    let registered = Utc::now();
+    let new = recording(f.store.clone(), &runs, "3s", Duration::from_secs(30)).start();
+    eventually(10, "the new schedule stored", || async {
+        f.rows(Q).await.iter().any(|r| {
+            let fp = |h: &Option<Headers>| h.as_ref().and_then(|h| h.get(SCHEDULE_HEADER)).cloned();
+            fp(&r.headers).as_deref() == Some("every:3s")
+                || fp(&r.rearm_headers).as_deref() == Some("every:3s")
+        })
+    })
+    .await;
+    new.shutdown().await;
+    // The old worker alone runs the new schedule: three periods' worth.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    old.shutdown().await;
+    let mut runs = runs.lock().unwrap().clone();
+    runs.sort();
+    let switched = registered + TimeDelta::seconds(3) + TimeDelta::milliseconds(500);
+    let after: Vec<Run> = runs.iter().copied().filter(|r| r.0 > switched).collect();
+    assert!(after.len() >= 2, "{runs:?}");
+    assert_chain(&after, &Recurrence::parse_every("3s").unwrap());
+    let row = f.only_row(Q).await;
+    assert_eq!(
+        row.headers.as_ref().and_then(|h| h.get(SCHEDULE_HEADER)),
+        Some(&"every:3s".to_owned())
+    );
+    f.cleanup().await;
+}
+
+/// A restart with a changed payload and the same recurrence: the stored row takes the new
+/// payload and keeps its instant (the grid does not move); its run gets the new payload.
+#[tokio::test]
+async fn a_restart_with_a_changed_payload_applies_it_at_the_same_instant() {
+    let f = Fixture::new().await;
+    let hourly = |kind: &str| {
+        Worker::builder(f.store.clone())
+            .idle_poll(Duration::from_millis(200))
+            .timer::<Report>(recorder(&Seen::default()))
+            .schedule("tick", Recurrence::parse_every("1h").unwrap(), report(kind))
+            .build()
+            .unwrap()
+    };
+    let first = hourly("v1");
+    let registered = first.register_schedules().await.unwrap();
+    assert!(
+        matches!(registered[..], [(_, Registered::Inserted { .. })]),
+        "{registered:?}"
+    );
+    let before = f.only_row(Q).await;
+    let second = hourly("v2");
+    let registered = second.register_schedules().await.unwrap();
+    assert_eq!(
+        registered,
+        [(
+            "schedule:tick".to_owned(),
+            Registered::Rescheduled {
+                id: before.id,
+                at: before.next_attempt_at
+            }
+        )]
+    );
+    let row = f.only_row(Q).await;
+    assert_eq!(
+        row.next_attempt_at, before.next_attempt_at,
+        "the instant kept"
+    );
+    assert_eq!(
+        serde_json::from_slice::<Report>(&row.payload).unwrap(),
+        report("v2")
+    );
+    // Starting it again with the same payload writes nothing.
+    assert_eq!(
+        hourly("v2").register_schedules().await.unwrap()[0].1,
+        Registered::Unchanged
+    );
+    // The instant, run now by an operator, carries the new payload.
+    let mut conn = f.pool.acquire().await.unwrap();
+    f.outbox.run_now(&mut conn, row.id).await.unwrap();
+    drop(conn);
+    let seen: Seen = Arc::default();
+    let worker = Worker::builder(f.store.clone())
+        .idle_poll(Duration::from_millis(200))
+        .timer::<Report>(recorder(&seen))
+        .schedule("tick", Recurrence::parse_every("1h").unwrap(), report("v2"))
+        .build()
+        .unwrap()
+        .start();
+    eventually(10, "the run", || async { !seen.lock().unwrap().is_empty() }).await;
+    worker.shutdown().await;
+    assert_eq!(seen.lock().unwrap()[0].1, report("v2"));
+    f.cleanup().await;
+}

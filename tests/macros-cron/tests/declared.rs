@@ -153,7 +153,7 @@ fn a_worker_schedule_named_default_collides_with_the_declared_one() {
         .build()
         .expect_err("refused");
     assert!(
-        matches!(&err, Error::InvalidConfig { knob: "schedule", reason } if reason.contains("schedule:default")),
+        matches!(&err, Error::InvalidConfig { knob: "schedule", reason } if reason.contains("schedule:default") && reason.contains("give `schedule` another name")),
         "{err:?}"
     );
     // Another name runs beside it.
