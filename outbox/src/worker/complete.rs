@@ -324,10 +324,10 @@ impl<S: Store> CommitHooks for HeldCommit<S> {
     }
 }
 
-/// Runs a fenced write (`what` names it in the logs), retrying while the lease lasts (renewals extend it) when the
-/// connection failed or the write met a deadlock, a serialization failure or a lock timeout
-/// (a fenced write is safe to repeat: it changes the row only while the token still
-/// matches). Any other statement error is not retried: the row is left to lease expiry, so
+/// Runs a fenced write (`what` names it in the logs), retrying while the lease lasts
+/// (renewals extend it) when the connection failed or the write met a deadlock, a
+/// serialization failure or a lock timeout (a fenced write is safe to repeat: it changes
+/// the row only while the token still matches). Any other statement error is not retried: the row is left to lease expiry, so
 /// one poison row cannot wedge a handler task. `None` when the write did not happen.
 pub(crate) async fn write_with_retry<S, T, F, Fut>(
     shared: &Shared<S>,
