@@ -161,7 +161,9 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     ///   worker's own recurrence for that name when the stored one is missing or unreadable
     ///   in this build). So any worker that handles the queue keeps the schedule going, its
     ///   code registering it or not (an older version during a deploy, another program), and
-    ///   a worker that can compute neither does not start the run. Success and terminal failure
+    ///   a worker that can compute neither (a cron schedule on a build without the `cron`
+    ///   feature, say) does not start the run: it gives the row back untouched and leaves it
+    ///   out of its claims for a while (1 s doubling to 5 min) for a worker that can. Success and terminal failure
     ///   both re-arm the schedule, and a crash keeps the rearm queued for the run that
     ///   reclaims the row. The write is retried as completions are (a broken connection, a
     ///   deadlock or a lock timeout, while the lease lasts); if it still does not happen, or

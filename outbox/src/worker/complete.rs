@@ -19,7 +19,7 @@ use super::schedule::{self, Start};
 use super::shared::{backoff, Claimed, Shared};
 use crate::error::Result;
 use crate::store::transaction::{CommitHooks, TransactionAccess};
-use crate::store::{Armed, Completion, Delivery, Failure, Lease, Renewal, Store};
+use crate::store::{Armed, Completion, Delivery, Failure, Lease, Release, Renewal, Store};
 use crate::telemetry::{self, InFlight};
 
 /// A success waiting for the completer.
@@ -141,7 +141,10 @@ async fn process<S: Store>(
     let start = span.in_scope(|| schedule::next_instant(&route.schedules, &d));
     let starts = match start {
         Start::Plain => true,
-        Start::Hold => false,
+        Start::Hold => {
+            hand_back(shared, lease).instrument(span.clone()).await;
+            return;
+        }
         Start::Arm(at) => {
             let armed = write_with_retry(shared, lease, "arming a schedule's next instant", || {
                 shared.store.arm_next(lease, at)
@@ -191,6 +194,25 @@ async fn process<S: Store>(
     {
         shared.held.remove(lease);
     }
+}
+
+/// A schedule's row this worker cannot run (its recurrence unreadable here, and not among
+/// the worker's own): given back untouched, as a row that never started (pending at its
+/// instant, the delivery not counted), and left out of this worker's claims for a while (1 s
+/// doubling to 5 min), so a worker that can run it takes it meanwhile. If the release fails
+/// the row waits for its lease to expire.
+async fn hand_back<S: Store>(shared: &Shared<S>, lease: Lease) {
+    let failures = shared.quarantine.strike(lease.id);
+    let release = [Release {
+        lease,
+        started: false,
+    }];
+    if let Err(e) = shared.store.release(&release).await {
+        tracing::warn!(error = %e, "outbox: could not give the row back; it is claimed again once its lease expires");
+        shared.wake_at_local(shared.held.until(lease) + Duration::from_millis(10));
+    }
+    tracing::debug!(failures, "outbox: row set aside by this worker");
+    shared.held.remove(lease);
 }
 
 /// Writes the completion a run decided, in its `settle` span (the events of the write land

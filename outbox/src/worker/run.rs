@@ -406,16 +406,18 @@ impl<S: Store> Worker<S> {
             .get_or_try_init(|| async { self.register_each().await.map(drop) })
             .await?;
         let mut out = Vec::new();
+        // Rows given back without a run (a schedule this worker cannot compute): not claimed
+        // again by this call.
+        let mut given_back: Vec<i64> = Vec::new();
         while out.len() < RUN_DUE_LIMIT {
             let limit = self.config.fetch_batch_size.min(RUN_DUE_LIMIT - out.len());
             let receive = telemetry::receive_span(&self.queues);
             let claimed = self
                 .store
-                .claim(ClaimRequest::new(
-                    &self.queues,
-                    limit,
-                    self.config.lease_ttl,
-                ))
+                .claim(
+                    ClaimRequest::new(&self.queues, limit, self.config.lease_ttl)
+                        .excluding(&given_back),
+                )
                 .instrument(receive.clone())
                 .await;
             let batch = match claimed {
@@ -441,7 +443,16 @@ impl<S: Store> Worker<S> {
                 // instant first, and does not start without it.
                 match span.in_scope(|| next_instant(&route.schedules, &d)) {
                     Start::Plain => {}
-                    Start::Hold => continue,
+                    Start::Hold => {
+                        // Given back untouched, as a started worker does (complete.rs).
+                        let release = [Release {
+                            lease: d.lease,
+                            started: false,
+                        }];
+                        self.store.release(&release).await?;
+                        given_back.push(d.lease.id);
+                        continue;
+                    }
                     Start::Arm(at) => {
                         let armed = self
                             .store

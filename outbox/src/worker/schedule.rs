@@ -184,8 +184,8 @@ pub(crate) enum Start {
     Plain,
     /// Queue this next instant first ([`may_start`] says whether the run starts).
     Arm(DateTime<Utc>),
-    /// Do not start: the row's schedule cannot be computed here; it is left to its lease
-    /// for a worker that can.
+    /// Do not start: the row's schedule cannot be computed here; it is given back for a
+    /// worker that can.
     Hold,
 }
 
@@ -236,7 +236,7 @@ pub(crate) fn next_instant(schedules: &HashMap<String, Recurrence>, d: &Delivery
             std::borrow::Cow::Borrowed(own)
         }
         (Some((fp, Err(e))), None) => {
-            tracing::error!(timer_id, fingerprint = %fp, error = %e, "outbox: the stored schedule is unreadable here and this worker does not register it; the run does not start (running it would end the schedule), and the row is claimed again once its lease expires");
+            tracing::error!(timer_id, fingerprint = %fp, error = %e, "outbox: the stored schedule is unreadable here and this worker does not register it; the run does not start (running it would end the schedule): the row is given back for a worker that can run it");
             return Start::Hold;
         }
         (None, None) => return Start::Plain,

@@ -1022,3 +1022,61 @@ async fn a_restart_with_a_changed_payload_applies_it_at_the_same_instant() {
     assert_eq!(seen.lock().unwrap()[0].1, report("v2"));
     f.cleanup().await;
 }
+
+/// A schedule's row whose stored recurrence this build cannot read (here a fingerprint of
+/// a format it does not know, as a newer version might write), on a worker that does not
+/// register the schedule: the run does not start (it would end the schedule), and the row
+/// is given back untouched, again and again at a growing interval, for a worker that can.
+#[tokio::test]
+async fn a_schedule_no_worker_here_can_compute_is_given_back_untouched() {
+    let f = Fixture::new().await;
+    let instant = micros(Utc::now() - TimeDelta::seconds(5));
+    let Registered::Inserted { id, .. } = register_tick(&f.store, "v9:lunar", instant).await else {
+        panic!("inserted");
+    };
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let worker = Worker::builder(f.store.clone())
+        .idle_poll(Duration::from_millis(100))
+        .timer::<Report>(outbox_tests::count_runs::<Report>(&runs))
+        .build()
+        .unwrap()
+        .start();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    worker.shutdown().await;
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let row = f.only_row(Q).await;
+    assert_eq!(row.id, id);
+    assert_eq!(
+        (
+            row.next_attempt_at,
+            row.deliveries_count,
+            row.acquired_token,
+            row.rearm_at
+        ),
+        (instant, 0, None, None),
+        "{row:?}"
+    );
+
+    // The same on the in-memory store's `run_due`: nothing runs, the row stays as it was.
+    let store = MemoryStore::starting_at(instant);
+    let hs = fingerprint("v9:lunar");
+    let payload = serde_json::to_vec(&report("tick")).unwrap();
+    store
+        .register_schedule(RegisterSchedule::new(
+            Q,
+            "schedule:tick",
+            &payload,
+            &hs,
+            instant,
+        ))
+        .await
+        .unwrap();
+    let before = store.rows();
+    let worker = Worker::builder(store.clone())
+        .timer::<Report>(outbox_tests::count_runs::<Report>(&runs))
+        .build()
+        .unwrap();
+    assert!(worker.run_due().await.unwrap().is_empty());
+    assert_eq!(store.rows(), before);
+    f.cleanup().await;
+}
