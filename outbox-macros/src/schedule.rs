@@ -99,10 +99,12 @@ fn check_every(lit: &LitStr, errors: &mut Errors) -> bool {
     let text = lit.value();
     // As `Recurrence::parse_every`: humantime reads months and years as fixed averages, and
     // "1M" (a month) is one letter from "1m" (a minute).
-    if let Some(unit) = text
-        .split(|c: char| !c.is_ascii_alphabetic())
-        .find(|unit| matches!(*unit, "M" | "month" | "months" | "y" | "year" | "years"))
-    {
+    if let Some(unit) = text.split(|c: char| !c.is_ascii_alphabetic()).find(|unit| {
+        matches!(
+            *unit,
+            "M" | "month" | "months" | "y" | "yr" | "yrs" | "year" | "years"
+        )
+    }) {
         errors.error(
             lit,
             format!(

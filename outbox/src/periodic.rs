@@ -13,7 +13,7 @@
 //!   `timestamptz`). Anything else is [`Error::InvalidArgument`] with `field = "every"`.
 //! - [`Recurrence::parse_every`]`(&str)`: the same from a human duration as the `humantime`
 //!   crate reads it: `"30s"`, `"5m"`, `"1h"`, `"1h 30m"`, `"500ms"`, `"2days"`. A string
-//!   it cannot read, or one in months or years (`"1M"`, `"1year"`: humantime's fixed
+//!   it cannot read, or one in months or years (`"1M"`, `"1yr"`, `"1year"`: humantime's fixed
 //!   averages, not calendar units), is [`Error::InvalidArgument`] with `field = "every"`.
 //! - `Recurrence::cron(expr, tz)` (feature `cron`): a cron expression of **5 fields**
 //!   (`minute hour day-of-month month day-of-week`, second 0) or **6 fields** (a leading
@@ -334,8 +334,12 @@ impl Recurrence {
 
 /// The first calendar unit (months, years) `text` counts in, as humantime spells them.
 fn calendar_unit(text: &str) -> Option<&str> {
-    text.split(|c: char| !c.is_ascii_alphabetic())
-        .find(|unit| matches!(*unit, "M" | "month" | "months" | "y" | "year" | "years"))
+    text.split(|c: char| !c.is_ascii_alphabetic()).find(|unit| {
+        matches!(
+            *unit,
+            "M" | "month" | "months" | "y" | "yr" | "yrs" | "year" | "years"
+        )
+    })
 }
 
 fn delta(interval: Duration) -> Option<TimeDelta> {
@@ -402,7 +406,18 @@ mod tests {
     #[test]
     fn parse_every_refuses_months_and_years() {
         for bad in [
-            "1M", "2months", "1month", "1y", "1year", "3years", "1d 1M", "1M1d",
+            "1M",
+            "2months",
+            "1month",
+            "1y",
+            "1yr",
+            "2yrs",
+            "1 yr",
+            "1year",
+            "3years",
+            "1d 1M",
+            "1M1d",
+            "1hour 1yr",
         ] {
             match Recurrence::parse_every(bad) {
                 Err(Error::InvalidArgument { field, reason }) => {

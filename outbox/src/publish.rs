@@ -257,7 +257,10 @@ impl<'a> Message<'a> {
         self
     }
 
-    /// Makes this a keyed timer: at most one live row per `(queue, timer_id)`.
+    /// Makes this a keyed timer: at most one live row per `(queue, timer_id)`. 1..=255
+    /// bytes without NUL, and not starting with `schedule:`, the key space of periodic
+    /// timers ([`SCHEDULE_KEY_PREFIX`](crate::store::SCHEDULE_KEY_PREFIX)); anything else is
+    /// [`Error::InvalidArgument`] (`field = "timer_id"`) when the message is published.
     pub fn timer_id(mut self, timer_id: &'a str) -> Self {
         self.timer_id = Some(timer_id);
         self
@@ -319,6 +322,17 @@ impl<'a> Message<'a> {
         validate_queue(self.queue)?;
         if let Some(id) = self.timer_id {
             validate_timer_id(id)?;
+            if id.starts_with(sql::periodic::SCHEDULE_KEY_PREFIX) {
+                return Err(Error::invalid(
+                    "timer_id",
+                    format!(
+                        "{id:?}: keys starting with `{}` are reserved for periodic timers \
+                         (WorkerBuilder::schedule registers them); to move one run of a schedule, \
+                         reschedule its row by id",
+                        sql::periodic::SCHEDULE_KEY_PREFIX
+                    ),
+                ));
+            }
         } else if self.on_conflict == OnConflict::Extend {
             return Err(Error::invalid(
                 "on_conflict",

@@ -12,6 +12,9 @@ use crate::names::Names;
 /// statements as a JSON key (it holds no quote).
 pub(crate) const SCHEDULE_HEADER: &str = "outbox-schedule";
 
+/// The prefix of every schedule's timer key (a reserved key space: publishes refuse it).
+pub(crate) const SCHEDULE_KEY_PREFIX: &str = "schedule:";
+
 #[derive(Debug)]
 pub(crate) struct Periodic {
     /// Queues the next instant on a running periodic row: `$1` id, `$2` token, `$3` next
@@ -78,7 +81,10 @@ SELECT (SELECT count(*) FROM cur), (SELECT bool_or(cancelled) FROM cur),
         // pending row was deleted, and the insert brings it back.
         // - Another fingerprint (a changed recurrence) moves a pending row to the new first
         //   instant (earlier allowed, unlike an extend) with the new payload and headers, or
-        //   replaces the rearm queued on a leased row (earlier allowed).
+        //   replaces the rearm queued on a leased row (earlier allowed). A pending row that is
+        //   already overdue keeps its deadline (the payload and headers still change): the
+        //   missed instant fires once, at once, as missed instants do, and its run arms the
+        //   next instant on the new recurrence.
         // - The same fingerprint with another payload (the code's payload changed) replaces
         //   the payload and keeps the timing: a pending row keeps its deadline, a leased
         //   row's queued rearm keeps its deadline (a leased row without one gets the first
@@ -101,8 +107,8 @@ WITH up AS (
     INSERT INTO {t} AS t (queue, payload, headers, next_attempt_at, timer_id)
     VALUES ($1, $3, $4, $5::timestamptz, $2)
     ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO UPDATE SET
-        next_attempt_at  = CASE WHEN {pending} AND {moved} THEN excluded.next_attempt_at
-                                ELSE t.next_attempt_at END,
+        next_attempt_at  = CASE WHEN {pending} AND {moved} AND t.next_attempt_at > now()
+                                THEN excluded.next_attempt_at ELSE t.next_attempt_at END,
         payload          = CASE WHEN {pending} THEN excluded.payload ELSE t.payload END,
         headers          = CASE WHEN {pending} THEN excluded.headers ELSE t.headers END,
         attempts_count   = CASE WHEN {pending} THEN 0 ELSE t.attempts_count END,

@@ -13,6 +13,7 @@ use sqlx::{PgPool, Row};
 
 use super::Lease;
 use crate::error::{Error, Result};
+use crate::periodic::Recurrence;
 use crate::publish::{
     validate_headers, validate_payload, validate_queue, validate_timer_id, Headers,
 };
@@ -26,8 +27,11 @@ use crate::sql::periodic::Periodic;
 pub const SCHEDULE_HEADER: &str = crate::sql::periodic::SCHEDULE_HEADER;
 
 /// The prefix of every schedule's timer key: a schedule named `nightly` is the timer
-/// `schedule:nightly` of its queue.
-pub const SCHEDULE_KEY_PREFIX: &str = "schedule:";
+/// `schedule:nightly` of its queue. The key space is reserved: a publish or extend of a
+/// timer id with this prefix is refused ([`Error::InvalidArgument`], `field` `"timer_id"`),
+/// so only registrations write those rows; a cancel of one is allowed (it stops the
+/// schedule).
+pub const SCHEDULE_KEY_PREFIX: &str = crate::sql::periodic::SCHEDULE_KEY_PREFIX;
 
 /// What [`Store::arm_next`](super::Store::arm_next) found on the running row.
 ///
@@ -65,16 +69,20 @@ pub enum Armed {
 /// the row of timer `timer_id` on `queue`, due first at `first`.
 ///
 /// `timer_id` starts with [`SCHEDULE_KEY_PREFIX`] followed by a non-empty name, and
-/// `headers` hold the schedule's fingerprint under [`SCHEDULE_HEADER`] (non-empty). Queue,
+/// `headers` hold the schedule's fingerprint under [`SCHEDULE_HEADER`]
+/// ([`Recurrence::fingerprint`], one this build can read back). Queue,
 /// timer id, payload and headers follow the rules of a publish (1..=255 bytes without NUL;
 /// payload at most 64 MiB; headers at most 64 KiB in total, no NUL).
 ///
 /// ```
 /// use outbox::store::{RegisterSchedule, SCHEDULE_HEADER};
-/// let headers = [(SCHEDULE_HEADER.to_owned(), "every 300s".to_owned())].into();
+/// use outbox::periodic::Recurrence;
+/// let every = Recurrence::parse_every("5m")?;
+/// let headers = [(SCHEDULE_HEADER.to_owned(), every.fingerprint())].into();
 /// let first = chrono::Utc::now();
 /// let request = RegisterSchedule::new("reports", "schedule:cleanup", b"{}", &headers, first);
 /// assert_eq!(request.timer_id, "schedule:cleanup");
+/// # Ok::<(), outbox::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -125,14 +133,17 @@ impl<'a> RegisterSchedule<'a> {
         }
         validate_payload(self.payload)?;
         validate_headers(self.headers)?;
-        if self
-            .headers
-            .get(SCHEDULE_HEADER)
-            .is_none_or(String::is_empty)
-        {
+        let Some(fingerprint) = self.headers.get(SCHEDULE_HEADER) else {
             return Err(Error::invalid(
                 "headers",
                 format!("a schedule's headers hold its fingerprint under `{SCHEDULE_HEADER}`"),
+            ));
+        };
+        // Every worker that runs the row computes its next instant from it.
+        if let Err(e) = Recurrence::from_fingerprint(fingerprint) {
+            return Err(Error::invalid(
+                "headers",
+                format!("`{SCHEDULE_HEADER}` must be a recurrence's fingerprint (Recurrence::fingerprint): {e}"),
             ));
         }
         check_instant("first", self.first)
@@ -144,7 +155,7 @@ impl<'a> RegisterSchedule<'a> {
 /// | stored row | same schedule | another payload, same fingerprint | another fingerprint |
 /// |---|---|---|---|
 /// | none (never registered, or deleted by a cancel) | [`Inserted`](Registered::Inserted) | [`Inserted`](Registered::Inserted) | [`Inserted`](Registered::Inserted) |
-/// | pending | [`Unchanged`](Registered::Unchanged) | [`Rescheduled`](Registered::Rescheduled): the new payload and headers, **its deadline kept**, retry history reset | [`Rescheduled`](Registered::Rescheduled): due at `first` (earlier allowed) with the new payload and headers, retry history reset |
+/// | pending | [`Unchanged`](Registered::Unchanged) | [`Rescheduled`](Registered::Rescheduled): the new payload and headers, **its deadline kept**, retry history reset | [`Rescheduled`](Registered::Rescheduled): due at `first` (earlier allowed; an overdue row keeps its deadline and fires at once) with the new payload and headers, retry history reset |
 /// | leased, running | [`Unchanged`](Registered::Unchanged) (its run queues the next instant) | [`RearmReplaced`](Registered::RearmReplaced): the queued rearm carries the new payload and headers, **its deadline kept** (`first` when none was queued yet) | [`RearmReplaced`](Registered::RearmReplaced): its rearm is `first` with the new payload and headers, whatever rearm was queued (earlier allowed) |
 /// | leased, a cancel reached it | [`RearmReplaced`](Registered::RearmReplaced): the cancel mark cleared, the rearm queued at `first` | the same | the same |
 ///
@@ -172,8 +183,8 @@ pub enum Registered {
     Rescheduled {
         /// The row id.
         id: i64,
-        /// Its deadline: `first` for another fingerprint, the one it had for another
-        /// payload alone.
+        /// Its deadline: `first` for another fingerprint (the one it had if that was
+        /// overdue), the one it had for another payload alone.
         at: DateTime<Utc>,
     },
     /// A leased row's rearm now installs this schedule at `at` when its run ends.

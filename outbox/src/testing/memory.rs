@@ -447,8 +447,9 @@ impl State {
         }
         row.cancelled_at = None;
         if row.acquired_token.is_none() {
-            // Another recurrence moves the deadline; another payload alone keeps it.
-            if moved {
+            // Another recurrence moves the deadline unless it is overdue (the missed instant
+            // fires once); another payload alone keeps it.
+            if moved && row.next_attempt_at > self.now {
                 row.next_attempt_at = at;
             }
             row.payload = request.payload.to_vec();

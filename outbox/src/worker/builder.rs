@@ -143,7 +143,8 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     ///
     /// - **One live row per schedule**, whatever the number of workers and restarts: the
     ///   schedule is a keyed timer, and the unique index on `(queue, timer_id)` keeps one live
-    ///   row per key; no leader is elected.
+    ///   row per key; no leader is elected. The `schedule:` keys are reserved: publishes and
+    ///   extends of them are refused, cancels are allowed.
     /// - **Registration** at [`Worker::start`] (before the first claim; in tests, by the
     ///   first [`Worker::run_due`] call): one statement per schedule,
     ///   first due at the recurrence's first instant strictly after the **database** clock
@@ -187,7 +188,8 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     ///   the workers that handle the queue follow the recurrence stored with the row).
     /// - **A changed schedule** (another fingerprint) applies at the next worker start: the
     ///   registration moves the pending row to the new first instant, **earlier deadlines
-    ///   included**, or replaces the rearm queued on a running one. A changed payload with
+    ///   included** (an overdue row keeps its deadline and fires at once), or replaces the
+    ///   rearm queued on a running one. A changed payload with
     ///   the same recurrence applies at the next start too, keeping the row's deadline.
     ///   During a rolling deploy the last worker to start wins, on old workers too (they
     ///   follow the stored recurrence).

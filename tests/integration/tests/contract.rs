@@ -2777,9 +2777,15 @@ async fn stats_do_not_count_redriven_dead_letters<H: Harness>(h: &H) {
 
 const SCHED: &str = "schedule:nightly";
 
-/// A schedule's headers: the fingerprint `fp`.
+/// A schedule's headers: the fingerprint of schedule `fp`, one letter naming an interval
+/// (`"A"` is every 1 s, `"B"` every 2 s, …), or none at all for `""`.
 fn fingerprint(fp: &str) -> Headers {
-    headers(&[(SCHEDULE_HEADER, fp)])
+    let text = match fp.as_bytes() {
+        [] => String::new(),
+        [letter] => format!("every:{}s", letter - b'A' + 1),
+        _ => panic!("one letter: {fp:?}"),
+    };
+    headers(&[(SCHEDULE_HEADER, &text)])
 }
 
 async fn register<H: Harness>(h: &H, payload: &[u8], fp: &str, first: DateTime<Utc>) -> Registered {
@@ -2856,29 +2862,31 @@ async fn arm_next_queues_the_next_instant_fenced_by_the_token<H: Harness>(h: &H)
     assert_eq!(only_row(h).await, schedule_row(1, b"s", "A", at(90)));
 }
 
-async fn arm_next_keeps_a_user_extend_that_is_later_and_replaces_an_earlier_one<H: Harness>(h: &H) {
+async fn schedule_keys_are_reserved_for_registrations<H: Harness>(h: &H) {
     register(h, b"s", "A", at(0)).await;
+    // A publish or extend of a `schedule:` key (the registered one or any other) is
+    // refused before anything is written: only registrations write those rows.
+    for message in [
+        extend(SCHED, b"user", at(500)),
+        schedule(SCHED, b"user", at(500)),
+        Message::new(Q, b"user").timer_id("schedule:other"),
+    ] {
+        let e = h.publish(message).await.unwrap_err();
+        assert_eq!(invalid_field(e), "timer_id", "{}", H::NAME);
+    }
     let d = claim_one(h).await;
     let running = leased(schedule_row(1, b"s", "A", at(0)), &d, at(0), 1);
-    // A user's extend (no fingerprint) to a later deadline than the next instant stays.
-    assert_eq!(
-        publish(h, extend(SCHED, b"user", at(500))).await,
-        Published::RearmQueued { id: 1 }
-    );
-    assert_eq!(
-        h.store().arm_next(d.lease, at(60)).await.unwrap(),
-        Armed::Kept { at: at(500) }
-    );
-    assert_eq!(
-        only_row(h).await,
-        with_rearm(running.clone(), at(500), b"user")
-    );
-    // An earlier one is replaced by the next instant with the schedule's payload.
-    assert_eq!(
-        h.store().arm_next(d.lease, at(600)).await.unwrap(),
-        Armed::Queued { at: at(600) }
-    );
-    assert_eq!(only_row(h).await, armed(running, at(600), b"s", "A"));
+    let e = h
+        .publish(extend(SCHED, b"user", at(500)))
+        .await
+        .unwrap_err();
+    assert_eq!(invalid_field(e), "timer_id", "{}", H::NAME);
+    assert_eq!(only_row(h).await, running, "nothing written");
+    // Keys that only contain the prefix elsewhere are ordinary.
+    assert!(matches!(
+        publish(h, schedule("my-schedule:x", b"v", at(10))).await,
+        Published::Inserted { .. }
+    ));
 }
 
 async fn arm_next_never_arms_nor_clears_a_cancelled_row<H: Harness>(h: &H) {
@@ -3066,6 +3074,27 @@ async fn registration_brings_a_changed_payload_and_keeps_the_timing<H: Harness>(
     assert_eq!(only_row(h).await, armed(running, at(190), b"d", "A"));
 }
 
+async fn a_changed_schedule_keeps_an_overdue_instant<H: Harness>(h: &H) {
+    register(h, b"a", "A", at(10)).await;
+    // Workers were down past the instant: the new schedule takes the row (payload,
+    // headers) but the missed instant keeps its deadline and fires at once.
+    h.advance(secs(20)).await;
+    assert_eq!(
+        register(h, b"b", "B", at(25)).await,
+        Registered::Rescheduled { id: 1, at: at(10) }
+    );
+    assert_eq!(only_row(h).await, schedule_row(1, b"b", "B", at(10)));
+    let d = claim_one(h).await;
+    assert_eq!((d.deadline, d.payload.as_slice()), (at(10), &b"b"[..]));
+    // Not overdue: moved to the new first instant, later too.
+    h.store().arm_next(d.lease, at(40)).await.unwrap();
+    h.store().ack(d.lease).await.unwrap();
+    assert_eq!(
+        register(h, b"c", "C", at(90)).await,
+        Registered::Rescheduled { id: 1, at: at(90) }
+    );
+}
+
 async fn registration_after_a_cancel_restarts_the_schedule<H: Harness>(h: &H) {
     // A pending row deleted by a cancel: inserted again.
     register(h, b"s", "A", at(10)).await;
@@ -3180,8 +3209,9 @@ async fn registration_rejects_bad_requests_before_writing<H: Harness>(h: &H) {
     let good = fingerprint("A");
     let empty = fingerprint("");
     let none = headers(&[("other", "x")]);
+    let unreadable = headers(&[(SCHEDULE_HEADER, "every 300s")]);
     let long = "q".repeat(256);
-    let cases: [(RegisterSchedule<'_>, &str); 7] = [
+    let cases: [(RegisterSchedule<'_>, &str); 8] = [
         (
             RegisterSchedule::new("", SCHED, b"s", &good, at(0)),
             "queue",
@@ -3204,6 +3234,10 @@ async fn registration_rejects_bad_requests_before_writing<H: Harness>(h: &H) {
         ),
         (
             RegisterSchedule::new(Q, SCHED, b"s", &empty, at(0)),
+            "headers",
+        ),
+        (
+            RegisterSchedule::new(Q, SCHED, b"s", &unreadable, at(0)),
             "headers",
         ),
         (
@@ -3343,10 +3377,11 @@ contract! {
     stats_reject_bad_requests(dead_letter = true);
     stats_do_not_count_redriven_dead_letters(dead_letter = true);
     arm_next_queues_the_next_instant_fenced_by_the_token(dead_letter = true);
-    arm_next_keeps_a_user_extend_that_is_later_and_replaces_an_earlier_one(dead_letter = true);
+    schedule_keys_are_reserved_for_registrations(dead_letter = true);
     arm_next_never_arms_nor_clears_a_cancelled_row(dead_letter = true);
     registration_inserts_once_and_follows_a_changed_schedule(dead_letter = true);
     registration_brings_a_changed_payload_and_keeps_the_timing(dead_letter = true);
+    a_changed_schedule_keeps_an_overdue_instant(dead_letter = true);
     registration_after_a_cancel_restarts_the_schedule(dead_letter = true);
     an_armed_instant_survives_every_way_a_run_ends(dead_letter = true);
     an_armed_instant_survives_a_terminal_failure_without_dead_letters(dead_letter = false);

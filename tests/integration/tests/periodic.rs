@@ -149,13 +149,16 @@ async fn a_registration_waiting_on_another_finds_its_row() {
         .expect("the register statement")
         .1;
     let first = micros(Utc::now() + TimeDelta::seconds(60));
-    for (key, fp, want_fp) in [("schedule:same", "A", "A"), ("schedule:changed", "B", "B")] {
+    for (key, fp, want_fp) in [
+        ("schedule:same", "every:1s", "every:1s"),
+        ("schedule:changed", "every:2s", "every:2s"),
+    ] {
         let mut tx = f.pool.begin().await.unwrap();
         let inserted = sqlx::query(AssertSqlSafe(register_sql.clone()))
             .bind(Q)
             .bind(key)
             .bind(&b"{}"[..])
-            .bind(sqlx::types::Json(fingerprint("A")))
+            .bind(sqlx::types::Json(fingerprint("every:1s")))
             .bind(first)
             .fetch_one(&mut *tx)
             .await
@@ -189,7 +192,7 @@ async fn a_registration_waiting_on_another_finds_its_row() {
                 .and_then(|h| h.get(SCHEDULE_HEADER)),
             Some(&want_fp.to_owned())
         );
-        if fp == "A" {
+        if fp == "every:1s" {
             assert_eq!(got, Registered::Unchanged, "{key}");
             assert_eq!(rows[0].next_attempt_at, first);
         } else {
@@ -214,7 +217,7 @@ async fn concurrent_registrations_leave_one_live_row_per_schedule() {
     let first = micros(Utc::now() + TimeDelta::seconds(60));
     let keys: Vec<String> = (0..20).map(|i| format!("schedule:s{i}")).collect();
     for round in 0..3 {
-        let fp = format!("v{round}");
+        let fp = format!("every:{}s", round + 1);
         let calls = keys
             .iter()
             .flat_map(|k| (0..6).map(move |_| k))
@@ -259,7 +262,7 @@ async fn concurrent_registrations_leave_one_live_row_per_schedule() {
     .get(0);
     for key in &keys {
         assert_eq!(
-            register(&f.store, key, "v2", first).await,
+            register(&f.store, key, "every:3s", first).await,
             Registered::Unchanged
         );
     }
@@ -1024,16 +1027,28 @@ async fn a_restart_with_a_changed_payload_applies_it_at_the_same_instant() {
 }
 
 /// A schedule's row whose stored recurrence this build cannot read (here a fingerprint of
-/// a format it does not know, as a newer version might write), on a worker that does not
-/// register the schedule: the run does not start (it would end the schedule), and the row
-/// is given back untouched, again and again at a growing interval, for a worker that can.
+/// a format it does not know, as a newer version might write; registration refuses to
+/// write one, so the test sets it by hand), on a worker that does not register the
+/// schedule: the run does not start (it would end the schedule), and the row is given back
+/// untouched, again and again at a growing interval, for a worker that can.
 #[tokio::test]
 async fn a_schedule_no_worker_here_can_compute_is_given_back_untouched() {
+    const UNREADABLE: &str = "v9:lunar";
     let f = Fixture::new().await;
     let instant = micros(Utc::now() - TimeDelta::seconds(5));
-    let Registered::Inserted { id, .. } = register_tick(&f.store, "v9:lunar", instant).await else {
+    let Registered::Inserted { id, .. } = register_tick(&f.store, "every:3600s", instant).await
+    else {
         panic!("inserted");
     };
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {} SET headers = $1 WHERE id = $2",
+        f.outbox.table()
+    )))
+    .bind(sqlx::types::Json(fingerprint(UNREADABLE)))
+    .bind(id)
+    .execute(&f.pool)
+    .await
+    .unwrap();
     let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let worker = Worker::builder(f.store.clone())
         .idle_poll(Duration::from_millis(100))
@@ -1058,25 +1073,37 @@ async fn a_schedule_no_worker_here_can_compute_is_given_back_untouched() {
     );
 
     // The same on the in-memory store's `run_due`: nothing runs, the row stays as it was.
-    let store = MemoryStore::starting_at(instant);
-    let hs = fingerprint("v9:lunar");
-    let payload = serde_json::to_vec(&report("tick")).unwrap();
+    // (Such a row reaches it as another writer's dead letter, redriven.)
+    let store = MemoryStore::starting_at(instant).with_dead_letter(true);
+    let letter = outbox::store::DeadLetter {
+        id: 0,
+        original_id: 1,
+        queue: Q.to_owned(),
+        payload: serde_json::to_vec(&report("tick")).unwrap(),
+        headers: Some(fingerprint(UNREADABLE)),
+        raw_headers: None,
+        timer_id: Some("schedule:tick".to_owned()),
+        attempts_count: 0,
+        deliveries_count: 0,
+        created_at: instant,
+        failed_at: instant,
+        failure_reason: "max_deliveries".to_owned(),
+        last_error: None,
+        redriven_at: None,
+        redriven_id: None,
+    };
+    let letter = store.insert_dead_letter(letter);
     store
-        .register_schedule(RegisterSchedule::new(
-            Q,
-            "schedule:tick",
-            &payload,
-            &hs,
-            instant,
-        ))
-        .await
+        .redrive_dead_letters(&outbox::dlq::Redrive::id(letter))
         .unwrap();
     let before = store.rows();
+    assert_eq!(before.len(), 1);
     let worker = Worker::builder(store.clone())
         .timer::<Report>(outbox_tests::count_runs::<Report>(&runs))
         .build()
         .unwrap();
     assert!(worker.run_due().await.unwrap().is_empty());
     assert_eq!(store.rows(), before);
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
     f.cleanup().await;
 }
