@@ -97,22 +97,58 @@ pub(crate) fn check(
 /// years, above zero, at most 10 000 × 366 days, in whole microseconds.
 fn check_every(lit: &LitStr, errors: &mut Errors) -> bool {
     let text = lit.value();
-    // As `Recurrence::parse_every`: humantime reads months and years as fixed averages, and
-    // "1M" (a month) is one letter from "1m" (a minute).
-    if let Some(unit) = text.split(|c: char| !c.is_ascii_alphabetic()).find(|unit| {
-        matches!(
-            *unit,
+    // As `Recurrence::parse_every` (outbox's periodic.rs, which says why): fixed units only,
+    // by an allow-list of humantime's; months and years named as such.
+    let unfixed = text.split(|c: char| !c.is_ascii_alphabetic()).find(|unit| {
+        !unit.is_empty()
+            && !matches!(
+                *unit,
+                "nanos"
+                    | "nsec"
+                    | "ns"
+                    | "usec"
+                    | "us"
+                    | "millis"
+                    | "msec"
+                    | "ms"
+                    | "seconds"
+                    | "second"
+                    | "secs"
+                    | "sec"
+                    | "s"
+                    | "minutes"
+                    | "minute"
+                    | "min"
+                    | "mins"
+                    | "m"
+                    | "hours"
+                    | "hour"
+                    | "hr"
+                    | "hrs"
+                    | "h"
+                    | "days"
+                    | "day"
+                    | "d"
+                    | "weeks"
+                    | "week"
+                    | "wk"
+                    | "wks"
+                    | "w"
+            )
+    });
+    if let Some(unit) = unfixed {
+        let why = if matches!(
+            unit,
             "M" | "month" | "months" | "y" | "yr" | "yrs" | "year" | "years"
-        )
-    }) {
-        errors.error(
-            lit,
-            format!(
-                "`every` counts in {unit:?}, a calendar unit that humantime reads as a fixed \
-                 average (a month is 30.44 days, a year 365.25): give days (\"30days\") for a \
-                 fixed step, or a `cron` expression for calendar dates"
-            ),
-        );
+        ) {
+            "a calendar unit that humantime reads as a fixed average (a month is 30.44 days, a \
+             year 365.25): give days (\"30days\") for a fixed step, or a `cron` expression for \
+             calendar dates"
+        } else {
+            "not a unit of time: use ns, us, ms, s, m (minutes), h, d or w, or their long names \
+             (\"30s\", \"5m\", \"1h 30m\", \"2days\")"
+        };
+        errors.error(lit, format!("`every` counts in {unit:?}, {why}"));
         return false;
     }
     let interval = match humantime::parse_duration(text.trim()) {

@@ -31,7 +31,9 @@
 //!
 //! A [`Redrive`] selects dead letters by id, or every row of a filter up to a limit, and
 //! re-publishes each into its **original queue** with its original payload, headers and
-//! timer key, with fresh counters (`attempts_count` and `deliveries_count` 0, no retry
+//! timer key (a periodic timer's instant, key `schedule:<name>`, goes back as a one-off
+//! message instead: without the key and the schedule's fingerprint header, so its handler
+//! runs once more and the schedule itself is neither restarted nor touched), with fresh counters (`attempts_count` and `deliveries_count` 0, no retry
 //! history), due now, and one more header, [`REDRIVEN_FROM_HEADER`] (`outbox-redriven-from`)
 //! = the dead letter's id, replacing one already there. In the same statement the dead
 //! letter gets `redriven_at` (the transaction's database time) and `redriven_id` (the new
@@ -463,6 +465,16 @@ pub(crate) fn check_purge(filter: &DeadLetterFilter, batch_size: usize) -> Resul
 /// The headers a redrive gives the new queue row, or why it cannot: the in-memory store's
 /// equivalent of the checks the redrive statement makes.
 #[cfg(any(test, feature = "testing"))]
+/// The timer key a redrive re-publishes `letter` with: its own, except a periodic
+/// instant's (`schedule:…`), which goes back as a one-off message without a key, so a
+/// redrive never restarts a schedule or meets its live row.
+pub(crate) fn redrive_timer_id(letter: &DeadLetter) -> Option<String> {
+    letter
+        .timer_id
+        .clone()
+        .filter(|k| !k.starts_with(crate::sql::periodic::SCHEDULE_KEY_PREFIX))
+}
+
 pub(crate) fn redrive_headers(
     letter: &DeadLetter,
 ) -> std::result::Result<crate::publish::Headers, RedriveResult> {
@@ -470,6 +482,8 @@ pub(crate) fn redrive_headers(
         return Err(RedriveResult::HeadersNotAMap);
     }
     let mut headers = letter.headers.clone().unwrap_or_default();
+    // A periodic instant goes back as a one-off message (see `redrive_timer_id`).
+    headers.remove(crate::sql::periodic::SCHEDULE_HEADER);
     headers.insert(REDRIVEN_FROM_HEADER.to_owned(), letter.id.to_string());
     let bytes: usize = headers.iter().map(|(k, v)| k.len() + v.len()).sum();
     if bytes > MAX_HEADERS_BYTES {

@@ -151,14 +151,10 @@ impl Recurrence {
     /// month) is one letter away from `"1m"` (a minute). Use a cron expression for "on the
     /// first of each month", or days (`"30days"`) for a fixed step.
     pub fn parse_every(text: &str) -> Result<Self> {
-        if let Some(unit) = calendar_unit(text) {
+        if let Some((unit, why)) = unfixed_unit(text) {
             return Err(Error::invalid(
                 "every",
-                format!(
-                    "{text:?} counts in {unit:?}, a calendar unit that humantime reads as a fixed \
-                     average (a month is 30.44 days, a year 365.25): give days (\"30days\") for a \
-                     fixed step, or a cron expression for calendar dates"
-                ),
+                format!("{text:?} counts in {unit:?}, {why}"),
             ));
         }
         let interval = humantime::parse_duration(text.trim())
@@ -332,14 +328,62 @@ impl Recurrence {
     }
 }
 
-/// The first calendar unit (months, years) `text` counts in, as humantime spells them.
-fn calendar_unit(text: &str) -> Option<&str> {
-    text.split(|c: char| !c.is_ascii_alphabetic()).find(|unit| {
-        matches!(
-            *unit,
-            "M" | "month" | "months" | "y" | "yr" | "yrs" | "year" | "years"
-        )
-    })
+/// The first unit `text` counts in that is not a fixed length of time, and why: a calendar
+/// unit (months and years, which humantime reads as fixed averages) or one outside the
+/// fixed units humantime knows (an allow-list, so a calendar spelling a later humantime
+/// learns is refused too). `None` when every unit is a fixed one.
+fn unfixed_unit(text: &str) -> Option<(&str, &'static str)> {
+    let unit = text
+        .split(|c: char| !c.is_ascii_alphabetic())
+        .find(|unit| {
+            !unit.is_empty()
+                && !matches!(
+                    *unit,
+                    "nanos"
+                        | "nsec"
+                        | "ns"
+                        | "usec"
+                        | "us"
+                        | "millis"
+                        | "msec"
+                        | "ms"
+                        | "seconds"
+                        | "second"
+                        | "secs"
+                        | "sec"
+                        | "s"
+                        | "minutes"
+                        | "minute"
+                        | "min"
+                        | "mins"
+                        | "m"
+                        | "hours"
+                        | "hour"
+                        | "hr"
+                        | "hrs"
+                        | "h"
+                        | "days"
+                        | "day"
+                        | "d"
+                        | "weeks"
+                        | "week"
+                        | "wk"
+                        | "wks"
+                        | "w"
+                )
+        })?;
+    let why = if matches!(
+        unit,
+        "M" | "month" | "months" | "y" | "yr" | "yrs" | "year" | "years"
+    ) {
+        "a calendar unit that humantime reads as a fixed average (a month is 30.44 days, a year \
+         365.25): give days (\"30days\") for a fixed step, or a cron expression for calendar \
+         dates"
+    } else {
+        "not a unit of time: use ns, us, ms, s, m (minutes), h, d or w, or their long names \
+         (\"30s\", \"5m\", \"1h 30m\", \"2days\")"
+    };
+    Some((unit, why))
 }
 
 fn delta(interval: Duration) -> Option<TimeDelta> {
@@ -427,6 +471,17 @@ mod tests {
                 other => panic!("{bad:?}: {other:?}"),
             }
         }
+        // Units outside the fixed ones are refused by name (not left to humantime, so a
+        // calendar spelling it may learn later is refused too).
+        for bad in ["5x", "1mo", "1 fortnight", "five minutes"] {
+            match Recurrence::parse_every(bad) {
+                Err(Error::InvalidArgument { field, reason }) => {
+                    assert_eq!(field, "every", "{bad:?}");
+                    assert!(reason.contains("not a unit of time"), "{bad:?}: {reason}");
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
         // Minutes (lower-case m), milliseconds and days are not calendar units.
         assert_eq!(
             Recurrence::parse_every("1m").unwrap(),
@@ -434,7 +489,17 @@ mod tests {
         );
         assert!(Recurrence::parse_every("500ms").is_ok());
         assert!(Recurrence::parse_every("30days").is_ok());
-        assert!(Recurrence::parse_every("2min").is_ok());
+        for fixed in [
+            "2min",
+            "3mins",
+            "1wk",
+            "2wks",
+            "5µs",
+            "7000nanos",
+            "1hr 2secs",
+        ] {
+            assert!(Recurrence::parse_every(fixed).is_ok(), "{fixed:?}");
+        }
     }
 
     #[test]

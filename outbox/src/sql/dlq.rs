@@ -41,9 +41,13 @@ pub(crate) struct Dlq {
 /// The redrive after its locking CTE `sel` (one statement, data-modifying CTEs):
 /// - `chk` classifies each locked row: already redriven, headers that are not a JSON object
 ///   of strings (`map` false), or the size of its headers once the redrive header is set
-///   (`bytes`: key and value bytes, the replaced header not counted twice);
+///   (`bytes`: key and value bytes, the replaced header not counted twice, a schedule's
+///   fingerprint not counted: it is dropped);
 /// - `ins` re-publishes the rows that pass into their original queue with their payload,
-///   headers plus the redrive header, and timer key; fresh counters and due now are the
+///   headers plus the redrive header, and timer key — except a periodic instant's (a
+///   `schedule:` key), which goes back as a one-off message: no timer key and no schedule
+///   fingerprint, so a redrive never restarts a schedule nor meets its live row (SPEC §9.1:
+///   only registrations write schedule rows); fresh counters and due now are the
 ///   table's defaults. `ON CONFLICT … DO NOTHING` on the partial unique index leaves a row
 ///   whose key a live row holds (or a row inserted just before it in this statement) out;
 ///   its RETURNING maps each new row back to its dead letter through the header it carries
@@ -70,7 +74,7 @@ chk AS (
            CASE WHEN s.map THEN
                (SELECT coalesce(sum(octet_length(h.key) + octet_length(h.value)), 0)
                 FROM jsonb_each_text(CASE WHEN jsonb_typeof(s.headers) = 'object' THEN s.headers END) h
-                WHERE h.key <> {hdr}::text)
+                WHERE h.key <> {hdr}::text AND h.key <> '{sh}')
                + octet_length({hdr}::text) + octet_length(s.id::text)
            END AS bytes
     FROM (SELECT sel.*,
@@ -82,8 +86,9 @@ chk AS (
           FROM sel) s),
 ins AS (
     INSERT INTO {t} (queue, payload, headers, timer_id)
-    SELECT queue, payload, coalesce(headers, '{{}}'::jsonb) || jsonb_build_object({hdr}::text, id::text),
-           timer_id
+    SELECT queue, payload,
+           (coalesce(headers, '{{}}'::jsonb) - '{sh}') || jsonb_build_object({hdr}::text, id::text),
+           CASE WHEN starts_with(timer_id, '{sk}') THEN NULL ELSE timer_id END
     FROM chk WHERE redriven_at IS NULL AND map AND bytes <= {max}::bigint
     ORDER BY id
     ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO NOTHING
@@ -109,6 +114,8 @@ LEFT JOIN chk c ON c.id = r.id
 LEFT JOIN ins i ON i.dead_letter_id = r.id
 ORDER BY r.id"#,
         notify = notify(n, "q"),
+        sh = super::periodic::SCHEDULE_HEADER,
+        sk = super::periodic::SCHEDULE_KEY_PREFIX,
     )
 }
 

@@ -70,7 +70,7 @@ pub enum Armed {
 ///
 /// `timer_id` starts with [`SCHEDULE_KEY_PREFIX`] followed by a non-empty name, and
 /// `headers` hold the schedule's fingerprint under [`SCHEDULE_HEADER`]
-/// ([`Recurrence::fingerprint`], one this build can read back). Queue,
+/// (exactly as [`Recurrence::fingerprint`] gives it, and one this build can read back). Queue,
 /// timer id, payload and headers follow the rules of a publish (1..=255 bytes without NUL;
 /// payload at most 64 MiB; headers at most 64 KiB in total, no NUL).
 ///
@@ -139,12 +139,23 @@ impl<'a> RegisterSchedule<'a> {
                 format!("a schedule's headers hold its fingerprint under `{SCHEDULE_HEADER}`"),
             ));
         };
-        // Every worker that runs the row computes its next instant from it.
-        if let Err(e) = Recurrence::from_fingerprint(fingerprint) {
-            return Err(Error::invalid(
-                "headers",
-                format!("`{SCHEDULE_HEADER}` must be a recurrence's fingerprint (Recurrence::fingerprint): {e}"),
-            ));
+        // Every worker that runs the row computes its next instant from it, and registration
+        // compares it as text: only the canonical spelling a `Recurrence` gives is stored.
+        let canonical = Recurrence::from_fingerprint(fingerprint).map(|r| r.fingerprint());
+        match canonical {
+            Ok(canonical) if canonical == *fingerprint => {}
+            Ok(canonical) => {
+                return Err(Error::invalid(
+                    "headers",
+                    format!("`{SCHEDULE_HEADER}` {fingerprint:?} is not in canonical form: {canonical:?}"),
+                ))
+            }
+            Err(e) => {
+                return Err(Error::invalid(
+                    "headers",
+                    format!("`{SCHEDULE_HEADER}` must be a recurrence's fingerprint (Recurrence::fingerprint): {e}"),
+                ))
+            }
         }
         check_instant("first", self.first)
     }

@@ -997,7 +997,7 @@ impl State {
         let (queue, payload, timer_id) = (
             letter.queue.clone(),
             letter.payload.clone(),
-            letter.timer_id.clone(),
+            crate::dlq::redrive_timer_id(letter),
         );
         let id = self.next_id();
         if timer_id
@@ -1386,6 +1386,46 @@ impl MemoryStore {
             ..letter
         });
         id
+    }
+
+    /// Inserts `row` into the queue table as another writer would (a row written by an older
+    /// or a newer version, or by SQL of your own, such as a schedule whose fingerprint this
+    /// build cannot read, which no call of this store produces), to test what a worker does
+    /// with it. Its `id` is ignored: the table's identity assigns the next one, which is
+    /// returned. Its times are kept to whole microseconds.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] (`field` `"timer_id"`) when a live row already holds its
+    /// `(queue, timer_id)` key, as the unique index would refuse it; nothing is written.
+    pub fn insert_row(&self, row: StoredRow) -> Result<i64> {
+        let mut s = self.lock();
+        if let Some(key) = row.timer_id.as_deref() {
+            if s.timer_row(&row.queue, key).is_some() {
+                return Err(Error::invalid(
+                    "timer_id",
+                    format!("a live row of queue {:?} holds the key {key:?}", row.queue),
+                ));
+            }
+        }
+        let id = s.next_id();
+        let at = to_postgres_precision(row.next_attempt_at);
+        let queue = row.queue.clone();
+        s.rows.insert(
+            id,
+            StoredRow {
+                id,
+                created_at: to_postgres_precision(row.created_at),
+                next_attempt_at: at,
+                first_attempt_at: row.first_attempt_at.map(to_postgres_precision),
+                last_attempt_at: row.last_attempt_at.map(to_postgres_precision),
+                acquired_at: row.acquired_at.map(to_postgres_precision),
+                rearm_at: row.rearm_at.map(to_postgres_precision),
+                cancelled_at: row.cancelled_at.map(to_postgres_precision),
+                ..row
+            },
+        );
+        s.notify(&queue, at);
+        Ok(id)
     }
 
     /// Pauses `queue`, as [`Outbox::pause_queue`](crate::Outbox::pause_queue) does: claims

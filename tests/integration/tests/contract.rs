@@ -3095,6 +3095,59 @@ async fn a_changed_schedule_keeps_an_overdue_instant<H: Harness>(h: &H) {
     );
 }
 
+async fn a_redriven_instant_runs_once_without_restarting_its_schedule<H: Harness>(h: &H) {
+    register(h, b"s", "A", at(0)).await;
+    let d = claim_one(h).await;
+    h.store().arm_next(d.lease, at(60)).await.unwrap();
+    assert_eq!(
+        h.store()
+            .fail(d.lease, rejected(Some("boom")))
+            .await
+            .unwrap(),
+        Completion::Rearmed { at: at(60) }
+    );
+    let letters = dead_letters(h).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].timer_id.as_deref(), Some(SCHED));
+    // The schedule's row is live, and the redrive is not refused for it: the instant goes
+    // back as a one-off message, without the key and the fingerprint.
+    let outcomes = h.redrive(&Redrive::id(letters[0].id)).await.unwrap();
+    let [RedriveOutcome {
+        result: RedriveResult::Redriven { id },
+        ..
+    }] = outcomes[..]
+    else {
+        panic!("{}: {outcomes:?}", H::NAME);
+    };
+    let again = rows(h, Q).await;
+    let one_off = again.iter().find(|r| r.id == id).expect("the one-off row");
+    assert_eq!(one_off.timer_id, None);
+    assert_eq!(
+        one_off.headers,
+        Some(headers(&[(
+            REDRIVEN_FROM_HEADER,
+            &letters[0].id.to_string()
+        )]))
+    );
+    assert_eq!(
+        (one_off.payload.as_slice(), one_off.next_attempt_at),
+        (&b"s"[..], at(0))
+    );
+    let schedule = again
+        .iter()
+        .find(|r| r.id != id)
+        .expect("the schedule's row");
+    assert_eq!(*schedule, schedule_row(1, b"s", "A", at(60)));
+    // The two are independent: cancelling the schedule leaves the one-off row, which runs
+    // once and is gone.
+    assert_eq!(
+        h.cancel(Q, SCHED).await.unwrap(),
+        Cancelled::Deleted { id: 1 }
+    );
+    h.store().ack(claim_one(h).await.lease).await.unwrap();
+    assert!(rows(h, Q).await.is_empty());
+}
+
 async fn registration_after_a_cancel_restarts_the_schedule<H: Harness>(h: &H) {
     // A pending row deleted by a cancel: inserted again.
     register(h, b"s", "A", at(10)).await;
@@ -3210,8 +3263,9 @@ async fn registration_rejects_bad_requests_before_writing<H: Harness>(h: &H) {
     let empty = fingerprint("");
     let none = headers(&[("other", "x")]);
     let unreadable = headers(&[(SCHEDULE_HEADER, "every 300s")]);
+    let not_canonical = headers(&[(SCHEDULE_HEADER, "every:0300s")]);
     let long = "q".repeat(256);
-    let cases: [(RegisterSchedule<'_>, &str); 8] = [
+    let cases: [(RegisterSchedule<'_>, &str); 9] = [
         (
             RegisterSchedule::new("", SCHED, b"s", &good, at(0)),
             "queue",
@@ -3238,6 +3292,10 @@ async fn registration_rejects_bad_requests_before_writing<H: Harness>(h: &H) {
         ),
         (
             RegisterSchedule::new(Q, SCHED, b"s", &unreadable, at(0)),
+            "headers",
+        ),
+        (
+            RegisterSchedule::new(Q, SCHED, b"s", &not_canonical, at(0)),
             "headers",
         ),
         (
@@ -3382,6 +3440,7 @@ contract! {
     registration_inserts_once_and_follows_a_changed_schedule(dead_letter = true);
     registration_brings_a_changed_payload_and_keeps_the_timing(dead_letter = true);
     a_changed_schedule_keeps_an_overdue_instant(dead_letter = true);
+    a_redriven_instant_runs_once_without_restarting_its_schedule(dead_letter = true);
     registration_after_a_cancel_restarts_the_schedule(dead_letter = true);
     an_armed_instant_survives_every_way_a_run_ends(dead_letter = true);
     an_armed_instant_survives_a_terminal_failure_without_dead_letters(dead_letter = false);

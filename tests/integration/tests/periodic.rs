@@ -1073,31 +1073,23 @@ async fn a_schedule_no_worker_here_can_compute_is_given_back_untouched() {
     );
 
     // The same on the in-memory store's `run_due`: nothing runs, the row stays as it was.
-    // (Such a row reaches it as another writer's dead letter, redriven.)
-    let store = MemoryStore::starting_at(instant).with_dead_letter(true);
-    let letter = outbox::store::DeadLetter {
-        id: 0,
-        original_id: 1,
-        queue: Q.to_owned(),
-        payload: serde_json::to_vec(&report("tick")).unwrap(),
-        headers: Some(fingerprint(UNREADABLE)),
-        raw_headers: None,
-        timer_id: Some("schedule:tick".to_owned()),
-        attempts_count: 0,
-        deliveries_count: 0,
-        created_at: instant,
-        failed_at: instant,
-        failure_reason: "max_deliveries".to_owned(),
-        last_error: None,
-        redriven_at: None,
-        redriven_id: None,
-    };
-    let letter = store.insert_dead_letter(letter);
+    let store = MemoryStore::starting_at(instant);
     store
-        .redrive_dead_letters(&outbox::dlq::Redrive::id(letter))
+        .insert_row(outbox::store::StoredRow {
+            id: 0,
+            ..row.clone()
+        })
         .unwrap();
     let before = store.rows();
     assert_eq!(before.len(), 1);
+    // A second row of the key is refused, as the unique index would.
+    assert!(matches!(
+        store.insert_row(row.clone()),
+        Err(Error::InvalidArgument {
+            field: "timer_id",
+            ..
+        })
+    ));
     let worker = Worker::builder(store.clone())
         .timer::<Report>(outbox_tests::count_runs::<Report>(&runs))
         .build()
