@@ -462,12 +462,11 @@ pub(crate) fn check_purge(filter: &DeadLetterFilter, batch_size: usize) -> Resul
     Ok(binds)
 }
 
-/// The headers a redrive gives the new queue row, or why it cannot: the in-memory store's
-/// equivalent of the checks the redrive statement makes.
+/// The timer key a redrive re-publishes `letter` with, in the in-memory store: its own,
+/// except a periodic instant's (`schedule:…`), which goes back as a one-off message without
+/// a key, so a redrive never restarts a schedule or meets its live row (the redrive
+/// statement's `CASE` on the key).
 #[cfg(any(test, feature = "testing"))]
-/// The timer key a redrive re-publishes `letter` with: its own, except a periodic
-/// instant's (`schedule:…`), which goes back as a one-off message without a key, so a
-/// redrive never restarts a schedule or meets its live row.
 pub(crate) fn redrive_timer_id(letter: &DeadLetter) -> Option<String> {
     letter
         .timer_id
@@ -475,6 +474,9 @@ pub(crate) fn redrive_timer_id(letter: &DeadLetter) -> Option<String> {
         .filter(|k| !k.starts_with(crate::sql::periodic::SCHEDULE_KEY_PREFIX))
 }
 
+/// The headers a redrive gives the new queue row, or why it cannot: the in-memory store's
+/// equivalent of the checks the redrive statement makes.
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn redrive_headers(
     letter: &DeadLetter,
 ) -> std::result::Result<crate::publish::Headers, RedriveResult> {
