@@ -46,8 +46,8 @@ pub(crate) struct Dlq {
 /// - `ins` re-publishes the rows that pass into their original queue with their payload,
 ///   headers plus the redrive header, and timer key — except a periodic instant's (a
 ///   `schedule:` key), which goes back as a one-off message: no timer key and no schedule
-///   fingerprint, so a redrive never restarts a schedule nor meets its live row (SPEC §9.1:
-///   only registrations write schedule rows); fresh counters and due now are the
+///   fingerprint, so a redrive never restarts a schedule nor meets its live row (only
+///   registrations write schedule rows); fresh counters and due now are the
 ///   table's defaults. `ON CONFLICT … DO NOTHING` on the partial unique index leaves a row
 ///   whose key a live row holds (or a row inserted just before it in this statement) out;
 ///   its RETURNING maps each new row back to its dead letter through the header it carries
