@@ -1093,3 +1093,80 @@ async fn a_schedule_no_worker_here_can_compute_is_given_back_untouched() {
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
     f.cleanup().await;
 }
+
+/// A schedule's handler that completes its run in its own transaction (`Context::begin`,
+/// an application write, `commit`): the commit applies the next instant queued when the
+/// run started, so the schedule goes on, and each instant's write lands once.
+#[tokio::test]
+async fn a_run_completed_in_the_handlers_transaction_keeps_the_schedule() {
+    let f = Fixture::new().await;
+    let effects = format!("\"{}_effects\"", f.outbox.table().trim_matches('"'));
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {effects} (deadline timestamptz PRIMARY KEY)"
+    )))
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let done: Arc<Mutex<Vec<(DateTime<Utc>, outbox::store::Completion)>>> = Arc::default();
+    let worker = {
+        let (done, insert) = (
+            done.clone(),
+            format!("INSERT INTO {effects} (deadline) VALUES ($1)"),
+        );
+        Worker::builder(f.store.clone())
+            .idle_poll(Duration::from_millis(200))
+            .lease_ttl(Duration::from_secs(30))
+            .timer::<Report>(move |_: Report, ctx: Context| {
+                let (done, insert) = (done.clone(), insert.clone());
+                async move {
+                    let mut tx = ctx.begin().await?;
+                    sqlx::query(AssertSqlSafe(insert))
+                        .bind(ctx.deadline())
+                        .execute(&mut *tx)
+                        .await?;
+                    let completion = tx.commit().await?;
+                    done.lock().unwrap().push((ctx.deadline(), completion));
+                    Ok::<_, Error>(())
+                }
+            })
+            .schedule(
+                "tick",
+                Recurrence::parse_every("1s").unwrap(),
+                report("tick"),
+            )
+            .build()
+            .unwrap()
+            .start()
+    };
+    // Three instants of a 1 s schedule, with a 3x margin.
+    eventually(3 * 3, "three runs", || async {
+        done.lock().unwrap().len() >= 3
+    })
+    .await;
+    worker.shutdown().await;
+    let done = done.lock().unwrap().clone();
+    for pair in done.windows(2) {
+        let ((deadline, completion), (next, _)) = (pair[0], pair[1]);
+        assert_eq!(
+            completion,
+            outbox::store::Completion::Rearmed { at: next },
+            "the commit applied the next instant: {done:?}"
+        );
+        assert!(next > deadline, "{done:?}");
+    }
+    let written: i64 = sqlx::query(AssertSqlSafe(format!("SELECT count(*) FROM {effects}")))
+        .fetch_one(&f.pool)
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(written, done.len() as i64, "one write per run");
+    assert_eq!(
+        f.only_row(Q).await.timer_id.as_deref(),
+        Some("schedule:tick")
+    );
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {effects}")))
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    f.cleanup().await;
+}
