@@ -1107,7 +1107,8 @@ async fn a_run_completed_in_the_handlers_transaction_keeps_the_schedule() {
     .execute(&f.pool)
     .await
     .unwrap();
-    let done: Arc<Mutex<Vec<(DateTime<Utc>, outbox::store::Completion)>>> = Arc::default();
+    type Done = Arc<Mutex<Vec<(DateTime<Utc>, outbox::store::Completion)>>>;
+    let done: Done = Arc::default();
     let worker = {
         let (done, insert) = (
             done.clone(),
