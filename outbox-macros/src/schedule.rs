@@ -93,54 +93,30 @@ pub(crate) fn check(
     }
 }
 
+/// The fixed units of time humantime knows, as it spells them (its `Unit::from_str`), as
+/// `outbox::periodic` lists them:
+/// everything else, months and years among them, is refused.
+const FIXED_UNITS: &[&str] = &[
+    "nanos", "nsec", "ns", "usec", "us", "millis", "msec", "ms", "seconds", "second", "secs",
+    "sec", "s", "minutes", "minute", "min", "mins", "m", "hours", "hour", "hr", "hrs", "h", "days",
+    "day", "d", "weeks", "week", "wk", "wks", "w",
+];
+
+/// The calendar units humantime knows (fixed averages: a month of 30.44 days, a year of
+/// 365.25), named in the error.
+const CALENDAR_UNITS: &[&str] = &["M", "month", "months", "y", "yr", "yrs", "year", "years"];
+
 /// `Recurrence::parse_every`'s rules: a human duration (humantime) without months or
 /// years, above zero, at most 10 000 × 366 days, in whole microseconds.
 fn check_every(lit: &LitStr, errors: &mut Errors) -> bool {
     let text = lit.value();
     // As `Recurrence::parse_every` (outbox's periodic.rs, which says why): fixed units only,
     // by an allow-list of humantime's; months and years named as such.
-    let unfixed = text.split(|c: char| !c.is_ascii_alphabetic()).find(|unit| {
-        !unit.is_empty()
-            && !matches!(
-                *unit,
-                "nanos"
-                    | "nsec"
-                    | "ns"
-                    | "usec"
-                    | "us"
-                    | "millis"
-                    | "msec"
-                    | "ms"
-                    | "seconds"
-                    | "second"
-                    | "secs"
-                    | "sec"
-                    | "s"
-                    | "minutes"
-                    | "minute"
-                    | "min"
-                    | "mins"
-                    | "m"
-                    | "hours"
-                    | "hour"
-                    | "hr"
-                    | "hrs"
-                    | "h"
-                    | "days"
-                    | "day"
-                    | "d"
-                    | "weeks"
-                    | "week"
-                    | "wk"
-                    | "wks"
-                    | "w"
-            )
-    });
+    let unfixed = text
+        .split(|c: char| !c.is_ascii_alphabetic())
+        .find(|unit| !unit.is_empty() && !FIXED_UNITS.contains(unit));
     if let Some(unit) = unfixed {
-        let why = if matches!(
-            unit,
-            "M" | "month" | "months" | "y" | "yr" | "yrs" | "year" | "years"
-        ) {
+        let why = if CALENDAR_UNITS.contains(&unit) {
             "a calendar unit that humantime reads as a fixed average (a month is 30.44 days, a \
              year 365.25): give days (\"30days\") for a fixed step, or a `cron` expression for \
              calendar dates"

@@ -9,8 +9,9 @@
 //! # Constructors
 //!
 //! - [`Recurrence::every`]`(Duration)`: a fixed step of real (UTC) time, above zero, at most
-//!   [`MAX_DELAY`] (10 000 years of 366 days), in whole microseconds (the resolution of a Postgres
-//!   `timestamptz`). Anything else is [`Error::InvalidArgument`] with `field = "every"`.
+//!   [`MAX_DELAY`] (10 000 years of 366 days), in whole microseconds (the resolution of a
+//!   Postgres `timestamptz`). Anything else is [`Error::InvalidArgument`] with
+//!   `field = "every"`.
 //! - [`Recurrence::parse_every`]`(&str)`: the same from a human duration as the `humantime`
 //!   crate reads it: `"30s"`, `"5m"`, `"1h"`, `"1h 30m"`, `"500ms"`, `"2days"`. A string
 //!   it cannot read, or one in months or years (`"1M"`, `"1yr"`, `"1year"`: humantime's fixed
@@ -328,6 +329,18 @@ impl Recurrence {
     }
 }
 
+/// The fixed units of time humantime knows, as it spells them (its `Unit::from_str`):
+/// everything else, months and years among them, is refused.
+const FIXED_UNITS: &[&str] = &[
+    "nanos", "nsec", "ns", "usec", "us", "millis", "msec", "ms", "seconds", "second", "secs",
+    "sec", "s", "minutes", "minute", "min", "mins", "m", "hours", "hour", "hr", "hrs", "h", "days",
+    "day", "d", "weeks", "week", "wk", "wks", "w",
+];
+
+/// The calendar units humantime knows (fixed averages: a month of 30.44 days, a year of
+/// 365.25), named in the error.
+const CALENDAR_UNITS: &[&str] = &["M", "month", "months", "y", "yr", "yrs", "year", "years"];
+
 /// The first unit `text` counts in that is not a fixed length of time, and why: a calendar
 /// unit (months and years, which humantime reads as fixed averages) or one outside the
 /// fixed units humantime knows (an allow-list, so a calendar spelling a later humantime
@@ -335,47 +348,8 @@ impl Recurrence {
 fn unfixed_unit(text: &str) -> Option<(&str, &'static str)> {
     let unit = text
         .split(|c: char| !c.is_ascii_alphabetic())
-        .find(|unit| {
-            !unit.is_empty()
-                && !matches!(
-                    *unit,
-                    "nanos"
-                        | "nsec"
-                        | "ns"
-                        | "usec"
-                        | "us"
-                        | "millis"
-                        | "msec"
-                        | "ms"
-                        | "seconds"
-                        | "second"
-                        | "secs"
-                        | "sec"
-                        | "s"
-                        | "minutes"
-                        | "minute"
-                        | "min"
-                        | "mins"
-                        | "m"
-                        | "hours"
-                        | "hour"
-                        | "hr"
-                        | "hrs"
-                        | "h"
-                        | "days"
-                        | "day"
-                        | "d"
-                        | "weeks"
-                        | "week"
-                        | "wk"
-                        | "wks"
-                        | "w"
-                )
-        })?;
-    let why = if matches!(
-        unit,
-        "M" | "month" | "months" | "y" | "yr" | "yrs" | "year" | "years"
-    ) {
+        .find(|unit| !unit.is_empty() && !FIXED_UNITS.contains(unit))?;
+    let why = if CALENDAR_UNITS.contains(&unit) {
         "a calendar unit that humantime reads as a fixed average (a month is 30.44 days, a year \
          365.25): give days (\"30days\") for a fixed step, or a cron expression for calendar \
          dates"

@@ -164,12 +164,12 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     ///   code registering it or not (an older version during a deploy, another program), and
     ///   a worker that can compute neither (a cron schedule on a build without the `cron`
     ///   feature, say) does not start the run: it gives the row back untouched and leaves it
-    ///   out of its claims for a while (1 s doubling to 5 min) for a worker that can. Success and terminal failure
-    ///   both re-arm the schedule, and a crash keeps the rearm queued for the run that
-    ///   reclaims the row. The write is retried as completions are (a broken connection, a
-    ///   deadlock or a lock timeout, while the lease lasts); if it still does not happen, or
-    ///   the lease was lost, **the run does not start**: the row keeps its instant and runs
-    ///   again, armed, once its lease expires, so a failed write never ends a schedule.
+    ///   out of its claims for a while (1 s doubling to 5 min) for a worker that can.
+    ///   Success and terminal failure both re-arm the schedule, and a crash keeps the rearm
+    ///   queued for the run that reclaims the row. The write is retried as completions are (a
+    ///   broken connection, a deadlock or a lock timeout, while the lease lasts); if it still does
+    ///   not happen, or the lease was lost, **the run does not start**: the row keeps its instant
+    ///   and runs again, armed, once its lease expires, so a failed write never ends a schedule.
     /// - **A deploy skips no instant that had not started**: a row claimed but not yet
     ///   started when the worker shuts down carries no rearm; it is given back with its
     ///   instant, which the next worker runs. A run stopped at the shutdown deadline counts as
@@ -189,8 +189,8 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// - **A changed schedule** (another fingerprint) applies at the next worker start: the
     ///   registration moves the pending row to the new first instant, **earlier deadlines
     ///   included** (an overdue row keeps its deadline and fires at once), or replaces the
-    ///   rearm queued on a running one. A changed payload with
-    ///   the same recurrence applies at the next start too, keeping the row's deadline.
+    ///   rearm queued on a running one. A changed payload with the same recurrence applies
+    ///   at the next start too, keeping the row's deadline.
     ///   During a rolling deploy the last worker to start wins, on old workers too (they
     ///   follow the stored recurrence).
     ///

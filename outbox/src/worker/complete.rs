@@ -160,8 +160,8 @@ async fn process<S: Store>(
         }
     };
     if !starts {
-        // Left to its lease (no longer renewed): look again once it has expired.
-        shared.wake_at_local(shared.held.until(lease) + Duration::from_millis(10));
+        // Left to its lease, no longer renewed (a write that did not happen already asked to
+        // look again once the lease expires; a lost lease is another worker's row).
         shared.held.remove(lease);
         return;
     }
@@ -349,8 +349,9 @@ impl<S: Store> CommitHooks for HeldCommit<S> {
 /// Runs a fenced write (`what` names it in the logs), retrying while the lease lasts
 /// (renewals extend it) when the connection failed or the write met a deadlock, a
 /// serialization failure or a lock timeout (a fenced write is safe to repeat: it changes
-/// the row only while the token still matches). Any other statement error is not retried: the row is left to lease expiry, so
-/// one poison row cannot wedge a handler task. `None` when the write did not happen.
+/// the row only while the token still matches). Any other statement error is not retried:
+/// the row is left to lease expiry, so one poison row cannot wedge a handler task. `None`
+/// when the write did not happen.
 pub(crate) async fn write_with_retry<S, T, F, Fut>(
     shared: &Shared<S>,
     lease: Lease,
