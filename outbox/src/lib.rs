@@ -207,8 +207,8 @@ pub use store::transaction::HandlerTransaction;
 pub use timer::{Publisher, Timer};
 pub use worker::builder::WorkerBuilder;
 pub use worker::handler::{Context, FromRef, HandlerOptions, Outcome};
+pub use worker::lifecycle::{RunningWorker, ShutdownReport, Worker};
 pub use worker::retry::RetryStrategy;
-pub use worker::run::{RunningWorker, ShutdownReport, Worker};
 
 // The README's code blocks are compiled as this crate's doc tests (cfg(doctest) only, so a
 // packaged build never reads a file outside the crate).

@@ -657,9 +657,7 @@ async fn publish_untraced(
     }
     let row = query.fetch_optional(&mut *conn).await?;
     let inserted = |id| {
-        telemetry::describe();
-        metrics::counter!("outbox_published_total", "queue" => message.queue.to_owned())
-            .increment(1);
+        telemetry::published(message.queue, 1);
         Published::Inserted { id }
     };
     let Some(r) = row else {
@@ -750,8 +748,6 @@ async fn publish_batch_untraced(
         .fetch_one(&mut *conn)
         .await?;
     let ids: Vec<i64> = row.try_get::<Option<Vec<i64>>, _>(0)?.unwrap_or_default();
-    telemetry::describe();
-    metrics::counter!("outbox_published_total", "queue" => queue.to_owned())
-        .increment(ids.len() as u64);
+    telemetry::published(queue, ids.len() as u64);
     Ok(ids)
 }

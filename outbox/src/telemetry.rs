@@ -209,92 +209,92 @@ pub(crate) fn describe() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         describe_counter!(
-            "outbox_published_total",
+            name::PUBLISHED,
             Unit::Count,
             "Rows inserted by publish and extend statements, by queue, counted when the \
              statement returns inside the caller's transaction: a rolled-back transaction is \
              not taken back, so this bounds committed messages from above"
         );
         describe_counter!(
-            "outbox_acked_total",
+            name::ACKED,
             Unit::Count,
             "Successful runs whose fenced completion committed, by queue"
         );
         describe_counter!(
-            "outbox_rearmed_total",
+            name::REARMED,
             Unit::Count,
             "Runs whose completion applied a queued rearm (the timer is pending again), by queue"
         );
         describe_counter!(
-            "outbox_retried_total",
+            name::RETRIED,
             Unit::Count,
             "Failed runs scheduled for another attempt, by queue"
         );
         describe_counter!(
-            "outbox_terminal_total",
+            name::TERMINAL,
             Unit::Count,
             "Rows ended for good without success, by queue and reason (deleted, or archived \
              with the dead-letter queue on)"
         );
         describe_counter!(
-            "outbox_dlq_written_total",
+            name::DLQ_WRITTEN,
             Unit::Count,
             "Rows archived to the dead-letter table, by queue"
         );
         describe_counter!(
-            "outbox_lease_lost_total",
+            name::LEASE_LOST,
             Unit::Count,
             "Writes that found their lease gone (expired and taken by another worker), by queue \
              and phase"
         );
         describe_counter!(
-            "outbox_cancelled_runs_total",
+            name::CANCELLED_RUNS,
             Unit::Count,
             "Runs of timers cancelled while running, whose rows were deleted, by queue"
         );
         describe_counter!(
-            "outbox_poison_rows_total",
+            name::POISON_ROWS,
             Unit::Count,
             "Rows no claim could take, set aside by the worker, by queue"
         );
         describe_counter!(
-            "outbox_lease_renewals_total",
+            name::LEASE_RENEWALS,
             Unit::Count,
             "Lease renewal statements that succeeded"
         );
         describe_counter!(
-            "outbox_claim_errors_total",
+            name::CLAIM_ERRORS,
             Unit::Count,
             "Claim statements that failed (the worker backs off and tries again)"
         );
         describe_counter!(
-            "outbox_completion_errors_total",
+            name::COMPLETION_ERRORS,
             Unit::Count,
             "Completions that failed for good (the row is redelivered after its lease expires)"
         );
         describe_gauge!(
-            IN_FLIGHT,
+            name::IN_FLIGHT,
             Unit::Count,
             "Handler runs in progress, by queue: raised when a run starts, lowered when it \
              ends, whichever way (success, error, panic, timeout, stopped at shutdown)"
         );
         describe_histogram!(
-            "outbox_firing_lateness_seconds",
+            name::FIRING_LATENESS,
             Unit::Seconds,
             "Claim time minus deadline of each delivery, by queue"
         );
         describe_histogram!(
-            "outbox_handler_duration_seconds",
+            name::HANDLER_DURATION,
             Unit::Seconds,
             "Wall time of each handler run, by queue"
         );
         describe_histogram!(
-            "outbox_claim_batch_size",
+            name::CLAIM_BATCH_SIZE,
             Unit::Count,
             "Rows returned by each claim statement"
         );
         describe_gauge!(
-            "outbox_queue_depth",
+            name::QUEUE_DEPTH,
             Unit::Count,
             "Rows of each queue by state (pending, due, leased, expired_leases, rearms, \
              cancel_marks, dead_letters), from the queue statistics the opt-in queue-depth \
@@ -302,7 +302,7 @@ pub(crate) fn describe() {
              process reports the same figures, so aggregate with max"
         );
         describe_gauge!(
-            "outbox_queue_oldest_due_lateness_seconds",
+            name::OLDEST_DUE_LATENESS,
             Unit::Seconds,
             "How long the oldest due row of each queue has waited (0 when none is due), from \
              the statistics of the opt-in queue-depth gauge"
@@ -310,7 +310,119 @@ pub(crate) fn describe() {
     });
 }
 
-const IN_FLIGHT: &str = "outbox_in_flight";
+/// Every metric's name, written once: [`describe`] and the recording functions below are the
+/// only users, so a name cannot drift between its description and its calls.
+mod name {
+    pub(super) const PUBLISHED: &str = "outbox_published_total";
+    pub(super) const ACKED: &str = "outbox_acked_total";
+    pub(super) const REARMED: &str = "outbox_rearmed_total";
+    pub(super) const RETRIED: &str = "outbox_retried_total";
+    pub(super) const TERMINAL: &str = "outbox_terminal_total";
+    pub(super) const DLQ_WRITTEN: &str = "outbox_dlq_written_total";
+    pub(super) const LEASE_LOST: &str = "outbox_lease_lost_total";
+    pub(super) const CANCELLED_RUNS: &str = "outbox_cancelled_runs_total";
+    pub(super) const POISON_ROWS: &str = "outbox_poison_rows_total";
+    pub(super) const LEASE_RENEWALS: &str = "outbox_lease_renewals_total";
+    pub(super) const CLAIM_ERRORS: &str = "outbox_claim_errors_total";
+    pub(super) const COMPLETION_ERRORS: &str = "outbox_completion_errors_total";
+    pub(super) const IN_FLIGHT: &str = "outbox_in_flight";
+    pub(super) const FIRING_LATENESS: &str = "outbox_firing_lateness_seconds";
+    pub(super) const HANDLER_DURATION: &str = "outbox_handler_duration_seconds";
+    pub(super) const CLAIM_BATCH_SIZE: &str = "outbox_claim_batch_size";
+    pub(super) const QUEUE_DEPTH: &str = "outbox_queue_depth";
+    pub(super) const OLDEST_DUE_LATENESS: &str = "outbox_queue_oldest_due_lateness_seconds";
+}
+
+// The metric calls, one function per metric (the table in the module docs says what each
+// counts). The worker and the publish functions record through these only.
+
+/// `outbox_published_total{queue}`: `rows` inserted by one publish or extend statement.
+/// Describes the metrics first: a process that only publishes starts no worker.
+pub(crate) fn published(queue: &str, rows: u64) {
+    describe();
+    metrics::counter!(name::PUBLISHED, "queue" => queue.to_owned()).increment(rows);
+}
+
+/// `outbox_acked_total{queue}`: a successful run whose completion committed.
+pub(crate) fn acked(queue: &str) {
+    metrics::counter!(name::ACKED, "queue" => queue.to_owned()).increment(1);
+}
+
+/// `outbox_rearmed_total{queue}`: a completion that applied a queued rearm.
+pub(crate) fn rearmed(queue: &str) {
+    metrics::counter!(name::REARMED, "queue" => queue.to_owned()).increment(1);
+}
+
+/// `outbox_retried_total{queue}`: a failed run scheduled for another attempt.
+pub(crate) fn retried(queue: &str) {
+    metrics::counter!(name::RETRIED, "queue" => queue.to_owned()).increment(1);
+}
+
+/// `outbox_terminal_total{queue, reason}`: a row ended for good without success (`reason`
+/// as stored in the dead-letter table).
+pub(crate) fn terminal(queue: &str, reason: &'static str) {
+    metrics::counter!(name::TERMINAL, "queue" => queue.to_owned(), "reason" => reason).increment(1);
+}
+
+/// `outbox_dlq_written_total{queue}`: a row archived to the dead-letter table.
+pub(crate) fn dead_letter_written(queue: &str) {
+    metrics::counter!(name::DLQ_WRITTEN, "queue" => queue.to_owned()).increment(1);
+}
+
+/// `outbox_lease_lost_total{queue, phase}`: a write (or a renewal) that found its lease gone.
+pub(crate) fn lease_lost(queue: &str, phase: &'static str) {
+    metrics::counter!(name::LEASE_LOST, "queue" => queue.to_owned(), "phase" => phase).increment(1);
+}
+
+/// `outbox_cancelled_runs_total{queue}`: a run of a timer cancelled while it ran.
+pub(crate) fn cancelled_run(queue: &str) {
+    metrics::counter!(name::CANCELLED_RUNS, "queue" => queue.to_owned()).increment(1);
+}
+
+/// `outbox_poison_rows_total{queue}`: a row no claim could take, set aside.
+pub(crate) fn poison_row(queue: &str) {
+    metrics::counter!(name::POISON_ROWS, "queue" => queue.to_owned()).increment(1);
+}
+
+/// `outbox_lease_renewals_total`: a renewal statement that succeeded.
+pub(crate) fn lease_renewed() {
+    metrics::counter!(name::LEASE_RENEWALS).increment(1);
+}
+
+/// `outbox_claim_errors_total`: a claim statement that failed.
+pub(crate) fn claim_failed() {
+    metrics::counter!(name::CLAIM_ERRORS).increment(1);
+}
+
+/// `outbox_completion_errors_total`: a fenced write of a run that failed for good.
+pub(crate) fn completion_failed() {
+    metrics::counter!(name::COMPLETION_ERRORS).increment(1);
+}
+
+/// `outbox_firing_lateness_seconds{queue}`: claim time minus deadline of one delivery.
+pub(crate) fn firing_lateness(queue: &str, seconds: f64) {
+    metrics::histogram!(name::FIRING_LATENESS, "queue" => queue.to_owned()).record(seconds);
+}
+
+/// `outbox_handler_duration_seconds{queue}`: the wall time of one handler run.
+pub(crate) fn handler_duration(queue: &str, seconds: f64) {
+    metrics::histogram!(name::HANDLER_DURATION, "queue" => queue.to_owned()).record(seconds);
+}
+
+/// `outbox_claim_batch_size`: the rows one claim statement returned.
+pub(crate) fn claim_batch_size(rows: usize) {
+    metrics::histogram!(name::CLAIM_BATCH_SIZE).record(rows as f64);
+}
+
+/// `outbox_queue_depth{queue, state}`: one figure of the queue statistics.
+pub(crate) fn queue_depth(queue: &str, state: &'static str, rows: f64) {
+    metrics::gauge!(name::QUEUE_DEPTH, "queue" => queue.to_owned(), "state" => state).set(rows);
+}
+
+/// `outbox_queue_oldest_due_lateness_seconds{queue}`: how long the oldest due row waited.
+pub(crate) fn oldest_due_lateness(queue: &str, seconds: f64) {
+    metrics::gauge!(name::OLDEST_DUE_LATENESS, "queue" => queue.to_owned()).set(seconds);
+}
 
 /// The `send` span of one publish (`batch`: the item count of a batch).
 pub(crate) fn send_span(queue: &str, timer_id: Option<&str>, batch: Option<usize>) -> Span {
@@ -439,7 +551,7 @@ pub(crate) struct InFlight {
 impl InFlight {
     pub(crate) fn start(queue: &str, span: &Span) -> Self {
         describe();
-        let gauge = metrics::gauge!(IN_FLIGHT, "queue" => queue.to_owned());
+        let gauge = metrics::gauge!(name::IN_FLIGHT, "queue" => queue.to_owned());
         gauge.increment(1.0);
         InFlight {
             gauge,

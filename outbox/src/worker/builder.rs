@@ -5,8 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::config::{Config, QueueDepth};
-use super::handler::{Handler, HandlerOptions, Route};
-use super::run::Worker;
+use super::decide::Route;
+use super::handler::{Handler, HandlerOptions};
+use super::lifecycle::Worker;
 use super::schedule::{Declared, Schedule};
 use crate::error::{Error, Result};
 use crate::periodic::{Recurrence, DECLARED_SCHEDULE_NAME};

@@ -17,6 +17,7 @@ use tokio::time::MissedTickBehavior;
 use super::shared::Shared;
 use crate::stats::{QueueStats, StatsMode, StatsRequest};
 use crate::store::Store;
+use crate::telemetry;
 
 /// The worker loop holding the poller slot (0: none).
 static POLLER: AtomicU64 = AtomicU64::new(0);
@@ -25,10 +26,6 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// left) is set to 0 instead of keeping its last value.
 static REPORTED: Mutex<BTreeSet<(String, &'static str)>> = Mutex::new(BTreeSet::new());
 
-/// The gauge of rows by queue and state.
-pub(crate) const DEPTH: &str = "outbox_queue_depth";
-/// The gauge of the oldest due row's lateness by queue.
-pub(crate) const LATENESS: &str = "outbox_queue_oldest_due_lateness_seconds";
 /// The `state` label of the lateness series in [`REPORTED`] (not a label value).
 const LATENESS_KEY: &str = "";
 
@@ -104,20 +101,20 @@ fn report(stats: &[QueueStats]) {
         ];
         for (state, count) in figures {
             if let Some(n) = count.value() {
-                metrics::gauge!(DEPTH, "queue" => s.queue.clone(), "state" => state).set(n as f64);
+                telemetry::queue_depth(&s.queue, state, n as f64);
                 now.insert((s.queue.clone(), state));
             }
         }
         let late = s.oldest_due_lateness.unwrap_or(Duration::ZERO);
-        metrics::gauge!(LATENESS, "queue" => s.queue.clone()).set(late.as_secs_f64());
+        telemetry::oldest_due_lateness(&s.queue, late.as_secs_f64());
         now.insert((s.queue.clone(), LATENESS_KEY));
     }
     let mut reported = REPORTED.lock().unwrap_or_else(|p| p.into_inner());
     for (queue, state) in reported.difference(&now) {
         if *state == LATENESS_KEY {
-            metrics::gauge!(LATENESS, "queue" => queue.clone()).set(0.0);
+            telemetry::oldest_due_lateness(queue, 0.0);
         } else {
-            metrics::gauge!(DEPTH, "queue" => queue.clone(), "state" => *state).set(0.0);
+            telemetry::queue_depth(queue, state, 0.0);
         }
     }
     *reported = now;

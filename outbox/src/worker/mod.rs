@@ -7,31 +7,46 @@
 //! [`Context`](crate::Context), [`Outcome`](crate::Outcome) and
 //! [`HandlerOptions`](crate::HandlerOptions), all at the crate root.
 
-// Files by job: `config.rs` (knobs), `builder.rs` (WorkerBuilder), `handler.rs` (what a
-// handler gets and returns, and the decision a run comes to), `retry.rs` (strategies),
-// `claim_loop.rs` (claiming and waking up), `complete.rs` (running handlers and writing
-// their completions), `leases.rs` (held rows and renewal), `isolate.rs` and `quarantine.rs`
-// (a claim that fails), `gauge.rs` (the opt-in queue-depth gauge), `schedule.rs` (periodic timers), `shared.rs` (state
-// those share), and `run.rs` (Worker,
-// RunningWorker, shutdown, run_due). Each public item has one path: the crate root for what
-// the quick start types, this module for the rest.
+// Files by job. Each public item has one path: the crate root for what the quick start
+// types, this module for the rest.
+//
+//   lifecycle.rs  Worker, RunningWorker, start, shutdown, run_due
+//   builder.rs    WorkerBuilder            config.rs  the knobs and their checks
+//   handler.rs    what a handler author sees: Context, Outcome, Handler, HandlerOptions
+//   retry.rs      RetryStrategy            schedule.rs  periodic timers: register, arm
+//   claim.rs      claiming: the claim loop (sleep until due, back-off), run_due's rounds
+//   execute.rs    one claimed row, the same for both (Mode::Pipelined | Mode::Inline)
+//   decide.rs     max_deliveries, decoding, the handler call, outcome → Decision
+//   complete.rs   the fenced writes, tried as the mode says; what a completion reports
+//   acks.rs       the completer (pipelined acks)    renewal.rs  lease renewal
+//   leases.rs     held leases and their phase       poison.rs   isolation, quarantine
+//   gauge.rs      the opt-in queue-depth gauge      shared.rs   what the tasks share
+//
+// A claimed row's walk: claim.rs (claim, register as held) → execute.rs (arm a periodic
+// run, decide.rs, the completion) → complete.rs (write, report) or acks.rs (batched).
+mod acks;
 pub(crate) mod builder;
-mod claim_loop;
+mod claim;
 mod complete;
 mod config;
+mod decide;
+mod execute;
 mod gauge;
 pub(crate) mod handler;
-mod isolate;
 mod leases;
-mod quarantine;
+pub(crate) mod lifecycle;
+mod poison;
+mod renewal;
 pub(crate) mod retry;
-pub(crate) mod run;
 mod schedule;
 mod shared;
 
+pub use self::claim::RUN_DUE_LIMIT;
 pub use self::config::{DEFAULT_ACK_BATCH_SIZE, MIN_QUEUE_DEPTH_INTERVAL};
+pub use self::decide::Decision;
+pub use self::execute::Dispatched;
 pub use self::handler::{
-    CancelReason, Decision, Handler, IntoOutcome, DEFAULT_HANDLER_TIMEOUT, DEFAULT_MAX_DELIVERIES,
+    CancelReason, Handler, IntoOutcome, DEFAULT_HANDLER_TIMEOUT, DEFAULT_MAX_DELIVERIES,
 };
+pub use self::lifecycle::SHUTDOWN_GRACE;
 pub use self::retry::MAX_RETRY_DELAY;
-pub use self::run::{Dispatched, RUN_DUE_LIMIT, SHUTDOWN_GRACE};

@@ -1,4 +1,5 @@
-//! What the claim loop, the handler tasks, the completer and the renewal loop share: the store,
+//! What the claim loop, the handler tasks, the completer and the renewal loop share (and a
+//! `run_due` call, for its duration): the store,
 //! the routes, the knobs, the held leases, the rows set aside as poison, the mapping from
 //! the store's clock to the local one, and the wake-up hint a completion leaves for the idle
 //! claim loop.
@@ -12,9 +13,9 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::config::Config;
-use super::handler::Route;
+use super::decide::Route;
 use super::leases::Held;
-use super::quarantine::Quarantine;
+use super::poison::Quarantine;
 use crate::store::{Delivery, Store};
 
 /// A claimed row on its way from the claim loop to a handler task, with the `receive` span

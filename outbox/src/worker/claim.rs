@@ -1,6 +1,8 @@
-//! The claim loop: claims when every buffered row has a handler, hands rows to the handler
-//! tasks, and when idle sleeps until the earliest deadline, a notification, a completion's
-//! hint or the idle ceiling. It backs off after failures.
+//! Claiming. A started worker's claim loop claims when every buffered row has a handler,
+//! hands rows to the handler tasks, and when idle sleeps until the earliest deadline, a
+//! notification, a completion's hint or the idle ceiling; it backs off after failures.
+//! [`Worker::run_due`](crate::Worker::run_due) claims in rounds instead ([`run_due`]) and
+//! runs each row inline. Both claim through [`receive`], and run rows through `execute.rs`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,11 +11,109 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::isolate::claim_isolating;
+use super::execute::{execute, Dispatched, Executed, Mode};
+use super::poison::claim_isolating;
 use super::shared::{backoff, Claimed, Shared};
-use crate::error::Error;
+use crate::error::{Error, Result};
 use crate::store::{ClaimRequest, Store, Wakeup};
 use crate::telemetry;
+
+/// The most deliveries one [`Worker::run_due`](crate::Worker::run_due) call runs.
+pub const RUN_DUE_LIMIT: usize = 10_000;
+
+/// What a claim does when its statement fails because of one row's data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OnRowFault {
+    /// Claim around the row and set it aside (`poison.rs`): a started worker.
+    Isolate,
+    /// Fail with the error: `run_due`, whose caller gets it.
+    Fail,
+}
+
+/// One claim statement in its `receive` span, the same for the claim loop and `run_due`:
+/// the span's fields and links, the claim metrics, and every row it took registered as held
+/// from now (its lease runs from here on the local clock).
+async fn receive<S: Store>(
+    shared: &Shared<S>,
+    queues: &[String],
+    request: ClaimRequest<'_>,
+    on_row_fault: OnRowFault,
+) -> Result<Vec<Claimed>> {
+    let span = telemetry::receive_span(queues);
+    let claimed = async {
+        match shared.store.claim(request).await {
+            Err(e) if e.is_row_fault() && on_row_fault == OnRowFault::Isolate => {
+                claim_isolating(
+                    &shared.store,
+                    &shared.routes,
+                    &shared.quarantine,
+                    request,
+                    &e,
+                )
+                .await
+            }
+            done => done,
+        }
+    }
+    .instrument(span.clone())
+    .await;
+    let batch = match claimed {
+        Ok(batch) => batch,
+        Err(e) => {
+            telemetry::error(&span, e.variant());
+            telemetry::claim_failed();
+            return Err(e);
+        }
+    };
+    telemetry::claim_batch_size(batch.len());
+    span.record("messaging.batch.message_count", batch.len() as u64);
+    let claimed_at = Instant::now();
+    let rows = batch
+        .into_iter()
+        .map(|d| {
+            shared.held.add(&d, claimed_at);
+            telemetry::link_creation(&span, d.headers.as_ref(), Some(d.lease.id));
+            Claimed {
+                delivery: d,
+                receive: span.clone(),
+            }
+        })
+        .collect();
+    Ok(rows)
+}
+
+/// `run_due`'s claim rounds: claims until a claim comes back empty (or [`RUN_DUE_LIMIT`]
+/// rows ran), running each row to completion in claim order before the next claim. The
+/// first write that fails ends the call with its error; the rows it has not run stay leased.
+pub(crate) async fn run_due<S: Store>(
+    shared: &Arc<Shared<S>>,
+    queues: &[String],
+) -> Result<Vec<Dispatched>> {
+    let config = shared.config;
+    let mut out = Vec::new();
+    // Rows given back without a run (a schedule this worker cannot compute): not claimed
+    // again by this call. (Nothing else is held between rounds: every row of a round has
+    // been completed or given up before the next claim.)
+    let mut given_back: Vec<i64> = Vec::new();
+    while out.len() < RUN_DUE_LIMIT {
+        let limit = config.fetch_batch_size.min(RUN_DUE_LIMIT - out.len());
+        let request = ClaimRequest::new(queues, limit, config.lease_ttl).excluding(&given_back);
+        let batch = receive(shared, queues, request, OnRowFault::Fail).await?;
+        if batch.is_empty() {
+            break;
+        }
+        for claimed in batch {
+            let id = claimed.delivery.lease.id;
+            match execute(shared, claimed, Mode::Inline).await {
+                Executed::Done(dispatched) => out.push(dispatched),
+                Executed::GivenBack => given_back.push(id),
+                Executed::Nothing => {}
+                Executed::Failed(e) => return Err(e),
+            }
+        }
+    }
+    Ok(out)
+}
 
 /// Logs a failure at once and then at most every 10 s, with how many were not logged, so a
 /// worker whose database is down says why without flooding the log.
@@ -98,22 +198,11 @@ pub(crate) async fn claim_loop<S: Store>(
         // ours, and dropping the future then would strand them until their lease expires.
         // The claim is one short statement; shutdown releases what it returns. (Shutdown
         // gives up on it only at its deadline, when the database does not answer.)
-        let receive = telemetry::receive_span(queues);
-        let claimed = async {
-            match shared.store.claim(request).await {
-                Err(e) if e.is_row_fault() => claim_isolating(shared, request, &e).await,
-                done => done,
-            }
-        }
-        .instrument(receive.clone())
-        .await;
-        let batch = match claimed {
+        let batch = match receive(shared, queues, request, OnRowFault::Isolate).await {
             Ok(b) => b,
             Err(e) => {
-                telemetry::error(&receive, e.variant());
                 failures += 1;
                 throttle.failed("claim", &e, failures);
-                metrics::counter!("outbox_claim_errors_total").increment(1);
                 drop(permits);
                 if sleep_or_stop(backoff(failures - 1), stopped).await {
                     return;
@@ -124,18 +213,9 @@ pub(crate) async fn claim_loop<S: Store>(
         failures = 0;
         throttle.recovered();
         let got = batch.len();
-        metrics::histogram!("outbox_claim_batch_size").record(got as f64);
-        receive.record("messaging.batch.message_count", got as u64);
-        let claimed_at = Instant::now();
-        for (permit, d) in permits.zip(batch) {
-            shared.held.add(&d, claimed_at);
-            telemetry::link_creation(&receive, d.headers.as_ref(), Some(d.lease.id));
-            permit.send(Claimed {
-                delivery: d,
-                receive: receive.clone(),
-            });
+        for (permit, claimed) in permits.zip(batch) {
+            permit.send(claimed);
         }
-        drop(receive);
         // Hints that arrived while we were busy are covered by this claim or by the
         // next_wakeup below.
         if let Some(w) = wakeups.as_mut() {
@@ -154,7 +234,7 @@ pub(crate) async fn claim_loop<S: Store>(
         // Idle: sleep until the earliest deadline, a notification, a completion's hint or
         // the idle ceiling (SPEC §7.3). One index-backed query; none while asleep.
         // Queues at their max_concurrency are left out: their due rows cannot be taken now,
-        // and the run that frees a slot wakes us (see `complete.rs`).
+        // and the run that frees a slot wakes us (see `execute.rs`).
         let exclude = shared.exclude();
         let open: Vec<String> = match &limits {
             None => queues.to_vec(),
@@ -281,7 +361,7 @@ async fn recv_wakeup(wakeups: &mut Option<mpsc::Receiver<Wakeup>>) -> Option<Wak
 }
 
 /// Sleeps, returning true if the worker was stopped meanwhile.
-pub(crate) async fn sleep_or_stop(d: Duration, stopped: &mut watch::Receiver<bool>) -> bool {
+async fn sleep_or_stop(d: Duration, stopped: &mut watch::Receiver<bool>) -> bool {
     tokio::select! {
         () = tokio::time::sleep(d) => *stopped.borrow(),
         _ = stopped.changed() => true,

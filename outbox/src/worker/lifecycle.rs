@@ -1,5 +1,5 @@
 //! [`Worker`], [`RunningWorker`], shutdown and [`Worker::run_due`]: the worker's life from
-//! start to stop. The other files hold its parts (see the module doc in `mod.rs`).
+//! start to stop. The other files hold its parts (the map is in `mod.rs`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -8,26 +8,20 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch, Mutex, OnceCell};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tracing::Instrument;
 
-use super::claim_loop::claim_loop;
-use super::complete::{
-    completer, finish_run, handler_task, process_span, renewal_loop, settle_outcome,
-    Phase as CompletePhase,
-};
+use super::acks::completer;
+use super::claim::{self, claim_loop};
 use super::config::Config;
+use super::decide::Route;
+use super::execute::{handler_task, Dispatched};
 use super::gauge::queue_depth;
-use super::handler::{decide, Decision, Route};
 use super::leases::Phase;
-use super::schedule::{may_start, next_instant, register_all, register_one, Schedule, Start};
+use super::renewal::renewal_loop;
+use super::schedule::{register_all, register_one, Schedule};
 use super::shared::{Claimed, Shared};
 use crate::error::Result;
-use crate::store::transaction::TransactionAccess;
-use crate::store::{
-    ClaimRequest, Completion, Delivery, Failure, FailureReason, Registered, Release, Released,
-    Store,
-};
-use crate::telemetry::{self, InFlight};
+use crate::store::{Completion, Failure, FailureReason, Registered, Release, Released, Store};
+use crate::telemetry;
 
 /// A worker: one claim loop, `concurrency` handler tasks, fenced completions, on-time
 /// wake-ups, recovery from database failures, graceful shutdown. Build one with
@@ -209,22 +203,6 @@ impl<S> std::fmt::Debug for Worker<S> {
     }
 }
 
-/// The most deliveries one [`Worker::run_due`] call runs.
-pub const RUN_DUE_LIMIT: usize = 10_000;
-
-/// One delivery run by [`Worker::run_due`]: the claimed row, what the handler decided,
-/// and how the fenced completion ended.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Dispatched {
-    /// The claimed row.
-    pub delivery: Delivery,
-    /// What the run decided.
-    pub decision: Decision,
-    /// How the completion ended (for example [`Completion::Rearmed`] when the timer was
-    /// extended during the run).
-    pub completion: Completion,
-}
-
 /// What [`RunningWorker::shutdown`] did with the rows the worker held. Every lease still
 /// held at shutdown is given back by a write fenced by its token, so other workers can
 /// claim the rows at once instead of waiting for `lease_ttl`.
@@ -377,6 +355,11 @@ impl<S: Store> Worker<S> {
     /// its own timer is pending at its new deadline and does not run again until the
     /// store's clock reaches it. No batching, no sleeping, no notifications.
     ///
+    /// Each row runs through the same code as on a started worker, with the same metrics,
+    /// spans and events; only its writes differ: each is made once, in this call (a success
+    /// is not pipelined, a failed write is not retried), and the first that fails is the
+    /// call's error.
+    ///
     /// With [`crate::testing::MemoryStore`] and its virtual clock this is deterministic:
     /// publish, [`advance`](crate::testing::MemoryStore::advance), `run_due`, inspect. It
     /// works on [`PgStore`](crate::PgStore) too (for a drain in a script or a test).
@@ -391,13 +374,14 @@ impl<S: Store> Worker<S> {
     /// starts, as on a started worker; the [`testing`](crate::testing) module docs show a day of
     /// a five-minute schedule in virtual time.
     ///
-    /// Stops after [`RUN_DUE_LIMIT`] deliveries, so a handler that keeps making itself due
-    /// at once cannot loop forever.
+    /// Stops after [`RUN_DUE_LIMIT`](crate::worker::RUN_DUE_LIMIT) deliveries, so a handler
+    /// that keeps making itself due at once cannot loop forever.
     ///
     /// # Errors
     /// The first storage error (of the first call's registration, of a claim, of queueing a
-    /// periodic run's next instant, or of a completion); deliveries before it have been
-    /// completed, and the row it met stays leased until its lease expires.
+    /// periodic run's next instant, of giving back a schedule's row this worker cannot
+    /// compute, or of a completion); deliveries before it have been completed, and the row
+    /// it met stays leased until its lease expires.
     pub async fn run_due(&self) -> Result<Vec<Dispatched>> {
         telemetry::describe();
         // As `start` registers before its first claim. `get_or_try_init` leaves the cell
@@ -405,119 +389,13 @@ impl<S: Store> Worker<S> {
         self.registered
             .get_or_try_init(|| async { self.register_each().await.map(drop) })
             .await?;
-        let mut out = Vec::new();
-        // Rows given back without a run (a schedule this worker cannot compute): not claimed
-        // again by this call.
-        let mut given_back: Vec<i64> = Vec::new();
-        while out.len() < RUN_DUE_LIMIT {
-            let limit = self.config.fetch_batch_size.min(RUN_DUE_LIMIT - out.len());
-            let receive = telemetry::receive_span(&self.queues);
-            let claimed = self
-                .store
-                .claim(
-                    ClaimRequest::new(&self.queues, limit, self.config.lease_ttl)
-                        .excluding(&given_back),
-                )
-                .instrument(receive.clone())
-                .await;
-            let batch = match claimed {
-                Ok(batch) => batch,
-                Err(e) => {
-                    telemetry::error(&receive, e.variant());
-                    return Err(e);
-                }
-            };
-            receive.record("messaging.batch.message_count", batch.len() as u64);
-            if batch.is_empty() {
-                break;
-            }
-            for d in &batch {
-                telemetry::link_creation(&receive, d.headers.as_ref(), Some(d.lease.id));
-            }
-            for d in batch {
-                let Some(route) = self.routes.get(&d.queue) else {
-                    continue;
-                };
-                let span = process_span(&d, &receive);
-                // As a started worker's run (complete.rs): a periodic run queues its next
-                // instant first, and does not start without it.
-                match span.in_scope(|| next_instant(&route.schedules, &d)) {
-                    Start::Plain => {}
-                    Start::Hold => {
-                        // Given back untouched, as a started worker does (complete.rs).
-                        let release = [Release {
-                            lease: d.lease,
-                            started: false,
-                        }];
-                        self.store.release(&release).await?;
-                        given_back.push(d.lease.id);
-                        continue;
-                    }
-                    Start::Arm(at) => {
-                        let armed = self
-                            .store
-                            .arm_next(d.lease, at)
-                            .instrument(span.clone())
-                            .await?;
-                        let timer_id = d.timer_id.as_deref().unwrap_or_default();
-                        if !span.in_scope(|| may_start(timer_id, at, Some(armed))) {
-                            continue;
-                        }
-                    }
-                }
-                let transaction = TransactionAccess::new(self.store.transactions(), d.lease);
-                let run = InFlight::start(&d.queue, &span);
-                let decided = decide(route, &d, None, transaction)
-                    .instrument(span.clone())
-                    .await;
-                finish_run(run, &decided);
-                let decision = decided.decision;
-                let settle = telemetry::settle_span(&span, &d.queue, d.lease.id);
-                let written = async {
-                    Ok::<_, crate::error::Error>(match &decision {
-                        Decision::Completed { completion } => (CompletePhase::Ack, *completion),
-                        Decision::Ack => (CompletePhase::Ack, self.store.ack(d.lease).await?),
-                        Decision::Retry { delay, .. } => (
-                            CompletePhase::Retry,
-                            self.store.retry(d.lease, *delay).await?,
-                        ),
-                        Decision::Fail { reason, error } => {
-                            settle.record("outbox.failure_reason", reason.as_str());
-                            let failure = Failure {
-                                reason: *reason,
-                                last_error: error.as_deref(),
-                            };
-                            (
-                                CompletePhase::Fail,
-                                self.store.fail(d.lease, failure).await?,
-                            )
-                        }
-                    })
-                }
-                .instrument(settle.clone())
-                .await;
-                let (phase, completion) = match written {
-                    Ok(done) => done,
-                    Err(e) => {
-                        telemetry::outcome(&settle, "not_written");
-                        telemetry::error(&settle, e.variant());
-                        return Err(e);
-                    }
-                };
-                let (outcome, error_type) =
-                    settle_outcome(phase, Some(&completion), self.store.dead_letter_enabled());
-                telemetry::outcome(&settle, outcome);
-                if let Some(e) = error_type {
-                    telemetry::error(&settle, e);
-                }
-                out.push(Dispatched {
-                    delivery: d,
-                    decision,
-                    completion,
-                });
-            }
-        }
-        Ok(out)
+        // What this call holds and sets aside lasts for this call, as for one start.
+        let shared = Arc::new(Shared::new(
+            self.store.clone(),
+            self.routes.clone(),
+            self.config,
+        ));
+        claim::run_due(&shared, &self.queues).await
     }
 
     /// Spawns the worker on the current Tokio runtime.
