@@ -5,8 +5,9 @@
 //! resolves relative links against the crate's directory: every link is absolute.
 //!
 //! The guide (`docs/guide/*.md`) is held to the same standard: its examples are tests that
-//! run (periodic timers, testing), its relative links name files and headings that exist,
-//! and the metrics the runtime describes are all named in the crate's docs.
+//! run (periodic timers, testing); every link into the repository, from any page of the docs
+//! or from the crates' sources, names a file and a heading that exist; and the metrics the
+//! runtime describes are all named in the crate's docs.
 
 use std::path::Path;
 
@@ -236,18 +237,58 @@ fn anchors(text: &str) -> Vec<String> {
     out
 }
 
-/// The guide pages, the lab notes and the runbooks link to each other by relative paths
-/// (GitHub resolves them against the page): each names a file that exists and, after `#`,
-/// one of that file's headings. Absolute links (docs.rs, the repository) are not fetched.
+/// The repository's own pages as GitHub serves them: links in the README (absolute, for
+/// crates.io) and in the crates' docs and messages point here.
+const REPO: [&str; 2] = [
+    "https://github.com/outbox-rs/outbox/blob/main/",
+    "https://github.com/outbox-rs/outbox/tree/main/",
+];
+
+/// Why `target`, linked from `page`, is broken, if it is: a relative path or a link into
+/// the repository must name a file that exists and, after `#`, one of its headings. Other
+/// absolute links (docs.rs, crates.io) are not fetched.
+fn broken(page: &str, target: &str) -> Option<&'static str> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let (file, fragment) = target.split_once('#').unwrap_or((target, ""));
+    let path = if let Some(rest) = REPO.iter().find_map(|r| file.strip_prefix(r)) {
+        root.join(rest)
+    } else if file.starts_with("https://") || file.starts_with("http://") {
+        return None;
+    } else if file.is_empty() {
+        root.join(page)
+    } else {
+        root.join(page).parent().unwrap().join(file)
+    };
+    if !path.exists() {
+        return Some("no such file");
+    }
+    if !fragment.is_empty() {
+        let heads = anchors(&std::fs::read_to_string(&path).unwrap_or_default());
+        if !heads.iter().any(|h| h == fragment) {
+            return Some("no such heading");
+        }
+    }
+    None
+}
+
+/// The docs link to each other by relative paths (GitHub resolves them against the page),
+/// the README and the shipped upgrade guide by absolute ones: each names a file that exists
+/// and, after `#`, one of that file's headings. So do the repository links in the crates'
+/// sources (rustdoc, error messages).
 #[test]
-fn every_relative_link_of_the_docs_resolves() {
+fn every_link_into_the_repository_resolves() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let mut pages = vec![
-        "docs/benchmarks.md".to_owned(),
-        "docs/faults.md".to_owned(),
-        "examples/presence/README.md".to_owned(),
+        "README.md".to_owned(),
+        "CHANGELOG.md".to_owned(),
         "CONTRIBUTING.md".to_owned(),
         "ARCHITECTURE.md".to_owned(),
+        "docs/benchmarks.md".to_owned(),
+        "docs/faults.md".to_owned(),
+        "docs/performance.md".to_owned(),
+        "outbox/docs/upgrading.md".to_owned(),
+        "outbox-cli/README.md".to_owned(),
+        "examples/presence/README.md".to_owned(),
     ];
     for dir in ["docs/guide", "docs/lab-notes"] {
         for entry in std::fs::read_dir(root.join(dir)).unwrap() {
@@ -257,13 +298,10 @@ fn every_relative_link_of_the_docs_resolves() {
             }
         }
     }
-    let mut broken = Vec::new();
+    let mut bad = Vec::new();
     for page in &pages {
-        let text = read(page);
-        let base = root.join(page);
-        let base = base.parent().unwrap();
         let mut fenced = false;
-        for line in text.lines() {
+        for line in read(page).lines() {
             if line.starts_with("```") {
                 fenced = !fenced;
             }
@@ -272,25 +310,24 @@ fn every_relative_link_of_the_docs_resolves() {
             }
             for rest in line.split("](").skip(1) {
                 let target = rest.split(')').next().unwrap();
-                if target.starts_with("https://") || target.starts_with("http://") {
-                    continue;
-                }
-                let (file, fragment) = target.split_once('#').unwrap_or((target, ""));
-                let path = if file.is_empty() {
-                    root.join(page)
-                } else {
-                    base.join(file)
-                };
-                if !path.exists() {
-                    broken.push(format!("{page}: {target} (no such file)"));
-                } else if !fragment.is_empty() {
-                    let heads = anchors(&std::fs::read_to_string(&path).unwrap_or_default());
-                    if !heads.iter().any(|h| h == fragment) {
-                        broken.push(format!("{page}: {target} (no such heading)"));
-                    }
+                if let Some(why) = broken(page, target) {
+                    bad.push(format!("{page}: {target} ({why})"));
                 }
             }
         }
     }
-    assert!(broken.is_empty(), "broken links: {broken:#?}");
+    for dir in ["outbox/src", "outbox-cli/src"] {
+        for (file, text) in rust_files(dir) {
+            for rest in text.split(REPO[0]).skip(1) {
+                let end = rest
+                    .find(|c: char| c.is_whitespace() || "\"'>)`".contains(c))
+                    .unwrap_or(rest.len());
+                let target = format!("{}{}", REPO[0], &rest[..end]);
+                if let Some(why) = broken("README.md", &target) {
+                    bad.push(format!("{file}: {target} ({why})"));
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "broken links: {bad:#?}");
 }
