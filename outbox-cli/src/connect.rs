@@ -7,9 +7,9 @@ use outbox::Error;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, PgPool};
 
-/// The README section on the grants each command needs.
+/// The guide's section on the grants each command needs.
 pub const ROLES_GUIDE: &str =
-    "https://github.com/outbox-rs/outbox#deployment-roles-poolers-session-settings";
+    "https://github.com/outbox-rs/outbox/blob/main/docs/guide/deployment.md#a-runtime-role-without-ddl-rights";
 
 /// A failure the command reports: the library's error (explained in main, with the tables the
 /// command ran on), or a message with its exit status.

@@ -763,7 +763,7 @@ async fn permission_errors_say_which_grant_is_missing() {
         "{err}"
     );
     assert!(
-        err.contains("#deployment-roles-poolers-session-settings"),
+        err.contains("docs/guide/deployment.md#a-runtime-role-without-ddl-rights"),
         "{err}"
     );
     let name = t.name.clone();

@@ -210,8 +210,36 @@ pub use worker::handler::{Context, FromRef, HandlerOptions, Outcome};
 pub use worker::lifecycle::{RunningWorker, ShutdownReport, Worker};
 pub use worker::retry::RetryStrategy;
 
-// The README's code blocks are compiled as this crate's doc tests (cfg(doctest) only, so a
-// packaged build never reads a file outside the crate).
+// The README's code blocks, and the guide's, are compiled as this crate's doc tests
+// (cfg(doctest) only, so a packaged build never reads a file outside the crate). A block
+// that is not Rust needs a language tag.
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 struct ReadmeDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/README.md")]
+struct GuideIndexDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/timers.md")]
+struct GuideTimersDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/periodic.md")]
+struct GuidePeriodicDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/workers.md")]
+struct GuideWorkersDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/scaling.md")]
+struct GuideScalingDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/deployment.md")]
+struct GuideDeploymentDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/operations.md")]
+struct GuideOperationsDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/reliability.md")]
+struct GuideReliabilityDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/testing.md")]
+struct GuideTestingDoctests;

@@ -582,7 +582,7 @@ impl OutboxBuilder {
     /// once notifications cap the commit rate (measured: notifying publishes stopped
     /// scaling at 4–8 connections, while without notifications throughput kept growing to
     /// about twice that; see "Growth curves" in
-    /// <https://github.com/outbox-rs/outbox/blob/main/docs/performance.md>). Off, the
+    /// <https://github.com/outbox-rs/outbox/blob/main/docs/lab-notes/2026-11-30.md>). Off, the
     /// statements are the same without `pg_notify`, and workers find new rows only by what
     /// they already know: the deadlines they read after each claim and their
     /// [`idle_poll`](crate::WorkerBuilder::idle_poll) ceiling (default 30 s). Set

@@ -179,7 +179,7 @@
 //! | 5000 publishes, one transaction each | 152 → 186 µs | 1 367 → 1 165 msg/s (0.85×) |
 //!
 //! Each row also carries the 66 bytes of `traceparent` (key and value), which its WAL
-//! records carry too. The repository's `docs/performance.md` ("Telemetry") says how to run
+//! records carry too. The repository's `docs/benchmarks.md` ("Telemetry") says how to run
 //! the comparison.
 
 use std::sync::Once;

@@ -1,4 +1,4 @@
-//! The fault matrix (`outbox-bench faults`, `docs/reliability.md`): real workers consume N
+//! The fault matrix (`outbox-bench faults`, `docs/faults.md`): real workers consume N
 //! plain messages and M keyed timers on a throwaway cluster while one fault is applied per
 //! scenario; afterwards every published row is accounted for.
 //!

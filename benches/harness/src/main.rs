@@ -6,7 +6,7 @@
 //! cargo run --release -p outbox-bench -- check                  # gate against the baseline
 //! cargo run --release -p outbox-bench -- run --vs-peer '/tmp/peer-venv/bin/python \
 //!     shared/peer/peer_bench.py --dsn postgresql+asyncpg://postgres@127.0.0.1:{port}/postgres --only {only}'
-//! cargo run --release -p outbox-bench -- faults                 # the fault matrix (docs/reliability.md)
+//! cargo run --release -p outbox-bench -- faults                 # the fault matrix (docs/faults.md)
 //! cargo run --release -p outbox-bench -- run --scale --json scale.jsonl   # growth curves
 //! cargo run --release -p outbox-bench -- run --soak 3 --json soak.jsonl   # soak, 3 minutes
 //! cargo run --release -p outbox-bench -- plot --scale scale.jsonl --soak soak.jsonl
@@ -15,7 +15,7 @@
 //!
 //! Without `--dsn` the harness starts a throwaway Postgres cluster with
 //! `pg_stat_statements` preloaded (see [`cluster`]) and removes it afterwards. The figures,
-//! which of them are gated, and how to read them are in `docs/performance.md`.
+//! which of them are gated, and how to read them are in `docs/benchmarks.md`.
 
 mod cluster;
 mod faults;
@@ -62,7 +62,7 @@ enum TopCmd {
     #[command(flatten)]
     Bench(Cmd),
     /// Runs the fault matrix: one fault per scenario while real workers consume, then
-    /// accounts for every published row (docs/reliability.md); exits 1 if a row is lost or
+    /// accounts for every published row (docs/faults.md); exits 1 if a row is lost or
     /// an expectation of the scenario is not met.
     Faults(faults::FaultArgs),
     /// The worker process of the `kill-9` fault (started by `faults`).
@@ -71,7 +71,7 @@ enum TopCmd {
     /// Draws the SVG plots of `run --scale` / `run --soak` from their `--json` lines.
     Plot(plot::PlotArgs),
     /// Consumer throughput with 1, 2, 4, … worker processes on one database
-    /// (docs/performance.md, "Several processes").
+    /// (docs/benchmarks.md, "Several processes").
     Processes(processes::ProcessesArgs),
     /// A worker process of `processes` (started by it).
     #[command(hide = true)]
@@ -266,7 +266,7 @@ async fn run(cli: Cli) -> Result<ExitCode, BoxError> {
                 .await
                 .map_err(|e| {
                     format!(
-                        "could not start the throwaway Postgres cluster (docs/performance.md, \
+                        "could not start the throwaway Postgres cluster (docs/benchmarks.md, \
                          \"The throwaway cluster\"): {e}"
                     )
                 })?;

@@ -1,4 +1,4 @@
-//! SVG line charts of the growth curves and the soak, for `docs/performance.md`.
+//! SVG line charts of the growth curves and the soak, for the lab notes (`docs/lab-notes/`).
 //!
 //! Drawn with `plotters`' SVG backend only: no system font library is needed (the SVG
 //! holds `<text>` elements the viewer lays out; plotters estimates their size itself).

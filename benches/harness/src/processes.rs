@@ -1,7 +1,7 @@
 //! `outbox-bench processes`: consumer throughput with 1, 2, 4, … worker **processes** on one
 //! database (SPEC §7.6, issue 14). Each process runs one `outbox::Worker` at default knobs
 //! with a handler that does nothing, so the figure is what the database and the two sides'
-//! CPU allow, not handler time. Not part of `check`; `docs/performance.md` ("Several
+//! CPU allow, not handler time. Not part of `check`; `docs/lab-notes/2026-11-30.md` ("Several
 //! processes") reads it.
 //!
 //! Per step: a fresh table, `--messages` rows published in one transaction with a deadline

@@ -413,7 +413,7 @@ pub fn shorten(q: &str, max: usize) -> String {
     }
 }
 
-/// The summary table, as Markdown (pasted into `docs/performance.md`).
+/// The summary table, as Markdown (pasted into the lab notes, `docs/lab-notes/`).
 pub fn summary_table(results: &[Measurement]) -> String {
     let mut s = String::from(
         "| scenario | msg/s | statements/msg (by kind) | WAL rec/msg | WAL B/msg | FPI/msg | ins | upd | del | hot upd | dead |\n\

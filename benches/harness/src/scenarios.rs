@@ -554,8 +554,8 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
         env.exec("CHECKPOINT").await?;
     }
 
-    // The worker gets a pool of its own, sized as the README says (concurrency + 2, plus
-    // one spare); publishes and extends run on the application's pool. Only the pools a
+    // The worker gets a pool of its own, sized as the `PgStore` docs say (concurrency + 2,
+    // plus one spare); publishes and extends run on the application's pool. Only the pools a
     // scenario uses are opened.
     let workers = match sc.kind {
         Kind::Consumer { workers, .. } => Some(workers),

@@ -1,6 +1,5 @@
 //! `outbox-bench stats`: the cost of the queue statistics (`Outbox::stats`) at 10⁶ rows
-//! (issue 16, requirement 2). Not part of `check`; the `stats` module docs and the README
-//! quote its figures.
+//! (issue 16, requirement 2). Not part of `check`; the `stats` module docs quote its figures.
 //!
 //! In a database of its own (created on `--server`, dropped afterwards, also on failure):
 //! `--rows` live rows spread evenly over `--queues` queues — half due (deadlines up to an

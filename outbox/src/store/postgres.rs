@@ -73,7 +73,7 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 ///   claim that fails on a dead connection backs off and runs again, and a completion that
 ///   does is retried while its lease lasts. The ping cost up to a third of consumer
 ///   throughput in the project's benchmarks
-///   (<https://github.com/outbox-rs/outbox/blob/main/docs/performance.md>, "Diagnostics").
+///   (<https://github.com/outbox-rs/outbox/blob/main/docs/lab-notes/2026-11-29.md>, "Diagnostics").
 /// - `synchronous_commit = off` for the worker's connections
 ///   (`PgConnectOptions::options([("synchronous_commit", "off")])`) removes the WAL flush
 ///   from every claim and ack. A crash of the database can then forget the last

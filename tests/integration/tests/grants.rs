@@ -1,8 +1,8 @@
-//! A runtime role without DDL rights (the deployment the README's "Deployment" section
-//! describes): `migrate` runs at deploy as the owner; the application's role holds only the
-//! grants listed there, and everything it does at run time works — `validate_schema` and an
-//! up-to-date `migrate()` at start, publish, extend, cancel, a worker's claim, ack, retry and
-//! dead-letter archive — while DDL is refused. Postgres: `DATABASE_URL` (its user must be
+//! A runtime role without DDL rights (the deployment `docs/guide/deployment.md` describes
+//! under that heading): `migrate` runs at deploy as the owner; the application's role holds
+//! only the grants listed there, and everything it does at run time works —
+//! `validate_schema` and an up-to-date `migrate()` at start, publish, extend, cancel, a
+//! worker's claim, ack, retry and dead-letter archive — while DDL is refused. Postgres: `DATABASE_URL` (its user must be
 //! able to create roles, as `postgres` is).
 
 use std::time::Duration;
@@ -19,7 +19,7 @@ struct Job {
     n: i64,
 }
 
-/// The grants the README's "Deployment" section lists, for `outbox`'s two tables and its
+/// The grants `docs/guide/deployment.md` lists, for `outbox`'s two tables and its
 /// record of applied migrations.
 fn runtime_grants(outbox: &Outbox, role: &str) -> Vec<String> {
     let (table, dlq, applied, paused) = (

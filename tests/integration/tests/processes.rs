@@ -1,7 +1,7 @@
 //! Several worker processes on one database (issue 14, SPEC §7.6): four processes (not
 //! tasks) serve one queue; `SKIP LOCKED` claims and token-fenced writes need no coordination.
 //! Every row runs exactly once, and every process handles some. No throughput assertion: the
-//! measured scaling is in docs/performance.md.
+//! measured scaling is in docs/lab-notes/2026-11-30.md.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

@@ -3,6 +3,11 @@
 //! `outbox/examples/quickstart.rs` (which CI runs against Postgres), so the README cannot
 //! drift from code that works. And the README is the crate's page on crates.io, which
 //! resolves relative links against the crate's directory: every link is absolute.
+//!
+//! The guide (`docs/guide/*.md`) is held to the same standard: its examples are tests that
+//! run (periodic timers, testing); every link into the repository, from any page of the docs
+//! or from the crates' sources, names a file and a heading that exist; and the metrics the
+//! runtime describes are all named in the crate's docs.
 
 use std::path::Path;
 
@@ -50,7 +55,7 @@ fn the_quick_start_is_the_example_verbatim() {
         "the quick start is its code and its `main`"
     );
     for block in blocks {
-        check_contained(&block, "outbox/examples/quickstart.rs");
+        check_contained(&block, "README.md", "outbox/examples/quickstart.rs");
     }
     // Together they are the whole example, after its header comment.
     let code_start = example.find("\nuse ").expect("the example's first `use`") + 1;
@@ -58,9 +63,9 @@ fn the_quick_start_is_the_example_verbatim() {
     assert_eq!(example[code_start..].trim_end(), together.trim_end());
 }
 
-/// Panics, naming the first line that differs, unless `block` (from the README) is in the
-/// file `path`.
-fn check_contained(block: &str, path: &str) {
+/// Panics, naming the first line that differs, unless `block` (from the page `from`) is in
+/// the file `path`.
+fn check_contained(block: &str, from: &str, path: &str) {
     let example = read(path);
     if !example.contains(block) {
         // Point at the first line that differs, not at a 150-line blob.
@@ -73,7 +78,7 @@ fn check_contained(block: &str, path: &str) {
                 |(i, l)| format!("block line {}: {l:?}", i + 1),
             );
         panic!(
-            "a README.md block is not contained verbatim in {path}; copy one into the other \
+            "a {from} block is not contained verbatim in {path}; copy one into the other \
              (formatted by rustfmt). First difference: {first_missing}"
         );
     }
@@ -95,46 +100,87 @@ fn every_link_of_the_readme_is_absolute() {
     );
 }
 
-/// The body of the first ```rust block of the README's section `heading` (`## …`).
-fn first_rust_block(readme: &str, heading: &str) -> String {
-    let section = readme
+/// The body of the first ```rust block of the section `heading` (`## …`) of `page`.
+fn first_rust_block(page: &str, heading: &str) -> String {
+    let text = read(page);
+    let section = text
         .split_once(&format!("\n## {heading}\n"))
-        .unwrap_or_else(|| panic!("README.md has a `## {heading}` section"))
+        .unwrap_or_else(|| panic!("{page} has a `## {heading}` section"))
         .1;
     let section = section.split("\n## ").next().unwrap();
     let mut lines = section.lines();
     lines
         .by_ref()
         .find(|l| l.starts_with("```rust"))
-        .unwrap_or_else(|| panic!("a ```rust block in `## {heading}`"));
+        .unwrap_or_else(|| panic!("a ```rust block in `## {heading}` of {page}"));
+    let block: Vec<&str> = lines.take_while(|l| l.trim_end() != "```").collect();
+    block.join("\n")
+}
+
+/// The page's first ```rust block, in a page whose example opens it (`# …` then prose).
+fn first_rust_block_of_page(page: &str) -> String {
+    let text = read(page);
+    let mut lines = text.lines();
+    lines
+        .by_ref()
+        .find(|l| l.starts_with("```rust"))
+        .unwrap_or_else(|| panic!("a ```rust block in {page}"));
     let block: Vec<&str> = lines.take_while(|l| l.trim_end() != "```").collect();
     block.join("\n")
 }
 
 #[test]
 fn the_testing_example_is_a_test_that_runs() {
-    let block = first_rust_block(
-        &read("README.md"),
-        "Testing your handlers without a database",
+    let block = first_rust_block_of_page("docs/guide/testing.md");
+    assert!(block.contains("run_due") && block.contains("MemoryStore"));
+    check_contained(
+        &block,
+        "docs/guide/testing.md",
+        "tests/integration/tests/readme_testing.rs",
     );
-    check_contained(&block, "tests/integration/tests/readme_testing.rs");
 }
 
-/// The periodic example is compiled as a doc test (with the rest of the README) and run
-/// in virtual time in readme_periodic.rs, whose checks are what the section says.
+/// The periodic example is compiled as a doc test (outbox's lib.rs includes the guide pages)
+/// and run in virtual time in readme_periodic.rs, whose checks are what the page says.
 #[test]
 fn the_periodic_example_is_a_test_that_runs() {
-    let block = first_rust_block(&read("README.md"), "Periodic timers");
+    let block = first_rust_block("docs/guide/periodic.md", "Declaring a schedule");
     assert!(block.contains("every = \"5m\"") && block.contains("Recurrence::cron("));
-    check_contained(&block, "tests/integration/tests/readme_periodic.rs");
+    check_contained(
+        &block,
+        "docs/guide/periodic.md",
+        "tests/integration/tests/readme_periodic.rs",
+    );
+}
+
+/// Every `.rs` file under `dir` (relative to the repository), recursively.
+fn rust_files(dir: &str) -> Vec<(String, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut out = Vec::new();
+    let mut stack = vec![root.join(dir)];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display())) {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                out.push((path.display().to_string(), text));
+            }
+        }
+    }
+    out
 }
 
 /// Found by the issue-16 trial: the README's list of metrics had fallen behind the ones the
-/// runtime describes (`outbox/src/telemetry.rs` writes each name once, as a constant of its
-/// `name` module, the only string literals of that file's code that start with `outbox_`).
+/// runtime describes. `outbox/src/telemetry.rs` writes each name once, as a constant of its
+/// `name` module (the only string literals of that file's code that start with `outbox_`).
+/// The list lives in the crate's docs (the `telemetry` module's table, the queue-depth gauge
+/// on its builder method), which the guide links to: every described metric must be named in
+/// a doc comment of the crate.
 #[test]
-fn the_readme_names_every_metric_the_runtime_describes() {
-    let readme = read("README.md");
+fn the_crate_docs_name_every_metric_the_runtime_describes() {
+    let files = rust_files("outbox/src");
     let telemetry = read("outbox/src/telemetry.rs");
     let mut described = Vec::new();
     for line in telemetry
@@ -148,10 +194,146 @@ fn the_readme_names_every_metric_the_runtime_describes() {
             }
         }
     }
+    let mut docs = String::new();
+    for (_, text) in &files {
+        for line in text.lines() {
+            let line = line.trim_start();
+            if line.starts_with("//!") || line.starts_with("///") {
+                docs.push_str(line);
+                docs.push('\n');
+            }
+        }
+    }
     assert!(described.len() >= 15, "{described:?}");
     let missing: Vec<&String> = described
         .iter()
-        .filter(|m| !readme.contains(&format!("`{m}")))
+        .filter(|m| !docs.contains(&format!("`{m}")))
         .collect();
-    assert!(missing.is_empty(), "the README does not name {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "no doc comment of outbox names {missing:?}"
+    );
+}
+
+/// GitHub's anchor for a heading: lower case, punctuation dropped, spaces as `-`.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The anchors of a Markdown file's headings (outside code blocks).
+fn anchors(text: &str) -> Vec<String> {
+    let mut fenced = false;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced && line.starts_with('#') {
+            out.push(anchor(line.trim_start_matches('#')));
+        }
+    }
+    out
+}
+
+/// The repository's own pages as GitHub serves them: links in the README (absolute, for
+/// crates.io) and in the crates' docs and messages point here.
+const REPO: [&str; 2] = [
+    "https://github.com/outbox-rs/outbox/blob/main/",
+    "https://github.com/outbox-rs/outbox/tree/main/",
+];
+
+/// Why `target`, linked from `page`, is broken, if it is: a relative path or a link into
+/// the repository must name a file that exists and, after `#`, one of its headings. Other
+/// absolute links (docs.rs, crates.io) are not fetched.
+fn broken(page: &str, target: &str) -> Option<&'static str> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let (file, fragment) = target.split_once('#').unwrap_or((target, ""));
+    let path = if let Some(rest) = REPO.iter().find_map(|r| file.strip_prefix(r)) {
+        root.join(rest)
+    } else if file.starts_with("https://") || file.starts_with("http://") {
+        return None;
+    } else if file.is_empty() {
+        root.join(page)
+    } else {
+        root.join(page).parent().unwrap().join(file)
+    };
+    if !path.exists() {
+        return Some("no such file");
+    }
+    if !fragment.is_empty() {
+        let heads = anchors(&std::fs::read_to_string(&path).unwrap_or_default());
+        if !heads.iter().any(|h| h == fragment) {
+            return Some("no such heading");
+        }
+    }
+    None
+}
+
+/// The docs link to each other by relative paths (GitHub resolves them against the page),
+/// the README and the shipped upgrade guide by absolute ones: each names a file that exists
+/// and, after `#`, one of that file's headings. So do the repository links in the crates'
+/// sources (rustdoc, error messages).
+#[test]
+fn every_link_into_the_repository_resolves() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut pages = vec![
+        "README.md".to_owned(),
+        "CHANGELOG.md".to_owned(),
+        "CONTRIBUTING.md".to_owned(),
+        "ARCHITECTURE.md".to_owned(),
+        "docs/benchmarks.md".to_owned(),
+        "docs/faults.md".to_owned(),
+        "docs/performance.md".to_owned(),
+        "outbox/docs/upgrading.md".to_owned(),
+        "outbox-cli/README.md".to_owned(),
+        "examples/presence/README.md".to_owned(),
+    ];
+    for dir in ["docs/guide", "docs/lab-notes"] {
+        for entry in std::fs::read_dir(root.join(dir)).unwrap() {
+            let name = entry.unwrap().file_name().into_string().unwrap();
+            if name.ends_with(".md") {
+                pages.push(format!("{dir}/{name}"));
+            }
+        }
+    }
+    let mut bad = Vec::new();
+    for page in &pages {
+        let mut fenced = false;
+        for line in read(page).lines() {
+            if line.starts_with("```") {
+                fenced = !fenced;
+            }
+            if fenced {
+                continue;
+            }
+            for rest in line.split("](").skip(1) {
+                let target = rest.split(')').next().unwrap();
+                if let Some(why) = broken(page, target) {
+                    bad.push(format!("{page}: {target} ({why})"));
+                }
+            }
+        }
+    }
+    for dir in ["outbox/src", "outbox-cli/src"] {
+        for (file, text) in rust_files(dir) {
+            for rest in text.split(REPO[0]).skip(1) {
+                let end = rest
+                    .find(|c: char| c.is_whitespace() || "\"'>)`".contains(c))
+                    .unwrap_or(rest.len());
+                let target = format!("{}{}", REPO[0], &rest[..end]);
+                if let Some(why) = broken("README.md", &target) {
+                    bad.push(format!("{file}: {target} ({why})"));
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "broken links: {bad:#?}");
 }

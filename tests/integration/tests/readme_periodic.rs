@@ -1,6 +1,7 @@
-//! The README's "Periodic timers" example, verbatim (tests/readme.rs checks the README block
-//! is this file's code), run in virtual time on the in-memory store: a day of its three
-//! schedules, and its nightly cron schedule on the two DST days the README describes.
+//! The example of the guide's "Periodic timers" page (`docs/guide/periodic.md`), verbatim
+//! (tests/readme.rs checks the page's block is this file's code), run in virtual time on the
+//! in-memory store: a day of its three schedules, and its nightly cron schedule on the two
+//! DST days the page describes.
 
 use outbox::periodic::Recurrence;
 use outbox::store::Store;
@@ -46,7 +47,7 @@ pub fn scheduled_worker<S: Store>(store: S) -> Result<Worker<S>, outbox::Error> 
         .build()
 }
 
-// What follows is not in the README: the checks of what it says.
+// What follows is not on the page: the checks of what it says.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -105,7 +106,7 @@ async fn a_day_of_the_readme_schedules() {
     );
 }
 
-/// The README's DST rules for the nightly 02:00 Berlin schedule: on 29 March 2026 02:00
+/// The page's DST rules for the nightly 02:00 Berlin schedule: on 29 March 2026 02:00
 /// does not exist and the run is at 03:00 CEST (01:00 UTC); on 25 October 2026 02:00 occurs
 /// twice and the run is once, at the first occurrence (CEST, 00:00 UTC). Each day before
 /// and after keeps its 02:00.

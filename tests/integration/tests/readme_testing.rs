@@ -1,6 +1,6 @@
-//! The README's "Testing your handlers without a database" example, verbatim (tests/readme.rs
-//! checks the README block is this file's code): a user's test of a handler on the in-memory
-//! store with virtual time.
+//! The example of the guide's "Testing" page (`docs/guide/testing.md`), verbatim
+//! (tests/readme.rs checks the page's block is this file's code): a user's test of a handler
+//! on the in-memory store with virtual time.
 
 use std::time::Duration;
 
