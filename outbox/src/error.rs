@@ -2,13 +2,7 @@
 
 use std::fmt;
 
-/// The address of the upgrade guide for this version ([`upgrading`](crate::schema::upgrading)
-/// on docs.rs); every error about a schema that predates this version points here.
-pub const UPGRADE_GUIDE: &str = concat!(
-    "https://docs.rs/outbox/",
-    env!("CARGO_PKG_VERSION"),
-    "/outbox/schema/upgrading/index.html"
-);
+use crate::schema::problem::{LockHolder, SchemaProblem, UPGRADE_GUIDE};
 
 /// Everything that can go wrong in `outbox`.
 ///
@@ -155,57 +149,6 @@ pub enum Error {
     /// Postgres or the connection failed.
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
-}
-
-/// One difference between the live schema and the one this version needs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SchemaProblem {
-    /// The table, column, index or constraint concerned (for example `outbox.rearm_at`).
-    pub object: String,
-    /// What is wrong.
-    pub message: String,
-    /// True when the fix is a schema upgrade of an older deployment ([`UPGRADE_GUIDE`]).
-    pub needs_upgrade: bool,
-}
-
-impl fmt::Display for SchemaProblem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.object, self.message)?;
-        if self.needs_upgrade {
-            write!(f, " (run the schema upgrade: `Outbox::migrate` with this outbox's settings; see {UPGRADE_GUIDE})")?;
-        }
-        Ok(())
-    }
-}
-
-/// Another session a migration step waited for ([`Error::MigrationBlocked`]): one holding
-/// a lock on an outbox table, or (for a `CREATE INDEX CONCURRENTLY`, which waits for every
-/// older transaction of the database) one holding a snapshot.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LockHolder {
-    /// Its backend process id (`pg_terminate_backend` takes it).
-    pub pid: i32,
-    /// When its transaction began, if it is in one.
-    pub transaction_start: Option<chrono::DateTime<chrono::Utc>>,
-    /// `pg_stat_activity.state`, such as `idle in transaction`.
-    pub state: Option<String>,
-    /// The lock modes it holds on the outbox tables, such as `AccessShareLock`;
-    /// `advisory` for another `migrate()` holding the migrators' lock; `snapshot` for a
-    /// session whose open snapshot a concurrent index build waits for.
-    pub modes: Vec<String>,
-}
-
-impl fmt::Display for LockHolder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "pid {}", self.pid)?;
-        if let Some(start) = self.transaction_start {
-            write!(f, ", transaction since {start}")?;
-        }
-        if let Some(state) = &self.state {
-            write!(f, ", {state}")?;
-        }
-        write!(f, " ({})", self.modes.join(", "))
-    }
 }
 
 struct LockHolders<'a>(&'a [LockHolder]);
@@ -456,28 +399,6 @@ impl Error {
     pub fn is_row_fault(&self) -> bool {
         self.sqlstate()
             .is_some_and(|c| c.starts_with("22") || c.starts_with("23") || c == "P0001")
-    }
-}
-
-/// Replaces "pool timed out" by the reason it did when that reason is the database being
-/// unreachable: sqlx reports only the timeout, so connect once directly and keep its error
-/// (connection refused, authentication failed, …). Anything else is returned as it was.
-pub(crate) async fn explain(pool: &sqlx::PgPool, e: Error) -> Error {
-    if !matches!(e, Error::Database(sqlx::Error::PoolTimedOut)) {
-        return e;
-    }
-    let options = pool.connect_options();
-    let direct = tokio::time::timeout(
-        std::time::Duration::from_secs(5),
-        sqlx::ConnectOptions::connect(&*options),
-    );
-    match direct.await {
-        Ok(Err(cause)) => Error::Database(cause),
-        Ok(Ok(conn)) => {
-            drop(conn);
-            e
-        }
-        Err(_) => e,
     }
 }
 

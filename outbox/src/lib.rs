@@ -171,15 +171,14 @@
 // `worker` or `testing`.
 mod cancel;
 mod error;
-mod migrate;
+#[cfg(feature = "testing")]
+mod hooks;
 mod names;
 mod outbox;
 mod publish;
 mod read;
-mod shape;
 mod sql;
 mod timer;
-mod validate;
 
 pub mod admin;
 pub mod dlq;
@@ -199,9 +198,9 @@ pub mod __private; // Not public API.
 
 pub use cancel::Cancelled;
 pub use error::{Error, Result};
+pub use message::envelope::{Message, Published};
 pub use outbox::{migrate, Outbox, OutboxBuilder};
 pub use outbox_macros::{timer, FromRef};
-pub use publish::{Message, Published};
 pub use store::postgres::PgStore;
 pub use store::transaction::HandlerTransaction;
 pub use timer::{Publisher, Timer};

@@ -17,8 +17,8 @@ use tokio::sync::watch;
 
 use super::retry::RetryStrategy;
 use crate::error::Result;
+use crate::message::Headers;
 use crate::periodic::Recurrence;
-use crate::publish::Headers;
 use crate::store::transaction::{HandlerTransaction, RunTransaction, TransactionAccess};
 use crate::store::{Completion, Delivery, FailureReason};
 use crate::timer::Timer;
