@@ -433,4 +433,94 @@ mod tests {
             "InvalidArgument: invalid `queue`: must not be empty"
         );
     }
+
+    /// Every error a variant wraps is its `source()`, so a reporter that walks the chain
+    /// (anyhow's `{:#}`, `tracing-error`) reaches sqlx's or serde_json's own error. One
+    /// value of each variant: a new variant must say here whether it wraps one.
+    #[test]
+    fn wrapped_errors_are_their_source() {
+        use std::error::Error as _;
+
+        fn chain(e: &Error) -> Vec<String> {
+            std::iter::successors(Some(e as &dyn std::error::Error), |e| (*e).source())
+                .map(ToString::to_string)
+                .collect()
+        }
+        fn wraps(e: &Error) -> bool {
+            match e {
+                Error::Encode(_) | Error::Database(_) => true,
+                Error::InvalidArgument { .. }
+                | Error::InvalidName { .. }
+                | Error::InvalidConfig { .. }
+                | Error::DuplicateHandler { .. }
+                | Error::UpgradeRequired { .. }
+                | Error::NotMigrated { .. }
+                | Error::SchemaNotFound { .. }
+                | Error::MigrationBlocked { .. }
+                | Error::SchemaMismatch { .. }
+                | Error::LeaseLost { .. }
+                | Error::TransactionUnavailable { .. }
+                | Error::DeadLetterDisabled => false,
+            }
+        }
+
+        let json = serde_json::from_slice::<u32>(b"\"7\"").unwrap_err();
+        let json_text = json.to_string();
+        let encode = Error::Encode(json);
+        let source = encode.source().expect("Encode has a source");
+        assert_eq!(
+            source
+                .downcast_ref::<serde_json::Error>()
+                .map(ToString::to_string),
+            Some(json_text.clone())
+        );
+        assert_eq!(chain(&encode)[1..], [json_text]);
+
+        let database = Error::from(sqlx::Error::PoolTimedOut);
+        let source = database.source().expect("Database has a source");
+        assert!(matches!(
+            source.downcast_ref::<sqlx::Error>(),
+            Some(sqlx::Error::PoolTimedOut)
+        ));
+        assert_eq!(
+            chain(&database)[1..],
+            [sqlx::Error::PoolTimedOut.to_string()]
+        );
+
+        let detail = || "relation \"outbox\" does not exist".to_owned();
+        let all = [
+            encode,
+            database,
+            Error::invalid("queue", "must not be empty"),
+            Error::InvalidName {
+                identifier: "t".to_owned(),
+                reason: "is empty".to_owned(),
+            },
+            Error::config("concurrency", "must be at least 1"),
+            Error::DuplicateHandler {
+                queue: "q".to_owned(),
+                first: "A".to_owned(),
+                second: "B".to_owned(),
+            },
+            Error::UpgradeRequired { detail: detail() },
+            Error::NotMigrated { detail: detail() },
+            Error::SchemaNotFound { detail: detail() },
+            Error::MigrationBlocked {
+                step: "base".to_owned(),
+                waited: std::time::Duration::from_secs(1),
+                holders: Vec::new(),
+            },
+            Error::SchemaMismatch {
+                problems: Vec::new(),
+            },
+            Error::LeaseLost { id: 1 },
+            Error::TransactionUnavailable {
+                reason: "no database".to_owned(),
+            },
+            Error::DeadLetterDisabled,
+        ];
+        for e in &all {
+            assert_eq!(e.source().is_some(), wraps(e), "{}: {e}", e.variant());
+        }
+    }
 }

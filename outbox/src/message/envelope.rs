@@ -27,6 +27,9 @@ use crate::sql;
 ///     .schedule(Duration::from_secs(30))
 ///     .on_conflict(OnConflict::Extend);
 /// ```
+///
+/// [`MAX_PAYLOAD_BYTES`]: crate::message::MAX_PAYLOAD_BYTES
+/// [`MAX_HEADERS_BYTES`]: crate::message::MAX_HEADERS_BYTES
 #[derive(Debug, Clone, Copy)]
 #[must_use = "a Message is written only by `Outbox::publish` (or a `publish_*`/`extend_*` function)"]
 pub struct Message<'a> {

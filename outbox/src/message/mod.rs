@@ -37,6 +37,8 @@ pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024 * 1024;
 pub const MAX_HEADERS_BYTES: usize = 64 * 1024;
 
 /// Largest extend slack accepted by [`Message::slack`]: the same bound as [`MAX_DELAY`].
+///
+/// [`Message::slack`]: crate::Message::slack
 pub const MAX_SLACK: Duration = MAX_DELAY;
 
 /// What a publish does when a live row already holds the `(queue, timer_id)` key. A key is
@@ -44,7 +46,8 @@ pub const MAX_SLACK: Duration = MAX_DELAY;
 /// timer's row is gone (it fired, or was cancelled), the key can be scheduled again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnConflict {
-    /// Leave the live row alone → [`Published::Skipped`] (default).
+    /// Leave the live row alone → [`Published::Skipped`](crate::Published::Skipped)
+    /// (default).
     #[default]
     Ignore,
     /// Move a pending row's deadline later, replacing its payload and headers and resetting
@@ -57,6 +60,11 @@ pub enum OnConflict {
     /// which waits for the row lock of a claim in flight and then sees the leased row, so an
     /// extend racing a claim ends as a rearm, never lost. Needs a timer id. See
     /// [`Message::slack`] to skip small moves.
+    ///
+    /// [`Published::Extended`]: crate::Published::Extended
+    /// [`Published::RearmQueued`]: crate::Published::RearmQueued
+    /// [`Published::Unchanged`]: crate::Published::Unchanged
+    /// [`Message::slack`]: crate::Message::slack
     Extend,
 }
 

@@ -2,7 +2,7 @@
 //! and the upgrade guide ([`upgrading`]).
 //!
 //! [`migrate`](crate::migrate) (at the crate root) creates or upgrades the tables of the
-//! default [`Outbox`](crate::Outbox); [`Outbox::migrate`](crate::Outbox::migrate) and
+//! default [`Outbox`]; [`Outbox::migrate`](crate::Outbox::migrate) and
 //! [`Outbox::migrate_with`](crate::Outbox::migrate_with) do it for other names and with
 //! [`MigrateOptions`]. [`migration_steps`] renders the same steps as SQL files for a
 //! migration tool of your own.

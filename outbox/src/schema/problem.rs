@@ -38,6 +38,8 @@ impl fmt::Display for SchemaProblem {
 /// Another session a migration step waited for ([`Error::MigrationBlocked`]): one holding
 /// a lock on an outbox table, or (for a `CREATE INDEX CONCURRENTLY`, which waits for every
 /// older transaction of the database) one holding a snapshot.
+///
+/// [`Error::MigrationBlocked`]: crate::Error::MigrationBlocked
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LockHolder {
     /// Its backend process id (`pg_terminate_backend` takes it).

@@ -5,9 +5,9 @@
 //!
 //! This module is a leaf over [`crate::names`] (and [`crate::Error`], which `binds` returns
 //! for a value no parameter can carry): it renders text and converts values, and executes
-//! nothing. Every value a statement needs travels as a bind parameter; the only text pasted in is quoted
-//! identifiers and literals from [`Names`], which is why [`statement`] may assert the
-//! rendered text safe for sqlx.
+//! nothing. Every value a statement needs travels as a bind parameter; the only text pasted
+//! in is quoted identifiers and literals from [`Names`], which is why [`statement`] may
+//! assert the rendered text safe for sqlx.
 //!
 //! A statement's comment names the index, lock or race it relies on.
 //!
