@@ -1,7 +1,10 @@
 //! The [`Outbox`] handle: the configured names, every statement rendered once for them,
 //! and the operations that run on the caller's own connection or pool (publish, cancel,
-//! read, dead letters, migrate, validate). The modules that do the work take the rendered statements, not
-//! the handle, so nothing below this file imports it.
+//! read, dead letters, migrate, validate). The modules that do the work take the rendered
+//! statements, not the handle, so nothing below this file imports it. [`Outbox::on`] is
+//! the typed layer's (`message/typed.rs`, above this file: its [`Bound`] holds the handle).
+//!
+//! [`Bound`]: crate::message::Bound
 
 use std::sync::{Arc, OnceLock};
 
