@@ -40,7 +40,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row};
 
 use crate::error::{Error, Result};
-use crate::publish::{validate_queue, Schedule};
+use crate::message::{validate_queue, Schedule};
 use crate::sql;
 
 /// What an action on one row by id did.

@@ -4,7 +4,7 @@
 use sqlx::{PgConnection, Row};
 
 use crate::error::Result;
-use crate::publish::{validate_queue, validate_timer_id};
+use crate::message::{validate_queue, validate_timer_id};
 use crate::sql;
 
 /// What a cancel did. A cancel locks the timer's row first (`SELECT … FOR UPDATE`) and then

@@ -155,9 +155,10 @@ use sqlx::query::Query;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use crate::error::{Error, Result};
-use crate::publish::{interval, micros, validate_queue, MAX_HEADERS_BYTES};
-use crate::read::{dead_letter_from_row, DeadLetter};
+use crate::message::{validate_queue, MAX_HEADERS_BYTES};
+use crate::sql::binds::{interval, micros};
 use crate::sql::dlq::Dlq;
+use crate::store::rows::{dead_letter_from_row, DeadLetter};
 use crate::store::FailureReason;
 
 /// The header a redrive adds to the new queue row: the dead letter's id, in decimal. A
@@ -479,7 +480,7 @@ pub(crate) fn redrive_timer_id(letter: &DeadLetter) -> Option<String> {
 #[cfg(any(test, feature = "testing"))]
 pub(crate) fn redrive_headers(
     letter: &DeadLetter,
-) -> std::result::Result<crate::publish::Headers, RedriveResult> {
+) -> std::result::Result<crate::message::Headers, RedriveResult> {
     if letter.raw_headers.is_some() {
         return Err(RedriveResult::HeadersNotAMap);
     }
@@ -614,7 +615,7 @@ pub(crate) async fn purge(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::publish::Headers;
+    use crate::message::Headers;
 
     fn invalid(e: Error) -> &'static str {
         match e {

@@ -2,13 +2,7 @@
 
 use std::fmt;
 
-/// The address of the upgrade guide for this version ([`upgrading`](crate::schema::upgrading)
-/// on docs.rs); every error about a schema that predates this version points here.
-pub const UPGRADE_GUIDE: &str = concat!(
-    "https://docs.rs/outbox/",
-    env!("CARGO_PKG_VERSION"),
-    "/outbox/schema/upgrading/index.html"
-);
+use crate::schema::problem::{LockHolder, SchemaProblem, UPGRADE_GUIDE};
 
 /// Everything that can go wrong in `outbox`.
 ///
@@ -155,57 +149,6 @@ pub enum Error {
     /// Postgres or the connection failed.
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
-}
-
-/// One difference between the live schema and the one this version needs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SchemaProblem {
-    /// The table, column, index or constraint concerned (for example `outbox.rearm_at`).
-    pub object: String,
-    /// What is wrong.
-    pub message: String,
-    /// True when the fix is a schema upgrade of an older deployment ([`UPGRADE_GUIDE`]).
-    pub needs_upgrade: bool,
-}
-
-impl fmt::Display for SchemaProblem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.object, self.message)?;
-        if self.needs_upgrade {
-            write!(f, " (run the schema upgrade: `Outbox::migrate` with this outbox's settings; see {UPGRADE_GUIDE})")?;
-        }
-        Ok(())
-    }
-}
-
-/// Another session a migration step waited for ([`Error::MigrationBlocked`]): one holding
-/// a lock on an outbox table, or (for a `CREATE INDEX CONCURRENTLY`, which waits for every
-/// older transaction of the database) one holding a snapshot.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LockHolder {
-    /// Its backend process id (`pg_terminate_backend` takes it).
-    pub pid: i32,
-    /// When its transaction began, if it is in one.
-    pub transaction_start: Option<chrono::DateTime<chrono::Utc>>,
-    /// `pg_stat_activity.state`, such as `idle in transaction`.
-    pub state: Option<String>,
-    /// The lock modes it holds on the outbox tables, such as `AccessShareLock`;
-    /// `advisory` for another `migrate()` holding the migrators' lock; `snapshot` for a
-    /// session whose open snapshot a concurrent index build waits for.
-    pub modes: Vec<String>,
-}
-
-impl fmt::Display for LockHolder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "pid {}", self.pid)?;
-        if let Some(start) = self.transaction_start {
-            write!(f, ", transaction since {start}")?;
-        }
-        if let Some(state) = &self.state {
-            write!(f, ", {state}")?;
-        }
-        write!(f, " ({})", self.modes.join(", "))
-    }
 }
 
 struct LockHolders<'a>(&'a [LockHolder]);
@@ -459,28 +402,6 @@ impl Error {
     }
 }
 
-/// Replaces "pool timed out" by the reason it did when that reason is the database being
-/// unreachable: sqlx reports only the timeout, so connect once directly and keep its error
-/// (connection refused, authentication failed, …). Anything else is returned as it was.
-pub(crate) async fn explain(pool: &sqlx::PgPool, e: Error) -> Error {
-    if !matches!(e, Error::Database(sqlx::Error::PoolTimedOut)) {
-        return e;
-    }
-    let options = pool.connect_options();
-    let direct = tokio::time::timeout(
-        std::time::Duration::from_secs(5),
-        sqlx::ConnectOptions::connect(&*options),
-    );
-    match direct.await {
-        Ok(Err(cause)) => Error::Database(cause),
-        Ok(Ok(conn)) => {
-            drop(conn);
-            e
-        }
-        Err(_) => e,
-    }
-}
-
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -511,5 +432,95 @@ mod tests {
             format!("{e:?}"),
             "InvalidArgument: invalid `queue`: must not be empty"
         );
+    }
+
+    /// Every error a variant wraps is its `source()`, so a reporter that walks the chain
+    /// (anyhow's `{:#}`, `tracing-error`) reaches sqlx's or serde_json's own error. One
+    /// value of each variant: a new variant must say here whether it wraps one.
+    #[test]
+    fn wrapped_errors_are_their_source() {
+        use std::error::Error as _;
+
+        fn chain(e: &Error) -> Vec<String> {
+            std::iter::successors(Some(e as &dyn std::error::Error), |e| (*e).source())
+                .map(ToString::to_string)
+                .collect()
+        }
+        fn wraps(e: &Error) -> bool {
+            match e {
+                Error::Encode(_) | Error::Database(_) => true,
+                Error::InvalidArgument { .. }
+                | Error::InvalidName { .. }
+                | Error::InvalidConfig { .. }
+                | Error::DuplicateHandler { .. }
+                | Error::UpgradeRequired { .. }
+                | Error::NotMigrated { .. }
+                | Error::SchemaNotFound { .. }
+                | Error::MigrationBlocked { .. }
+                | Error::SchemaMismatch { .. }
+                | Error::LeaseLost { .. }
+                | Error::TransactionUnavailable { .. }
+                | Error::DeadLetterDisabled => false,
+            }
+        }
+
+        let json = serde_json::from_slice::<u32>(b"\"7\"").unwrap_err();
+        let json_text = json.to_string();
+        let encode = Error::Encode(json);
+        let source = encode.source().expect("Encode has a source");
+        assert_eq!(
+            source
+                .downcast_ref::<serde_json::Error>()
+                .map(ToString::to_string),
+            Some(json_text.clone())
+        );
+        assert_eq!(chain(&encode)[1..], [json_text]);
+
+        let database = Error::from(sqlx::Error::PoolTimedOut);
+        let source = database.source().expect("Database has a source");
+        assert!(matches!(
+            source.downcast_ref::<sqlx::Error>(),
+            Some(sqlx::Error::PoolTimedOut)
+        ));
+        assert_eq!(
+            chain(&database)[1..],
+            [sqlx::Error::PoolTimedOut.to_string()]
+        );
+
+        let detail = || "relation \"outbox\" does not exist".to_owned();
+        let all = [
+            encode,
+            database,
+            Error::invalid("queue", "must not be empty"),
+            Error::InvalidName {
+                identifier: "t".to_owned(),
+                reason: "is empty".to_owned(),
+            },
+            Error::config("concurrency", "must be at least 1"),
+            Error::DuplicateHandler {
+                queue: "q".to_owned(),
+                first: "A".to_owned(),
+                second: "B".to_owned(),
+            },
+            Error::UpgradeRequired { detail: detail() },
+            Error::NotMigrated { detail: detail() },
+            Error::SchemaNotFound { detail: detail() },
+            Error::MigrationBlocked {
+                step: "base".to_owned(),
+                waited: std::time::Duration::from_secs(1),
+                holders: Vec::new(),
+            },
+            Error::SchemaMismatch {
+                problems: Vec::new(),
+            },
+            Error::LeaseLost { id: 1 },
+            Error::TransactionUnavailable {
+                reason: "no database".to_owned(),
+            },
+            Error::DeadLetterDisabled,
+        ];
+        for e in &all {
+            assert_eq!(e.source().is_some(), wraps(e), "{}: {e}", e.variant());
+        }
     }
 }

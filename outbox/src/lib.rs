@@ -161,25 +161,32 @@
 #![warn(unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// Modules from the leaves up: names, telemetry → sql → publish, cancel, admin, read, stats,
-// migrate, validate → `store` itself (the contract's types) → dlq → outbox (the handle) →
-// timer (the typed layer) → the stores (`store::postgres` …) → worker, testing; `schema` and `message` only gather
-// public items. Each imports only modules before it.
+// Modules from the leaves up; each imports only modules before it (`python3
+// .ci/check-module-graph --print` lists the imports): error (and `schema::problem`, what
+// its variants carry), names, telemetry, `store::connect` → sql (statement text and
+// `sql::binds`; executes nothing) → the vocabulary and its rules: `schema::shape`,
+// `message` (`schedule`, `envelope`), periodic → the executors of the rendered statements:
+// publish, cancel, admin, stats, `schema::{migrate, validate}` → `store` itself (the
+// contract's types), `store::{rows, fenced, listen, periodic}` → read, dlq → outbox (the
+// handle: the names and the rendered statements) → over the handle: `schema`'s two
+// functions, timer and `message::typed` (the typed layer), the stores
+// (`store::transaction`, `store::postgres`) → worker, testing, hooks (the test hooks).
 //
 // The public surface: the crate root holds what the quick start types; everything else has
 // exactly one path, in `admin`, `dlq`, `message`, `schema`, `stats`, `store`, `telemetry`,
-// `worker` or `testing`.
+// `worker` or `testing`, and is defined in that module's file or directory
+// (`message::Schedule` in `message/schedule.rs`). An item with only a root path is defined
+// in a private module (`Message` in `message/envelope.rs`), so that it keeps one path.
 mod cancel;
 mod error;
-mod migrate;
+#[cfg(feature = "testing")]
+mod hooks;
 mod names;
 mod outbox;
 mod publish;
 mod read;
-mod shape;
 mod sql;
 mod timer;
-mod validate;
 
 pub mod admin;
 pub mod dlq;
@@ -199,9 +206,9 @@ pub mod __private; // Not public API.
 
 pub use cancel::Cancelled;
 pub use error::{Error, Result};
+pub use message::envelope::{Message, Published};
 pub use outbox::{migrate, Outbox, OutboxBuilder};
 pub use outbox_macros::{timer, FromRef};
-pub use publish::{Message, Published};
 pub use store::postgres::PgStore;
 pub use store::transaction::HandlerTransaction;
 pub use timer::{Publisher, Timer};

@@ -7,10 +7,6 @@ use crate::error::{Error, Result};
 /// because a silently truncated index name would make two tables collide.
 pub(crate) const MAX_IDENTIFIER_BYTES: usize = 63;
 
-/// The default queue table name. Its dead-letter table is `outbox_dlq`, and both live in the
-/// connection's `search_path` unless a schema is configured.
-pub const DEFAULT_TABLE: &str = "outbox";
-
 /// Quotes an identifier for SQL text: `my "t"` becomes `"my ""t"""`.
 pub(crate) fn quote_ident(name: &str) -> String {
     let mut s = String::with_capacity(name.len() + 2);
@@ -203,6 +199,7 @@ fn check_identifier(id: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::schema::DEFAULT_TABLE;
 
     #[test]
     fn quoting() {

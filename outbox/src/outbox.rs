@@ -1,7 +1,10 @@
 //! The [`Outbox`] handle: the configured names, every statement rendered once for them,
 //! and the operations that run on the caller's own connection or pool (publish, cancel,
-//! read, dead letters, migrate, validate). The modules that do the work take the rendered statements, not
-//! the handle, so nothing below this file imports it.
+//! read, dead letters, migrate, validate). The modules that do the work take the rendered
+//! statements, not the handle, so nothing below this file imports it. [`Outbox::on`] is
+//! the typed layer's (`message/typed.rs`, above this file: its [`Bound`] holds the handle).
+//!
+//! [`Bound`]: crate::message::Bound
 
 use std::sync::{Arc, OnceLock};
 
@@ -11,12 +14,14 @@ use crate::admin::{PausedQueue, RowAction};
 use crate::cancel::Cancelled;
 use crate::dlq::{DeadLetterFilter, Redrive, RedriveOutcome};
 use crate::error::Result;
-use crate::migrate::{AppliedMigration, MigrateOptions, MigrationStep};
-use crate::names::{Names, DEFAULT_TABLE};
-use crate::publish::{BatchItem, Message, Published, Schedule};
-use crate::read::{DeadLetter, StoredRow};
+use crate::message::envelope::{Message, Published};
+use crate::message::{BatchItem, Schedule};
+use crate::names::Names;
+use crate::schema::migrate::{AppliedMigration, MigrateOptions, MigrationStep};
+use crate::schema::shape::DEFAULT_TABLE;
 use crate::sql::Statements;
 use crate::stats::{QueueStats, StatsRequest};
+use crate::store::{DeadLetter, StoredRow};
 
 /// A configured outbox: which schema, table and dead-letter table to use, with every SQL
 /// statement rendered once for those names.
@@ -137,6 +142,11 @@ impl Outbox {
 
     pub(crate) fn sql(&self) -> &Statements {
         &self.inner.sql
+    }
+
+    #[cfg(feature = "testing")]
+    pub(crate) fn names(&self) -> &Names {
+        &self.inner.names
     }
 
     /// Publishes one message on the caller's connection or transaction, in one statement.
@@ -387,28 +397,12 @@ impl Outbox {
         crate::stats::read(&self.inner.sql.stats, self.inner.dead_letter, conn, request).await
     }
 
-    /// Binds this outbox to a connection or transaction (`&mut *tx`) for the typed
-    /// functions, so they publish into its tables instead of [`Outbox::global`]'s:
-    ///
-    /// ```no_run
-    /// # async fn f(pool: sqlx::PgPool, outbox: outbox::Outbox) -> Result<(), outbox::Error> {
-    /// # #[derive(serde::Serialize, serde::Deserialize)] struct Ping;
-    /// # impl outbox::Timer for Ping { const QUEUE: &'static str = "ping"; const MAX_DELIVERIES: u32 = 3; }
-    /// let mut tx = pool.begin().await?;
-    /// outbox::message::publish_timer(outbox.on(&mut tx), "id-1", &Ping, std::time::Duration::from_secs(5)).await?;
-    /// tx.commit().await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn on<'c>(&'c self, conn: &'c mut PgConnection) -> Bound<'c> {
-        Bound { outbox: self, conn }
-    }
-
     /// The migration steps for this outbox's names, in order. Each runs in its own
     /// transaction, except those with [`MigrationStep::transaction`] false (a
     /// `CREATE INDEX CONCURRENTLY`, which Postgres refuses inside a transaction block).
     /// Useful for users with their own migration tooling and non-default names.
     pub fn migration_steps(&self) -> Vec<MigrationStep> {
-        crate::migrate::steps(&self.inner.sql.ddl)
+        crate::schema::migrate::steps(&self.inner.sql.ddl)
     }
 
     /// Brings this outbox's tables to the schema this version needs, safe to call at every
@@ -456,7 +450,7 @@ impl Outbox {
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for options out of range.
     pub async fn migrate_with(&self, pool: &PgPool, options: MigrateOptions) -> Result<()> {
         let (ddl, names) = (&self.inner.sql.ddl, &self.inner.names);
-        crate::migrate::run(
+        crate::schema::migrate::run(
             ddl,
             names,
             self.inner.dead_letter,
@@ -465,13 +459,6 @@ impl Outbox {
             options,
         )
         .await
-    }
-
-    // The base shape only (the first step), as a deployment that predates rearm has it:
-    // the project's upgrade tests start from it (through `__private`, not public API).
-    pub(crate) async fn migrate_base_only(&self, pool: &PgPool) -> Result<()> {
-        let (ddl, names) = (&self.inner.sql.ddl, &self.inner.names);
-        crate::migrate::run(ddl, names, true, pool, 1, MigrateOptions::default()).await
     }
 
     /// The migration steps recorded as applied to this outbox's tables, by version: when
@@ -483,7 +470,7 @@ impl Outbox {
     /// # Errors
     /// [`Error::Database`](crate::Error::Database).
     pub async fn applied_migrations(&self, pool: &PgPool) -> Result<Vec<AppliedMigration>> {
-        crate::migrate::applied(&self.inner.sql.ddl, &self.inner.names, pool).await
+        crate::schema::migrate::applied(&self.inner.sql.ddl, &self.inner.names, pool).await
     }
 
     /// Checks the live schema against this version's needs and returns **every** problem at
@@ -502,18 +489,8 @@ impl Outbox {
     /// [`Error::SchemaMismatch`](crate::Error::SchemaMismatch) listing the problems;
     /// [`Error::Database`](crate::Error::Database) if the catalog cannot be read.
     pub async fn validate_schema(&self, pool: &PgPool) -> Result<()> {
-        crate::validate::validate(&self.inner.names, self.inner.dead_letter, pool).await
+        crate::schema::validate::validate(&self.inner.names, self.inner.dead_letter, pool).await
     }
-}
-
-/// An [`Outbox`] bound to a connection or transaction, so typed functions publish into
-/// its tables instead of [`Outbox::global`]'s. Made by [`Outbox::on`]; pass it (or
-/// `&mut` it) wherever a [`Publisher`](crate::Publisher) is asked for.
-#[derive(Debug)]
-#[must_use = "a Bound only publishes when passed to a `publish_*`/`extend_*`/`cancel_*` function"]
-pub struct Bound<'c> {
-    pub(crate) outbox: &'c Outbox,
-    pub(crate) conn: &'c mut PgConnection,
 }
 
 /// Builder for [`Outbox`]; see there.
@@ -621,19 +598,6 @@ impl OutboxBuilder {
 /// As [`Outbox::migrate`].
 pub async fn migrate(pool: &PgPool) -> Result<()> {
     Outbox::default().migrate(pool).await
-}
-
-/// The migration steps for `outbox`'s names; see [`Outbox::migration_steps`].
-pub fn migration_steps(outbox: &Outbox) -> Vec<MigrationStep> {
-    outbox.migration_steps()
-}
-
-/// Validates the default outbox ([`Outbox::default`]); see [`Outbox::validate_schema`].
-///
-/// # Errors
-/// As [`Outbox::validate_schema`].
-pub async fn validate_schema(pool: &PgPool) -> Result<()> {
-    Outbox::default().validate_schema(pool).await
 }
 
 #[cfg(test)]

@@ -86,7 +86,7 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 
 use crate::error::{Error, Result};
-use crate::publish::MAX_DELAY;
+use crate::message::MAX_DELAY;
 
 /// The name of the schedule declared on a payload type (`#[timer(every = …)]` or
 /// `#[timer(cron = …, tz = …)]`, [`Timer::declared_schedule`](crate::Timer::declared_schedule)):

@@ -141,8 +141,9 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 
 use crate::error::{Error, Result};
-use crate::publish::{interval, micros, validate_queue, MAX_DELAY};
+use crate::message::{validate_queue, MAX_DELAY};
 use crate::sql;
+use crate::sql::binds::{interval, micros};
 
 /// How [`Outbox::stats`](crate::Outbox::stats) gets its figures; see the
 /// [module docs](self) for what each figure is in each mode.

@@ -224,7 +224,7 @@ async fn explain(
         (_, false) => "stats.estimate",
         (_, true) => "stats.estimate_queues",
     };
-    let statements = outbox::__private::statements(outbox);
+    let statements = outbox.statements();
     let sql = &statements
         .iter()
         .find(|(n, _)| *n == name)

@@ -76,9 +76,7 @@ async fn following_the_upgrade_guide_on_a_base_table() {
         &uuid::Uuid::new_v4().simple().to_string()[..12]
     );
     let outbox = Outbox::builder().table(&table).build().unwrap();
-    outbox::__private::migrate_base_only(&outbox, &pool)
-        .await
-        .unwrap();
+    outbox.migrate_base_only(&pool).await.unwrap();
     let mut conn = pool.acquire().await.unwrap();
     presence::server::publish_presence_expiry(
         outbox.on(&mut conn),
@@ -258,9 +256,7 @@ async fn not_valid_rearm_check_is_reported_as_not_valid() {
         &uuid::Uuid::new_v4().simple().to_string()[..12]
     );
     let outbox = Outbox::builder().table(&table).build().unwrap();
-    outbox::__private::migrate_base_only(&outbox, &pool)
-        .await
-        .unwrap();
+    outbox.migrate_base_only(&pool).await.unwrap();
     let step1 = &migration_steps(&outbox)[1];
     sqlx::raw_sql(AssertSqlSafe(&*step1.sql))
         .execute(&pool)

@@ -82,6 +82,7 @@ FROM old LEFT JOIN gone ON true"#
         }
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("admin.pause", self.pause.as_str()),

@@ -62,6 +62,7 @@ RETURNING old.had_rearm"#
         }
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("cancel.lock", self.lock.as_str()),

@@ -189,6 +189,7 @@ SELECT now(),
         }
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("claim.claim", self.claim.as_str()),

@@ -287,6 +287,7 @@ SELECT count(*) FROM gone"#
         }
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("complete.ack_delete", self.ack_delete.as_str()),

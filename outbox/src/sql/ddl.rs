@@ -1,7 +1,7 @@
 //! The migration steps, as SQL scripts of several statements each. The files in
 //! the repository's `migrations/` folder are this rendering for the default names, byte for
-//! byte (sqlx checksums applied files); `migrate.rs` runs them and a unit test there keeps
-//! the files identical.
+//! byte (sqlx checksums applied files); `schema/migrate.rs` runs them and a unit test there
+//! keeps the files identical.
 
 use sqlx::SqlStr;
 
@@ -280,6 +280,7 @@ impl Ddl {
             .map(|(_, sql)| sql.clone())
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         self.steps
             .iter()

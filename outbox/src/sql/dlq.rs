@@ -174,6 +174,7 @@ DELETE FROM {d} WHERE id = ANY(ARRAY(SELECT id FROM doomed))"#
         }
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("dlq.list", self.list.as_str()),

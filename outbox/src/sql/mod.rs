@@ -1,12 +1,13 @@
 //! The text of every statement the runtime sends, rendered once per [`Outbox`] for its
 //! names and executed elsewhere: `publish.rs`, `cancel.rs`, `admin.rs`, `read.rs`, `dlq.rs`,
-//! `stats.rs`, `migrate.rs`, `validate.rs`, `store/postgres.rs`, `store/periodic.rs` and
-//! `store/listen.rs` run what is rendered here.
+//! `stats.rs`, `schema/migrate.rs`, `schema/validate.rs`, `store/postgres.rs`,
+//! `store/fenced.rs`, `store/periodic.rs` and `store/listen.rs` run what is rendered here.
 //!
-//! This module is a leaf over [`crate::names`]: it renders text and executes nothing. Every
-//! value a statement needs travels as a bind parameter; the only text pasted in is quoted
-//! identifiers and literals from [`Names`], which is why [`statement`] may assert the
-//! rendered text safe for sqlx.
+//! This module is a leaf over [`crate::names`] (and [`crate::Error`], which `binds` returns
+//! for a value no parameter can carry): it renders text and converts values, and executes
+//! nothing. Every value a statement needs travels as a bind parameter; the only text pasted
+//! in is quoted identifiers and literals from [`Names`], which is why [`statement`] may
+//! assert the rendered text safe for sqlx.
 //!
 //! A statement's comment names the index, lock or race it relies on.
 //!
@@ -19,6 +20,7 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 use crate::names::Names;
 
 pub(crate) mod admin;
+pub(crate) mod binds;
 pub(crate) mod cancel;
 pub(crate) mod catalog;
 pub(crate) mod claim;
@@ -75,7 +77,8 @@ impl Statements {
     }
 
     /// Every statement with a name: for the snapshot test, and for the plan tests of the
-    /// project's own test suite (through `__private::statements`).
+    /// project's own test suite (through the test hook `Outbox::statements`).
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn all(&self) -> Vec<(&'static str, &str)> {
         let mut out = Vec::new();
         out.extend(self.publish.all());
@@ -114,7 +117,7 @@ mod tests {
     /// review as a diff of `snapshots/`.
     #[test]
     fn statements_for_the_default_names() {
-        let names = Names::new(None, crate::names::DEFAULT_TABLE.to_owned(), None)
+        let names = Names::new(None, crate::schema::DEFAULT_TABLE.to_owned(), None)
             .expect("default names are valid");
         let rendered = Statements::render(&names);
         let mut text = String::new();
@@ -127,7 +130,7 @@ mod tests {
     /// Without notifications no statement notifies, and every statement keeps its shape.
     #[test]
     fn statements_without_notifications() {
-        let names = Names::new(None, crate::names::DEFAULT_TABLE.to_owned(), None)
+        let names = Names::new(None, crate::schema::DEFAULT_TABLE.to_owned(), None)
             .expect("default names are valid");
         let quiet = Names {
             notify: false,

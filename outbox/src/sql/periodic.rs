@@ -137,6 +137,7 @@ FROM up"#,
         }
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("periodic.arm_next", self.arm_next.as_str()),

@@ -109,6 +109,7 @@ FROM ins"#,
         }
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("publish.plain", self.plain.as_str()),

@@ -6,12 +6,12 @@ use sqlx::SqlStr;
 use super::query;
 use crate::names::Names;
 
-/// The columns of a stored row, in the order `read.rs` decodes them.
+/// The columns of a stored row, in the order `store/rows.rs` decodes them.
 pub(crate) const ROW_COLUMNS: &str = "id, queue, payload, headers, attempts_count, \
      deliveries_count, created_at, next_attempt_at, first_attempt_at, last_attempt_at, \
      acquired_at, acquired_token, timer_id, rearm_at, rearm_payload, rearm_headers, cancelled_at";
 
-/// The columns of a dead-letter row, in the order `read.rs` decodes them.
+/// The columns of a dead-letter row, in the order `store/rows.rs` decodes them.
 pub(crate) const DEAD_LETTER_COLUMNS: &str = "id, original_id, queue, payload, headers, \
      timer_id, attempts_count, deliveries_count, created_at, failed_at, failure_reason, \
      last_error, redriven_at, redriven_id";
@@ -35,6 +35,7 @@ WHERE queue = $1 ORDER BY next_attempt_at, id LIMIT $2"#
         }
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![("read.pending", self.pending.as_str())]
     }

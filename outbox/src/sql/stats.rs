@@ -234,6 +234,7 @@ impl Stats {
         }
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn all(&self) -> Vec<(&'static str, &str)> {
         vec![
             ("stats.exact", self.exact.as_str()),

@@ -29,7 +29,7 @@ pub(crate) async fn start(pool: &PgPool, channel: &str) -> tokio::sync::mpsc::Re
     let first = match listen(&own, channel).await {
         Ok(l) => Some(l),
         Err(e) => {
-            let e = crate::error::explain(pool, e).await;
+            let e = super::connect::explain(pool, e).await;
             tracing::warn!(error = %e, "outbox: LISTEN failed; polling until it is back");
             let _ = tx.try_send(Wakeup::Lost);
             None
@@ -83,7 +83,7 @@ async fn listen_loop(
                     }
                 }
                 Err(e) => {
-                    let e = crate::error::explain(&pool, e).await;
+                    let e = super::connect::explain(&pool, e).await;
                     tracing::debug!(error = %e, "outbox: re-LISTEN failed");
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }

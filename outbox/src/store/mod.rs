@@ -49,9 +49,11 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::publish::{Headers, MAX_DELAY};
+use crate::message::{Headers, MAX_DELAY};
 use crate::stats::{QueueStats, StatsRequest};
 
+pub(crate) mod connect;
+pub(crate) mod fenced;
 pub(crate) mod listen;
 pub(crate) mod periodic;
 pub(crate) mod postgres;
@@ -64,8 +66,8 @@ pub use self::periodic::{
     Armed, RegisterSchedule, Registered, SCHEDULE_HEADER, SCHEDULE_KEY_PREFIX,
 };
 pub use self::postgres::LOCK_TIMEOUT;
+pub use self::rows::{DeadLetter, StoredRow};
 pub use self::transaction::TransactionSource;
-pub use crate::read::{DeadLetter, StoredRow};
 
 /// The fence of every write after a claim: the row id and the lease token of the claim.
 /// Each write's `WHERE` matches both, so once the lease expired and another worker

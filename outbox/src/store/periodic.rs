@@ -13,10 +13,10 @@ use sqlx::{PgPool, Row};
 
 use super::Lease;
 use crate::error::{Error, Result};
-use crate::periodic::Recurrence;
-use crate::publish::{
+use crate::message::{
     validate_headers, validate_payload, validate_queue, validate_timer_id, Headers,
 };
+use crate::periodic::Recurrence;
 use crate::sql::periodic::Periodic;
 
 /// The header that holds a schedule's fingerprint: a text that names the recurrence (its

@@ -4,30 +4,36 @@
 //! the writes that must never wait for a row lock while holding another (so they cannot
 //! deadlock with an application's transaction).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use futures::future::join_all;
-use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
+use super::connect::explain;
+use super::fenced::{
+    ack_batch_delete_on, ack_batch_settle_on, ack_on, fail_on, release_on, renew_on, retry_on,
+};
 use super::periodic::{arm_next_on, check_instant, register_on};
-use super::rows::delivery_from_row;
+use super::rows::{delivery_from_row, DeadLetter, StoredRow};
+use super::transaction::TransactionSource;
 use super::{
-    check_retry_delay, clean_error_text, fair_order, Armed, ClaimRequest, Completion, Delivery,
-    Failure, Lease, NextWakeup, RegisterSchedule, Registered, Release, Released, Renewal, Store,
-    Wakeup,
+    check_retry_delay, clean_error_text, fair_order, Armed, AutovacuumOff, ClaimRequest,
+    Completion, Delivery, Failure, Lease, NextWakeup, RegisterSchedule, Registered, Release,
+    Released, Renewal, Store, Wakeup,
 };
 use crate::cancel::Cancelled;
 use crate::dlq::DeadLetterFilter;
-use crate::error::{explain, Error, Result};
+use crate::error::{Error, Result};
+use crate::message::envelope::{Message, Published};
+use crate::message::validate_queue;
 use crate::outbox::Outbox;
-use crate::publish::{interval, micros, validate_queue, Message, Published};
-use crate::read::{DeadLetter, StoredRow};
+use crate::sql::binds::{interval, micros};
 use crate::sql::complete::Complete;
 use crate::stats::{QueueStats, StatsRequest};
 use crate::timer::{cancel_in_own_transaction, publish_autocommit, Publisher};
@@ -144,20 +150,16 @@ impl PgStore {
         })
     }
 
-    /// Claims on the given connection: one statement, one new lease token for the whole
-    /// claim. It takes up to `request.limit` rows of the requested queues whose deadline has
-    /// come (`next_attempt_at <= now()`) and that are unleased or whose lease is older than
-    /// `request.lease_ttl` by the database clock, sets the token and `acquired_at = now()`,
-    /// and adds 1 to `deliveries_count`. `FOR UPDATE SKIP LOCKED` skips rows another
-    /// transaction has locked, so two claims never take the same row and a claim never waits
-    /// on an application's lock. On a bare connection the claim is its own short transaction (what
-    /// [`Store::claim`] does); inside your transaction the row locks are held until you
-    /// commit, which is how the project's race tests hold a claim open.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad queue name or a
-    /// `lease_ttl` beyond 64-bit microseconds; [`Error::Database`](crate::Error::Database).
-    pub async fn claim_on(
+    /// [`Store::claim`] on the given connection: one statement, one new lease token for the
+    /// whole claim. It takes up to `request.limit` rows of the requested queues whose
+    /// deadline has come (`next_attempt_at <= now()`) and that are unleased or whose lease is
+    /// older than `request.lease_ttl` by the database clock, sets the token and
+    /// `acquired_at = now()`, and adds 1 to `deliveries_count`. `FOR UPDATE SKIP LOCKED`
+    /// skips rows another transaction has locked, so two claims never take the same row and
+    /// a claim never waits on an application's lock. On a bare connection the claim is its
+    /// own short transaction (what [`Store::claim`] does); inside a transaction the row locks
+    /// are held until it ends (the test hook `claim_on`).
+    pub(crate) async fn claim_with(
         &self,
         conn: &mut PgConnection,
         request: ClaimRequest<'_>,
@@ -254,199 +256,13 @@ impl PgStore {
     }
 }
 
-/// Success on one row: the DELETE (`… AND rearm_at IS NULL`, fenced by the token), and only
-/// when it matched nothing the follow-up that decides under the row lock (apply the rearm,
-/// delete a row whose rearm a cancel dropped meanwhile, or report the lease lost).
-/// On `db`: a connection of the store's pools, or a handler's transaction.
-pub(crate) async fn ack_on(
-    sql: &Complete,
-    db: &mut PgConnection,
-    lease: Lease,
-) -> Result<Completion> {
-    let done = sqlx::query(sql.ack_delete.clone())
-        .bind(lease.id)
-        .bind(lease.token)
-        .execute(&mut *db)
-        .await?;
-    if done.rows_affected() == 1 {
-        return Ok(Completion::Deleted);
-    }
-    let row = sqlx::query(sql.ack_settle.clone())
-        .bind(lease.id)
-        .bind(lease.token)
-        .fetch_one(&mut *db)
-        .await?;
-    settled(&row)
-}
-
-/// The batched DELETE of successes: the leases whose rows it deleted. The rest (a rearm
-/// queued, or the lease lost) go to one follow-up statement.
-async fn ack_batch_delete_on(
-    sql: &Complete,
-    db: &PgPool,
-    leases: &[Lease],
-) -> Result<HashSet<Lease>> {
-    let (ids, tokens) = columns(leases.iter().copied());
-    sqlx::query(sql.ack_batch_delete.clone())
-        .bind(&ids)
-        .bind(&tokens)
-        .fetch_all(db)
-        .await?
-        .iter()
-        .map(lease_at)
-        .collect()
-}
-
-/// The batched follow-up for the rows the DELETE did not return: applies their rearm, or
-/// deletes them; a lease missing from the result is lost.
-async fn ack_batch_settle_on(
-    sql: &Complete,
-    db: &PgPool,
-    leases: &[Lease],
-) -> Result<HashMap<Lease, Completion>> {
-    let (ids, tokens) = columns(leases.iter().copied());
-    let rows = sqlx::query(sql.ack_batch_settle.clone())
-        .bind(&ids)
-        .bind(&tokens)
-        .fetch_all(db)
-        .await?;
-    let mut settled = HashMap::new();
-    for r in rows {
-        let at: Option<DateTime<Utc>> = r.try_get(2)?;
-        settled.insert(
-            lease_at(&r)?,
-            at.map_or(Completion::Deleted, |at| Completion::Rearmed { at }),
-        );
-    }
-    Ok(settled)
-}
-
-async fn retry_on(
-    sql: &Complete,
-    db: &PgPool,
-    lease: Lease,
-    delay: Duration,
-) -> Result<Completion> {
-    let row = sqlx::query(sql.retry.clone())
-        .bind(lease.id)
-        .bind(lease.token)
-        .bind(interval(micros(delay)?))
-        .fetch_one(db)
-        .await?;
-    let locked: i64 = row.try_get(0)?;
-    let at: Option<DateTime<Utc>> = row.try_get(1)?;
-    let rearmed: Option<bool> = row.try_get(2)?;
-    Ok(match (locked, at, rearmed) {
-        (0, _, _) => Completion::LeaseLost,
-        (_, Some(at), Some(true)) => Completion::Rearmed { at },
-        (_, Some(at), _) => Completion::RetryScheduled { at },
-        // A cancel reached the row while it ran: deleted instead of retried.
-        (_, None, _) => Completion::Cancelled,
-    })
-}
-
-async fn fail_on(
-    sql: &Complete,
-    db: &PgPool,
-    archive: bool,
-    lease: Lease,
-    failure: Failure<'_>,
-) -> Result<Completion> {
-    if !archive {
-        // Without a dead-letter table a terminal failure ends the row like a success.
-        let cancelled: Option<bool> = sqlx::query_scalar(sql.fail_delete.clone())
-            .bind(lease.id)
-            .bind(lease.token)
-            .fetch_optional(db)
-            .await?;
-        return match cancelled {
-            Some(true) => Ok(Completion::Cancelled),
-            Some(false) => Ok(Completion::Deleted),
-            None => {
-                let row = sqlx::query(sql.ack_settle.clone())
-                    .bind(lease.id)
-                    .bind(lease.token)
-                    .fetch_one(db)
-                    .await?;
-                settled(&row)
-            }
-        };
-    }
-    let row = sqlx::query(sql.fail_archive.clone())
-        .bind(lease.id)
-        .bind(lease.token)
-        .bind(failure.reason.as_str())
-        .bind(failure.last_error.map(clean_error_text))
-        .bind(i32::from(failure.reason.handler_ran()))
-        .fetch_one(db)
-        .await?;
-    if row.try_get::<Option<bool>, _>(3)? == Some(true) {
-        return Ok(Completion::Cancelled);
-    }
-    settled(&row)
-}
-
-async fn renew_on(sql: &Complete, db: &PgPool, leases: &[Lease]) -> Result<Vec<Renewal>> {
-    let (ids, tokens) = columns(leases.iter().copied());
-    let rows = sqlx::query(sql.renew.clone())
-        .bind(&ids)
-        .bind(&tokens)
-        .fetch_all(db)
-        .await?;
-    let mut held = HashMap::new();
-    for r in rows {
-        let lease = lease_at(&r)?;
-        let cancelled: bool = r.try_get(2)?;
-        held.insert(
-            lease,
-            if cancelled {
-                Renewal::Cancelled
-            } else {
-                Renewal::Renewed
-            },
-        );
-    }
-    Ok(leases
-        .iter()
-        .map(|l| held.get(l).copied().unwrap_or(Renewal::Lost))
-        .collect())
-}
-
-async fn release_on(sql: &Complete, db: &PgPool, items: &[Release]) -> Result<Vec<Released>> {
-    let (ids, tokens) = columns(items.iter().map(|r| r.lease));
-    let started: Vec<bool> = items.iter().map(|r| r.started).collect();
-    let rows = sqlx::query(sql.release.clone())
-        .bind(&ids)
-        .bind(&tokens)
-        .bind(&started)
-        .fetch_all(db)
-        .await?;
-    let mut done = HashMap::new();
-    for r in rows {
-        let lease = lease_at(&r)?;
-        let outcome: String = r.try_get(2)?;
-        done.insert(
-            lease,
-            match outcome.as_str() {
-                "cancelled" => Released::Cancelled,
-                "retried" => Released::Retried,
-                _ => Released::Pending,
-            },
-        );
-    }
-    Ok(items
-        .iter()
-        .map(|r| done.get(&r.lease).copied().unwrap_or(Released::LeaseLost))
-        .collect())
-}
-
 impl Store for PgStore {
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Delivery>> {
         let mut conn = match self.pool.acquire().await {
             Ok(c) => c,
             Err(e) => return Err(explain(&self.pool, e.into()).await),
         };
-        self.claim_on(&mut conn, request).await
+        self.claim_with(&mut conn, request).await
     }
 
     async fn ack(&self, lease: Lease) -> Result<Completion> {
@@ -654,8 +470,8 @@ impl Store for PgStore {
         self.outbox.dead_letter_enabled()
     }
 
-    fn transactions(&self) -> Option<super::transaction::TransactionSource> {
-        Some(super::transaction::TransactionSource::new(
+    fn transactions(&self) -> Option<TransactionSource> {
+        Some(TransactionSource::new(
             self.pool.clone(),
             self.outbox.clone(),
         ))
@@ -663,7 +479,7 @@ impl Store for PgStore {
 
     /// One catalog read: the `autovacuum` setting and the queue table's
     /// `autovacuum_enabled` storage parameter.
-    async fn autovacuum_off(&self) -> Result<Option<super::AutovacuumOff>> {
+    async fn autovacuum_off(&self) -> Result<Option<AutovacuumOff>> {
         let (exists, server, table): (bool, bool, bool) =
             sqlx::query_as(crate::sql::catalog::AUTOVACUUM_OFF)
                 .bind(self.outbox.table())
@@ -675,7 +491,7 @@ impl Store for PgStore {
                 detail: format!("relation \"{}\" does not exist", self.outbox.table()),
             });
         }
-        Ok((server || table).then(|| super::AutovacuumOff {
+        Ok((server || table).then(|| AutovacuumOff {
             table: self.outbox.table().to_owned(),
             server,
             table_option: table,
@@ -710,30 +526,4 @@ impl Publisher for &PgStore {
     ) -> impl Future<Output = Result<Cancelled>> + Send {
         cancel_in_own_transaction(&self.pool, &self.outbox, queue, timer_id)
     }
-}
-
-/// Leases as the two array parameters `($1::bigint[], $2::uuid[])` of a batched statement.
-fn columns(leases: impl Iterator<Item = Lease>) -> (Vec<i64>, Vec<Uuid>) {
-    leases.map(|l| (l.id, l.token)).unzip()
-}
-
-/// The lease a batched statement's row reports in its first two columns `(id, token)`:
-/// outcomes are matched back by the whole lease, since a stale and a fresh lease of one row
-/// may share a batch.
-fn lease_at(row: &PgRow) -> Result<Lease> {
-    Ok(Lease {
-        id: row.try_get(0)?,
-        token: row.try_get(1)?,
-    })
-}
-
-/// Reads `(rows locked, rearm deadline)` from a locking completion statement.
-fn settled(row: &PgRow) -> Result<Completion> {
-    let locked: i64 = row.try_get(0)?;
-    let rearmed: Option<DateTime<Utc>> = row.try_get(1)?;
-    Ok(match (locked, rearmed) {
-        (0, _) => Completion::LeaseLost,
-        (_, Some(at)) => Completion::Rearmed { at },
-        (_, None) => Completion::Deleted,
-    })
 }

@@ -1,16 +1,111 @@
-//! Decoding claimed rows (the columns of `sql::claim::DELIVERY_COLUMNS`, in order), one row
-//! and one column at a time: a row whose stored fields do not decode becomes a delivery
-//! with a `decode_error` instead of failing the whole claim, so one bad row never stalls
-//! the rows beside it. The lease (id and token) and the queue always decode: they are
-//! written by our own statements.
+//! The rows a store reads, and their decoding: claimed rows into [`Delivery`] (the columns
+//! of `sql::claim::DELIVERY_COLUMNS`), live rows into [`StoredRow`]
+//! (`sql::read::ROW_COLUMNS`), dead letters into [`DeadLetter`]
+//! (`sql::read::DEAD_LETTER_COLUMNS`), each in column order.
+//!
+//! A claimed row is decoded one column at a time: a row whose stored fields do not decode
+//! becomes a delivery with a `decode_error` instead of failing the whole claim, so one bad
+//! row never stalls the rows beside it. The lease (id and token) and the queue always
+//! decode: they are written by our own statements.
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
+use sqlx::types::Json;
 use sqlx::Row;
+use uuid::Uuid;
 
-use super::{Delivery, Lease};
+use super::{clean_error_text, Delivery, Lease};
 use crate::error::Result;
-use crate::read::headers_lenient;
+use crate::message::Headers;
+
+/// A live row of the queue table as stored, read without leasing it: pending
+/// (`acquired_token` is `None`) or leased by a worker (`acquired_token` and `acquired_at`
+/// set). A row that is gone (completed, cancelled while pending, archived) is not live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredRow {
+    /// Primary key.
+    pub id: i64,
+    /// Queue name.
+    pub queue: String,
+    /// Encoded message.
+    pub payload: Vec<u8>,
+    /// Headers.
+    pub headers: Option<Headers>,
+    /// Failed handler runs so far.
+    pub attempts_count: i32,
+    /// Claims so far.
+    pub deliveries_count: i32,
+    /// Publish time.
+    pub created_at: DateTime<Utc>,
+    /// The deadline.
+    pub next_attempt_at: DateTime<Utc>,
+    /// First failed run.
+    pub first_attempt_at: Option<DateTime<Utc>>,
+    /// Latest failed run.
+    pub last_attempt_at: Option<DateTime<Utc>>,
+    /// Lease start; `None` when pending.
+    pub acquired_at: Option<DateTime<Utc>>,
+    /// Lease token; `None` when pending.
+    pub acquired_token: Option<Uuid>,
+    /// Timer key.
+    pub timer_id: Option<String>,
+    /// Queued rearm deadline (only on a leased row).
+    pub rearm_at: Option<DateTime<Utc>>,
+    /// Payload the rearm will install.
+    pub rearm_payload: Option<Vec<u8>>,
+    /// Headers the rearm will install.
+    pub rearm_headers: Option<Headers>,
+    /// When a cancel reached the row while it was leased: the run's end deletes the row.
+    pub cancelled_at: Option<DateTime<Utc>>,
+    /// The stored `headers` as JSON text, when they are not a JSON object of strings (then
+    /// `headers` is `None`). Only SQL of someone else's writes such headers; a worker that
+    /// claims the row ends it as a terminal `decode_error`.
+    pub raw_headers: Option<String>,
+    /// The same for `rearm_headers`.
+    pub raw_rearm_headers: Option<String>,
+}
+
+/// A row archived in the dead-letter table: the failed run's row as it was, why it failed and
+/// when, and whether it was redriven since. There is no foreign key to the queue table:
+/// `original_id` names the queue row the run came from, which is usually gone by now.
+/// Listed, redriven and purged with the operations of [`crate::dlq`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// The dead-letter row's own id.
+    pub id: i64,
+    /// The queue row's id.
+    pub original_id: i64,
+    /// Queue name.
+    pub queue: String,
+    /// The failed run's payload (the original bytes, even when they did not decode).
+    pub payload: Vec<u8>,
+    /// Headers.
+    pub headers: Option<Headers>,
+    /// The archived `headers` as JSON text, when they are not a JSON object of strings (then
+    /// `headers` is `None`): a row archived as `decode_error` keeps its headers as stored.
+    pub raw_headers: Option<String>,
+    /// Timer key.
+    pub timer_id: Option<String>,
+    /// Failed handler runs, the last one included when the handler ran.
+    pub attempts_count: i32,
+    /// Claims.
+    pub deliveries_count: i32,
+    /// The original row's publish time.
+    pub created_at: DateTime<Utc>,
+    /// When it was archived.
+    pub failed_at: DateTime<Utc>,
+    /// One of `max_deliveries`, `retry_exhausted`, `rejected`, `decode_error`, `timeout`,
+    /// `aborted` (the values of `FailureReason::as_str`).
+    pub failure_reason: String,
+    /// The last error text.
+    pub last_error: Option<String>,
+    /// When a redrive re-published this row (the redriving transaction's database time);
+    /// `None` while it was never redriven. A row is redriven at most once.
+    pub redriven_at: Option<DateTime<Utc>>,
+    /// The queue row that redrive created (its id in the queue table; the row itself may
+    /// be gone by now, once it ran).
+    pub redriven_id: Option<i64>,
+}
 
 pub(crate) fn delivery_from_row(row: &PgRow) -> Result<Delivery> {
     let mut problems: Vec<String> = Vec::new();
@@ -58,7 +153,7 @@ pub(crate) fn delivery_from_row(row: &PgRow) -> Result<Delivery> {
     if let Some(raw) = raw_headers {
         problems.push(format!(
             "column `headers`: not a JSON object of strings: {}",
-            crate::store::clean_error_text(&raw)
+            clean_error_text(&raw)
         ));
     }
     Ok(Delivery {
@@ -77,5 +172,70 @@ pub(crate) fn delivery_from_row(row: &PgRow) -> Result<Delivery> {
         first_attempt_at,
         claimed_at,
         decode_error: (!problems.is_empty()).then(|| problems.join("; ")),
+    })
+}
+
+/// A `headers` column as `(string map, raw JSON text)`: the map when the stored JSON is an
+/// object of strings, else the raw text (headers written by SQL of someone else's, or a
+/// rearm's). NULL is `(None, None)`.
+fn headers_lenient(
+    row: &PgRow,
+    idx: usize,
+) -> std::result::Result<(Option<Headers>, Option<String>), sqlx::Error> {
+    match row.try_get::<Option<Json<Headers>>, _>(idx) {
+        Ok(h) => Ok((h.map(|j| j.0), None)),
+        Err(_) => {
+            let raw: Option<Json<serde_json::Value>> = row.try_get(idx)?;
+            Ok((None, raw.map(|j| j.0.to_string())))
+        }
+    }
+}
+
+/// Decodes the columns of `sql::read::ROW_COLUMNS`, in order.
+pub(crate) fn stored_from_row(row: &PgRow) -> Result<StoredRow> {
+    let (headers, raw_headers) = headers_lenient(row, 3)?;
+    let (rearm_headers, raw_rearm_headers) = headers_lenient(row, 15)?;
+    Ok(StoredRow {
+        id: row.try_get(0)?,
+        queue: row.try_get(1)?,
+        payload: row.try_get(2)?,
+        headers,
+        attempts_count: row.try_get(4)?,
+        deliveries_count: row.try_get(5)?,
+        created_at: row.try_get(6)?,
+        next_attempt_at: row.try_get(7)?,
+        first_attempt_at: row.try_get(8)?,
+        last_attempt_at: row.try_get(9)?,
+        acquired_at: row.try_get(10)?,
+        acquired_token: row.try_get(11)?,
+        timer_id: row.try_get(12)?,
+        rearm_at: row.try_get(13)?,
+        rearm_payload: row.try_get(14)?,
+        rearm_headers,
+        cancelled_at: row.try_get(16)?,
+        raw_headers,
+        raw_rearm_headers,
+    })
+}
+
+/// Decodes the columns of `sql::read::DEAD_LETTER_COLUMNS`, in order.
+pub(crate) fn dead_letter_from_row(r: &PgRow) -> Result<DeadLetter> {
+    let (headers, raw_headers) = headers_lenient(r, 4)?;
+    Ok(DeadLetter {
+        id: r.try_get(0)?,
+        original_id: r.try_get(1)?,
+        queue: r.try_get(2)?,
+        payload: r.try_get(3)?,
+        headers,
+        raw_headers,
+        timer_id: r.try_get(5)?,
+        attempts_count: r.try_get(6)?,
+        deliveries_count: r.try_get(7)?,
+        created_at: r.try_get(8)?,
+        failed_at: r.try_get(9)?,
+        failure_reason: r.try_get(10)?,
+        last_error: r.try_get(11)?,
+        redriven_at: r.try_get(12)?,
+        redriven_id: r.try_get(13)?,
     })
 }

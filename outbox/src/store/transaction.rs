@@ -158,7 +158,7 @@ impl TransactionAccess {
             .await;
         let tx = match begun {
             Ok(tx) => tx,
-            Err(e) => return Err(crate::error::explain(&source.pool, e.into()).await),
+            Err(e) => return Err(super::connect::explain(&source.pool, e.into()).await),
         };
         if !self.transition(&RunTransaction::None, RunTransaction::Open) {
             return Err(Error::TransactionUnavailable {
@@ -306,7 +306,7 @@ async fn commit_in_task(
     access: TransactionAccess,
 ) -> Result<Completion> {
     let lease = access.lease;
-    let done = crate::store::postgres::ack_on(&outbox.sql().complete, &mut tx, lease).await;
+    let done = super::fenced::ack_on(&outbox.sql().complete, &mut tx, lease).await;
     let result = match done {
         Ok(Completion::LeaseLost) => {
             let _ = tx.rollback().await;

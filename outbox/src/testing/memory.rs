@@ -18,12 +18,16 @@ use crate::admin::{PausedQueue, RowAction};
 use crate::cancel::Cancelled;
 use crate::dlq::{DeadLetterFilter, Redrive, RedriveOutcome, RedriveResult, Selection};
 use crate::error::{Error, Result};
-use crate::publish::{
-    self, micros, slack_micros, validate_batch, validate_queue, validate_timer_id, BatchItem,
-    Message, OnConflict, Published, Resolved, Schedule,
+use crate::message::envelope::{Message, Published};
+use crate::message::schedule::Resolved;
+use crate::message::{
+    slack_micros, validate_batch, validate_queue, validate_timer_id, BatchItem, OnConflict,
+    Schedule,
 };
-use crate::read::{DeadLetter, StoredRow};
+use crate::publish;
+use crate::sql::binds::micros;
 use crate::stats::{complete, lateness, Count, QueueStats, StatsMode, StatsRequest};
+use crate::store::rows::{DeadLetter, StoredRow};
 use crate::store::{
     clean_error_text, Armed, ClaimRequest, Completion, Delivery, Failure, Lease, NextWakeup,
     RegisterSchedule, Registered, Release, Released, Renewal, Store, Wakeup, SCHEDULE_HEADER,

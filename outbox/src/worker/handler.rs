@@ -14,7 +14,7 @@ use tokio::sync::watch;
 
 use super::retry::RetryStrategy;
 use crate::error::Result;
-use crate::publish::Headers;
+use crate::message::Headers;
 use crate::store::transaction::{HandlerTransaction, TransactionAccess};
 use crate::store::Delivery;
 

@@ -17,8 +17,8 @@ use tokio::sync::watch;
 
 use super::shared::backoff;
 use crate::error::{Error, Result};
+use crate::message::{validate_payload, validate_timer_id, Headers};
 use crate::periodic::{Recurrence, DECLARED_SCHEDULE_NAME};
-use crate::publish::{validate_payload, validate_timer_id, Headers};
 use crate::store::SCHEDULE_KEY_PREFIX;
 use crate::store::{Armed, Delivery, RegisterSchedule, Registered, Store, SCHEDULE_HEADER};
 use crate::timer::Timer;

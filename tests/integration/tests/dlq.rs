@@ -419,7 +419,7 @@ async fn dead_letter_statements_use_their_indexes() {
     )
     .await;
     let name = d.trim_matches('"').to_owned();
-    let statements = outbox::__private::statements(&f.outbox);
+    let statements = f.outbox.statements();
     let text = |name: &str| {
         statements
             .iter()

@@ -146,9 +146,7 @@ async fn up_to_date_migrate_reads_the_catalog_only() {
 async fn a_blocked_step_gives_way_and_names_the_holder() {
     let pool = pool().await;
     let outbox = outbox("mig_blocked");
-    outbox::__private::migrate_base_only(&outbox, &pool)
-        .await
-        .unwrap();
+    outbox.migrate_base_only(&pool).await.unwrap();
 
     let mut reader = session().await;
     let reader_pid = pid(&mut reader).await;
@@ -537,9 +535,7 @@ async fn an_operators_storage_tuning_survives_migrate() {
 async fn autovacuum_settings_leave_an_operators_earlier_tuning_alone() {
     let pool = pool().await;
     let outbox = outbox("mig_av_pre");
-    outbox::__private::migrate_base_only(&outbox, &pool)
-        .await
-        .unwrap();
+    outbox.migrate_base_only(&pool).await.unwrap();
     let t = outbox.table();
     sqlx::raw_sql(AssertSqlSafe(format!(
         "ALTER TABLE {t} SET (autovacuum_vacuum_threshold = 5000)"
@@ -584,9 +580,7 @@ async fn patient_pool(max: u32) -> PgPool {
 async fn concurrent_upgrades_through_a_concurrent_build_all_finish() {
     let pool = pool().await;
     let outbox = outbox("mig_conc_up");
-    outbox::__private::migrate_base_only(&outbox, &pool)
-        .await
-        .unwrap();
+    outbox.migrate_base_only(&pool).await.unwrap();
     sqlx::raw_sql(AssertSqlSafe(format!(
         "INSERT INTO {} (original_id, queue, payload, deliveries_count, attempts_count, \
                          created_at, failure_reason) \
@@ -626,9 +620,7 @@ async fn concurrent_upgrades_through_a_concurrent_build_all_finish() {
 async fn the_deadline_bounds_waiting_for_another_migrator() {
     let pool = pool().await;
     let outbox = outbox("mig_adv");
-    outbox::__private::migrate_base_only(&outbox, &pool)
-        .await
-        .unwrap();
+    outbox.migrate_base_only(&pool).await.unwrap();
     let mut other = session().await;
     let other_pid = pid(&mut other).await;
     sqlx::query("SELECT pg_advisory_lock(hashtextextended($1, 0))")
@@ -699,9 +691,7 @@ async fn the_search_path_of_the_pool_reaches_every_step() {
         .dead_letter(true)
         .build()
         .unwrap();
-    outbox::__private::migrate_base_only(&outbox, &pool)
-        .await
-        .unwrap();
+    outbox.migrate_base_only(&pool).await.unwrap();
     outbox.migrate(&pool).await.unwrap();
     outbox.validate_schema(&pool).await.unwrap();
     let index: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
@@ -767,9 +757,7 @@ async fn the_dead_letter_upgrade_waits_for_the_dead_letter_queue() {
     let pool = pool().await;
     let name = unique_table("mig_nodlq");
     let without = Outbox::builder().table(&name).build().unwrap();
-    outbox::__private::migrate_base_only(&without, &pool)
-        .await
-        .unwrap();
+    without.migrate_base_only(&pool).await.unwrap();
 
     let mut old = session().await;
     old.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")

@@ -143,7 +143,9 @@ async fn waiting_on_a_lock(f: &Fixture) -> i64 {
 #[tokio::test]
 async fn a_registration_waiting_on_another_finds_its_row() {
     let f = Fixture::new().await;
-    let register_sql = outbox::__private::statements(&f.outbox)
+    let register_sql = f
+        .outbox
+        .statements()
         .into_iter()
         .find(|(name, _)| *name == "periodic.register")
         .expect("the register statement")

@@ -179,7 +179,7 @@ async fn every_statement_reaches_the_table_through_an_index_with_stale_statistic
     let caps = vec![10i64, 10];
     let ttl = interval(60_000_000);
 
-    let statements = outbox::__private::statements(&f.outbox);
+    let statements = f.outbox.statements();
     let mut checked = Vec::new();
     let mut unbounded = Vec::new();
     for (stmt, sql) in &statements {

@@ -41,9 +41,7 @@ async fn base_shape_with_rows_is_upgraded_in_place() {
         .dead_letter(true)
         .build()
         .unwrap();
-    outbox::__private::migrate_base_only(&outbox, &pool)
-        .await
-        .unwrap();
+    outbox.migrate_base_only(&pool).await.unwrap();
     let t = outbox.table();
 
     // Before the upgrade: validate points to the upgrade guide for each missing piece.

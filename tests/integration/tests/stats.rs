@@ -299,7 +299,7 @@ async fn estimate_mode_does_not_scan_the_backlog() {
     backlog(&f).await;
     exec(&f.pool, format!("ANALYZE {}", f.outbox.table())).await;
     let table = f.outbox.table().trim_matches('"').to_owned();
-    let statements = outbox::__private::statements(&f.outbox);
+    let statements = f.outbox.statements();
     let mut seen = 0;
     for (name, sql) in &statements {
         if !name.starts_with("stats.estimate") {

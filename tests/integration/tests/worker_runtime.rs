@@ -702,7 +702,7 @@ async fn public_futures_are_send() {
     let outbox = outbox::Outbox::default();
     send(outbox::migrate(&pool));
     send(outbox.migrate(&pool));
-    send(outbox::__private::migrate_base_only(&outbox, &pool));
+    send(outbox.migrate_base_only(&pool));
     send(outbox::schema::validate_schema(&pool));
     send(outbox.validate_schema(&pool));
     let store = PgStore::new(pool.clone(), outbox.clone());

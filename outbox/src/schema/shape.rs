@@ -1,14 +1,22 @@
-//! The indexes and CHECK constraints this version needs, and the one rule that matches them
-//! against the catalog: **by definition, not by name** (key columns, uniqueness and partial
-//! predicate of an index; the expression of a CHECK), so a renamed index or constraint
-//! still counts. `validate_schema` reports against it, and `migrate()` skips a step whose
-//! pieces it finds, so the two never disagree about what is there.
+//! The shape of the tables this version needs: the default table name, the width of the
+//! name columns, the indexes and CHECK constraints, and the one rule that matches indexes
+//! and CHECKs against the catalog: **by definition, not by name** (key columns, uniqueness
+//! and partial predicate of an index; the expression of a CHECK), so a renamed index or
+//! constraint still counts. `validate_schema` reports against it, and `migrate()` skips a
+//! step whose pieces it finds, so the two never disagree about what is there.
 
 use sqlx::Row;
 
 use crate::error::Result;
 use crate::names::Names;
 use crate::sql::catalog;
+
+/// The default queue table name. Its dead-letter table is `outbox_dlq`, and both live in the
+/// connection's `search_path` unless a schema is configured.
+pub const DEFAULT_TABLE: &str = "outbox";
+
+/// Longest queue name and timer id, in bytes (the columns are `varchar(255)`).
+pub const MAX_NAME_BYTES: usize = 255;
 
 /// An index this version needs.
 #[derive(Debug)]

@@ -5,9 +5,10 @@ use std::collections::HashMap;
 
 use sqlx::{PgPool, Row};
 
-use crate::error::{Error, Result, SchemaProblem};
+use super::problem::SchemaProblem;
+use super::shape::{self, LiveIndex, WantedIndex};
+use crate::error::{Error, Result};
 use crate::names::Names;
-use crate::shape::{self, LiveIndex, WantedIndex};
 use crate::sql::catalog;
 
 /// `(column, format_type output, NOT NULL, added by an upgrade of older deployments)`.

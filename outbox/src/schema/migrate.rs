@@ -23,13 +23,15 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Executor, PgConnection, PgPool, Postgres, Row};
 use tokio::time::Instant;
 
-use crate::error::{explain, Error, LockHolder, Result};
+use super::problem::LockHolder;
+use super::shape::{self, LiveCheck, LiveIndex};
+use crate::error::{Error, Result};
 use crate::names::Names;
-use crate::shape::{self, LiveCheck, LiveIndex};
 use crate::sql::catalog;
 use crate::sql::ddl::{
     Ddl, Done, Step, Table, ADVISORY_TRY_LOCK, ADVISORY_TRY_SESSION_LOCK, ADVISORY_UNLOCK,
 };
+use crate::store::connect::explain;
 
 /// One migration step.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,0 +1,47 @@
+//! Test hooks: what the project's own tests (and the benchmark harness) need beyond the
+//! public API, built only with the `testing` feature and hidden from the docs. Not public
+//! API: they may change in any release.
+
+use sqlx::{PgConnection, PgPool};
+
+use crate::error::Result;
+use crate::outbox::Outbox;
+use crate::schema::migrate::{self, MigrateOptions};
+use crate::store::postgres::PgStore;
+use crate::store::{ClaimRequest, Delivery};
+
+impl Outbox {
+    /// Every statement the runtime executes for this outbox's names, as `(name, text)`:
+    /// the plan tests (`EXPLAIN`) read them.
+    #[doc(hidden)]
+    pub fn statements(&self) -> Vec<(&'static str, String)> {
+        self.sql()
+            .all()
+            .into_iter()
+            .map(|(name, sql)| (name, sql.to_owned()))
+            .collect()
+    }
+
+    /// Applies only the base shape (the first migration step: the queue table without the
+    /// rearm columns, the rearm CHECK and the cancel mark, plus the dead-letter table), as a
+    /// deployment that predates rearm has it: the upgrade tests start from it.
+    #[doc(hidden)]
+    pub async fn migrate_base_only(&self, pool: &PgPool) -> Result<()> {
+        let options = MigrateOptions::default();
+        migrate::run(&self.sql().ddl, self.names(), true, pool, 1, options).await
+    }
+}
+
+impl PgStore {
+    /// [`Store::claim`](crate::store::Store::claim) on `conn`: inside a transaction the
+    /// claimed rows stay locked until it ends, which is how the race tests hold a claim
+    /// open while another session acts on its rows.
+    #[doc(hidden)]
+    pub async fn claim_on(
+        &self,
+        conn: &mut PgConnection,
+        request: ClaimRequest<'_>,
+    ) -> Result<Vec<Delivery>> {
+        self.claim_with(conn, request).await
+    }
+}

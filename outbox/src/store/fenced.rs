@@ -1,0 +1,240 @@
+//! The fenced writes after a claim, on Postgres: success (one row or a batch), retry,
+//! terminal failure, lease renewal and release, each matching the row id **and** the lease
+//! token, so a worker whose lease was taken over writes nothing. They execute the
+//! statements `sql::complete` renders, on the connection or pool they are handed:
+//! [`PgStore`](crate::PgStore) hands them its pools (and splits a batch that meets a row
+//! lock), a handler's transaction hands [`ack_on`] itself
+//! ([`HandlerTransaction::commit`](crate::HandlerTransaction::commit)).
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::{PgPool, PgRow};
+use sqlx::{PgConnection, Row};
+use uuid::Uuid;
+
+use super::{clean_error_text, Completion, Failure, Lease, Release, Released, Renewal};
+use crate::error::Result;
+use crate::sql::binds::{interval, micros};
+use crate::sql::complete::Complete;
+
+/// Success on one row: the DELETE (`… AND rearm_at IS NULL`, fenced by the token), and only
+/// when it matched nothing the follow-up that decides under the row lock (apply the rearm,
+/// delete a row whose rearm a cancel dropped meanwhile, or report the lease lost).
+/// On `db`: a connection of the store's pools, or a handler's transaction.
+pub(crate) async fn ack_on(
+    sql: &Complete,
+    db: &mut PgConnection,
+    lease: Lease,
+) -> Result<Completion> {
+    let done = sqlx::query(sql.ack_delete.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .execute(&mut *db)
+        .await?;
+    if done.rows_affected() == 1 {
+        return Ok(Completion::Deleted);
+    }
+    let row = sqlx::query(sql.ack_settle.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .fetch_one(&mut *db)
+        .await?;
+    settled(&row)
+}
+
+/// The batched DELETE of successes: the leases whose rows it deleted. The rest (a rearm
+/// queued, or the lease lost) go to one follow-up statement.
+pub(crate) async fn ack_batch_delete_on(
+    sql: &Complete,
+    db: &PgPool,
+    leases: &[Lease],
+) -> Result<HashSet<Lease>> {
+    let (ids, tokens) = columns(leases.iter().copied());
+    sqlx::query(sql.ack_batch_delete.clone())
+        .bind(&ids)
+        .bind(&tokens)
+        .fetch_all(db)
+        .await?
+        .iter()
+        .map(lease_at)
+        .collect()
+}
+
+/// The batched follow-up for the rows the DELETE did not return: applies their rearm, or
+/// deletes them; a lease missing from the result is lost.
+pub(crate) async fn ack_batch_settle_on(
+    sql: &Complete,
+    db: &PgPool,
+    leases: &[Lease],
+) -> Result<HashMap<Lease, Completion>> {
+    let (ids, tokens) = columns(leases.iter().copied());
+    let rows = sqlx::query(sql.ack_batch_settle.clone())
+        .bind(&ids)
+        .bind(&tokens)
+        .fetch_all(db)
+        .await?;
+    let mut settled = HashMap::new();
+    for r in rows {
+        let at: Option<DateTime<Utc>> = r.try_get(2)?;
+        settled.insert(
+            lease_at(&r)?,
+            at.map_or(Completion::Deleted, |at| Completion::Rearmed { at }),
+        );
+    }
+    Ok(settled)
+}
+
+pub(crate) async fn retry_on(
+    sql: &Complete,
+    db: &PgPool,
+    lease: Lease,
+    delay: Duration,
+) -> Result<Completion> {
+    let row = sqlx::query(sql.retry.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(interval(micros(delay)?))
+        .fetch_one(db)
+        .await?;
+    let locked: i64 = row.try_get(0)?;
+    let at: Option<DateTime<Utc>> = row.try_get(1)?;
+    let rearmed: Option<bool> = row.try_get(2)?;
+    Ok(match (locked, at, rearmed) {
+        (0, _, _) => Completion::LeaseLost,
+        (_, Some(at), Some(true)) => Completion::Rearmed { at },
+        (_, Some(at), _) => Completion::RetryScheduled { at },
+        // A cancel reached the row while it ran: deleted instead of retried.
+        (_, None, _) => Completion::Cancelled,
+    })
+}
+
+pub(crate) async fn fail_on(
+    sql: &Complete,
+    db: &PgPool,
+    archive: bool,
+    lease: Lease,
+    failure: Failure<'_>,
+) -> Result<Completion> {
+    if !archive {
+        // Without a dead-letter table a terminal failure ends the row like a success.
+        let cancelled: Option<bool> = sqlx::query_scalar(sql.fail_delete.clone())
+            .bind(lease.id)
+            .bind(lease.token)
+            .fetch_optional(db)
+            .await?;
+        return match cancelled {
+            Some(true) => Ok(Completion::Cancelled),
+            Some(false) => Ok(Completion::Deleted),
+            None => {
+                let row = sqlx::query(sql.ack_settle.clone())
+                    .bind(lease.id)
+                    .bind(lease.token)
+                    .fetch_one(db)
+                    .await?;
+                settled(&row)
+            }
+        };
+    }
+    let row = sqlx::query(sql.fail_archive.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(failure.reason.as_str())
+        .bind(failure.last_error.map(clean_error_text))
+        .bind(i32::from(failure.reason.handler_ran()))
+        .fetch_one(db)
+        .await?;
+    if row.try_get::<Option<bool>, _>(3)? == Some(true) {
+        return Ok(Completion::Cancelled);
+    }
+    settled(&row)
+}
+
+pub(crate) async fn renew_on(
+    sql: &Complete,
+    db: &PgPool,
+    leases: &[Lease],
+) -> Result<Vec<Renewal>> {
+    let (ids, tokens) = columns(leases.iter().copied());
+    let rows = sqlx::query(sql.renew.clone())
+        .bind(&ids)
+        .bind(&tokens)
+        .fetch_all(db)
+        .await?;
+    let mut held = HashMap::new();
+    for r in rows {
+        let lease = lease_at(&r)?;
+        let cancelled: bool = r.try_get(2)?;
+        held.insert(
+            lease,
+            if cancelled {
+                Renewal::Cancelled
+            } else {
+                Renewal::Renewed
+            },
+        );
+    }
+    Ok(leases
+        .iter()
+        .map(|l| held.get(l).copied().unwrap_or(Renewal::Lost))
+        .collect())
+}
+
+pub(crate) async fn release_on(
+    sql: &Complete,
+    db: &PgPool,
+    items: &[Release],
+) -> Result<Vec<Released>> {
+    let (ids, tokens) = columns(items.iter().map(|r| r.lease));
+    let started: Vec<bool> = items.iter().map(|r| r.started).collect();
+    let rows = sqlx::query(sql.release.clone())
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(&started)
+        .fetch_all(db)
+        .await?;
+    let mut done = HashMap::new();
+    for r in rows {
+        let lease = lease_at(&r)?;
+        let outcome: String = r.try_get(2)?;
+        done.insert(
+            lease,
+            match outcome.as_str() {
+                "cancelled" => Released::Cancelled,
+                "retried" => Released::Retried,
+                _ => Released::Pending,
+            },
+        );
+    }
+    Ok(items
+        .iter()
+        .map(|r| done.get(&r.lease).copied().unwrap_or(Released::LeaseLost))
+        .collect())
+}
+
+/// Leases as the two array parameters `($1::bigint[], $2::uuid[])` of a batched statement.
+fn columns(leases: impl Iterator<Item = Lease>) -> (Vec<i64>, Vec<Uuid>) {
+    leases.map(|l| (l.id, l.token)).unzip()
+}
+
+/// The lease a batched statement's row reports in its first two columns `(id, token)`:
+/// outcomes are matched back by the whole lease, since a stale and a fresh lease of one row
+/// may share a batch.
+fn lease_at(row: &PgRow) -> Result<Lease> {
+    Ok(Lease {
+        id: row.try_get(0)?,
+        token: row.try_get(1)?,
+    })
+}
+
+/// Reads `(rows locked, rearm deadline)` from a locking completion statement.
+fn settled(row: &PgRow) -> Result<Completion> {
+    let locked: i64 = row.try_get(0)?;
+    let rearmed: Option<DateTime<Utc>> = row.try_get(1)?;
+    Ok(match (locked, rearmed) {
+        (0, _) => Completion::LeaseLost,
+        (_, Some(at)) => Completion::Rearmed { at },
+        (_, None) => Completion::Deleted,
+    })
+}
