@@ -1,4 +1,4 @@
-//! `outbox-bench stats`: the cost of the queue statistics (`Outbox::stats`) at 10⁶ rows
+//! `outbox-lab stats`: the cost of the queue statistics (`Outbox::stats`) at 10⁶ rows
 //! (issue 16, requirement 2). Not part of `check`; the `stats` module docs and the README
 //! quote its figures.
 //!
@@ -25,7 +25,7 @@ use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 
-use crate::BoxError;
+use outbox_bench::BoxError;
 
 const TTL: Duration = Duration::from_secs(60);
 
