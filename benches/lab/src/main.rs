@@ -48,7 +48,7 @@ struct Cli {
 enum Cmd {
     /// Runs the scenarios as `outbox-bench run` does, with the reference alongside
     /// (`--vs-peer`), or the growth curves and the soak instead (`--scale`, `--soak`).
-    Run(Box<RunArgs>),
+    Run(Box<LabRunArgs>),
     /// Runs the fault matrix: one fault per scenario while real workers consume, then
     /// accounts for every published row (docs/reliability.md); exits 1 if a row is lost or
     /// an expectation of the scenario is not met.
@@ -69,8 +69,9 @@ enum Cmd {
     Stats(stats::StatsArgs),
 }
 
+/// `run`: the gate's options and the lab's.
 #[derive(Args)]
-struct RunArgs {
+struct LabRunArgs {
     #[command(flatten)]
     run: outbox_bench::run::RunArgs,
     /// Also runs this command (the reference) on the same server; see `peer.rs`.
@@ -119,7 +120,7 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(a: &RunArgs) -> Result<ExitCode, BoxError> {
+async fn run(a: &LabRunArgs) -> Result<ExitCode, BoxError> {
     if cfg!(feature = "opentelemetry") && a.run.write_baseline {
         return Err(
             "built with the feature `opentelemetry`: the baseline measures the runtime \
@@ -143,5 +144,17 @@ async fn run(a: &RunArgs) -> Result<ExitCode, BoxError> {
             outbox_bench::run::run(&a.run, &mut reference).await
         }
         None => outbox_bench::run::run(&a.run, &mut ()).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Clap's own consistency checks (unique ids, valid defaults), which it otherwise makes
+    /// only when a command is first parsed.
+    #[test]
+    fn the_command_line_is_consistent() {
+        super::Cli::command().debug_assert();
     }
 }
