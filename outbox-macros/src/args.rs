@@ -9,7 +9,7 @@ use darling::ast::NestedMeta;
 use proc_macro2::TokenStream;
 use syn::{Expr, Lit, LitInt, LitStr, Meta, Path, UnOp};
 
-use crate::model::Errors;
+use crate::errors::Errors;
 
 /// The argument names, in the order the error messages list them.
 pub(crate) const ARGUMENTS: &[&str] = &["queue", "max_deliveries", "every", "cron", "tz", "crate"];

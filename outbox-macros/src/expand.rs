@@ -16,8 +16,7 @@ use proc_macro2::{Ident, Literal, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 use syn::ext::IdentExt;
 
-use crate::model::Model;
-use crate::schedule::Declared;
+use crate::model::{Declared, Model};
 
 /// The names of the generated functions for a payload type.
 pub(crate) struct FnNames {

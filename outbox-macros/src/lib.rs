@@ -186,6 +186,7 @@
 //! and change the stored JSON accordingly.
 
 mod args;
+mod errors;
 mod expand;
 mod from_ref;
 mod model;
@@ -195,7 +196,7 @@ mod validate;
 use proc_macro::TokenStream;
 use quote::quote;
 
-use crate::model::Errors;
+use crate::errors::Errors;
 use crate::validate::Checked;
 
 /// Derives `outbox::FromRef<Self>` for the type of each field of a state struct, so a

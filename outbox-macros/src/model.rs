@@ -1,11 +1,8 @@
 //! What the expansion needs, after parsing and validation: no tokens to re-check, no
 //! `Option`s to unwrap.
 
-use proc_macro2::{Span, TokenStream};
-use quote::ToTokens;
+use proc_macro2::Span;
 use syn::{Ident, Path, Visibility};
-
-use crate::schedule::Declared;
 
 /// A timer to expand: a non-generic struct with a validated queue and delivery limit.
 pub(crate) struct Model {
@@ -23,40 +20,16 @@ pub(crate) struct Model {
     pub(crate) schedule: Option<Declared>,
 }
 
-/// The problems found so far, each spanned at its token. serde_derive's `Ctxt` in small:
-/// parsing and validation push into it and go on, and the caller turns the lot into
-/// `compile_error!`s at the end.
-#[derive(Default)]
-pub(crate) struct Errors {
-    errors: Option<syn::Error>,
-}
-
-impl Errors {
-    /// Records `message` spanned over `tokens` (first to last token, as rustc underlines).
-    pub(crate) fn error<T: ToTokens, M: std::fmt::Display>(&mut self, tokens: T, message: M) {
-        self.push(syn::Error::new_spanned(tokens, message));
-    }
-
-    /// Records `message` at `span`.
-    pub(crate) fn error_at<M: std::fmt::Display>(&mut self, span: Span, message: M) {
-        self.push(syn::Error::new(span, message));
-    }
-
-    pub(crate) fn push(&mut self, error: syn::Error) {
-        match &mut self.errors {
-            Some(all) => all.combine(error),
-            None => self.errors = Some(error),
-        }
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.errors.is_none()
-    }
-
-    /// The `compile_error!` invocations, one per problem.
-    pub(crate) fn into_compile_errors(self) -> TokenStream {
-        self.errors
-            .map(syn::Error::into_compile_error)
-            .unwrap_or_default()
-    }
+/// A checked schedule declared on the type.
+/// `span` is the `every` or `cron` string: where an unmet bound of the generated code (a
+/// payload without `Default`) is reported.
+pub(crate) enum Declared {
+    /// `every = "..."`: the text as written (the runtime parses it again).
+    Every { text: String, span: Span },
+    /// `cron = "..."`, in zone `tz` (`"UTC"` when `tz` is not given).
+    Cron {
+        expr: String,
+        tz: String,
+        span: Span,
+    },
 }

@@ -5,28 +5,14 @@
 //! time. The runtime checks again (a hand-written `Timer` impl has no compile-time check);
 //! the macro tests keep the two in step (`tests/macros-cron`).
 
-use proc_macro2::Span;
 use syn::LitStr;
 
 use crate::args::{example, Slot};
-use crate::model::Errors;
+use crate::errors::Errors;
+use crate::model::Declared;
 
 /// The longest interval: `outbox::message::MAX_DELAY`, 10 000 years of 366 days.
 const MAX_EVERY_SECS: u64 = 10_000 * 366 * 24 * 3600;
-
-/// A checked schedule declared on the type.
-/// `span` is the `every` or `cron` string: where an unmet bound of the generated code (a
-/// payload without `Default`) is reported.
-pub(crate) enum Declared {
-    /// `every = "..."`: the text as written (the runtime parses it again).
-    Every { text: String, span: Span },
-    /// `cron = "..."`, in zone `tz` (`"UTC"` when `tz` is not given).
-    Cron {
-        expr: String,
-        tz: String,
-        span: Span,
-    },
-}
 
 /// Checks `every`, `cron` and `tz` together; `None` when no schedule is declared or one is
 /// wrong (the error is recorded, spanned at the string that causes it).
@@ -249,6 +235,7 @@ fn check_cron(lit: &LitStr, tz: Option<&LitStr>, errors: &mut Errors) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proc_macro2::Span;
 
     fn lit(s: &str) -> LitStr {
         LitStr::new(s, Span::call_site())

@@ -5,7 +5,8 @@ use proc_macro2::Span;
 use syn::{Ident, Item, LitStr, Visibility};
 
 use crate::args::{example, Args, IntArg, Slot};
-use crate::model::{Errors, Model};
+use crate::errors::Errors;
+use crate::model::Model;
 use crate::schedule;
 
 /// The longest queue name, in bytes: the `queue` column is `varchar(255)`.

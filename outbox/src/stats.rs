@@ -94,7 +94,7 @@
 //! `<table>_pending_idx` per queue and the catalog: no scan of the backlog (a test checks
 //! its plan).
 //!
-//! Measured with `cargo run --release -p outbox-bench -- stats --rows 1000000` (the
+//! Measured with `cargo run --release -p outbox-lab -- stats --rows 1000000` (the
 //! harness's `stats` command: a database of its own, created and dropped), PostgreSQL 15 on
 //! 2 shared cores, `shared_buffers` 128 MB, `jit` on but never reached (every plan stays
 //! under `jit_above_cost`), no parallel workers chosen: 10⁶ rows over 8 queues (275 MB with

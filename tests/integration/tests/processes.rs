@@ -21,7 +21,16 @@ struct Worker {
 impl Worker {
     fn start(table: &str, process: i32) -> Worker {
         let mut child = Command::new(env!("CARGO_BIN_EXE_worker_process"))
-            .args([&database_url(), table, &process.to_string()])
+            .args([
+                "--dsn",
+                &database_url(),
+                "--table",
+                table,
+                "--queue",
+                "work",
+            ])
+            .args(["--concurrency", "2", "--work-ms", "5"])
+            .args(["--record-as", &process.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

@@ -1,4 +1,4 @@
-//! `outbox-bench processes`: consumer throughput with 1, 2, 4, … worker **processes** on one
+//! `outbox-lab processes`: consumer throughput with 1, 2, 4, … worker **processes** on one
 //! database (SPEC §7.6, issue 14). Each process runs one `outbox::Worker` at default knobs
 //! with a handler that does nothing, so the figure is what the database and the two sides'
 //! CPU allow, not handler time. Not part of `check`; `docs/lab-notes/2026-11-30.md` ("Several
@@ -9,22 +9,18 @@
 //! deadline (every worker reads it before it sleeps), so they all begin together. The
 //! window runs from the deadline to the moment the table is empty.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitCode, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use outbox::{
-    message::{BatchItem, Schedule},
-    Context, Outbox, PgStore, Worker,
-};
+use outbox::message::{BatchItem, Schedule};
+use outbox::Outbox;
+use outbox_bench::cluster::Cluster;
+use outbox_bench::probe::WORK_APP;
+use outbox_bench::BoxError;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{AssertSqlSafe, ConnectOptions};
-
-use crate::cluster::Cluster;
-use crate::BoxError;
+use sqlx::AssertSqlSafe;
 
 const QUEUE: &str = "bench";
 const TABLE: &str = "bench_processes";
@@ -45,14 +41,6 @@ pub struct ProcessesArgs {
     /// The server whose settings the throwaway cluster copies (as for `run`).
     #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
     mirror: String,
-}
-
-#[derive(Args)]
-pub struct ChildArgs {
-    #[arg(long)]
-    dsn: String,
-    #[arg(long)]
-    concurrency: usize,
 }
 
 pub async fn run(a: &ProcessesArgs) -> Result<ExitCode, BoxError> {
@@ -103,14 +91,20 @@ pub async fn run(a: &ProcessesArgs) -> Result<ExitCode, BoxError> {
 
         let mut children: Vec<(Child, BufReader<std::process::ChildStdout>)> = Vec::new();
         for _ in 0..k {
+            // The same worker process as the integration test `processes` starts
+            // (benches/worker-process), with a handler that does nothing.
             let mut child = Command::new(std::env::current_exe()?)
                 .args([
                     "process-worker",
                     "--dsn",
                     &dsn,
-                    "--concurrency",
-                    &a.concurrency.to_string(),
+                    "--table",
+                    TABLE,
+                    "--queue",
+                    QUEUE,
                 ])
+                .args(["--concurrency", &a.concurrency.to_string()])
+                .args(["--application-name", WORK_APP])
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .spawn()?;
@@ -162,45 +156,5 @@ pub async fn run(a: &ProcessesArgs) -> Result<ExitCode, BoxError> {
     }
     admin.close().await;
     drop(cluster);
-    Ok(ExitCode::SUCCESS)
-}
-
-/// One worker process: prints `ready` once its worker runs, and `handled N` after its
-/// standard input closes and the worker has shut down.
-pub async fn child(a: &ChildArgs) -> Result<ExitCode, BoxError> {
-    let opts: PgConnectOptions = a.dsn.parse()?;
-    let pool = PgPoolOptions::new()
-        .max_connections(u32::try_from(a.concurrency + 3)?)
-        .test_before_acquire(false)
-        .connect_with(
-            opts.application_name("outbox-bench-work")
-                .disable_statement_logging(),
-        )
-        .await?;
-    let outbox = Outbox::builder().table(TABLE).build()?;
-    let handled = Arc::new(AtomicU64::new(0));
-    let worker = Worker::builder(PgStore::new(pool.clone(), outbox))
-        .concurrency(a.concurrency)
-        .queue(QUEUE, {
-            let handled = handled.clone();
-            move |_: Vec<u8>, _: Context| {
-                let handled = handled.clone();
-                async move {
-                    handled.fetch_add(1, Ordering::Relaxed);
-                    Ok::<(), std::convert::Infallible>(())
-                }
-            }
-        })
-        .build()?;
-    let running = worker.start();
-    println!("ready");
-    tokio::task::spawn_blocking(|| {
-        let mut sink = Vec::new();
-        std::io::stdin().read_to_end(&mut sink)
-    })
-    .await??;
-    running.shutdown().await;
-    pool.close().await;
-    println!("handled {}", handled.load(Ordering::Relaxed));
     Ok(ExitCode::SUCCESS)
 }

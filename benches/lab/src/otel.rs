@@ -41,14 +41,14 @@ pub fn install() -> Otel {
     let provider = SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
         .build();
-    let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("outbox-bench"));
+    let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("outbox-lab"));
     let subscriber = tracing_subscriber::registry()
         .with(LevelFilter::INFO)
         .with(layer);
     tracing::subscriber::set_global_default(subscriber)
         .expect("no other global subscriber in the harness");
     eprintln!(
-        "outbox-bench: feature opentelemetry: INFO spans go through tracing-opentelemetry to a \
+        "outbox-lab: feature opentelemetry: INFO spans go through tracing-opentelemetry to a \
          batch processor whose exporter drops them; rows carry the trace context"
     );
     Otel { provider, exported }
@@ -58,7 +58,7 @@ impl Otel {
     pub fn finish(self) {
         let _ = self.provider.force_flush();
         eprintln!(
-            "outbox-bench: feature opentelemetry: {} spans exported (and dropped)",
+            "outbox-lab: feature opentelemetry: {} spans exported (and dropped)",
             self.exported.load(Ordering::Relaxed)
         );
         let _ = self.provider.shutdown();

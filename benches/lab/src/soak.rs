@@ -29,11 +29,11 @@ use sqlx::postgres::PgPool;
 use sqlx::AssertSqlSafe;
 use tokio::sync::mpsc;
 
-use crate::payload::{extend_body, Body};
-use crate::probe::TAG;
 use crate::scale::{self, percentile, SQL_BODY, SQL_HEADERS};
-use crate::scenarios::Env;
-use crate::BoxError;
+use outbox_bench::payload::{extend_body, Body};
+use outbox_bench::probe::TAG;
+use outbox_bench::scenarios::Env;
+use outbox_bench::BoxError;
 
 #[derive(Args, Debug, Clone)]
 pub struct SoakArgs {

@@ -1,4 +1,4 @@
-//! `outbox-bench stats`: the cost of the queue statistics (`Outbox::stats`) at 10⁶ rows
+//! `outbox-lab stats`: the cost of the queue statistics (`Outbox::stats`) at 10⁶ rows
 //! (issue 16, requirement 2). Not part of `check`; the `stats` module docs quote its figures.
 //!
 //! In a database of its own (created on `--server`, dropped afterwards, also on failure):
@@ -24,7 +24,7 @@ use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 
-use crate::BoxError;
+use outbox_bench::BoxError;
 
 const TTL: Duration = Duration::from_secs(60);
 

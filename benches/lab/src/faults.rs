@@ -1,4 +1,4 @@
-//! The fault matrix (`outbox-bench faults`, `docs/faults.md`): real workers consume N
+//! The fault matrix (`outbox-lab faults`, `docs/faults.md`): real workers consume N
 //! plain messages and M keyed timers on a throwaway cluster while one fault is applied per
 //! scenario; afterwards every published row is accounted for.
 //!
@@ -16,7 +16,6 @@
 //!   at-least-once delivery allows: a completion that did not land, a lease that expired).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::Read as _;
 use std::process::{ExitCode, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,10 +32,10 @@ use rand::{Rng, SeedableRng};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, Row};
 
-use crate::cluster::{Cluster, Control};
-use crate::recorder;
-use crate::report::Machine;
-use crate::BoxError;
+use outbox_bench::cluster::{Cluster, Control};
+use outbox_bench::recorder;
+use outbox_bench::report::Machine;
+use outbox_bench::BoxError;
 
 use self::timer::{extend_fault_timer, publish_fault_timer, FaultTimer};
 
@@ -87,7 +86,7 @@ pub const SCENARIOS: &[&str] = &[
     "deadlock-storm",
 ];
 
-/// `outbox-bench faults`.
+/// `outbox-lab faults`.
 #[derive(Args, Debug)]
 pub struct FaultArgs {
     /// Plain messages per scenario (raw queue `fault.messages`, due at once).
@@ -110,7 +109,7 @@ pub struct FaultArgs {
     pg_set: Vec<String>,
 }
 
-/// `outbox-bench fault-worker` (hidden): the worker process of the `kill-9` scenario. It
+/// `outbox-lab fault-worker` (hidden): the worker process of the `kill-9` scenario. It
 /// serves both queues of `--table`, records each successful run in `fault_runs`, and
 /// shuts down gracefully when its standard input closes.
 #[derive(Args, Debug)]
@@ -376,7 +375,7 @@ impl Outcome {
     }
 }
 
-/// `outbox-bench faults`.
+/// `outbox-lab faults`.
 pub async fn run(args: &FaultArgs) -> Result<ExitCode, BoxError> {
     let selected: Vec<&'static str> = if args.only.is_empty() {
         SCENARIOS.to_vec()
@@ -1279,7 +1278,7 @@ async fn kill_9(ctx: &Ctx) -> Result<Outcome, BoxError> {
     Ok(o)
 }
 
-/// `outbox-bench fault-worker`: the worker process of `kill-9`.
+/// `outbox-lab fault-worker`: the worker process of `kill-9`.
 pub async fn child(a: &WorkerArgs) -> Result<ExitCode, BoxError> {
     let opts: PgConnectOptions = a.dsn.parse()?;
     let outbox = Outbox::builder()
@@ -1302,15 +1301,9 @@ pub async fn child(a: &WorkerArgs) -> Result<ExitCode, BoxError> {
         &Behavior::paced(a.pace_min_ms, a.pace_max_ms),
         &rec,
     )?;
-    // Standard input closes when the parent says so, or when the parent dies.
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 64];
-        let mut stdin = std::io::stdin();
-        while matches!(stdin.read(&mut buf), Ok(n) if n > 0) {}
-        let _ = tx.send(());
-    });
-    let _ = rx.await;
+    // Standard input closes when the parent says so, or when the parent dies; a read
+    // error ends the wait too (the parent is unreachable either way).
+    let _ = outbox_worker_process::stdin_closed().await;
     let report = stop_worker(w, pool).await;
     recorder_pool.close().await;
     if !report.graceful {

@@ -2,23 +2,31 @@
 //! instead of the scenarios. They take minutes, their figures are timings, and they are
 //! never part of `check`. Both print tables, write JSON lines (`--json FILE`: the curves'
 //! points, the soak's start line and samples, each with a `kind`) and draw SVG plots into
-//! `--plots DIR`, which `outbox-bench plot` can redraw from the JSON lines.
+//! `--plots DIR`, which `outbox-lab plot` can redraw from the JSON lines.
 
 use std::path::Path;
 
+use outbox_bench::session::{Common, Session};
+use outbox_bench::BoxError;
+
 use crate::plot::{self, PlotDir};
 use crate::scale::{self, ScaleArgs};
-use crate::scenarios::Env;
 use crate::soak::{self, SoakArgs};
-use crate::BoxError;
 
 pub async fn run(
-    env: &mut Env,
+    common: &Common,
     scale_args: &ScaleArgs,
     soak_args: &SoakArgs,
     plots: &PlotDir,
     json: Option<&Path>,
 ) -> Result<std::process::ExitCode, BoxError> {
+    // The soak needs autovacuum whatever the mirrored server says (see soak.rs).
+    let mut pg_set = common.pg_set.clone();
+    if soak_args.soak.is_some() {
+        pg_set.push(format!("autovacuum={}", soak_args.autovacuum));
+    }
+    let mut session = Session::open(common, &pg_set).await?;
+    let env = &mut session.env;
     let mut lines = Vec::new();
     if scale_args.scale {
         let points = scale::run(env, scale_args).await?;

@@ -23,9 +23,12 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::io::AsyncReadExt;
 
-use crate::probe::{self, Statement};
-use crate::scenarios::{self, Env, Kind, Scenario, WalTotals};
-use crate::BoxError;
+use outbox_bench::probe::{self, Statement};
+use outbox_bench::report::{shorten, trim};
+use outbox_bench::run::Alongside;
+use outbox_bench::scenarios::{self, Env, Kind, Measurement, Scenario, WalTotals};
+use outbox_bench::session::Session;
+use outbox_bench::BoxError;
 
 /// The reference's figures for one of its scenarios.
 #[derive(Debug, Clone)]
@@ -77,6 +80,113 @@ pub struct Target {
     pub host: String,
     pub port: u16,
     pub dsn: String,
+}
+
+impl Target {
+    fn of(session: &Session) -> Target {
+        Target {
+            host: session.env.opts.get_host().to_owned(),
+            port: session.env.opts.get_port(),
+            dsn: session.dsn.clone(),
+        }
+    }
+}
+
+/// `run --vs-peer CMD`: the reference alongside the scenarios. With `{only}` in `CMD` it
+/// runs after each of our runs of a scenario it shares (so the two alternate) and reports
+/// its median; without, once after all of ours. Then the side-by-side table.
+pub struct Reference {
+    template: String,
+    verbose: bool,
+    /// The reference's runs of the current scenario.
+    runs: Vec<Vec<PeerResult>>,
+    /// Its median per scenario, or the one run without `{only}`.
+    medians: Vec<PeerResult>,
+}
+
+impl Reference {
+    pub fn new(template: &str, verbose: bool) -> Reference {
+        Reference {
+            template: template.to_owned(),
+            verbose,
+            runs: Vec::new(),
+            medians: Vec::new(),
+        }
+    }
+
+    fn per_scenario(&self) -> bool {
+        self.template.contains("{only}")
+    }
+}
+
+impl Alongside for Reference {
+    async fn after_run(
+        &mut self,
+        session: &mut Session,
+        sc: &Scenario,
+        r: usize,
+    ) -> Result<(), BoxError> {
+        if !self.per_scenario() || sc.peer.is_empty() {
+            return Ok(());
+        }
+        let target = Target::of(session);
+        let got = run(
+            &mut session.env,
+            &self.template,
+            &target,
+            Some(sc),
+            self.verbose,
+        )
+        .await?;
+        for p in &got {
+            eprintln!("  reference {} run {}: {}", p.scenario, r + 1, p.headline());
+        }
+        self.runs.push(got);
+        Ok(())
+    }
+
+    fn after_scenario(&mut self, sc: &Scenario) {
+        for name in sc.peer {
+            let mut same: Vec<PeerResult> = self
+                .runs
+                .iter()
+                .flatten()
+                .filter(|p| p.scenario == *name)
+                .cloned()
+                .collect();
+            if same.is_empty() {
+                continue;
+            }
+            same.sort_by(|a, b| a.rank().total_cmp(&b.rank()));
+            let p = same.swap_remove(same.len() / 2);
+            println!("  reference {}: {}", p.scenario, p.headline());
+            self.medians.push(p);
+        }
+        self.runs.clear();
+    }
+
+    async fn after_all(
+        &mut self,
+        session: &mut Session,
+        results: &[Measurement],
+    ) -> Result<(), BoxError> {
+        if !self.per_scenario() {
+            let target = Target::of(session);
+            self.medians = run(
+                &mut session.env,
+                &self.template,
+                &target,
+                None,
+                self.verbose,
+            )
+            .await?;
+        }
+        if !self.medians.is_empty() {
+            println!("outbox vs reference (same server, same sitting):\n");
+            println!("{}", peer_table(results, &self.medians));
+        }
+        Ok(())
+    }
 }
 
 /// Runs `template` for one scenario (with `{only}`) or for all (without).
@@ -167,7 +277,7 @@ pub async fn run(
                         s.rows,
                         s.wal_records,
                         s.wal_bytes,
-                        crate::report::shorten(&s.query, 140)
+                        shorten(&s.query, 140)
                     );
                 }
             }
@@ -253,4 +363,73 @@ fn parse(stdout: &str) -> Vec<PeerResult> {
         });
     }
     out
+}
+
+/// Ours against the reference, per shared scenario, as Markdown. The `…/async` variant
+/// of a scenario, when it ran, is shown in its own informational columns.
+pub fn peer_table(ours: &[Measurement], peers: &[PeerResult]) -> String {
+    let mut s = String::from(
+        "| scenario | outbox msg/s | reference msg/s | ratio | outbox async-commit msg/s (informational) | async-commit ratio (informational) | outbox stmts/msg | reference stmts/msg | outbox WAL B/msg | reference WAL B/msg | WAL ratio |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for p in peers {
+        let Some(sc) = scenarios::ALL
+            .iter()
+            .find(|s| s.peer.contains(&p.scenario.as_str()))
+        else {
+            continue;
+        };
+        let Some(m) = ours.iter().find(|m| m.scenario == sc.name) else {
+            continue;
+        };
+        let n = m.messages as f64;
+        if let (Some(l), Some(pl)) = (m.lateness_ms, p.lateness_ms) {
+            s.push_str(&format!(
+                "| {} vs {} | lateness p50/p99/max {:.0}/{:.0}/{:.0} ms | {:.0}/{:.0}/{:.0} ms | p99 {:.0}× lower | | | | | | | |\n",
+                m.scenario, p.scenario, l.p50, l.p99, l.max, pl.p50, pl.p99, pl.max,
+                pl.p99 / l.p99.max(0.001)
+            ));
+            continue;
+        }
+        let Some(pt) = p.msgs_per_second else {
+            continue;
+        };
+        let our_wal = m.wal.bytes as f64 / n;
+        let (peer_stmts, peer_wal, wal_ratio) = match (&p.phase, p.messages) {
+            (Some(ph), pn) if pn > 0 => {
+                let pn = pn as f64;
+                let w = ph.wal.bytes as f64 / pn;
+                (
+                    trim(ph.statements_total() as f64 / pn),
+                    format!("{w:.0}"),
+                    format!("{:.2}", our_wal / w),
+                )
+            }
+            _ => ("–".into(), "–".into(), "–".into()),
+        };
+        let (async_tput, async_ratio) = match scenarios::async_variant(sc.name)
+            .and_then(|v| ours.iter().find(|m| m.scenario == v.name))
+        {
+            Some(a) => (
+                format!("{:.0}", a.msgs_per_second),
+                format!("{:.2}×", a.msgs_per_second / pt),
+            ),
+            None => ("–".into(), "–".into()),
+        };
+        s.push_str(&format!(
+            "| {} | {:.0} | {:.0} | **{:.2}×** | {} | {} | {} | {} | {:.0} | {} | {} |\n",
+            m.scenario,
+            m.msgs_per_second,
+            pt,
+            m.msgs_per_second / pt,
+            async_tput,
+            async_ratio,
+            trim(m.statements_total() as f64 / n),
+            peer_stmts,
+            our_wal,
+            peer_wal,
+            wal_ratio,
+        ));
+    }
+    s
 }

@@ -3,7 +3,7 @@
 //! Drawn with `plotters`' SVG backend only: no system font library is needed (the SVG
 //! holds `<text>` elements the viewer lays out; plotters estimates their size itself).
 //! The curves use a logarithmic x axis (backlogs and counts grow by powers of ten); the
-//! soak plots time on a linear one. `outbox-bench plot` redraws from saved JSON lines.
+//! soak plots time on a linear one. `outbox-lab plot` redraws from saved JSON lines.
 
 use std::path::{Path, PathBuf};
 
@@ -14,7 +14,7 @@ use plotters::prelude::*;
 
 use crate::scale::Point;
 use crate::soak::{Sample, Start};
-use crate::BoxError;
+use outbox_bench::BoxError;
 
 fn default_dir() -> &'static str {
     concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/img")
@@ -28,7 +28,7 @@ pub struct PlotDir {
     pub plots: PathBuf,
 }
 
-/// `outbox-bench plot`: draws the plots from JSON lines written by `run --json`.
+/// `outbox-lab plot`: draws the plots from JSON lines written by `run --json`.
 #[derive(Args, Debug, Clone)]
 pub struct PlotArgs {
     /// JSON lines of a `run --scale --json FILE` (lines of other kinds are ignored).

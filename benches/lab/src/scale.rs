@@ -23,11 +23,11 @@ use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::AssertSqlSafe;
 
-use crate::payload::{extend_body, Body};
-use crate::probe::{TAG, WORK_APP};
-use crate::recorder;
-use crate::scenarios::Env;
-use crate::BoxError;
+use outbox_bench::payload::{extend_body, Body};
+use outbox_bench::probe::{TAG, WORK_APP};
+use outbox_bench::recorder;
+use outbox_bench::scenarios::Env;
+use outbox_bench::BoxError;
 
 #[derive(Args, Debug, Clone)]
 pub struct ScaleArgs {
@@ -254,7 +254,7 @@ pub async fn insert_series(
         .await?;
         // Hand this backend's insert counts to the statistics now: a later ANALYZE sets
         // n_live_tup absolutely, and counts flushed after it would be added on top.
-        crate::probe::flush_own(&mut env.probe).await?;
+        outbox_bench::probe::flush_own(&mut env.probe).await?;
         if to - from > CHUNK {
             eprintln!(
                 "  {table}: rows {at}..{end} of this step inserted ({:.0} rows/s)",

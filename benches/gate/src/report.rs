@@ -5,7 +5,6 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::peer::PeerResult;
 use crate::probe::Statement;
 use crate::scenarios::{self, Measurement, Scenario};
 use crate::BoxError;
@@ -453,7 +452,6 @@ pub fn summary_table(results: &[Measurement]) -> String {
     s
 }
 
-/// Four decimals without trailing zeros.
 /// The consumers against the per-commit limit measured in the same sitting (`limit/commit`,
 /// a one-row insert per transaction): how far pipelined acks take a consumer past one
 /// durable commit per message. `None` when the limit was not measured.
@@ -477,79 +475,11 @@ pub fn against_commit_limit(results: &[Measurement]) -> Option<String> {
     Some(out)
 }
 
-fn trim(x: f64) -> String {
+/// Four decimals without trailing zeros.
+pub fn trim(x: f64) -> String {
     let s = format!("{x:.4}");
     let s = s.trim_end_matches('0').trim_end_matches('.');
     s.to_owned()
-}
-
-/// Ours against the reference, per shared scenario, as Markdown. The `…/async` variant
-/// of a scenario, when it ran, is shown in its own informational columns.
-pub fn peer_table(ours: &[Measurement], peers: &[PeerResult]) -> String {
-    let mut s = String::from(
-        "| scenario | outbox msg/s | reference msg/s | ratio | outbox async-commit msg/s (informational) | async-commit ratio (informational) | outbox stmts/msg | reference stmts/msg | outbox WAL B/msg | reference WAL B/msg | WAL ratio |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-    );
-    for p in peers {
-        let Some(sc) = scenarios::ALL
-            .iter()
-            .find(|s| s.peer.contains(&p.scenario.as_str()))
-        else {
-            continue;
-        };
-        let Some(m) = ours.iter().find(|m| m.scenario == sc.name) else {
-            continue;
-        };
-        let n = m.messages as f64;
-        if let (Some(l), Some(pl)) = (m.lateness_ms, p.lateness_ms) {
-            s.push_str(&format!(
-                "| {} vs {} | lateness p50/p99/max {:.0}/{:.0}/{:.0} ms | {:.0}/{:.0}/{:.0} ms | p99 {:.0}× lower | | | | | | | |\n",
-                m.scenario, p.scenario, l.p50, l.p99, l.max, pl.p50, pl.p99, pl.max,
-                pl.p99 / l.p99.max(0.001)
-            ));
-            continue;
-        }
-        let Some(pt) = p.msgs_per_second else {
-            continue;
-        };
-        let our_wal = m.wal.bytes as f64 / n;
-        let (peer_stmts, peer_wal, wal_ratio) = match (&p.phase, p.messages) {
-            (Some(ph), pn) if pn > 0 => {
-                let pn = pn as f64;
-                let w = ph.wal.bytes as f64 / pn;
-                (
-                    trim(ph.statements_total() as f64 / pn),
-                    format!("{w:.0}"),
-                    format!("{:.2}", our_wal / w),
-                )
-            }
-            _ => ("–".into(), "–".into(), "–".into()),
-        };
-        let (async_tput, async_ratio) = match scenarios::async_variant(sc.name)
-            .and_then(|v| ours.iter().find(|m| m.scenario == v.name))
-        {
-            Some(a) => (
-                format!("{:.0}", a.msgs_per_second),
-                format!("{:.2}×", a.msgs_per_second / pt),
-            ),
-            None => ("–".into(), "–".into()),
-        };
-        s.push_str(&format!(
-            "| {} | {:.0} | {:.0} | **{:.2}×** | {} | {} | {} | {} | {:.0} | {} | {} |\n",
-            m.scenario,
-            m.msgs_per_second,
-            pt,
-            m.msgs_per_second / pt,
-            async_tput,
-            async_ratio,
-            trim(m.statements_total() as f64 / n),
-            peer_stmts,
-            our_wal,
-            peer_wal,
-            wal_ratio,
-        ));
-    }
-    s
 }
 
 #[cfg(test)]
