@@ -7,7 +7,7 @@
 
 use sqlx::SqlStr;
 
-use super::{notify, query};
+use super::text::{notify, query};
 use crate::names::Names;
 
 #[derive(Debug)]

@@ -3,7 +3,7 @@
 
 use sqlx::SqlStr;
 
-use super::query;
+use super::text::query;
 use crate::names::Names;
 
 #[derive(Debug)]

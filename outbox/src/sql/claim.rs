@@ -4,7 +4,7 @@
 
 use sqlx::SqlStr;
 
-use super::query;
+use super::text::query;
 use crate::names::Names;
 
 /// The columns a claim returns, in the order `store/rows.rs` decodes a delivery from.

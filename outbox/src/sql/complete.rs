@@ -8,7 +8,7 @@
 
 use sqlx::SqlStr;
 
-use super::{notify, query};
+use super::text::{notify, query};
 use crate::names::Names;
 
 /// The SET list that turns a leased row with a queued rearm into a fresh pending timer at
@@ -34,7 +34,7 @@ const APPLY_REARM: &str = "next_attempt_at = cur.rearm_at, payload = cur.rearm_p
 const LOCKED_VALUES: &str = "rearm_at, rearm_payload, rearm_headers, attempts_count, \
      first_attempt_at, last_attempt_at, deliveries_count, payload, headers";
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Complete {
     /// Success, the common path: `$1` id, `$2` token.
     pub ack_delete: SqlStr,

@@ -5,7 +5,7 @@
 
 use sqlx::SqlStr;
 
-use super::statement;
+use super::text::statement;
 use crate::names::{quote_ident, quote_literal, Names};
 
 /// Serialises concurrent migrators of one table: `$1` the table's key; true if taken. Two

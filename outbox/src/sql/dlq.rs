@@ -4,7 +4,7 @@
 use sqlx::SqlStr;
 
 use super::read::DEAD_LETTER_COLUMNS;
-use super::{notify, query};
+use super::text::{notify, query};
 use crate::names::Names;
 
 /// The filter every dead-letter statement shares, on parameters `$1..$6`: `$1 text` queue,

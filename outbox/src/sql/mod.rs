@@ -6,16 +6,12 @@
 //! This module is a leaf over [`crate::names`] (and [`crate::Error`], which `binds` returns
 //! for a value no parameter can carry): it renders text and converts values, and executes
 //! nothing. Every value a statement needs travels as a bind parameter; the only text pasted
-//! in is quoted identifiers and literals from [`Names`], which is why [`statement`] may
+//! in is quoted identifiers and literals from [`Names`], which is why `text::statement` may
 //! assert the rendered text safe for sqlx.
 //!
 //! A statement's comment names the index, lock or race it relies on.
 //!
 //! [`Outbox`]: crate::Outbox
-
-use std::sync::Arc;
-
-use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 use crate::names::Names;
 
@@ -31,19 +27,7 @@ pub(crate) mod periodic;
 pub(crate) mod publish;
 pub(crate) mod read;
 pub(crate) mod stats;
-
-/// The one place rendered text becomes an executable statement (sqlx 0.9 refuses a
-/// `String` that was not asserted safe). Safe: the text holds only our own SQL and
-/// identifiers quoted by [`crate::names`]; values are bound, never pasted. Kept as an
-/// `Arc<str>`, so executing it clones a pointer, not the text.
-fn statement(text: &str) -> SqlStr {
-    AssertSqlSafe(Arc::<str>::from(text)).into_sql_str()
-}
-
-/// A query rendered from a raw string that starts on its own line.
-fn query(text: String) -> SqlStr {
-    statement(text.trim())
-}
+mod text;
 
 /// Every statement of one [`crate::Outbox`], rendered once when it is built.
 #[derive(Debug)]
@@ -93,20 +77,6 @@ impl Statements {
         out.extend(self.periodic.all());
         out
     }
-}
-
-/// The NOTIFY payload, `<deadline as epoch milliseconds>:<queue>`, as an
-/// expression over the row alias `row`. Never payload data. Without notifications
-/// (`OutboxBuilder::notify(false)`) a NULL of the same type: the statements keep their
-/// shape and their results, and their commits skip the notification queue's lock.
-fn notify(n: &Names, row: &str) -> String {
-    if !n.notify {
-        return "NULL::text".to_owned();
-    }
-    format!(
-        "pg_notify({channel}, floor(extract(epoch FROM {row}.next_attempt_at) * 1000)::bigint::text || ':' || {row}.queue)::text",
-        channel = crate::names::quote_literal(&n.channel)
-    )
 }
 
 #[cfg(test)]

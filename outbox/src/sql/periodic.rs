@@ -5,7 +5,7 @@
 
 use sqlx::SqlStr;
 
-use super::{notify, query};
+use super::text::{notify, query};
 use crate::names::Names;
 
 /// The header that holds a schedule's fingerprint. A literal of our own, pasted into the

@@ -3,7 +3,7 @@
 
 use sqlx::SqlStr;
 
-use super::{notify, query};
+use super::text::{notify, query};
 use crate::names::Names;
 
 /// `$1` queue, `$2` payload, `$3` headers, `$4` delay interval, `$5` absolute deadline,

@@ -3,7 +3,7 @@
 
 use sqlx::SqlStr;
 
-use super::query;
+use super::text::query;
 use crate::names::Names;
 
 /// The columns of a stored row, in the order `store/rows.rs` decodes them.

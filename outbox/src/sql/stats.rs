@@ -12,7 +12,7 @@
 
 use sqlx::SqlStr;
 
-use super::query;
+use super::text::query;
 use crate::names::{quote_literal, Names};
 
 #[derive(Debug)]

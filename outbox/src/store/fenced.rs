@@ -4,7 +4,8 @@
 //! statements `sql::complete` renders, on the connection or pool they are handed:
 //! [`PgStore`](crate::PgStore) hands them its pools (and splits a batch that meets a row
 //! lock), a handler's transaction hands [`ack_on`] itself
-//! ([`HandlerTransaction::commit`](crate::HandlerTransaction::commit)).
+//! ([`HandlerTransaction::commit`](crate::HandlerTransaction::commit)). The arm of a
+//! periodic run's next instant (`sql::periodic`) is fenced the same way and lives here too.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -14,10 +15,11 @@ use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
-use super::{clean_error_text, Completion, Failure, Lease, Release, Released, Renewal};
-use crate::error::Result;
+use super::{clean_error_text, Armed, Completion, Failure, Lease, Release, Released, Renewal};
+use crate::error::{Error, Result};
 use crate::sql::binds::{interval, micros};
 use crate::sql::complete::Complete;
+use crate::sql::periodic::Periodic;
 
 /// Success on one row: the DELETE (`… AND rearm_at IS NULL`, fenced by the token), and only
 /// when it matched nothing the follow-up that decides under the row lock (apply the rearm,
@@ -236,5 +238,36 @@ fn settled(row: &PgRow) -> Result<Completion> {
         (0, _) => Completion::LeaseLost,
         (_, Some(at)) => Completion::Rearmed { at },
         (_, None) => Completion::Deleted,
+    })
+}
+
+/// `arm_next` on `db`: one locking statement, see [`Armed`].
+pub(crate) async fn arm_next_on(
+    sql: &Periodic,
+    db: &PgPool,
+    lease: Lease,
+    at: DateTime<Utc>,
+) -> Result<Armed> {
+    let row = sqlx::query(sql.arm_next.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(at)
+        .fetch_one(db)
+        .await?;
+    let locked: i64 = row.try_get(0)?;
+    let cancelled: Option<bool> = row.try_get(1)?;
+    let stored: Option<DateTime<Utc>> = row.try_get(2)?;
+    let written: bool = row.try_get(3)?;
+    Ok(match (locked, cancelled, stored) {
+        (0, _, _) => Armed::LeaseLost,
+        (_, Some(true), _) => Armed::Cancelled,
+        (_, _, Some(at)) if written => Armed::Queued { at },
+        (_, _, Some(at)) => Armed::Kept { at },
+        // Locked and not cancelled: the statement either kept a rearm or wrote one.
+        (_, _, None) => {
+            return Err(Error::Database(sqlx::Error::Protocol(
+                "arm_next held the row but reported no rearm".to_owned(),
+            )))
+        }
     })
 }

@@ -50,6 +50,7 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 use crate::message::{Headers, MAX_DELAY};
+use crate::sql::complete::Complete;
 use crate::stats::{QueueStats, StatsRequest};
 
 pub(crate) mod connect;
@@ -67,7 +68,20 @@ pub use self::periodic::{
 };
 pub use self::postgres::LOCK_TIMEOUT;
 pub use self::rows::{DeadLetter, StoredRow};
-pub use self::transaction::TransactionSource;
+
+/// What a store offers for handler transactions: only [`PgStore`](crate::PgStore) makes
+/// one (its pool and the statements of its outbox's completions).
+#[derive(Debug, Clone)]
+pub struct TransactionSource {
+    pub(crate) pool: sqlx::PgPool,
+    pub(crate) complete: Complete,
+}
+
+impl TransactionSource {
+    pub(crate) fn new(pool: sqlx::PgPool, complete: Complete) -> Self {
+        TransactionSource { pool, complete }
+    }
+}
 
 /// The fence of every write after a claim: the row id and the lease token of the claim.
 /// Each write's `WHERE` matches both, so once the lease expired and another worker

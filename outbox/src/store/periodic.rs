@@ -1,23 +1,20 @@
 //! The storage side of periodic timers: what a worker writes when a periodic run starts
 //! ([`Store::arm_next`](super::Store::arm_next)) and when it registers a schedule
-//! ([`Store::register_schedule`](super::Store::register_schedule)), with the Postgres
-//! executors of the statements `sql::periodic` renders.
+//! ([`Store::register_schedule`](super::Store::register_schedule)), and what each reports.
+//! The Postgres executors of the statements `sql::periodic` renders are in `fenced.rs`
+//! (arm: a fenced write) and `postgres.rs` (register).
 //!
 //! A schedule is a keyed timer whose key is `schedule:<name>` and whose headers carry a
 //! fingerprint of the schedule under [`SCHEDULE_HEADER`]: any number of workers keep one
 //! live row per schedule through the timer key's unique index, with no leader.
 
 use chrono::{DateTime, Datelike, Utc};
-use sqlx::types::Json;
-use sqlx::{PgPool, Row};
 
-use super::Lease;
 use crate::error::{Error, Result};
 use crate::message::{
     validate_headers, validate_payload, validate_queue, validate_timer_id, Headers,
 };
 use crate::periodic::Recurrence;
-use crate::sql::periodic::Periodic;
 
 /// The header that holds a schedule's fingerprint: a text that names the recurrence (its
 /// cron expression and time zone, or its interval;
@@ -217,66 +214,4 @@ pub(crate) fn check_instant(field: &'static str, at: DateTime<Utc>) -> Result<()
         ));
     }
     Ok(())
-}
-
-/// `arm_next` on `db`: one locking statement, see [`Armed`].
-pub(crate) async fn arm_next_on(
-    sql: &Periodic,
-    db: &PgPool,
-    lease: Lease,
-    at: DateTime<Utc>,
-) -> Result<Armed> {
-    let row = sqlx::query(sql.arm_next.clone())
-        .bind(lease.id)
-        .bind(lease.token)
-        .bind(at)
-        .fetch_one(db)
-        .await?;
-    let locked: i64 = row.try_get(0)?;
-    let cancelled: Option<bool> = row.try_get(1)?;
-    let stored: Option<DateTime<Utc>> = row.try_get(2)?;
-    let written: bool = row.try_get(3)?;
-    Ok(match (locked, cancelled, stored) {
-        (0, _, _) => Armed::LeaseLost,
-        (_, Some(true), _) => Armed::Cancelled,
-        (_, _, Some(at)) if written => Armed::Queued { at },
-        (_, _, Some(at)) => Armed::Kept { at },
-        // Locked and not cancelled: the statement either kept a rearm or wrote one.
-        (_, _, None) => {
-            return Err(Error::Database(sqlx::Error::Protocol(
-                "arm_next held the row but reported no rearm".to_owned(),
-            )))
-        }
-    })
-}
-
-/// `register` on `db`: one `INSERT … ON CONFLICT DO UPDATE`, see [`Registered`].
-pub(crate) async fn register_on(
-    sql: &Periodic,
-    db: &PgPool,
-    request: RegisterSchedule<'_>,
-) -> Result<Registered> {
-    request.validate()?;
-    let row = sqlx::query(sql.register.clone())
-        .bind(request.queue)
-        .bind(request.timer_id)
-        .bind(request.payload)
-        .bind(Json(request.headers))
-        .bind(request.first)
-        .fetch_optional(db)
-        .await?;
-    let Some(row) = row else {
-        return Ok(Registered::Unchanged);
-    };
-    let id: i64 = row.try_get(0)?;
-    let inserted: bool = row.try_get(1)?;
-    let leased: bool = row.try_get(2)?;
-    let at: DateTime<Utc> = row.try_get(3)?;
-    Ok(if inserted {
-        Registered::Inserted { id, at }
-    } else if leased {
-        Registered::RearmReplaced { id, at }
-    } else {
-        Registered::Rescheduled { id, at }
-    })
 }

@@ -12,20 +12,21 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use futures::future::join_all;
 use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
 use super::connect::explain;
 use super::fenced::{
-    ack_batch_delete_on, ack_batch_settle_on, ack_on, fail_on, release_on, renew_on, retry_on,
+    ack_batch_delete_on, ack_batch_settle_on, ack_on, arm_next_on, fail_on, release_on, renew_on,
+    retry_on,
 };
-use super::periodic::{arm_next_on, check_instant, register_on};
+use super::periodic::check_instant;
 use super::rows::{delivery_from_row, DeadLetter, StoredRow};
-use super::transaction::TransactionSource;
 use super::{
     check_retry_delay, clean_error_text, fair_order, Armed, AutovacuumOff, ClaimRequest,
     Completion, Delivery, Failure, Lease, NextWakeup, RegisterSchedule, Registered, Release,
-    Released, Renewal, Store, Wakeup,
+    Released, Renewal, Store, TransactionSource, Wakeup,
 };
 use crate::cancel::Cancelled;
 use crate::dlq::DeadLetterFilter;
@@ -35,6 +36,7 @@ use crate::message::validate_queue;
 use crate::outbox::Outbox;
 use crate::sql::binds::{interval, micros};
 use crate::sql::complete::Complete;
+use crate::sql::periodic::Periodic;
 use crate::stats::{QueueStats, StatsRequest};
 use crate::timer::{cancel_in_own_transaction, publish_autocommit, Publisher};
 
@@ -473,7 +475,7 @@ impl Store for PgStore {
     fn transactions(&self) -> Option<TransactionSource> {
         Some(TransactionSource::new(
             self.pool.clone(),
-            self.outbox.clone(),
+            self.outbox.sql().complete.clone(),
         ))
     }
 
@@ -526,4 +528,35 @@ impl Publisher for &PgStore {
     ) -> impl Future<Output = Result<Cancelled>> + Send {
         cancel_in_own_transaction(&self.pool, &self.outbox, queue, timer_id)
     }
+}
+
+/// `register` on `db`: one `INSERT … ON CONFLICT DO UPDATE`, see [`Registered`].
+pub(crate) async fn register_on(
+    sql: &Periodic,
+    db: &PgPool,
+    request: RegisterSchedule<'_>,
+) -> Result<Registered> {
+    request.validate()?;
+    let row = sqlx::query(sql.register.clone())
+        .bind(request.queue)
+        .bind(request.timer_id)
+        .bind(request.payload)
+        .bind(Json(request.headers))
+        .bind(request.first)
+        .fetch_optional(db)
+        .await?;
+    let Some(row) = row else {
+        return Ok(Registered::Unchanged);
+    };
+    let id: i64 = row.try_get(0)?;
+    let inserted: bool = row.try_get(1)?;
+    let leased: bool = row.try_get(2)?;
+    let at: DateTime<Utc> = row.try_get(3)?;
+    Ok(if inserted {
+        Registered::Inserted { id, at }
+    } else if leased {
+        Registered::RearmReplaced { id, at }
+    } else {
+        Registered::Rescheduled { id, at }
+    })
 }

@@ -20,26 +20,12 @@
 
 use std::sync::Arc;
 
-use sqlx::{PgConnection, PgPool, Postgres};
+use sqlx::{PgConnection, Postgres};
 use tokio::sync::watch;
 
-use super::{Completion, Lease};
+use super::{Completion, Lease, TransactionSource};
 use crate::error::{Error, Result};
-use crate::outbox::Outbox;
-
-/// What a store offers for handler transactions: only [`PgStore`](crate::PgStore) makes
-/// one (its pool and its outbox's statements).
-#[derive(Debug, Clone)]
-pub struct TransactionSource {
-    pool: PgPool,
-    outbox: Outbox,
-}
-
-impl TransactionSource {
-    pub(crate) fn new(pool: PgPool, outbox: Outbox) -> Self {
-        TransactionSource { pool, outbox }
-    }
-}
+use crate::sql::complete::Complete;
 
 /// Where one run's transaction stands (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -167,7 +153,7 @@ impl TransactionAccess {
         }
         Ok(HandlerTransaction {
             tx: Some(tx),
-            outbox: source.outbox.clone(),
+            complete: source.complete.clone(),
             access: self.clone(),
         })
     }
@@ -190,7 +176,8 @@ impl TransactionAccess {
 pub struct HandlerTransaction {
     /// `None` once committed or rolled back.
     tx: Option<sqlx::Transaction<'static, Postgres>>,
-    outbox: Outbox,
+    /// The statements of the row's completion (its outbox's).
+    complete: Complete,
     access: TransactionAccess,
 }
 
@@ -266,8 +253,8 @@ impl HandlerTransaction {
         if let Some(hooks) = &access.hooks {
             hooks.committing();
         }
-        let outbox = self.outbox.clone();
-        let task = tokio::spawn(commit_in_task(tx, outbox, access.clone()));
+        let complete = self.complete.clone();
+        let task = tokio::spawn(commit_in_task(tx, complete, access.clone()));
         match task.await {
             Ok(done) => done,
             Err(e) => {
@@ -302,11 +289,11 @@ impl HandlerTransaction {
 /// The completion and the `COMMIT`, in a task of its own (see the module docs).
 async fn commit_in_task(
     mut tx: sqlx::Transaction<'static, Postgres>,
-    outbox: Outbox,
+    complete: Complete,
     access: TransactionAccess,
 ) -> Result<Completion> {
     let lease = access.lease;
-    let done = super::fenced::ack_on(&outbox.sql().complete, &mut tx, lease).await;
+    let done = super::fenced::ack_on(&complete, &mut tx, lease).await;
     let result = match done {
         Ok(Completion::LeaseLost) => {
             let _ = tx.rollback().await;
