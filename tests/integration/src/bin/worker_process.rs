@@ -1,4 +1,4 @@
-//! One worker process of the several-processes test (`tests/processes.rs`, issue 14): serves
+//! One worker process of the several-processes test (`tests/it/postgres/processes.rs`): serves
 //! queue `work` of the outbox table named by its arguments, records every run in
 //! `<table>_runs` with its process number, prints `ready` once its worker runs, and shuts
 //! down gracefully when its standard input closes, printing the runs it handled.

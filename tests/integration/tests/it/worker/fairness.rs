@@ -1,4 +1,4 @@
-//! Fair across queues (issue 14, SPEC §6 v2): one worker serving a queue with a large,
+//! Fair across queues (SPEC §6 v2): one worker serving a queue with a large,
 //! old backlog and slow handlers, and a queue whose timers fall due now. The claim takes
 //! queues round robin and each queue's `max_concurrency` caps its share, so the second
 //! queue's timers fire on time while the first drains.

@@ -1,4 +1,4 @@
-//! The README's "Testing your handlers without a database" example, verbatim (tests/readme.rs
+//! The README's "Testing your handlers without a database" example, verbatim (`docs::readme`
 //! checks the README block is this file's code): a user's test of a handler on the in-memory
 //! store with virtual time.
 

@@ -117,19 +117,22 @@ fn the_testing_example_is_a_test_that_runs() {
         &read("README.md"),
         "Testing your handlers without a database",
     );
-    check_contained(&block, "tests/integration/tests/readme_testing.rs");
+    check_contained(&block, "tests/integration/tests/it/docs/testing_example.rs");
 }
 
 /// The periodic example is compiled as a doc test (with the rest of the README) and run
-/// in virtual time in readme_periodic.rs, whose checks are what the section says.
+/// in virtual time in `docs::periodic_example`, whose checks are what the section says.
 #[test]
 fn the_periodic_example_is_a_test_that_runs() {
     let block = first_rust_block(&read("README.md"), "Periodic timers");
     assert!(block.contains("every = \"5m\"") && block.contains("Recurrence::cron("));
-    check_contained(&block, "tests/integration/tests/readme_periodic.rs");
+    check_contained(
+        &block,
+        "tests/integration/tests/it/docs/periodic_example.rs",
+    );
 }
 
-/// Found by the issue-16 trial: the README's list of metrics had fallen behind the ones the
+/// Found by a trial run: the README's list of metrics had fallen behind the ones the
 /// runtime describes (`outbox/src/telemetry.rs` names each in a `describe_*!` call).
 #[test]
 fn the_readme_names_every_metric_the_runtime_describes() {

@@ -1,11 +1,11 @@
-//! Periodic timers on Postgres (SPEC §9.1, issue 17): registrations of one schedule racing
+//! Periodic timers on Postgres (SPEC §9.1): registrations of one schedule racing
 //! each other leave exactly one live row; workers with `WorkerBuilder::schedule` fire each
 //! instant once (three workers, 20 s of a 1 s schedule, every instant fired or a documented
 //! miss), a worker process killed mid-run leaves the schedule going, a row claimed but not
 //! started at shutdown keeps its instant, a failed write of the next instant never ends the
 //! schedule, a cancel stops a schedule until the next start, a changed schedule applies at
 //! the next start. The single-session rules of `arm_next` and registration are in the
-//! contract suite (`contract.rs`), on both stores.
+//! contract suite (`contract::periodic`), on both stores.
 use chrono::{DateTime, TimeDelta, Utc};
 use futures::future::join_all;
 use outbox::periodic::Recurrence;

@@ -1,4 +1,4 @@
-//! Several worker processes on one database (issue 14, SPEC §7.6): four processes (not
+//! Several worker processes on one database (SPEC §7.6): four processes (not
 //! tasks) serve one queue; `SKIP LOCKED` claims and token-fenced writes need no coordination.
 //! Every row runs exactly once, and every process handles some. No throughput assertion: the
 //! measured scaling is in docs/performance.md.

@@ -1,4 +1,4 @@
-//! Plans that do not depend on fresh statistics (issue 14, SPEC §6, §12 v2).
+//! Plans that do not depend on fresh statistics (SPEC §6, §12 v2).
 //!
 //! The case: a table drained until its statistics say it is nearly empty, one long-lived
 //! timer left on its last page (so VACUUM cannot truncate it), then a burst of 200 000

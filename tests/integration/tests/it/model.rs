@@ -1,4 +1,4 @@
-//! Model-based test (issue 3): random sequences of storage operations applied in lockstep
+//! Model-based test: random sequences of storage operations applied in lockstep
 //! to Postgres and to the in-memory store, comparing every outcome and the whole observable
 //! state (live rows, dead-letter rows, the clock) after every step.
 //!

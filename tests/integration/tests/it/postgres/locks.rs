@@ -60,7 +60,7 @@ fn extend(key: &str) -> Message<'_> {
         .on_conflict(OnConflict::Extend)
 }
 
-/// The case: a table of ~20 000 rows, running timers A (lower id) and B. An
+/// The reported case: a table of ~20 000 rows, running timers A (lower id) and B. An
 /// application transaction extends A; the worker's batched ack of [B, A] starts; the
 /// transaction then extends B. Before: "deadlock detected" and both rows stay leased.
 /// Now: no deadlock; B's and A's acks land once the transaction ends (each applying the

@@ -1,9 +1,10 @@
-//! The opt-in queue-depth gauge (issue 16, requirement 6; SPEC §11): the statistics of
+//! The opt-in queue-depth gauge (SPEC §11): the statistics of
 //! every queue as `outbox_queue_depth{queue, state}` and
 //! `outbox_queue_oldest_due_lateness_seconds{queue}`, read once per process however many
 //! workers have it on, its interval at least 15 s, its connection counted in the pool check.
-//! Each test installs the global `metrics` recorder, so each needs a process of its own
-//! (nextest runs every test in its own process).
+//! The gauge's poller slot is one per process, and a test that reads the gauge installs the
+//! global `metrics` recorder, so each such test needs a process of its own (nextest runs
+//! every test in its own process).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -58,6 +59,7 @@ fn lateness(queue: &str) -> String {
 }
 
 fn install() -> Snapshotter {
+    super::own_process();
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     metrics::set_global_recorder(recorder).expect("the only recorder of this process");

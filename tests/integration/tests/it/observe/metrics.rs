@@ -1,4 +1,9 @@
-//! The metrics of SPEC §11 move (its own test binary: it installs the global recorder).
+//! The metrics of SPEC §11 move.
+//!
+//! Each test records into a recorder of its own thread (`metrics::set_default_local_recorder`):
+//! `#[tokio::test]` runs the worker's tasks on that thread too, and tests running beside it
+//! record elsewhere. The runtime describes its metrics once per process, to the recorder of
+//! that moment, so the test of units and descriptions also needs the process to itself.
 
 use sqlx::AssertSqlSafe;
 use std::collections::HashMap;
@@ -42,7 +47,7 @@ fn read_into(s: &Snapshotter, out: &mut HashMap<String, f64>) {
 async fn counters_and_histograms_move() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    metrics::set_global_recorder(recorder).expect("the only recorder of this binary");
+    let _local = metrics::set_default_local_recorder(&recorder);
 
     let f = Fixture::new().await;
     let runs = Arc::new(AtomicUsize::new(0));
@@ -155,12 +160,14 @@ async fn counters_and_histograms_move() {
 
 /// Every metric carries its unit and a description (what an exporter shows as `# HELP`), and
 /// `outbox_published_total` says it counts inserts inside the caller's transaction, not
-/// commits. Its own test binary process under nextest, so its recorder is the global one.
+/// commits. The descriptions reach the recorder set when the process's first worker or
+/// publish describes the metrics: this test's, in a process of its own.
 #[tokio::test]
 async fn every_metric_has_a_unit_and_a_description() {
+    super::own_process();
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    metrics::set_global_recorder(recorder).expect("the only recorder of this process");
+    let _local = metrics::set_default_local_recorder(&recorder);
 
     let f = Fixture::new().await;
     let worker = Worker::builder(f.store.clone())
@@ -211,12 +218,11 @@ async fn every_metric_has_a_unit_and_a_description() {
 
 /// `outbox_in_flight{queue}` counts handler runs in progress and comes back to zero on
 /// every way a run ends: success, error, panic, timeout, and a run stopped at shutdown.
-/// Its own test binary process under nextest, so its recorder is the global one.
 #[tokio::test]
 async fn in_flight_counts_runs_and_comes_back_to_zero_on_every_path() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    metrics::set_global_recorder(recorder).expect("the only recorder of this process");
+    let _local = metrics::set_default_local_recorder(&recorder);
 
     let f = Fixture::new().await;
     let (main, hang) = ("inflight", "inflight.hang");

@@ -347,7 +347,7 @@ async fn batch_is_one_statement_all_or_nothing() {
     f.cleanup().await;
 }
 
-/// Issue 14: an outbox built with `notify(false)` publishes without `pg_notify` (its
+/// An outbox built with `notify(false)` publishes without `pg_notify` (its
 /// commits skip the notification queue's database-wide lock); workers then find the row by
 /// polling. The same publish through a notifying outbox of the same table is heard, so the
 /// listener is known to work.

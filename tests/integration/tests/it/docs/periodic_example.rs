@@ -1,4 +1,4 @@
-//! The README's "Periodic timers" example, verbatim (tests/readme.rs checks the README block
+//! The README's "Periodic timers" example, verbatim (`docs::readme` checks the README block
 //! is this file's code), run in virtual time on the in-memory store: a day of its three
 //! schedules, and its nightly cron schedule on the two DST days the README describes.
 

@@ -317,7 +317,7 @@ async fn a_lost_lease_reaches_the_handler_and_its_completion_changes_nothing() {
     f.cleanup().await;
 }
 
-/// SPEC §7.8, the cases: a handler that runs longer than `lease_ttl` runs once and
+/// SPEC §7.8, the reported cases: a handler that runs longer than `lease_ttl` runs once and
 /// completes, with one worker, with two workers on the queue, and with the dead-letter
 /// queue on and a lease shorter than the run (today: redelivered until `max_deliveries`).
 #[tokio::test]

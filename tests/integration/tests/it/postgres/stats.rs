@@ -1,9 +1,9 @@
-//! Queue statistics on Postgres (issue 16, requirement 2; SPEC §8): exact counts of crafted
+//! Queue statistics on Postgres (SPEC §8): exact counts of crafted
 //! rows on the database clock, the caller's own snapshot, estimate mode after `ANALYZE`
 //! (and its plan: no scan of the backlog), dead letters with the dead-letter queue off and
 //! on a table without the redrive columns, and bad input rejected before any SQL. The
 //! counting logic on a frozen clock, shared with the in-memory store, is in the contract
-//! suite (`contract.rs`, `stats_*`).
+//! suite (`contract::stats`).
 
 use std::time::Duration;
 
@@ -244,7 +244,7 @@ async fn estimate_mode_reads_the_planner_statistics() {
     f.cleanup().await;
 }
 
-/// Found by the issue-16 trial: a queue table never analyzed (`reltuples` -1, as Postgres
+/// Found by a trial run: a queue table never analyzed (`reltuples` -1, as Postgres
 /// 14+ marks a new table until its first VACUUM or ANALYZE) showed `~0` pending for a queue
 /// with rows, and a queue without leases vanished from the list. Now its pending figure is
 /// unavailable and every queue with a pending row is listed (a skip scan of the pending

@@ -400,7 +400,7 @@ async fn a_hung_handler_is_stopped_by_its_timeout() {
     f.cleanup().await;
 }
 
-/// SPEC §7.5, the case: concurrency 1, `fetch_batch_size` 5, `lease_ttl` 30 s,
+/// SPEC §7.5, the reported case: concurrency 1, `fetch_batch_size` 5, `lease_ttl` 30 s,
 /// `graceful_timeout` 200 ms, five rows whose handler sleeps 5 s; shut down once the first
 /// handler starts. All five rows are claimable at once afterwards, with the counters of the
 /// release table.

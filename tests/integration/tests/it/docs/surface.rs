@@ -1,4 +1,4 @@
-//! The runtime crate's public surface (issue 15): the crate root holds what the quick start
+//! The runtime crate's public surface: the crate root holds what the quick start
 //! types and nothing else, every public item has exactly one path, and rustdoc does not send
 //! docs.rs readers to a specification they do not have.
 //!

@@ -1,4 +1,4 @@
-//! Operator actions on Postgres (SPEC §1, §8 (v2), issue 16 requirement 3): a pause reaches
+//! Operator actions on Postgres (SPEC §1, §8 (v2)): a pause reaches
 //! running workers, resume wakes them, and every action on a row by id is fenced against a
 //! concurrent claim. The store-level behaviour (what a claim and a wake-up skip, each
 //! action's outcome) is in the contract suite, on both stores.

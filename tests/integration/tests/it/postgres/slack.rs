@@ -1,4 +1,4 @@
-//! Postgres-only checks of issue 14's levers: an extend skipped by its slack adds no row
+//! Postgres-only checks of what keeps a busy table small: an extend skipped by its slack adds no row
 //! version (what the slack is for), the `extend_<snake>_with_slack` function `#[timer]`
 //! generates, and the autovacuum check a worker runs at start.
 

@@ -1,6 +1,6 @@
 //! A `RunningWorker` dropped without `shutdown()` (a `let _ = worker.start()`, or a handle
 //! that went out of scope) stops the worker at once and silently unless the runtime says
-//! so: it logs one warning (found by the issue-15 trial), and a worker shut down properly
+//! so: it logs one warning (found by a trial run), and a worker shut down properly
 //! logs none. No database: the in-memory store.
 
 use std::io::Write;
@@ -89,8 +89,8 @@ fn a_dropped_worker_warns_once_and_a_shut_down_one_does_not() {
     assert!(text.contains("WARN"), "{text}");
 }
 
-/// A worker started before `migrate()` says so once, at start, as an error (found by the
-/// issue-15 trial: it only logged a backing-off warning every few seconds, and an autovacuum
+/// A worker started before `migrate()` says so once, at start, as an error (found by a
+/// trial run: it only logged a backing-off warning every few seconds, and an autovacuum
 /// warning about a table that did not exist). Postgres: `DATABASE_URL`.
 #[test]
 fn a_worker_on_a_table_that_does_not_exist_says_to_migrate() {

@@ -1,4 +1,4 @@
-//! Dead letters on Postgres with its real clock (issue 16, requirement 1; SPEC §1.2, §8):
+//! Dead letters on Postgres with its real clock (SPEC §1.2, §8):
 //! what only a database shows — the caller's transaction, two operators redriving the same
 //! rows at once, a purge beside a redrive in progress, plans, a worker woken by a redrive,
 //! rows archived by the real worker path.
@@ -6,7 +6,7 @@
 //! The rules themselves (filters and paging, redrive of one, many and all matching, per-row
 //! outcomes for a held key, raw headers and headers over the limit, purge by age in
 //! batches, the refusal without the dead-letter queue) are scenarios of the contract suite
-//! (`tests/contract.rs`), which runs each on Postgres and on `MemoryStore` with the same
+//! (`contract::dlq`), which runs each on Postgres and on `MemoryStore` with the same
 //! expected values.
 
 use std::sync::{Arc, Mutex};

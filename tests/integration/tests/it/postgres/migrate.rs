@@ -137,7 +137,7 @@ async fn up_to_date_migrate_reads_the_catalog_only() {
     drop_tables(&pool, &outbox).await;
 }
 
-/// The issue's case (SPEC §1.3, v2): a base-shape table, a second session that read the
+/// The reported case (SPEC §1.3, v2): a base-shape table, a second session that read the
 /// queue table in a transaction and stays idle, then `migrate()` to apply the rearm
 /// upgrade. Each try waits at most its lock_timeout and gives way, so a publish from a third
 /// session is delayed by at most that (bound: 3× the timeout); past the deadline a typed
@@ -483,7 +483,7 @@ async fn storage_options(pool: &PgPool, table: &str) -> Vec<String> {
     o
 }
 
-/// What step 0008 sets (issue 14), sorted.
+/// What step 0008 sets, sorted.
 const AUTOVACUUM: [&str; 7] = [
     "autovacuum_analyze_scale_factor=0.02",
     "autovacuum_analyze_threshold=1000",
@@ -816,7 +816,7 @@ async fn the_dead_letter_upgrade_waits_for_the_dead_letter_queue() {
 }
 
 /// An explicit schema that was never created is a typed error that says to create it (a
-/// newcomer's mistake found in the issue-15 trial), for migrate and for every later call;
+/// newcomer's mistake found in a trial run), for migrate and for every later call;
 /// nothing is created anywhere.
 #[tokio::test]
 async fn a_schema_that_does_not_exist_is_a_typed_error() {

@@ -1,0 +1,12 @@
+//! A worker's behaviour: how a run ends, wake-ups without polling, reliability when rows,
+//! handlers or the database misbehave, a handler's own transaction, fairness across queues,
+//! periodic timers, `run_due` in virtual time, and what it logs.
+
+mod fairness;
+mod periodic;
+mod reliability;
+mod runs;
+mod transaction;
+mod virtual_time;
+mod wakeups;
+mod warnings;
