@@ -440,6 +440,8 @@ async fn release_on(sql: &Complete, db: &PgPool, items: &[Release]) -> Result<Ve
         .collect())
 }
 
+impl super::sealed::Sealed for PgStore {}
+
 impl Store for PgStore {
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Delivery>> {
         let mut conn = match self.pool.acquire().await {

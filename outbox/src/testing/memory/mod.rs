@@ -276,6 +276,8 @@ impl MemoryStore {
     }
 }
 
+impl crate::store::sealed::Sealed for MemoryStore {}
+
 impl Store for MemoryStore {
     fn claim(
         &self,

@@ -179,6 +179,9 @@ struct Counting {
     ttls: Arc<Mutex<Vec<Duration>>>,
 }
 
+// A wrapper of a store: `Store` is sealed, the `testing` feature opens it to wrappers.
+impl outbox::testing::Unsealed for Counting {}
+
 impl Store for Counting {
     fn claim(
         &self,

@@ -710,6 +710,9 @@ struct FailingArm {
     arms: Arc<std::sync::atomic::AtomicUsize>,
 }
 
+// A wrapper of a store: `Store` is sealed, the `testing` feature opens it to wrappers.
+impl outbox::testing::Unsealed for FailingArm {}
+
 impl Store for FailingArm {
     async fn claim(
         &self,

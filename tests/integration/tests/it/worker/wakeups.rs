@@ -44,6 +44,9 @@ impl Counting {
     }
 }
 
+// A wrapper of a store: `Store` is sealed, the `testing` feature opens it to wrappers.
+impl outbox::testing::Unsealed for Counting {}
+
 impl Store for Counting {
     async fn claim(&self, request: ClaimRequest<'_>) -> outbox::Result<Vec<Delivery>> {
         self.hit("claim");
