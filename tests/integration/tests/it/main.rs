@@ -16,18 +16,22 @@
 //! # A process per test
 //!
 //! `cargo nextest run` (the README's test command) runs every test in a process of its
-//! own. Three tests need that, because the runtime keeps some state per process: the
-//! metric descriptions, sent once per process to the recorder of that moment
-//! (`observe::metrics::every_metric_has_a_unit_and_a_description`), and the queue-depth
-//! gauge's poller slot, which the two `observe::queue_depth` tests that read the gauge
-//! through the global recorder rely on. Each asserts first that it has the process to
-//! itself (`observe::own_process`), so under `cargo test`, which runs the binary's tests as
-//! threads of one process, they fail with that message instead of at random.
+//! own, and the tests that read process-wide state rely on it:
 //!
-//! Every other test keeps its state to itself: metrics recorders and tracing subscribers
-//! are set for the test's thread (`metrics::set_default_local_recorder`,
-//! `tracing::subscriber::set_default`), and `#[tokio::test]` runs the test and the tasks it
-//! spawns on that one thread; virtual time (`start_paused`) belongs to the test's runtime.
+//! - the metric descriptions, which the runtime sends once per process to the recorder of
+//!   that moment (`observe::metrics::every_metric_has_a_unit_and_a_description`);
+//! - the queue-depth gauge's poller slot, one per process, read through the global
+//!   `metrics` recorder (`observe::queue_depth`);
+//! - what `tracing` caches for the whole process about which span and event sites are
+//!   enabled: another test hitting them first, on a thread without a subscriber, can leave
+//!   a span or a log line unrecorded (`observe::telemetry`, `worker::warnings`).
+//!
+//! Each of them calls [`own_process`] first, so under `cargo test`, which runs the
+//! binary's tests as threads of one process, they fail with that message instead of at
+//! random. Every other test keeps its state to itself: the other metrics tests record into
+//! a recorder of their own thread (`metrics::set_default_local_recorder`), and
+//! `#[tokio::test]` runs a test and the tasks it spawns on that one thread; virtual time
+//! (`start_paused`) belongs to the test's own runtime.
 
 mod contract;
 mod docs;
@@ -35,3 +39,14 @@ mod model;
 mod observe;
 mod postgres;
 mod worker;
+
+/// Panics unless this test has its process to itself, as under `cargo nextest run`, which
+/// runs every test in a process of its own: for the tests that read process-wide state
+/// (see the crate docs).
+fn own_process() {
+    assert_eq!(
+        std::env::var("NEXTEST_EXECUTION_MODE").as_deref(),
+        Ok("process-per-test"),
+        "this test needs a process of its own: run it with `cargo nextest run`"
+    );
+}

@@ -164,7 +164,7 @@ async fn counters_and_histograms_move() {
 /// publish describes the metrics: this test's, in a process of its own.
 #[tokio::test]
 async fn every_metric_has_a_unit_and_a_description() {
-    super::own_process();
+    crate::own_process();
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let _local = metrics::set_default_local_recorder(&recorder);

@@ -59,7 +59,7 @@ fn lateness(queue: &str) -> String {
 }
 
 fn install() -> Snapshotter {
-    super::own_process();
+    crate::own_process();
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     metrics::set_global_recorder(recorder).expect("the only recorder of this process");

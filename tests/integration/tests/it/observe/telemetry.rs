@@ -5,7 +5,10 @@
 //!
 //! Each test sets its own subscriber (a `tracing-opentelemetry` layer over an in-memory
 //! exporter) as the default of its thread: `#[tokio::test]` runs on one thread, so the
-//! worker's tasks record into it too, and tests running beside it do not.
+//! worker's tasks record into it too, and tests running beside it do not. Which span sites
+//! are enabled is cached for the whole process, though, and a test on another thread that
+//! hits them first without a subscriber can leave one of this test's spans unrecorded: each
+//! test that reads spans needs a process of its own.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -37,6 +40,7 @@ struct Traces {
 
 impl Traces {
     fn install() -> Traces {
+        crate::own_process();
         let exporter = InMemorySpanExporter::default();
         let provider = SdkTracerProvider::builder()
             .with_simple_exporter(exporter.clone())

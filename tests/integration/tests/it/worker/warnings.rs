@@ -55,6 +55,7 @@ fn capture() -> (
     tracing::subscriber::DefaultGuard,
     tokio::runtime::Runtime,
 ) {
+    crate::own_process();
     let logs = Logs::default();
     let subscriber = tracing_subscriber::fmt()
         .with_writer(logs.clone())
