@@ -41,6 +41,15 @@
 //! still compiles and says plainly that it cannot run schedules. Requests
 //! that may gain options are structs ([`ClaimRequest`]), so adding one is not a breaking
 //! change.
+//!
+//! # Sealed for 0.x
+//!
+//! Only this crate's stores implement [`Store`]: its methods and the types they take change
+//! in minor releases while the crate is 0.x, and what a store must do to keep the worker
+//! correct is checked by the project's contract suite, which does not ship. A test may
+//! still wrap a store to count its calls or inject a fault: with the `testing` feature,
+//! implement [`testing::Unsealed`](crate::testing::Unsealed) for the wrapper beside `Store`
+//! (such a wrapper follows the trait's changes, with no compatibility promise).
 
 use std::future::Future;
 use std::time::Duration;
@@ -59,6 +68,7 @@ pub(crate) mod listen;
 pub(crate) mod periodic;
 pub(crate) mod postgres;
 pub(crate) mod rows;
+pub(crate) mod sealed;
 pub(crate) mod transaction;
 
 // Each public item has one path: `PgStore` and `HandlerTransaction` live at the crate root
@@ -502,7 +512,8 @@ impl<'a> ClaimRequest<'a> {
 
 /// The storage operations a worker needs (see the [module docs](self) for what is
 /// deliberately not here). Both stores implement them with the same observable behaviour;
-/// the project's contract suite checks that.
+/// the project's contract suite checks that. Sealed for 0.x (see the
+/// [module docs](self#sealed-for-0x)).
 ///
 /// Every write after a claim is fenced by the [`Lease`]: it matches the row id and the
 /// claim's token, so once another worker has re-claimed the row (under a new token) the
@@ -519,7 +530,7 @@ impl<'a> ClaimRequest<'a> {
 ///
 /// A lease that expires (its worker died) leaves a queued rearm in place; it applies when
 /// the next run's completion lands.
-pub trait Store: Clone + Send + Sync + 'static {
+pub trait Store: sealed::Sealed + Clone + Send + Sync + 'static {
     /// Claims up to `request.limit` due rows of `request.queues`: unleased rows whose
     /// deadline has passed, and leased rows whose lease is older than `request.lease_ttl`
     /// (by the store's clock). Each claimed row gets one new token for this claim,

@@ -258,6 +258,8 @@ impl PgStore {
     }
 }
 
+impl super::sealed::Sealed for PgStore {}
+
 impl Store for PgStore {
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Delivery>> {
         let mut conn = match self.pool.acquire().await {

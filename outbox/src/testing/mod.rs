@@ -168,3 +168,64 @@
 mod memory;
 
 pub use memory::MemoryStore;
+
+/// Implemented beside [`Store`](crate::store::Store) by a test's own wrapper of a store (one
+/// that counts calls or injects faults): `Store` is sealed for 0.x, and this marker is how
+/// the `testing` feature lets a wrapper implement it. Not for a store of your own: the
+/// trait changes in minor releases (see the [`store`](crate::store#sealed-for-0x) docs).
+///
+/// ```
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use outbox::store::{ClaimRequest, Completion, Delivery, Failure, Lease, NextWakeup, Release,
+///     Released, Renewal, Store, Wakeup};
+/// use outbox::testing::{MemoryStore, Unsealed};
+///
+/// /// The in-memory store, counting the claims a worker makes.
+/// #[derive(Clone)]
+/// struct Counting(MemoryStore, Arc<AtomicUsize>);
+///
+/// impl Unsealed for Counting {}
+///
+/// impl Store for Counting {
+///     async fn claim(&self, r: ClaimRequest<'_>) -> outbox::Result<Vec<Delivery>> {
+///         self.1.fetch_add(1, Ordering::Relaxed);
+///         self.0.claim(r).await
+///     }
+///     async fn ack(&self, l: Lease) -> outbox::Result<Completion> { self.0.ack(l).await }
+///     async fn ack_batch(&self, l: &[Lease]) -> outbox::Result<Vec<Completion>> {
+///         self.0.ack_batch(l).await
+///     }
+///     async fn retry(&self, l: Lease, d: Duration) -> outbox::Result<Completion> {
+///         self.0.retry(l, d).await
+///     }
+///     async fn fail(&self, l: Lease, f: Failure<'_>) -> outbox::Result<Completion> {
+///         self.0.fail(l, f).await
+///     }
+///     async fn renew(&self, l: &[Lease]) -> outbox::Result<Vec<Renewal>> { self.0.renew(l).await }
+///     async fn release(&self, r: &[Release]) -> outbox::Result<Vec<Released>> {
+///         self.0.release(r).await
+///     }
+///     async fn fail_unclaimed(
+///         &self,
+///         id: i64,
+///         ttl: Duration,
+///         f: Failure<'_>,
+///     ) -> outbox::Result<Completion> {
+///         self.0.fail_unclaimed(id, ttl, f).await
+///     }
+///     async fn next_wakeup(&self, r: ClaimRequest<'_>) -> outbox::Result<NextWakeup> {
+///         self.0.next_wakeup(r).await
+///     }
+///     async fn peek(&self, r: ClaimRequest<'_>) -> outbox::Result<Vec<(i64, String)>> {
+///         self.0.peek(r).await
+///     }
+///     async fn wakeups(&self) -> outbox::Result<Option<tokio::sync::mpsc::Receiver<Wakeup>>> {
+///         self.0.wakeups().await
+///     }
+///     async fn now(&self) -> outbox::Result<chrono::DateTime<chrono::Utc>> { self.0.now().await }
+///     fn dead_letter_enabled(&self) -> bool { self.0.dead_letter_enabled() }
+/// }
+/// ```
+pub use crate::store::sealed::Sealed as Unsealed;

@@ -1,5 +1,5 @@
-//! One test-support interface over both stores, for the contract suite (`tests/contract.rs`)
-//! and the model-based test (`tests/model.rs`).
+//! One test-support interface over both stores, for the contract suite (`tests/it/contract/`)
+//! and the model-based test (`tests/it/model.rs`).
 //!
 //! # A frozen, test-controlled clock on Postgres
 //!
@@ -18,7 +18,7 @@
 //!
 //! This replaces "the transaction's start time" with "the test's clock": what the contract
 //! suite checks is the logic of each statement, not Postgres' clock. The Postgres-only tests
-//! (`rearm.rs`, `publish.rs`, `claim.rs`) run on the real clock.
+//! (`tests/it/postgres/`) run on the real clock.
 
 use std::future::Future;
 use std::time::Duration;

@@ -1,5 +1,5 @@
 //! A worker process with one schedule, for the crash test of periodic timers
-//! (`tests/periodic.rs`, issue 17): serves the queue `reports` of the outbox table named by
+//! (`tests/it/worker/periodic.rs`): serves the queue `reports` of the outbox table named by
 //! its arguments with the schedule `tick` every second and a 1 s lease, prints
 //! `started <deadline>` (RFC 3339, microseconds) when a run starts, and then never finishes
 //! that run: the test kills the process in the middle of it.
@@ -13,7 +13,7 @@ use outbox::periodic::Recurrence;
 use outbox::{Context, Outbox, PgStore, Worker};
 use sqlx::postgres::PgPoolOptions;
 
-/// The payload of the test's schedule (the same queue and shape as `tests/periodic.rs`'s).
+/// The payload of the test's schedule (the same queue and shape as `tests/it/worker/periodic.rs`'s).
 #[outbox::timer(queue = "reports", max_deliveries = 3)]
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Report {
