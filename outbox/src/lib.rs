@@ -163,13 +163,13 @@
 
 // Modules from the leaves up; each imports only modules before it (`python3
 // .ci/check-module-graph --print` lists the imports): error (and `schema::problem`, what
-// its variants carry), names, telemetry, `store::connect` → sql (statement text and
-// `sql::binds`; executes nothing) → the vocabulary and its rules: `schema::shape`,
+// its variants carry), names, telemetry, `store::connect` → sql (statement text, `sql::text`
+// and `sql::binds`; executes nothing) → the vocabulary and its rules: `schema::shape`,
 // `message` (`schedule`, `envelope`), periodic → the executors of the rendered statements:
 // publish, cancel, admin, stats, `schema::{migrate, validate}` → `store` itself (the
-// contract's types), `store::{rows, fenced, listen, periodic}` → read, dlq → outbox (the
-// handle: the names and the rendered statements) → over the handle: `schema`'s two
-// functions, timer and `message::typed` (the typed layer), the stores
+// contract's types, `store::sealed`), `store::{rows, fenced, listen, periodic}` → read,
+// dlq → outbox (the handle: the names and the rendered statements) → over the handle:
+// `schema`'s two functions, timer and `message::typed` (the typed layer), the stores
 // (`store::transaction`, `store::postgres`) → worker, testing, hooks (the test hooks).
 //
 // The public surface: the crate root holds what the quick start types; everything else has
