@@ -32,7 +32,7 @@ use chrono::{DateTime, Utc};
 
 // Named by the docs only.
 #[cfg(doc)]
-use crate::{publish::Schedule, timer::Publisher};
+use crate::{message::Schedule, timer::Publisher};
 
 use self::state::{plus, row_order, to_postgres_precision, State};
 use crate::error::{Error, Result};
