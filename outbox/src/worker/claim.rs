@@ -32,9 +32,10 @@ enum OnRowFault {
 
 /// Where the next claim's rounds start: after the queue of the last row claimed, so that a
 /// claim smaller than the number of queues with due rows takes the queues it skipped first
-/// next time (SPEC §6 v3: each queue's earliest due row within `n` claims for `n` queues
-/// with due rows). Each worker keeps its own; workers need not agree, since each one's
-/// claims are fair on their own.
+/// next time: each queue's earliest due row within `n` claims for `n` queues with due rows.
+/// Each worker keeps its own; workers need not agree, since each one's claims are fair on
+/// their own.
+// SPEC §6 (v3 addendum): fair across claims.
 #[derive(Debug, Default)]
 struct Rotation {
     /// The queue of the last row of the last claim that took one.
