@@ -733,3 +733,51 @@ pub trait Store: sealed::Sealed + Clone + Send + Sync + 'static {
         None
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn order(queues: &[&str], after: Option<&str>, limits: Option<&[usize]>) -> Vec<(String, i64)> {
+        let queues: Vec<String> = queues.iter().map(|q| (*q).to_owned()).collect();
+        let mut r = ClaimRequest::new(&queues, 5, Duration::from_secs(1));
+        if let Some(a) = after {
+            r = r.resume_after(a);
+        }
+        if let Some(l) = limits {
+            r = r.queue_limits(l);
+        }
+        let (qs, caps) = r.per_queue().unwrap();
+        qs.into_iter().zip(caps).collect()
+    }
+
+    fn names(v: &[(String, i64)]) -> Vec<&str> {
+        v.iter().map(|(q, _)| q.as_str()).collect()
+    }
+
+    #[test]
+    fn a_round_starts_after_resume_after_in_name_order() {
+        let qs = ["c", "a", "b"];
+        assert_eq!(names(&order(&qs, None, None)), ["a", "b", "c"]);
+        assert_eq!(names(&order(&qs, Some("a"), None)), ["b", "c", "a"]);
+        assert_eq!(names(&order(&qs, Some("b"), None)), ["c", "a", "b"]);
+        assert_eq!(
+            names(&order(&qs, Some("c"), None)),
+            ["a", "b", "c"],
+            "wraps"
+        );
+        // A name not in the list has its place by name.
+        assert_eq!(names(&order(&qs, Some("ab"), None)), ["b", "c", "a"]);
+        assert_eq!(names(&order(&qs, Some(""), None)), ["a", "b", "c"]);
+        assert_eq!(names(&order(&qs, Some("zz"), None)), ["a", "b", "c"]);
+        // Byte order, not a locale's: "B" sorts before "a".
+        assert_eq!(names(&order(&["a", "B"], Some("B"), None)), ["a", "B"]);
+        assert_eq!(names(&order(&["a", "B"], Some("a"), None)), ["B", "a"]);
+    }
+
+    #[test]
+    fn the_rotation_keeps_the_smallest_limit_and_drops_queues_without_room() {
+        let got = order(&["b", "a", "b", "c"], Some("a"), Some(&[3, 0, 1, 2]));
+        assert_eq!(got, [("b".to_owned(), 1), ("c".to_owned(), 2)]);
+    }
+}
