@@ -22,7 +22,8 @@ pub(crate) struct Claim {
     /// As `claim`, among `$7 bigint[]` ids only: isolates a row that makes a claim fail.
     pub claim_only: SqlStr,
     /// What `claim` would take, without locking or writing anything: `$1` queues (in the
-    /// order of a round, as for `claim`), `$2` limit, `$3` lease TTL, `$4` ids never to claim, `$5` per-queue caps → `(id, queue)`
+    /// order of a round, as for `claim`), `$2` limit, `$3` lease TTL, `$4` ids never to
+    /// claim, `$5` per-queue caps → `(id, queue)`
     /// in claim order.
     pub peek: SqlStr,
     /// `$1 text[]` queues, `$2 interval` lease TTL, `$3 bigint[]` ids to leave out →

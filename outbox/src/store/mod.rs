@@ -233,9 +233,10 @@ pub const MAX_LAST_ERROR_BYTES: usize = 16 * 1024;
 
 /// Where `queue` comes in a claim's round, starting after `resume_after`: the queues
 /// named after it first, then those up to and including it, each part in name order
-/// (byte order, as Rust compares strings and Postgres's `"C"` collation does). Sorting by
-/// this key rotates the sorted queue list so that it starts after `resume_after`, whether
-/// or not that queue is in the list; without one, the list is in name order.
+/// (byte order, as Rust compares strings; Postgres never compares the names, it takes the
+/// order from the array `per_queue` binds). Sorting by this key rotates the sorted queue
+/// list so that it starts after `resume_after`, whether or not that queue is in the list;
+/// without one, the list is in name order.
 pub(crate) fn round_position<'q>(queue: &'q str, resume_after: Option<&str>) -> (bool, &'q str) {
     (resume_after.is_some_and(|r| queue <= r), queue)
 }

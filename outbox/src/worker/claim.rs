@@ -130,7 +130,8 @@ pub(crate) async fn run_due<S: Store>(
     while out.len() < RUN_DUE_LIMIT {
         let limit = config.fetch_batch_size.min(RUN_DUE_LIMIT - out.len());
         let request = ClaimRequest::new(queues, limit, config.lease_ttl).excluding(&given_back);
-        let batch = receive(shared, queues, rotation.apply(request), OnRowFault::Fail).await?;
+        let request = rotation.apply(request);
+        let batch = receive(shared, queues, request, OnRowFault::Fail).await?;
         if batch.is_empty() {
             break;
         }
@@ -228,23 +229,23 @@ pub(crate) async fn claim_loop<S: Store>(
         if let Some(l) = &limits {
             request = request.queue_limits(l);
         }
+        let request = rotation.apply(request);
         // Not raced against the stop signal: once Postgres commits a claim its rows are
         // ours, and dropping the future then would strand them until their lease expires.
         // The claim is one short statement; shutdown releases what it returns. (Shutdown
         // gives up on it only at its deadline, when the database does not answer.)
-        let batch =
-            match receive(shared, queues, rotation.apply(request), OnRowFault::Isolate).await {
-                Ok(b) => b,
-                Err(e) => {
-                    failures += 1;
-                    throttle.failed("claim", &e, failures);
-                    drop(permits);
-                    if sleep_or_stop(backoff(failures - 1), stopped).await {
-                        return;
-                    }
-                    continue;
+        let batch = match receive(shared, queues, request, OnRowFault::Isolate).await {
+            Ok(b) => b,
+            Err(e) => {
+                failures += 1;
+                throttle.failed("claim", &e, failures);
+                drop(permits);
+                if sleep_or_stop(backoff(failures - 1), stopped).await {
+                    return;
                 }
-            };
+                continue;
+            }
+        };
         failures = 0;
         throttle.recovered();
         rotation.advance(&batch);
