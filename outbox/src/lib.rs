@@ -118,7 +118,8 @@
 //!   changed in between.
 //! - **Claim order among equal deadlines** follows the pending index (heap order), so the
 //!   claim cost stays independent of the backlog even when thousands of rows share one
-//!   `now()`; the queues of one claim take turns (round robin), each within its own limit.
+//!   `now()`; the queues of one claim take turns (round robin), each within its own limit,
+//!   and a worker's next claim starts after the queue its last claim ended on.
 //! - **`attempts_count` in the dead-letter row** includes the final failed run when the
 //!   handler ran (`rejected`, `retry_exhausted`), not for `decode_error` or
 //!   `max_deliveries` (the handler never ran).

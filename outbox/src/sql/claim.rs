@@ -14,14 +14,16 @@ pub(crate) const DELIVERY_COLUMNS: &str = "t.id, t.acquired_token, t.queue, t.pa
 
 #[derive(Debug)]
 pub(crate) struct Claim {
-    /// `$1 text[]` queues, `$2 bigint` limit, `$3 interval` lease TTL, `$4 uuid` token,
+    /// `$1 text[]` queues in the order of a round (a queue's position in the array is its
+    /// place in each round), `$2 bigint` limit, `$3 interval` lease TTL, `$4 uuid` token,
     /// `$5 bigint[]` ids never to claim, `$6 bigint[]` the most rows to take of each queue
     /// (parallel to `$1`).
     pub claim: SqlStr,
     /// As `claim`, among `$7 bigint[]` ids only: isolates a row that makes a claim fail.
     pub claim_only: SqlStr,
-    /// What `claim` would take, without locking or writing anything: `$1` queues, `$2`
-    /// limit, `$3` lease TTL, `$4` ids never to claim, `$5` per-queue caps → `(id, queue)`
+    /// What `claim` would take, without locking or writing anything: `$1` queues (in the
+    /// order of a round, as for `claim`), `$2` limit, `$3` lease TTL, `$4` ids never to
+    /// claim, `$5` per-queue caps → `(id, queue)`
     /// in claim order.
     pub peek: SqlStr,
     /// `$1 text[]` queues, `$2 interval` lease TTL, `$3 bigint[]` ids to leave out →
@@ -63,12 +65,12 @@ fn candidates(
     let only = only.map_or(String::new(), |p| format!(" AND id = ANY({p}::bigint[])"));
     let lock = if lock { " FOR UPDATE SKIP LOCKED" } else { "" };
     let queues = active_queues(
-        &format!("unnest($1::text[], {caps}::bigint[]) AS u(queue, cap)"),
+        &format!("unnest($1::text[], {caps}::bigint[]) WITH ORDINALITY AS u(queue, cap, pos)"),
         paused,
     );
     format!(
         r#"
-    SELECT c.id, c.queue, c.next_attempt_at, c.deliveries_count, false AS cancelled, q.cap
+    SELECT c.id, c.queue, c.next_attempt_at, c.deliveries_count, false AS cancelled, q.cap, q.pos
     FROM {queues}
     CROSS JOIN LATERAL (
         SELECT id, queue, next_attempt_at, deliveries_count FROM {t}
@@ -76,7 +78,7 @@ fn candidates(
           AND id <> ALL({exclude}::bigint[]){only}
         ORDER BY next_attempt_at LIMIT $2{lock}) c
     UNION ALL
-    SELECT c.id, c.queue, c.next_attempt_at, c.deliveries_count, c.cancelled, q.cap
+    SELECT c.id, c.queue, c.next_attempt_at, c.deliveries_count, c.cancelled, q.cap, q.pos
     FROM {queues}
     CROSS JOIN LATERAL (
         SELECT id, queue, next_attempt_at, deliveries_count,
@@ -89,11 +91,16 @@ fn candidates(
     )
 }
 
-/// The claim order over the candidates of every queue: round robin across queues, each
-/// queue's rows by deadline. A queue's first row comes before any queue's second, so a
-/// backlog of one queue, however old its deadlines, never holds back the due rows of
-/// another.
+/// A candidate's round: its rank among its queue's candidates by deadline. A queue's first
+/// row comes before any queue's second, so a backlog of one queue, however old its
+/// deadlines, never holds back the due rows of another within a claim.
 const FAIR_ORDER: &str = "row_number() OVER (PARTITION BY queue ORDER BY next_attempt_at, id)";
+
+/// The claim order: by round, then by the queue's place in the round (its position in
+/// `$1`, which the caller rotates to start after the queue the previous claim ended on, so
+/// that a claim smaller than the number of queues with due rows does not take the same
+/// queues every time: fair across claims). `(turn, pos)` is unique per candidate.
+const CLAIM_ORDER: &str = "turn, pos";
 
 /// A claim over `candidates`: one new token, `deliveries_count + 1`, cancelled rows deleted.
 /// The count comes from the locked candidate, not the updated table (see
@@ -111,7 +118,7 @@ due AS (
     SELECT id, deliveries_count, cancelled
     FROM (SELECT *, {FAIR_ORDER} AS turn FROM cand) r
     WHERE turn <= cap
-    ORDER BY turn, next_attempt_at, id LIMIT $2),
+    ORDER BY {CLAIM_ORDER} LIMIT $2),
 gone AS (
     DELETE FROM {t} t USING due
     WHERE t.id = ANY(ARRAY(SELECT id FROM due WHERE cancelled))
@@ -135,10 +142,11 @@ impl Claim {
         // backlog. The branches order by their index alone: ordering by (next_attempt_at, id)
         // there would sort every row sharing a deadline (a batch published in one
         // transaction shares `now()`); ties among equal deadlines are taken in index order
-        // and the claimed batch is then ordered round robin across queues (FAIR_ORDER), each
-        // queue within its cap (what its `max_concurrency` leaves free; a queue with nothing
-        // free is not passed at all). Rows locked by the branches but cut by a cap or the
-        // outer LIMIT are released when the statement ends.
+        // and the claimed batch is then ordered round robin across queues (FAIR_ORDER, then
+        // CLAIM_ORDER, whose rotation makes it fair across claims, SPEC §6 v3), each queue
+        // within its cap (what its `max_concurrency` leaves free; a queue with nothing free
+        // is not passed at all). Rows locked by the branches but cut by a cap or the outer
+        // LIMIT are released when the statement ends.
         //
         // A reclaimed row (its lease expired) that a cancel reached while it ran, with no
         // rearm queued after the cancel, is deleted instead of delivered (SPEC §3): the
@@ -155,7 +163,7 @@ impl Claim {
 WITH cand AS ({candidates})
 SELECT id, queue FROM (SELECT *, {FAIR_ORDER} AS turn FROM cand) r
 WHERE turn <= cap
-ORDER BY turn, next_attempt_at, id LIMIT $2"#,
+ORDER BY {CLAIM_ORDER} LIMIT $2"#,
             candidates = candidates(t, p, "$4", "$5", None, false)
         );
         // Every minimum comes from a partial index (one index probe per queue each); `$3`

@@ -231,11 +231,20 @@ pub struct Failure<'a> {
 /// a character boundary.
 pub const MAX_LAST_ERROR_BYTES: usize = 16 * 1024;
 
-/// The queues of a claim or wake-up query, each once: a queue named twice would get two
-/// candidate branches whose duplicates eat into the claim's LIMIT.
-/// Puts claimed rows in claim order: round robin across queues, each queue's rows by
-/// (deadline, id) — what the claim statement selects by.
-pub(crate) fn fair_order(rows: &mut Vec<Delivery>) {
+/// Where `queue` comes in a claim's round, starting after `resume_after`: the queues
+/// named after it first, then those up to and including it, each part in name order
+/// (byte order, as Rust compares strings; Postgres never compares the names, it takes the
+/// order from the array `per_queue` binds). Sorting by this key rotates the sorted queue
+/// list so that it starts after `resume_after`, whether or not that queue is in the list;
+/// without one, the list is in name order.
+pub(crate) fn round_position<'q>(queue: &'q str, resume_after: Option<&str>) -> (bool, &'q str) {
+    (resume_after.is_some_and(|r| queue <= r), queue)
+}
+
+/// Puts claimed rows in claim order: a queue's `n`th row in round `n`, each round's queues
+/// in [`round_position`] order, each queue's rows by (deadline, id) — what the claim
+/// statement selects by.
+pub(crate) fn fair_order(rows: &mut Vec<Delivery>, resume_after: Option<&str>) {
     rows.sort_by(|a, b| {
         (&a.queue, a.deadline, a.lease.id).cmp(&(&b.queue, b.deadline, b.lease.id))
     });
@@ -248,8 +257,10 @@ pub(crate) fn fair_order(rows: &mut Vec<Delivery>) {
         turn.push(t);
     }
     let mut keyed: Vec<(usize, Delivery)> = turn.into_iter().zip(rows.drain(..)).collect();
+    // Stable: within a queue the rows stay by (deadline, id).
     keyed.sort_by(|(ta, a), (tb, b)| {
-        (ta, a.deadline, a.lease.id).cmp(&(tb, b.deadline, b.lease.id))
+        (ta, round_position(&a.queue, resume_after))
+            .cmp(&(tb, round_position(&b.queue, resume_after)))
     });
     rows.extend(keyed.into_iter().map(|(_, d)| d));
 }
@@ -404,9 +415,18 @@ pub enum Released {
 /// again once its lease is older than `lease_ttl`, and at most `queue_limits[i]` rows of
 /// `queues[i]` when set.
 ///
-/// A claim takes the queues' rows **round robin**: every queue's earliest due row before
-/// any queue's second, each queue's rows by deadline. A backlog of one queue, however old,
-/// never holds back the due rows of another; the claimed rows come back in that order.
+/// A claim takes the queues' rows **round robin**, in rounds: round 1 is every queue's
+/// earliest due row, round 2 every queue's second, and so on, each queue's rows by
+/// deadline. Within a round the queues come in name order (byte order), rotated to start
+/// after [`resume_after`](Self::resume_after): the queue after the one the previous claim
+/// ended on comes first. The claimed rows come back in that order. A claimer that passes
+/// the queue of the last row of each claim as the next claim's `resume_after` (as the
+/// worker does) is fair **across claims**, whatever the claim size: with `n` queues
+/// holding due rows, each queue's earliest due row is claimed within `n` claims, however
+/// old and large the other queues' backlogs are. Without `resume_after` every claim starts
+/// at the first queue by name, so a claim smaller than the number of queues with due rows
+/// always takes the same ones.
+///
 /// Among rows with the same deadline Postgres takes them in its index's order, which need
 /// not be id order (a row updated without changing its deadline moves within the index);
 /// the in-memory store takes them by id.
@@ -439,6 +459,11 @@ pub struct ClaimRequest<'a> {
     /// smallest of its limits. Default unset: `limit` for every queue. How a worker keeps a queue
     /// within its handler's `max_concurrency`.
     pub queue_limits: Option<&'a [usize]>,
+    /// When set, each round of the claim starts with the first queue named after this one
+    /// (byte order) and wraps around: pass the queue of the previous claim's last row. It
+    /// need not be one of `queues` (a queue left out of this claim still has its place in
+    /// the order). Default unset: rounds start at the first queue by name.
+    pub resume_after: Option<&'a str>,
 }
 
 impl<'a> ClaimRequest<'a> {
@@ -452,7 +477,14 @@ impl<'a> ClaimRequest<'a> {
             exclude: &[],
             only: None,
             queue_limits: None,
+            resume_after: None,
         }
+    }
+
+    /// Starts each round after `queue` (see [`resume_after`](Self::resume_after)).
+    pub fn resume_after(mut self, queue: &'a str) -> Self {
+        self.resume_after = Some(queue);
+        self
     }
 
     /// Claims at most `limits[i]` rows of `queues[i]`.
@@ -461,8 +493,10 @@ impl<'a> ClaimRequest<'a> {
         self
     }
 
-    /// The distinct queues with something to take, sorted, each with its limit (`limit` or
-    /// its own, whichever is smaller), as the claim statement binds them.
+    /// The distinct queues with something to take, in the order of a round (sorted by name,
+    /// rotated to start after `resume_after`), each with its limit (`limit` or its own,
+    /// whichever is smaller), as the claim statement binds them: the statement takes a
+    /// queue's place in the round from its position in the array.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `queue_limits` is not as long as `queues`.
@@ -486,9 +520,13 @@ impl<'a> ClaimRequest<'a> {
             .enumerate()
             .map(|(i, q)| (q, limits.map_or(self.limit, |l| l[i].min(self.limit))))
             .collect();
-        // Sorted by queue, the smallest limit first, so dedup keeps the smallest; a queue
-        // with nothing to take is left out (its rows are neither read nor locked).
-        pairs.sort_unstable();
+        // Sorted by place in the round, the smallest limit first, so dedup keeps the
+        // smallest; a queue with nothing to take is left out (its rows are neither read nor
+        // locked).
+        let after = self.resume_after;
+        pairs.sort_unstable_by(|a, b| {
+            (round_position(a.0, after), a.1).cmp(&(round_position(b.0, after), b.1))
+        });
         pairs.dedup_by(|a, b| a.0 == b.0);
         Ok(pairs
             .into_iter()
@@ -694,5 +732,53 @@ pub trait Store: sealed::Sealed + Clone + Send + Sync + 'static {
     /// `build()` checks it against the connections the worker needs.
     fn max_connections(&self) -> Option<u32> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn order(queues: &[&str], after: Option<&str>, limits: Option<&[usize]>) -> Vec<(String, i64)> {
+        let queues: Vec<String> = queues.iter().map(|q| (*q).to_owned()).collect();
+        let mut r = ClaimRequest::new(&queues, 5, Duration::from_secs(1));
+        if let Some(a) = after {
+            r = r.resume_after(a);
+        }
+        if let Some(l) = limits {
+            r = r.queue_limits(l);
+        }
+        let (qs, caps) = r.per_queue().unwrap();
+        qs.into_iter().zip(caps).collect()
+    }
+
+    fn names(v: &[(String, i64)]) -> Vec<&str> {
+        v.iter().map(|(q, _)| q.as_str()).collect()
+    }
+
+    #[test]
+    fn a_round_starts_after_resume_after_in_name_order() {
+        let qs = ["c", "a", "b"];
+        assert_eq!(names(&order(&qs, None, None)), ["a", "b", "c"]);
+        assert_eq!(names(&order(&qs, Some("a"), None)), ["b", "c", "a"]);
+        assert_eq!(names(&order(&qs, Some("b"), None)), ["c", "a", "b"]);
+        assert_eq!(
+            names(&order(&qs, Some("c"), None)),
+            ["a", "b", "c"],
+            "wraps"
+        );
+        // A name not in the list has its place by name.
+        assert_eq!(names(&order(&qs, Some("ab"), None)), ["b", "c", "a"]);
+        assert_eq!(names(&order(&qs, Some(""), None)), ["a", "b", "c"]);
+        assert_eq!(names(&order(&qs, Some("zz"), None)), ["a", "b", "c"]);
+        // Byte order, not a locale's: "B" sorts before "a".
+        assert_eq!(names(&order(&["a", "B"], Some("B"), None)), ["a", "B"]);
+        assert_eq!(names(&order(&["a", "B"], Some("a"), None)), ["B", "a"]);
+    }
+
+    #[test]
+    fn the_rotation_keeps_the_smallest_limit_and_drops_queues_without_room() {
+        let got = order(&["b", "a", "b", "c"], Some("a"), Some(&[3, 0, 1, 2]));
+        assert_eq!(got, [("b".to_owned(), 1), ("c".to_owned(), 2)]);
     }
 }

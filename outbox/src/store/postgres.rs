@@ -196,7 +196,7 @@ impl PgStore {
             .map(delivery_from_row)
             .collect::<Result<Vec<_>>>()?;
         // RETURNING follows the update order, not the CTE's; restore the contract's order.
-        fair_order(&mut out);
+        fair_order(&mut out, request.resume_after);
         Ok(out)
     }
 

@@ -90,6 +90,8 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// `T::MAX_DELIVERIES`) with `handler`: an `async fn(T, Context) -> R` where `R` is
     /// `()`, [`Outcome`](crate::Outcome) or a `Result` of those with a displayable error. A handler for
     /// another payload type does not compile. Retries use [`RetryStrategy::default`](crate::RetryStrategy::default).
+    /// A worker serving several queues claims them in turns, fairly across claims: see
+    /// [`fetch_batch_size`](Self::fetch_batch_size).
     pub fn timer<T: Timer>(self, handler: impl Handler<T, St>) -> Self {
         self.timer_with::<T>(handler, HandlerOptions::default())
     }
@@ -110,6 +112,8 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
 
     /// Handles the raw queue `queue` with `handler`: an `async fn(Vec<u8>, Context) -> R`
     /// over the stored bytes. `max_deliveries` is [`DEFAULT_MAX_DELIVERIES`](crate::worker::DEFAULT_MAX_DELIVERIES).
+    /// A worker serving several queues claims them in turns, fairly across claims: see
+    /// [`fetch_batch_size`](Self::fetch_batch_size).
     pub fn queue(self, queue: impl Into<String>, handler: impl Handler<Vec<u8>, St>) -> Self {
         self.queue_with(queue, handler, HandlerOptions::default())
     }
@@ -232,6 +236,20 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
 
     /// Rows claimed per claim statement (default 10, range 1..=10 000). The claim loop
     /// claims again when all claimed rows have been handed to handlers.
+    ///
+    /// **Several queues, any batch size.** A claim takes the worker's queues in turns: each
+    /// queue's earliest due row, then each queue's second, and so on, each queue's rows by
+    /// deadline. A claim ends where its batch is full, and the next claim starts its turns
+    /// with the queue after the one the previous claim ended on (queues in name order,
+    /// wrapping around). So with `n` queues holding due rows, each queue's earliest due row
+    /// is claimed within `n` claims, whatever the batch size and however old or large the
+    /// other queues' backlogs: with `fetch_batch_size(1)` and two queues, a row that falls
+    /// due now in one is claimed by the next claim or the one after, even behind thousands
+    /// of overdue rows of the other. Several workers each keep their own turn; a row another
+    /// worker has locked is skipped (`FOR UPDATE SKIP LOCKED`), so the bound holds for each
+    /// worker's claims. A queue at its
+    /// [`max_concurrency`](crate::HandlerOptions::max_concurrency) is left out of a claim
+    /// and keeps its place in the turns.
     pub fn fetch_batch_size(mut self, n: usize) -> Self {
         self.config.fetch_batch_size = n;
         self

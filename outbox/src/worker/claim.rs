@@ -30,6 +30,37 @@ enum OnRowFault {
     Fail,
 }
 
+/// Where the next claim's rounds start: after the queue of the last row claimed, so that a
+/// claim smaller than the number of queues with due rows takes the queues it skipped first
+/// next time: each queue's earliest due row within `n` claims for `n` queues with due rows.
+/// Each worker keeps its own; workers need not agree, since each one's claims are fair on
+/// their own.
+// SPEC §6 (v3 addendum): fair across claims.
+#[derive(Debug, Default)]
+struct Rotation {
+    /// The queue of the last row of the last claim that took one.
+    last: Option<String>,
+}
+
+impl Rotation {
+    /// `request`, starting its rounds after the last claim's last queue.
+    fn apply<'a>(&'a self, request: ClaimRequest<'a>) -> ClaimRequest<'a> {
+        match &self.last {
+            Some(q) => request.resume_after(q),
+            None => request,
+        }
+    }
+
+    /// Moves on past `batch` (in claim order); an empty claim leaves the rotation as it was.
+    fn advance(&mut self, batch: &[Claimed]) {
+        if let Some(c) = batch.last() {
+            if self.last.as_deref() != Some(c.delivery.queue.as_str()) {
+                self.last = Some(c.delivery.queue.clone());
+            }
+        }
+    }
+}
+
 /// One claim statement in its `receive` span, the same for the claim loop and `run_due`:
 /// the span's fields and links, the claim metrics, and every row it took registered as held
 /// from now (its lease runs from here on the local clock).
@@ -95,13 +126,16 @@ pub(crate) async fn run_due<S: Store>(
     // again by this call. (Nothing else is held between rounds: every row of a round has
     // been completed or given up before the next claim.)
     let mut given_back: Vec<i64> = Vec::new();
+    let mut rotation = Rotation::default();
     while out.len() < RUN_DUE_LIMIT {
         let limit = config.fetch_batch_size.min(RUN_DUE_LIMIT - out.len());
         let request = ClaimRequest::new(queues, limit, config.lease_ttl).excluding(&given_back);
+        let request = rotation.apply(request);
         let batch = receive(shared, queues, request, OnRowFault::Fail).await?;
         if batch.is_empty() {
             break;
         }
+        rotation.advance(&batch);
         for claimed in batch {
             let id = claimed.delivery.lease.id;
             match execute(shared, claimed, Mode::Inline).await {
@@ -175,6 +209,7 @@ pub(crate) async fn claim_loop<S: Store>(
     let mut contention = Duration::from_millis(10);
     // True while the LISTEN connection is down: poll at least every second (SPEC §7.3).
     let mut degraded = false;
+    let mut rotation = Rotation::default();
     loop {
         if *stopped.borrow() {
             return;
@@ -194,6 +229,7 @@ pub(crate) async fn claim_loop<S: Store>(
         if let Some(l) = &limits {
             request = request.queue_limits(l);
         }
+        let request = rotation.apply(request);
         // Not raced against the stop signal: once Postgres commits a claim its rows are
         // ours, and dropping the future then would strand them until their lease expires.
         // The claim is one short statement; shutdown releases what it returns. (Shutdown
@@ -212,6 +248,7 @@ pub(crate) async fn claim_loop<S: Store>(
         };
         failures = 0;
         throttle.recovered();
+        rotation.advance(&batch);
         let got = batch.len();
         for (permit, claimed) in permits.zip(batch) {
             permit.send(claimed);

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::decide::Route;
 use super::handler::DEFAULT_MAX_DELIVERIES;
 use crate::error::{Error, Result};
-use crate::store::{ClaimRequest, Completion, Delivery, Failure, FailureReason, Store};
+use crate::store::{fair_order, ClaimRequest, Completion, Delivery, Failure, FailureReason, Store};
 use crate::telemetry;
 
 /// Claims what `request` would take, isolating the rows whose lease fails: peeks at the
@@ -70,7 +70,7 @@ pub(crate) async fn claim_isolating<S: Store>(
             }
         }
     }
-    out.sort_by_key(|d| (d.deadline, d.lease.id));
+    fair_order(&mut out, request.resume_after);
     Ok(out)
 }
 

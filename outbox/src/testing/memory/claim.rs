@@ -35,10 +35,11 @@ impl State {
             !request.exclude.contains(&r.id) && request.only.is_none_or(|ids| ids.contains(&r.id))
         };
         // Two branches per queue (named twice or not), each with the claim's LIMIT; each
-        // queue's candidates by (deadline, id) within its cap; then the best `limit` round
-        // robin across queues — the claim statement's FAIR_ORDER and `turn <= cap`.
-        let mut candidates: Vec<(usize, DateTime<Utc>, i64)> = Vec::new();
-        for (q, cap) in queues.iter().zip(caps) {
+        // queue's candidates by (deadline, id) within its cap; then the best `limit` by
+        // round, then by the queue's place in the round (its position in `per_queue`'s
+        // rotated list) — the claim statement's FAIR_ORDER, `turn <= cap` and CLAIM_ORDER.
+        let mut candidates: Vec<(usize, usize, DateTime<Utc>, i64)> = Vec::new();
+        for (pos, (q, cap)) in queues.iter().zip(caps).enumerate() {
             // A paused queue's branches find nothing.
             if self.paused.contains_key(q) {
                 continue;
@@ -76,12 +77,15 @@ impl State {
                 mine.into_iter()
                     .take(cap)
                     .enumerate()
-                    .map(|(turn, (at, id))| (turn, at, id)),
+                    .map(|(turn, (at, id))| (turn, pos, at, id)),
             );
         }
         candidates.sort();
         candidates.truncate(limit);
-        Ok(candidates.into_iter().map(|(_, at, id)| (at, id)).collect())
+        Ok(candidates
+            .into_iter()
+            .map(|(_, _, at, id)| (at, id))
+            .collect())
     }
 
     /// The claim statement of `store/postgres.rs`: one new token for the claim,
@@ -124,7 +128,7 @@ impl State {
                 decode_error: None,
             });
         }
-        crate::store::fair_order(&mut out);
+        crate::store::fair_order(&mut out, request.resume_after);
         Ok(out)
     }
 

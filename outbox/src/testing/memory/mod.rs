@@ -85,7 +85,8 @@ use crate::store::{
 /// - Among rows with the **same** deadline, a claim with a `limit` that cuts through them
 ///   takes the lowest ids; Postgres takes them in index order (usually, but not always, the
 ///   same). The returned deliveries are in claim order in both stores: round robin across
-///   queues, each queue's rows by deadline, then id.
+///   queues rotated after [`ClaimRequest::resume_after`], each queue's rows by deadline,
+///   then id.
 /// - Absurd durations: a retry delay or lease TTL that puts a time beyond the year 262 000
 ///   (chrono's range) is an [`Error::InvalidArgument`] (`duration`, `lease_ttl`) here;
 ///   Postgres either stores a time it cannot hand back to chrono or rejects it with a

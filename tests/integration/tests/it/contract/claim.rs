@@ -223,7 +223,7 @@ async fn the_queue_filter<H: Harness>(h: &H) {
     assert_eq!(
         ids(&got),
         vec![2, 3, 4],
-        "both queues, by deadline across them"
+        "both queues round robin, {Q2} before {Q3} by name, each by deadline"
     );
     assert_eq!(
         got.iter().map(|d| d.queue.as_str()).collect::<Vec<_>>(),

@@ -6,8 +6,8 @@
 //! scenario advances them, so expected timestamps are exact: `at(5)` is five seconds after
 //! the start. See `outbox_tests::contract` for how Postgres gets such a clock.
 //!
-//! One file per concern (claim, complete, publish, rearm, cancel, wakeup, read, dlq, admin,
-//! stats, periodic); each ends with the `contract!` list of its scenarios. The helpers
+//! One file per concern (claim, fair, complete, publish, rearm, cancel, wakeup, read, dlq,
+//! admin, stats, periodic); each ends with the `contract!` list of its scenarios. The helpers
 //! shared by several concerns are here.
 
 use std::time::Duration;
@@ -62,6 +62,7 @@ mod cancel;
 mod claim;
 mod complete;
 mod dlq;
+mod fair;
 mod periodic;
 mod publish;
 mod read;
