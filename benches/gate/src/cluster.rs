@@ -54,10 +54,10 @@ const DIR_PREFIX: &str = "outbox-bench-pg-";
 
 /// A running throwaway cluster; dropped = stopped and deleted.
 pub struct Cluster {
-    dir: PathBuf,
-    bin: PathBuf,
-    port: u16,
-    as_postgres: bool,
+    pub(crate) dir: PathBuf,
+    pub(crate) bin: PathBuf,
+    pub(crate) port: u16,
+    pub(crate) as_postgres: bool,
     /// `name = value` lines written to `postgresql.conf`, for the report.
     pub settings: Vec<(String, String)>,
     pub version: String,
@@ -228,13 +228,13 @@ impl Cluster {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    fn data(&self) -> PathBuf {
+    pub(crate) fn data(&self) -> PathBuf {
         self.dir.join("data")
     }
 
     /// Runs a server binary, as the `postgres` OS user when we are root (initdb and the
     /// server refuse to run as root).
-    fn pg_tool(&self, tool: &str, args: &[String]) -> Result<(), BoxError> {
+    pub(crate) fn pg_tool(&self, tool: &str, args: &[String]) -> Result<(), BoxError> {
         self.control().pg_tool(tool, args)
     }
 
@@ -252,9 +252,9 @@ impl Cluster {
 /// Runs the server's tools against a running [`Cluster`] without owning it.
 #[derive(Debug, Clone)]
 pub struct Control {
-    dir: PathBuf,
-    bin: PathBuf,
-    as_postgres: bool,
+    pub(crate) dir: PathBuf,
+    pub(crate) bin: PathBuf,
+    pub(crate) as_postgres: bool,
 }
 
 impl Control {
@@ -284,7 +284,7 @@ impl Control {
 
     /// Runs a server binary, as the `postgres` OS user when we are root (initdb and the
     /// server refuse to run as root).
-    fn pg_tool(&self, tool: &str, args: &[String]) -> Result<(), BoxError> {
+    pub(crate) fn pg_tool(&self, tool: &str, args: &[String]) -> Result<(), BoxError> {
         let exe = self.bin.join(tool);
         let mut cmd = if self.as_postgres {
             let mut c = Command::new("runuser");
@@ -373,7 +373,7 @@ fn server_bin() -> Result<PathBuf, BoxError> {
     })
 }
 
-fn running_as_root() -> bool {
+pub(crate) fn running_as_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()
@@ -416,7 +416,7 @@ fn parents() -> Vec<PathBuf> {
 
 /// Creates the cluster's directory, owned by the `postgres` user when `as_postgres`, in the
 /// first of [`parents`] that user can reach (every directory above it must let it through).
-fn make_dir(as_postgres: bool) -> Result<PathBuf, BoxError> {
+pub(crate) fn make_dir(as_postgres: bool) -> Result<PathBuf, BoxError> {
     let mut tried = Vec::new();
     for parent in parents() {
         let dir = parent.join(format!(
@@ -429,7 +429,12 @@ fn make_dir(as_postgres: bool) -> Result<PathBuf, BoxError> {
             continue;
         }
         let made = (|| -> Result<(), BoxError> {
-            std::fs::write(dir.join("harness.pid"), std::process::id().to_string())?;
+            // The pid and the process's name: a test binary's clusters (the standby tests)
+            // are as alive as the harness's.
+            std::fs::write(
+                dir.join("harness.pid"),
+                format!("{} {}", std::process::id(), own_comm()),
+            )?;
             if as_postgres {
                 chown_postgres(&dir)?;
                 let reach = Command::new("runuser")
@@ -466,7 +471,7 @@ fn make_dir(as_postgres: bool) -> Result<PathBuf, BoxError> {
     .into())
 }
 
-fn chown_postgres(path: &Path) -> Result<(), BoxError> {
+pub(crate) fn chown_postgres(path: &Path) -> Result<(), BoxError> {
     let st = Command::new("chown")
         .args(["-R", "postgres:postgres"])
         .arg(path)
@@ -477,7 +482,7 @@ fn chown_postgres(path: &Path) -> Result<(), BoxError> {
     Ok(())
 }
 
-fn free_port() -> Result<u16, BoxError> {
+pub(crate) fn free_port() -> Result<u16, BoxError> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
 }
@@ -510,9 +515,21 @@ async fn mirrored_settings(dsn: Option<&str>) -> Option<(Vec<(String, String)>, 
     Some((out, checksums == "on"))
 }
 
-/// Whether `pid` is a running (not zombie) outbox-bench process.
-fn harness_alive(pid: &str) -> bool {
-    if pid.is_empty() {
+/// This process's name as `/proc/<pid>/stat` shows it.
+fn own_comm() -> String {
+    std::fs::read_to_string("/proc/self/comm")
+        .map(|c| c.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// Whether the `harness.pid` line (`<pid> <name>`, or a bare pid from an older run)
+/// names a running (not zombie) process of that name (of outbox-bench for a bare pid).
+fn harness_alive(line: &str) -> bool {
+    let (pid, name) = match line.split_once(' ') {
+        Some((pid, name)) => (pid, name.trim()),
+        None => (line, "outbox-bench"),
+    };
+    if pid.is_empty() || name.is_empty() {
         return false;
     }
     let stat =
@@ -521,7 +538,7 @@ fn harness_alive(pid: &str) -> bool {
     let Some((comm, rest)) = stat.split_once(") ") else {
         return false;
     };
-    comm.contains("outbox-bench") && !rest.starts_with('Z')
+    comm.split_once('(').is_some_and(|(_, c)| c == name) && !rest.starts_with('Z')
 }
 
 /// Removes clusters left behind by a harness that was killed (its pid is gone).

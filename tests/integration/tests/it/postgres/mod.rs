@@ -17,4 +17,5 @@ mod publish;
 mod rearm;
 mod schema;
 mod slack;
+mod standby;
 mod stats;
