@@ -10,6 +10,7 @@ mod dlq;
 mod grants;
 mod limits;
 mod locks;
+mod managed;
 mod migrate;
 mod plans;
 mod processes;
