@@ -51,6 +51,10 @@ const FALLBACK: &[(&str, &str)] = &[
 /// Prefix of the temporary directories, so stale ones (a harness killed with SIGKILL) can
 /// be found and removed by the next run.
 const DIR_PREFIX: &str = "outbox-bench-pg-";
+/// The prefix of clusters started by any other process (the lab, the standby tests). Older
+/// builds of the gate sweep `DIR_PREFIX` directories whose pid is not an `outbox-bench`
+/// process, so other processes' clusters stay out of their way.
+const OTHER_PREFIX: &str = "outbox-pg-";
 
 /// A running throwaway cluster; dropped = stopped and deleted.
 pub struct Cluster {
@@ -420,7 +424,12 @@ pub(crate) fn make_dir(as_postgres: bool) -> Result<PathBuf, BoxError> {
     let mut tried = Vec::new();
     for parent in parents() {
         let dir = parent.join(format!(
-            "{DIR_PREFIX}{}-{}",
+            "{}{}-{}",
+            if own_comm() == "outbox-bench" {
+                DIR_PREFIX
+            } else {
+                OTHER_PREFIX
+            },
             std::process::id(),
             rand::random::<u32>()
         ));
@@ -429,12 +438,10 @@ pub(crate) fn make_dir(as_postgres: bool) -> Result<PathBuf, BoxError> {
             continue;
         }
         let made = (|| -> Result<(), BoxError> {
-            // The pid and the process's name: a test binary's clusters (the standby tests)
+            // The process's name, then its pid: a test binary's clusters (the standby tests)
             // are as alive as the harness's.
-            std::fs::write(
-                dir.join("harness.pid"),
-                format!("{} {}", std::process::id(), own_comm()),
-            )?;
+            std::fs::write(dir.join("harness.name"), own_comm())?;
+            std::fs::write(dir.join("harness.pid"), std::process::id().to_string())?;
             if as_postgres {
                 chown_postgres(&dir)?;
                 let reach = Command::new("runuser")
@@ -522,13 +529,9 @@ fn own_comm() -> String {
         .unwrap_or_default()
 }
 
-/// Whether the `harness.pid` line (`<pid> <name>`, or a bare pid from an older run)
-/// names a running (not zombie) process of that name (of outbox-bench for a bare pid).
-fn harness_alive(line: &str) -> bool {
-    let (pid, name) = match line.split_once(' ') {
-        Some((pid, name)) => (pid, name.trim()),
-        None => (line, "outbox-bench"),
-    };
+/// Whether `pid` is a running (not zombie) process named `name` (`harness.name`;
+/// `outbox-bench` for a directory of an older run, which has none).
+fn harness_alive(pid: &str, name: &str) -> bool {
     if pid.is_empty() || name.is_empty() {
         return false;
     }
@@ -550,12 +553,22 @@ fn sweep_stale() {
     for e in entries.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
-        if !name.starts_with(DIR_PREFIX) {
+        if !name.starts_with(DIR_PREFIX) && !name.starts_with(OTHER_PREFIX) {
             continue;
         }
         let dir = e.path();
         let owner = std::fs::read_to_string(dir.join("harness.pid")).unwrap_or_default();
-        if harness_alive(owner.trim()) {
+        // A directory another process is still making has no pid yet.
+        let young = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|age| age < Duration::from_secs(60)));
+        if owner.trim().is_empty() && young {
+            continue;
+        }
+        let process = std::fs::read_to_string(dir.join("harness.name"))
+            .unwrap_or_else(|_| "outbox-bench".to_owned());
+        if harness_alive(owner.trim(), process.trim()) {
             continue;
         }
         eprintln!("removing a stale throwaway cluster: {}", dir.display());
