@@ -6,7 +6,8 @@
 //!   `Error::ReadOnly` (SQLSTATE 25006, or `pg_is_in_recovery()` for `migrate`);
 //! - `worker`: a started worker on a standby backs off (no hot loop), counts
 //!   `outbox_claim_errors_total{error="ReadOnly"}`, keeps retrying LISTEN, and runs the rows
-//!   once the standby is promoted, within 3 × the 5 s back-off cap;
+//!   once the standby is promoted, within 3 × the 5 s back-off cap; a periodic schedule
+//!   registers then too;
 //! - `failover`: the primary stops, the standby is promoted and takes over its address; a
 //!   worker reconnects, re-LISTENs (a notification wakes it though its poll is 60 s), and
 //!   every row committed before the switch runs exactly once.

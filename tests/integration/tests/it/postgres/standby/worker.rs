@@ -129,3 +129,43 @@ async fn a_worker_on_a_standby_backs_off_then_resumes_once_it_is_promoted() {
     assert_eq!(left, 0, "every row acked on the promoted server");
     standby.execute("SELECT 1").await.unwrap();
 }
+
+/// A worker with a periodic schedule registers it before its first claim; on a standby the
+/// registration is refused (`ReadOnly`) and retried with the same back-off, so once the
+/// standby is promoted the schedule registers and runs, without a restart.
+#[tokio::test]
+async fn a_schedule_registers_once_the_standby_is_promoted() {
+    let pair = Pair::start().await;
+    let standby = pool_at(pair.standby.port()).await;
+    let ticks = Arc::new(AtomicUsize::new(0));
+    let worker = Worker::builder(PgStore::new(standby.clone(), pair.outbox.clone()))
+        .idle_poll(Duration::from_millis(200))
+        .timer::<Work>(count_runs(&ticks))
+        .schedule(
+            "tick",
+            outbox::periodic::Recurrence::parse_every("1s").unwrap(),
+            Work { n: 99 },
+        )
+        .build()
+        .unwrap()
+        .start();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        ticks.load(Ordering::SeqCst),
+        0,
+        "nothing registers on a standby"
+    );
+
+    pair.primary.stop("fast").unwrap();
+    pair.standby.promote().unwrap();
+    // The back-off cap, three times, plus the schedule's own second.
+    let bound = 3 * BACKOFF_CAP + Duration::from_secs(1);
+    eventually(
+        bound.as_secs(),
+        "the schedule runs after the promotion",
+        || async { ticks.load(Ordering::SeqCst) >= 1 },
+    )
+    .await;
+    let report = worker.shutdown().await;
+    assert!(report.graceful, "{report:?}");
+}
