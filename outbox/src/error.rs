@@ -146,6 +146,23 @@ pub enum Error {
     #[error("the dead-letter queue is off for this outbox: build it with `OutboxBuilder::dead_letter(true)` and run `migrate` with it (which adds the redrive columns) to list, redrive or purge dead letters")]
     DeadLetterDisabled,
 
+    /// The server refused a write because it is read-only: a hot standby in recovery
+    /// (Postgres refuses every write there, and `LISTEN` too, with SQLSTATE 25006
+    /// `read_only_sql_transaction`), or a session or role with `default_transaction_read_only
+    /// = on`. Publishing, cancelling and every worker write need the primary. A worker that
+    /// meets it keeps running: it backs off (at most 5 s between tries), counts each failed
+    /// claim in `outbox_claim_errors_total{error="ReadOnly"}`, and resumes by itself once the
+    /// server accepts writes (a promoted standby). `migrate` asks `pg_is_in_recovery()` first
+    /// and refuses a standby with this error before any DDL (`source` is then `None`).
+    #[error("the server is read-only ({detail}): outbox writes need the primary, not a standby in recovery or a read-only session")]
+    ReadOnly {
+        /// What Postgres reported, or that `pg_is_in_recovery()` is true.
+        detail: String,
+        /// The statement error (SQLSTATE 25006), when a statement was refused.
+        #[source]
+        source: Option<sqlx::Error>,
+    },
+
     /// Postgres or the connection failed.
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
@@ -258,6 +275,11 @@ impl fmt::Debug for Fields<'_> {
                 .field("reason", reason)
                 .finish(),
             Error::DeadLetterDisabled => f.write_str("DeadLetterDisabled"),
+            Error::ReadOnly { detail, source } => f
+                .debug_struct("ReadOnly")
+                .field("detail", detail)
+                .field("source", source)
+                .finish(),
             Error::Database(e) => f.debug_tuple("Database").field(e).finish(),
         }
     }
@@ -276,6 +298,17 @@ impl From<sqlx::Error> for Error {
             if db.code().as_deref() == Some("42703") && upgrade_column {
                 return Error::UpgradeRequired {
                     detail: db.message().to_owned(),
+                };
+            }
+        }
+        // SQLSTATE 25006 read_only_sql_transaction: a hot standby (every write and LISTEN,
+        // "cannot execute … in a read-only transaction" / "… during recovery") or a
+        // read-only session (issue 26).
+        if let sqlx::Error::Database(db) = &e {
+            if db.code().as_deref() == Some("25006") {
+                return Error::ReadOnly {
+                    detail: db.message().to_owned(),
+                    source: Some(e),
                 };
             }
         }
@@ -327,6 +360,7 @@ impl Error {
             Error::LeaseLost { .. } => "LeaseLost",
             Error::TransactionUnavailable { .. } => "TransactionUnavailable",
             Error::DeadLetterDisabled => "DeadLetterDisabled",
+            Error::ReadOnly { .. } => "ReadOnly",
             Error::Database(_) => "Database",
         }
     }
@@ -346,7 +380,11 @@ impl Error {
     }
 
     /// True for failures of the connection or the server (as opposed to a statement
-    /// that Postgres rejected); the worker rebuilds its connections after these.
+    /// that Postgres rejected); the worker rebuilds its connections after these. Besides
+    /// I/O and pool failures: SQLSTATE class 08 (connection exception), class 57P (the
+    /// server shutting down or terminating the session, `57P05`
+    /// `idle_session_timeout` included) and `25P03` (the session ended by
+    /// `idle_in_transaction_session_timeout`).
     pub fn is_connection_error(&self) -> bool {
         match self {
             Error::Database(e) => {
@@ -359,7 +397,7 @@ impl Error {
                         | sqlx::Error::Tls(_)
                         | sqlx::Error::Protocol(_)
                 ) || matches!(e, sqlx::Error::Database(db)
-                    if db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57P")))
+                    if db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57P") || c == "25P03"))
             }
             _ => false,
         }
@@ -370,7 +408,11 @@ impl Error {
     /// The SQLSTATE Postgres reported, if this is a statement error.
     pub fn sqlstate(&self) -> Option<String> {
         match self {
-            Error::Database(sqlx::Error::Database(db)) => db.code().map(|c| c.into_owned()),
+            Error::Database(sqlx::Error::Database(db))
+            | Error::ReadOnly {
+                source: Some(sqlx::Error::Database(db)),
+                ..
+            } => db.code().map(|c| c.into_owned()),
             _ => None,
         }
     }
@@ -382,12 +424,14 @@ impl Error {
     }
 
     /// True for errors that a second try of the same write can clear: a deadlock (40P01),
-    /// a serialization failure (40001) or a lock timeout (55P03). The worker retries a
-    /// completion that meets one while its lease lasts.
+    /// a serialization failure (40001), a lock timeout (55P03) or a cancelled statement
+    /// (57014 `query_canceled`: a `statement_timeout` set on the role or the server, or
+    /// `pg_cancel_backend`). The worker retries a completion that meets one while its
+    /// lease lasts.
     pub fn is_transient(&self) -> bool {
         matches!(
             self.sqlstate().as_deref(),
-            Some("40P01" | "40001" | "55P03")
+            Some("40P01" | "40001" | "55P03" | "57014")
         )
     }
 
@@ -449,6 +493,7 @@ mod tests {
         fn wraps(e: &Error) -> bool {
             match e {
                 Error::Encode(_) | Error::Database(_) => true,
+                Error::ReadOnly { source, .. } => source.is_some(),
                 Error::InvalidArgument { .. }
                 | Error::InvalidName { .. }
                 | Error::InvalidConfig { .. }
@@ -518,6 +563,10 @@ mod tests {
                 reason: "no database".to_owned(),
             },
             Error::DeadLetterDisabled,
+            Error::ReadOnly {
+                detail: "pg_is_in_recovery() is true".to_owned(),
+                source: None,
+            },
         ];
         for e in &all {
             assert_eq!(e.source().is_some(), wraps(e), "{}: {e}", e.variant());

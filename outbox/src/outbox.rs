@@ -168,7 +168,8 @@ impl Outbox {
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for input that breaks a
     /// rule of [`Message`] (nothing is sent to the database);
     /// [`Error::UpgradeRequired`](crate::Error::UpgradeRequired) if the table predates the
-    /// rearm upgrade and the call extends; [`Error::Database`](crate::Error::Database)
+    /// rearm upgrade and the call extends; [`Error::ReadOnly`](crate::Error::ReadOnly) on a
+    /// standby (or a read-only transaction); [`Error::Database`](crate::Error::Database)
     /// otherwise.
     pub async fn publish(
         &self,
@@ -437,6 +438,8 @@ impl Outbox {
     /// # Errors
     /// [`Error::MigrationBlocked`](crate::Error::MigrationBlocked) naming the step and the
     /// sessions that held its tables past the deadline;
+    /// [`Error::ReadOnly`](crate::Error::ReadOnly) when the server is a standby in recovery
+    /// (`pg_is_in_recovery()`, asked before anything else: nothing ran);
     /// [`Error::Database`](crate::Error::Database) if a statement fails (for example
     /// missing privileges). The steps already applied stay.
     pub async fn migrate(&self, pool: &PgPool) -> Result<()> {

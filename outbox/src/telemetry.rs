@@ -156,7 +156,7 @@
 //! | `outbox_cancelled_runs_total` | counter | `queue` | runs of timers cancelled while running |
 //! | `outbox_poison_rows_total` | counter | `queue` | rows no claim could take, set aside |
 //! | `outbox_lease_renewals_total` | counter | | renewal statements that succeeded |
-//! | `outbox_claim_errors_total` | counter | | claim statements that failed |
+//! | `outbox_claim_errors_total` | counter | `error` | claim statements that failed, by the [`Error`](crate::Error) variant's name (`ReadOnly` on a standby, `Database` for a lost connection, …); the worker backs off, at most 5 s between tries |
 //! | `outbox_completion_errors_total` | counter | | fenced writes of a run that failed for good (a completion, or the next instant a periodic run queues when it starts); the row is redelivered after its lease expires |
 //! | `outbox_in_flight` | gauge, count | `queue` | handler runs in progress: up when a run starts, down when it ends, whichever way (success, error, panic, timeout, or stopped at shutdown) |
 //! | `outbox_firing_lateness_seconds` | histogram, s | `queue` | claim time minus deadline of each delivery |
@@ -265,7 +265,7 @@ pub(crate) fn describe() {
         describe_counter!(
             name::CLAIM_ERRORS,
             Unit::Count,
-            "Claim statements that failed (the worker backs off and tries again)"
+            "Claim statements that failed, by error (the worker backs off and tries again)"
         );
         describe_counter!(
             name::COMPLETION_ERRORS,
@@ -389,9 +389,10 @@ pub(crate) fn lease_renewed() {
     metrics::counter!(name::LEASE_RENEWALS).increment(1);
 }
 
-/// `outbox_claim_errors_total`: a claim statement that failed.
-pub(crate) fn claim_failed() {
-    metrics::counter!(name::CLAIM_ERRORS).increment(1);
+/// `outbox_claim_errors_total{error}`: a claim statement that failed, by the error's
+/// variant name.
+pub(crate) fn claim_failed(error: &'static str) {
+    metrics::counter!(name::CLAIM_ERRORS, "error" => error).increment(1);
 }
 
 /// `outbox_completion_errors_total`: a fenced write of a run that failed for good.

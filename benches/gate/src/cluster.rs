@@ -51,13 +51,17 @@ const FALLBACK: &[(&str, &str)] = &[
 /// Prefix of the temporary directories, so stale ones (a harness killed with SIGKILL) can
 /// be found and removed by the next run.
 const DIR_PREFIX: &str = "outbox-bench-pg-";
+/// The prefix of clusters started by any other process (the lab, the standby tests). Older
+/// builds of the gate sweep `DIR_PREFIX` directories whose pid is not an `outbox-bench`
+/// process, so other processes' clusters stay out of their way.
+const OTHER_PREFIX: &str = "outbox-pg-";
 
 /// A running throwaway cluster; dropped = stopped and deleted.
 pub struct Cluster {
-    dir: PathBuf,
-    bin: PathBuf,
-    port: u16,
-    as_postgres: bool,
+    pub(crate) dir: PathBuf,
+    pub(crate) bin: PathBuf,
+    pub(crate) port: u16,
+    pub(crate) as_postgres: bool,
     /// `name = value` lines written to `postgresql.conf`, for the report.
     pub settings: Vec<(String, String)>,
     pub version: String,
@@ -228,13 +232,13 @@ impl Cluster {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    fn data(&self) -> PathBuf {
+    pub(crate) fn data(&self) -> PathBuf {
         self.dir.join("data")
     }
 
     /// Runs a server binary, as the `postgres` OS user when we are root (initdb and the
     /// server refuse to run as root).
-    fn pg_tool(&self, tool: &str, args: &[String]) -> Result<(), BoxError> {
+    pub(crate) fn pg_tool(&self, tool: &str, args: &[String]) -> Result<(), BoxError> {
         self.control().pg_tool(tool, args)
     }
 
@@ -252,9 +256,9 @@ impl Cluster {
 /// Runs the server's tools against a running [`Cluster`] without owning it.
 #[derive(Debug, Clone)]
 pub struct Control {
-    dir: PathBuf,
-    bin: PathBuf,
-    as_postgres: bool,
+    pub(crate) dir: PathBuf,
+    pub(crate) bin: PathBuf,
+    pub(crate) as_postgres: bool,
 }
 
 impl Control {
@@ -284,7 +288,7 @@ impl Control {
 
     /// Runs a server binary, as the `postgres` OS user when we are root (initdb and the
     /// server refuse to run as root).
-    fn pg_tool(&self, tool: &str, args: &[String]) -> Result<(), BoxError> {
+    pub(crate) fn pg_tool(&self, tool: &str, args: &[String]) -> Result<(), BoxError> {
         let exe = self.bin.join(tool);
         let mut cmd = if self.as_postgres {
             let mut c = Command::new("runuser");
@@ -373,7 +377,7 @@ fn server_bin() -> Result<PathBuf, BoxError> {
     })
 }
 
-fn running_as_root() -> bool {
+pub(crate) fn running_as_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()
@@ -416,11 +420,16 @@ fn parents() -> Vec<PathBuf> {
 
 /// Creates the cluster's directory, owned by the `postgres` user when `as_postgres`, in the
 /// first of [`parents`] that user can reach (every directory above it must let it through).
-fn make_dir(as_postgres: bool) -> Result<PathBuf, BoxError> {
+pub(crate) fn make_dir(as_postgres: bool) -> Result<PathBuf, BoxError> {
     let mut tried = Vec::new();
     for parent in parents() {
         let dir = parent.join(format!(
-            "{DIR_PREFIX}{}-{}",
+            "{}{}-{}",
+            if own_comm() == "outbox-bench" {
+                DIR_PREFIX
+            } else {
+                OTHER_PREFIX
+            },
             std::process::id(),
             rand::random::<u32>()
         ));
@@ -429,6 +438,9 @@ fn make_dir(as_postgres: bool) -> Result<PathBuf, BoxError> {
             continue;
         }
         let made = (|| -> Result<(), BoxError> {
+            // The process's name, then its pid: a test binary's clusters (the standby tests)
+            // are as alive as the harness's.
+            std::fs::write(dir.join("harness.name"), own_comm())?;
             std::fs::write(dir.join("harness.pid"), std::process::id().to_string())?;
             if as_postgres {
                 chown_postgres(&dir)?;
@@ -466,7 +478,7 @@ fn make_dir(as_postgres: bool) -> Result<PathBuf, BoxError> {
     .into())
 }
 
-fn chown_postgres(path: &Path) -> Result<(), BoxError> {
+pub(crate) fn chown_postgres(path: &Path) -> Result<(), BoxError> {
     let st = Command::new("chown")
         .args(["-R", "postgres:postgres"])
         .arg(path)
@@ -477,7 +489,7 @@ fn chown_postgres(path: &Path) -> Result<(), BoxError> {
     Ok(())
 }
 
-fn free_port() -> Result<u16, BoxError> {
+pub(crate) fn free_port() -> Result<u16, BoxError> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
 }
@@ -510,9 +522,17 @@ async fn mirrored_settings(dsn: Option<&str>) -> Option<(Vec<(String, String)>, 
     Some((out, checksums == "on"))
 }
 
-/// Whether `pid` is a running (not zombie) outbox-bench process.
-fn harness_alive(pid: &str) -> bool {
-    if pid.is_empty() {
+/// This process's name as `/proc/<pid>/stat` shows it.
+fn own_comm() -> String {
+    std::fs::read_to_string("/proc/self/comm")
+        .map(|c| c.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// Whether `pid` is a running (not zombie) process named `name` (`harness.name`;
+/// `outbox-bench` for a directory of an older run, which has none).
+fn harness_alive(pid: &str, name: &str) -> bool {
+    if pid.is_empty() || name.is_empty() {
         return false;
     }
     let stat =
@@ -521,7 +541,7 @@ fn harness_alive(pid: &str) -> bool {
     let Some((comm, rest)) = stat.split_once(") ") else {
         return false;
     };
-    comm.contains("outbox-bench") && !rest.starts_with('Z')
+    comm.split_once('(').is_some_and(|(_, c)| c == name) && !rest.starts_with('Z')
 }
 
 /// Removes clusters left behind by a harness that was killed (its pid is gone).
@@ -533,12 +553,22 @@ fn sweep_stale() {
     for e in entries.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
-        if !name.starts_with(DIR_PREFIX) {
+        if !name.starts_with(DIR_PREFIX) && !name.starts_with(OTHER_PREFIX) {
             continue;
         }
         let dir = e.path();
         let owner = std::fs::read_to_string(dir.join("harness.pid")).unwrap_or_default();
-        if harness_alive(owner.trim()) {
+        // A directory another process is still making has no pid yet.
+        let young = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|age| age < Duration::from_secs(60)));
+        if owner.trim().is_empty() && young {
+            continue;
+        }
+        let process = std::fs::read_to_string(dir.join("harness.name"))
+            .unwrap_or_else(|_| "outbox-bench".to_owned());
+        if harness_alive(owner.trim(), process.trim()) {
             continue;
         }
         eprintln!("removing a stale throwaway cluster: {}", dir.display());

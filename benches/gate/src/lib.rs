@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! cluster     a private cluster with pg_stat_statements, removed on drop
+//! replica     a streaming standby of it; promote, stop, move to another port
 //! probe       the server's counters: statements, WAL, tuples
 //! recorder    the worker's metrics, read while a scenario runs
 //! payload     the benchmark's message type (`#[outbox::timer]`)
@@ -22,6 +23,7 @@ pub mod cluster;
 pub mod payload;
 pub mod probe;
 pub mod recorder;
+pub mod replica;
 pub mod report;
 pub mod run;
 pub mod scenarios;

@@ -84,6 +84,7 @@ pub const SCENARIOS: &[&str] = &[
     "hung-handlers",
     "shutdown-under-load",
     "deadlock-storm",
+    "failover",
 ];
 
 /// `outbox-lab faults`.
@@ -328,6 +329,10 @@ async fn stop_worker(w: RunningWorker, pool: PgPool) -> ShutdownReport {
 
 /// What every scenario shares.
 struct Ctx {
+    /// Whose settings a throwaway cluster copies, and the extra settings (`failover`
+    /// starts a primary and a standby of its own).
+    mirror: String,
+    pg_set: Vec<String>,
     dsn: String,
     opts: PgConnectOptions,
     /// The harness's pool (checks connections before use, so it survives restarts).
@@ -428,6 +433,8 @@ pub async fn run(args: &FaultArgs) -> Result<ExitCode, BoxError> {
     );
     println!("{}", machine.describe());
     let ctx = Ctx {
+        mirror: args.mirror.clone(),
+        pg_set: args.pg_set.clone(),
         dsn,
         opts,
         admin,
@@ -450,6 +457,7 @@ pub async fn run(args: &FaultArgs) -> Result<ExitCode, BoxError> {
             "hung-handlers" => hung_handlers(&ctx).await?,
             "shutdown-under-load" => shutdown_under_load(&ctx).await?,
             "deadlock-storm" => deadlock_storm(&ctx).await?,
+            "failover" => failover(&ctx).await?,
             other => return Err(format!("no scenario `{other}`").into()),
         };
         if name != "kill-9" {
@@ -925,6 +933,107 @@ async fn restart(ctx: &Ctx, name: &'static str, mode: &'static str) -> Result<Ou
         },
     )
     .await
+}
+
+/// A failover on a primary and a streaming standby of their own (the matrix's cluster keeps
+/// serving the other scenarios): the rows are published on the primary and the worker runs
+/// there; once 30 % ran, the primary stops (`pg_ctl stop -m fast`), the standby is promoted
+/// and restarted on the primary's port, as a failover that moves the primary's address does.
+/// The same worker, never restarted, finishes the rows on the promoted standby.
+async fn failover(ctx: &Ctx) -> Result<Outcome, BoxError> {
+    let name = "failover";
+    let primary = Cluster::start(Some(&ctx.mirror), &ctx.pg_set).await?;
+    let standby = primary.standby().await?;
+    let port = primary.port();
+    let opts: PgConnectOptions = primary.dsn().parse()?;
+    let admin = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(60))
+        .connect_with(opts.clone().application_name(ADMIN_APP))
+        .await?;
+    let pair = Ctx {
+        mirror: ctx.mirror.clone(),
+        pg_set: ctx.pg_set.clone(),
+        dsn: primary.dsn(),
+        opts,
+        admin,
+        control: primary.control(),
+        messages: ctx.messages,
+        timers: ctx.timers,
+        drain_timeout: ctx.drain_timeout,
+    };
+    let p = prepare(&pair, name).await?;
+    let ledger = Arc::new(Ledger::default());
+    let rec = Recorder::Memory(ledger.clone());
+    let started = Instant::now();
+    let (w, pool) = start_worker(
+        &pair.opts,
+        &p.outbox,
+        Knobs::default(),
+        &Behavior::paced(1, 4),
+        &rec,
+    )?;
+    let mut notes = Vec::new();
+    let done = || {
+        let n = ledger.total();
+        async move { n }
+    };
+    notes.extend(trigger_at(name, p.published(), 0.3, done).await);
+    // How much WAL the standby had not replayed when the primary was told to stop: a
+    // fast shutdown still sends it (its walsenders finish before it ends).
+    let behind: Option<i64> = sqlx::query_scalar(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), replay_lsn)::bigint FROM pg_stat_replication",
+    )
+    .fetch_optional(&pair.admin)
+    .await?
+    .flatten();
+    let ran_before = ledger.total();
+    let t = Instant::now();
+    let (primary, standby) = tokio::task::spawn_blocking(move || -> Result<_, String> {
+        let mut standby = standby;
+        primary.stop("fast").map_err(|e| e.to_string())?;
+        standby.promote().map_err(|e| e.to_string())?;
+        standby.move_to_port(port).map_err(|e| e.to_string())?;
+        Ok((primary, standby))
+    })
+    .await??;
+    let took = t.elapsed();
+    let watch = recorder::watch();
+    let at = watch.acked();
+    let back = Instant::now();
+    let mut resumed = None;
+    while back.elapsed() < Duration::from_secs(30) {
+        if watch.acked() > at {
+            resumed = Some(back.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    notes.push(format!(
+        "{ran_before} runs before the switch; standby {} bytes behind then; stop + promote + restart on the primary's port took {:.1} s; the worker's next ack landed {} after",
+        behind.map_or("?".to_owned(), |b| b.to_string()),
+        took.as_secs_f64(),
+        resumed.map_or("not within 30 s".to_owned(), |d| format!(
+            "{:.0} ms",
+            d.as_secs_f64() * 1e3
+        ))
+    ));
+    drain(&pair, &p.outbox).await;
+    let wall = started.elapsed();
+    let report = stop_worker(w, pool).await;
+    if !report.graceful {
+        notes.push(shutdown_note("final shutdown", &report));
+    }
+    let mut o = tally(&pair, name, &p, &ledger.snapshot(), &HashMap::new(), wall).await?;
+    o.checks.push((
+        "the worker resumed on the promoted standby within 30 s".to_owned(),
+        resumed.is_some(),
+    ));
+    o.notes.extend(notes);
+    pair.admin.close().await;
+    drop(standby);
+    drop(primary);
+    Ok(o)
 }
 
 /// Rows whose headers are not a string map (set by SQL) and rows whose lease a trigger

@@ -284,6 +284,25 @@ async fn table_facts(db: &mut PgConnection, qualified: &str) -> Result<TableFact
     })
 }
 
+/// A standby in recovery takes no DDL and no write to the record of applied steps: say
+/// so before reading the catalog, whatever it would show (issue 26).
+async fn refuse_standby(pool: &PgPool) -> Result<()> {
+    let in_recovery: bool = match sqlx::query_scalar("SELECT pg_is_in_recovery()")
+        .fetch_one(pool)
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => return Err(explain(pool, e.into()).await),
+    };
+    if in_recovery {
+        return Err(Error::ReadOnly {
+            detail: "pg_is_in_recovery() is true: the server is a standby in recovery".to_owned(),
+            source: None,
+        });
+    }
+    Ok(())
+}
+
 /// Applies the first `count` steps that the catalog does not show applied; a step the
 /// catalog shows applied is skipped without taking its DDL's table locks.
 /// Without the dead-letter queue, the steps that only upgrade the dead-letter table are
@@ -297,6 +316,7 @@ pub(crate) async fn run(
     options: MigrateOptions,
 ) -> Result<()> {
     options.validate()?;
+    refuse_standby(pool).await?;
     let started = Instant::now();
     let mut facts = Facts::read_pool(pool, names).await?;
     let mut recorded = recorded_versions(ddl, pool, &facts).await?;

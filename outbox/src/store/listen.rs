@@ -25,7 +25,15 @@ pub(crate) async fn start(pool: &PgPool, channel: &str) -> tokio::sync::mpsc::Re
         .idle_timeout(None)
         // Short: when the database is down, the cause is logged (below) within a second.
         .acquire_timeout(Duration::from_secs(1))
-        .connect_lazy_with((*pool.connect_options()).clone());
+        // The session waits idle for notifications by design: an `idle_session_timeout`
+        // set on the role or the server (Postgres 14+, SQLSTATE 57P05) would end it at every
+        // quiet stretch, and publishes committed until the re-LISTEN would wake nobody.
+        // Off for this session only, as a startup parameter (no statement).
+        .connect_lazy_with(
+            (*pool.connect_options())
+                .clone()
+                .options([("idle_session_timeout", "0")]),
+        );
     let first = match listen(&own, channel).await {
         Ok(l) => Some(l),
         Err(e) => {
@@ -39,6 +47,9 @@ pub(crate) async fn start(pool: &PgPool, channel: &str) -> tokio::sync::mpsc::Re
     rx
 }
 
+/// Connects and LISTENs. On a standby in recovery LISTEN fails with SQLSTATE 25006
+/// (`Error::ReadOnly`); the loop keeps trying, so the worker hears publishes again once the
+/// standby is promoted.
 async fn listen(pool: &PgPool, channel: &str) -> Result<PgListener> {
     let mut l = PgListener::connect_with(pool).await?;
     l.listen(channel).await?;

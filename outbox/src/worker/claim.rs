@@ -92,7 +92,7 @@ async fn receive<S: Store>(
         Ok(batch) => batch,
         Err(e) => {
             telemetry::error(&span, e.variant());
-            telemetry::claim_failed();
+            telemetry::claim_failed(e.variant());
             return Err(e);
         }
     };

@@ -151,10 +151,14 @@ use crate::telemetry;
 ///   worker starts that count again);
 /// - a failed claim of another kind backs off (100 ms doubling to 5 s) and retries; the
 ///   cause is logged at once and then at most every 10 s, with the real reason when the
-///   database cannot be reached (connection refused, not "pool timed out");
-/// - a completion that fails on a broken connection, a deadlock, a serialization failure or
-///   a lock timeout is retried while the lease lasts; other statement errors leave the row
-///   to lease expiry.
+///   database cannot be reached (connection refused, not "pool timed out"), and counted in
+///   `outbox_claim_errors_total{error}`. A standby's refusal is
+///   [`Error::ReadOnly`](crate::Error::ReadOnly): the worker keeps trying the same way, so
+///   it resumes once the standby is promoted (within the 5 s cap), without a restart;
+/// - a completion that fails on a broken connection (SQLSTATE classes 08 and 57P, `25P03`),
+///   a deadlock, a serialization failure, a lock timeout or a cancelled statement (`57014`,
+///   a `statement_timeout`) is retried while the lease lasts; other statement errors leave
+///   the row to lease expiry.
 ///
 /// A process that crashes on a payload (an abort, running out of memory) takes the whole
 /// batch it had claimed with it: deliveries are counted when a row is claimed, so every row

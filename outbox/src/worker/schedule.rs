@@ -136,7 +136,10 @@ pub(crate) async fn register_all<S: Store>(
                     tracing::debug!(queue = %schedule.queue, timer_id = %schedule.timer_id, ?registered, "outbox: schedule registered");
                     break;
                 }
-                Err(e @ Error::Database(_)) | Err(e @ Error::NotMigrated { .. }) => {
+                // A standby (ReadOnly) may be promoted while we wait: retry it too.
+                Err(e @ Error::Database(_))
+                | Err(e @ Error::NotMigrated { .. })
+                | Err(e @ Error::ReadOnly { .. }) => {
                     tracing::warn!(queue = %schedule.queue, timer_id = %schedule.timer_id, error = %e, "outbox: could not register a schedule; retrying");
                     let mut stop = stopped.clone();
                     if *stop.borrow() {

@@ -2,8 +2,12 @@
 //! under that heading): `migrate` runs at deploy as the owner; the application's role holds
 //! only the grants listed there, and everything it does at run time works —
 //! `validate_schema` and an up-to-date `migrate()` at start, publish, extend, cancel, a
-//! worker's claim, ack, retry and dead-letter archive — while DDL is refused. Postgres: `DATABASE_URL` (its user must be
-//! able to create roles, as `postgres` is).
+//! worker's claim, ack, retry and dead-letter archive — while DDL is refused. The grants are
+//! the page's SQL block, read out of the markdown and run verbatim: each test gets a
+//! database of its own (the default table names, in `public`), the group role `app` the
+//! block names (made once per server, never given anything outside these databases), and a
+//! fresh login role that is a member of `app`. Postgres: `DATABASE_URL` (its user must be
+//! able to create roles and databases, as `postgres` is). `managed.rs` uses the same set-up.
 
 use std::time::Duration;
 
@@ -19,55 +23,127 @@ struct Job {
     n: i64,
 }
 
-/// The grants `docs/guide/deployment.md` lists, for `outbox`'s two tables and its
-/// record of applied migrations.
-fn runtime_grants(outbox: &Outbox, role: &str) -> Vec<String> {
-    let (table, dlq, applied, paused) = (
-        outbox.table(),
-        outbox.dead_letter_table(),
-        outbox.migrations_table(),
-        outbox.paused_table(),
+/// The first `sql` block under `## A runtime role without DDL rights` in
+/// `docs/guide/deployment.md`, as written there.
+pub(super) fn documented_grants() -> String {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/guide/deployment.md"
     );
-    vec![
-        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}"),
-        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {dlq} TO {role}"),
-        format!("GRANT SELECT ON {applied} TO {role}"),
-        format!("GRANT SELECT ON {paused} TO {role}"),
-    ]
+    let page = std::fs::read_to_string(path).expect("read docs/guide/deployment.md");
+    let section = page
+        .split("\n## A runtime role without DDL rights\n")
+        .nth(1)
+        .expect("the page has the section");
+    let section = section.split("\n## ").next().unwrap();
+    let block = section
+        .split("```sql\n")
+        .nth(1)
+        .expect("the section has an sql block");
+    block.split("```").next().unwrap().to_owned()
 }
 
-async fn runtime_pool(role: &str) -> PgPool {
-    let options: PgConnectOptions = database_url().parse().unwrap();
-    PgPoolOptions::new()
-        .max_connections(6)
-        .connect_with(options.username(role).password(""))
+/// A database of one test's own, migrated by the owner with the default names and the
+/// dead-letter queue on, the documented grants applied to `app`, and a fresh login role in
+/// `app`. Dropped (database and login role) by [`AppDatabase::drop_all`].
+pub(super) struct AppDatabase {
+    pub name: String,
+    pub owner: PgPool,
+    pub outbox: Outbox,
+    pub role: String,
+    server: PgPool,
+}
+
+impl AppDatabase {
+    pub async fn create() -> AppDatabase {
+        let server = pool().await;
+        let name = unique_table("gdb");
+        server
+            .execute(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .unwrap();
+        // `app` is shared by every database of the server; concurrent tests race to make it.
+        server
+            .execute(
+                "DO $$ BEGIN CREATE ROLE app NOLOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE; \
+                 EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$",
+            )
+            .await
+            .unwrap();
+        let superuser: bool = sqlx::query_scalar(
+            "SELECT rolsuper OR rolcreatedb FROM pg_roles WHERE rolname = 'app'",
+        )
+        .fetch_one(&server)
         .await
-        .expect("the runtime role connects (trust auth on the test server)")
+        .unwrap();
+        assert!(
+            !superuser,
+            "the server's role `app` must be an ordinary role"
+        );
+        let role = unique_table("outbox_rt");
+        server
+            .execute(AssertSqlSafe(format!(
+                "CREATE ROLE {role} LOGIN IN ROLE app"
+            )))
+            .await
+            .unwrap();
+        let owner = PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options().database(&name))
+            .await
+            .unwrap();
+        let outbox = Outbox::builder().dead_letter(true).build().unwrap();
+        outbox
+            .migrate(&owner)
+            .await
+            .expect("the owner migrates at deploy");
+        sqlx::raw_sql(AssertSqlSafe(documented_grants()))
+            .execute(&owner)
+            .await
+            .expect("the documented grants run as written");
+        AppDatabase {
+            name,
+            owner,
+            outbox,
+            role,
+            server,
+        }
+    }
+
+    /// A pool of `max` connections as the login role.
+    pub async fn app_pool(&self, max: u32) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(max)
+            .connect_with(
+                options()
+                    .database(&self.name)
+                    .username(&self.role)
+                    .password(""),
+            )
+            .await
+            .expect("the runtime role connects (trust auth on the test server)")
+    }
+
+    pub async fn drop_all(self) {
+        self.owner.close().await;
+        for sql in [
+            format!("DROP DATABASE {} WITH (FORCE)", self.name),
+            format!("DROP ROLE {}", self.role),
+        ] {
+            self.server.execute(AssertSqlSafe(sql)).await.unwrap();
+        }
+    }
+}
+
+fn options() -> PgConnectOptions {
+    database_url().parse().unwrap()
 }
 
 #[tokio::test]
 async fn a_runtime_role_with_only_dml_grants_runs_everything_but_ddl() {
-    let owner = pool().await;
-    let outbox = Outbox::builder()
-        .table(unique_table("grants"))
-        .dead_letter(true)
-        .build()
-        .unwrap();
-    outbox
-        .migrate(&owner)
-        .await
-        .expect("the owner migrates at deploy");
-
-    let role = unique_table("outbox_rt");
-    owner
-        .execute(AssertSqlSafe(format!("CREATE ROLE {role} LOGIN")))
-        .await
-        .unwrap();
-    for grant in runtime_grants(&outbox, &role) {
-        owner.execute(AssertSqlSafe(grant)).await.unwrap();
-    }
-
-    let app = runtime_pool(&role).await;
+    let db = AppDatabase::create().await;
+    let (owner, outbox) = (db.owner.clone(), db.outbox.clone());
+    let app = db.app_pool(6).await;
     // At start: the schema check and an up-to-date migrate only read the catalog.
     outbox
         .validate_schema(&app)
@@ -159,16 +235,5 @@ async fn a_runtime_role_with_only_dml_grants_runs_everything_but_ddl() {
     drop(conn);
 
     app.close().await;
-    for sql in [
-        format!(
-            "DROP TABLE {}, {}, {}, {}",
-            outbox.table(),
-            outbox.dead_letter_table(),
-            outbox.migrations_table(),
-            outbox.paused_table()
-        ),
-        format!("DROP ROLE {role}"),
-    ] {
-        owner.execute(AssertSqlSafe(sql)).await.unwrap();
-    }
+    db.drop_all().await;
 }

@@ -1,7 +1,9 @@
 //! What only a real database shows, on Postgres' own clock: the caller's transaction,
 //! row locks and races between sessions, plans, size limits, grants, migrations and the
-//! schema, a rolling deploy, several worker processes. The store-level rules themselves are
-//! contract scenarios (`contract`), run on both stores.
+//! schema, a rolling deploy, several worker processes, a streaming standby and failover
+//! (`standby/`, on throwaway clusters), a managed server's session limits (`managed`).
+//! The store-level rules themselves are contract scenarios (`contract`), run on both
+//! stores.
 
 mod admin;
 mod claim;
@@ -10,6 +12,7 @@ mod dlq;
 mod grants;
 mod limits;
 mod locks;
+mod managed;
 mod migrate;
 mod plans;
 mod processes;
@@ -17,4 +20,5 @@ mod publish;
 mod rearm;
 mod schema;
 mod slack;
+mod standby;
 mod stats;
