@@ -185,6 +185,7 @@ mod names;
 mod outbox;
 mod publish;
 mod read;
+mod scope;
 mod sql;
 mod timer;
 

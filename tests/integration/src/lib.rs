@@ -7,6 +7,7 @@
 //! login): they never skip silently.
 
 pub mod contract;
+pub mod pgbouncer;
 pub mod proxy;
 
 use std::time::Duration;

@@ -11,6 +11,7 @@ mod grants;
 mod limits;
 mod locks;
 mod migrate;
+mod pgbouncer;
 mod plans;
 mod processes;
 mod publish;
