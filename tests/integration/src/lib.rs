@@ -7,7 +7,6 @@
 //! login): they never skip silently.
 
 pub mod contract;
-pub mod pgbouncer;
 pub mod proxy;
 
 use std::time::Duration;

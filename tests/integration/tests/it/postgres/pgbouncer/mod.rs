@@ -1,4 +1,4 @@
-//! Through a real PgBouncer 1.18 in transaction mode (`outbox_tests::pgbouncer`, configured
+//! Through a real PgBouncer 1.18 in transaction mode (`outbox_bench::pgbouncer`, configured
 //! with the block of docs/guide/deployment.md, "PgBouncer", as written), SPEC §13: what
 //! sqlx's protocol meets there (`protocol`), then the library with
 //! `OutboxBuilder::transaction_pooler(true)`: the publishing API (`publish`), workers and
@@ -15,10 +15,26 @@ mod worker;
 use std::time::Duration;
 
 use outbox::{Outbox, PgStore};
-pub(crate) use outbox_tests::pgbouncer::PgBouncer as Bouncer;
-use outbox_tests::{pool, unique_table};
+use outbox_bench::pgbouncer::PgBouncer;
+use outbox_tests::{database_url, pool, unique_table};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, PgPool};
+
+/// A PgBouncer in front of the test server.
+pub(crate) struct Bouncer(PgBouncer);
+
+impl Bouncer {
+    pub(crate) fn start() -> Bouncer {
+        Bouncer(PgBouncer::start(&database_url()))
+    }
+}
+
+impl std::ops::Deref for Bouncer {
+    type Target = PgBouncer;
+    fn deref(&self) -> &PgBouncer {
+        &self.0
+    }
+}
 
 /// A pool of at most `max` client connections to the pooler.
 pub(crate) async fn pooled(bouncer: &Bouncer, max: u32) -> PgPool {

@@ -1,6 +1,7 @@
-//! A real PgBouncer in transaction mode in front of the test server, configured with the
+//! A real PgBouncer in transaction mode in front of a Postgres server, configured with the
 //! settings block of `docs/guide/deployment.md` ("PgBouncer"), read from the page at start
-//! so the docs are tested as written. Each [`PgBouncer`] is its own process on a free port
+//! so the docs are tested as written: the integration tests, the command's tests and
+//! `outbox-lab pgbouncer` all start theirs here. Each [`PgBouncer`] is its own process on a free port
 //! with its own ini in a temporary directory; dropping it stops the process.
 //!
 //! The launcher adds only what belongs to this machine (where to listen, where the server
@@ -14,9 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sqlx::postgres::PgConnectOptions;
+use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::database_url;
+use sqlx::postgres::PgConnectOptions;
 
 /// The page and heading whose `ini` block configures PgBouncer.
 pub const DOCS_PAGE: &str = "docs/guide/deployment.md";
@@ -48,18 +49,21 @@ pub struct PgBouncer {
 
 impl PgBouncer {
     /// Starts PgBouncer (the `pgbouncer` binary on `PATH`: Debian's package) in front of
-    /// the server of `DATABASE_URL` and waits until it accepts connections. Panics with
+    /// the server of `server_url` and waits until it accepts connections. Panics with
     /// what went wrong (no binary, a bad docs block, an exit at start with its log).
-    pub fn start() -> PgBouncer {
+    pub fn start(server_url: &str) -> PgBouncer {
+        static STARTED: AtomicU32 = AtomicU32::new(0);
         let settings = docs_settings();
-        let opts: PgConnectOptions = database_url().parse().expect("DATABASE_URL parses");
+        let opts: PgConnectOptions = server_url.parse().expect("a Postgres URL");
         let user = opts.get_username().to_owned();
         let database = opts.get_database().unwrap_or(&user).to_owned();
         let port = free_port();
         let dir = std::env::temp_dir().join(format!(
-            "outbox-pgbouncer-{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..12]
+            "outbox-pgbouncer-{}-{}",
+            std::process::id(),
+            STARTED.fetch_add(1, Ordering::Relaxed)
         ));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create the pgbouncer directory");
         // PgBouncer refuses to run as root: it runs as `postgres`, which must write its log.
         set_mode(&dir, 0o777);
@@ -100,7 +104,7 @@ impl PgBouncer {
         bouncer
     }
 
-    /// The URL of the pooler (user and database of `DATABASE_URL`).
+    /// The URL of the pooler (user and database of the server's URL).
     pub fn url(&self) -> &str {
         &self.url
     }
