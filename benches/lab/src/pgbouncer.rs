@@ -14,7 +14,8 @@
 //! tasks each publishing its share of `--publish-rows` in application transactions of one
 //! message (`BEGIN`, publish, `COMMIT`); and **worker**, a poll-only worker (`listen(false)`,
 //! `--concurrency` handler slots, no-op handler) draining `--worker-rows` due rows
-//! published beforehand over the direct pool. Prints the machine, the versions and a
+//! published beforehand over the direct pool. The set-ups take turns in each repetition,
+//! after a warm-up round that is not counted. Prints the machine, the versions and a
 //! Markdown table for the lab notes. Never gated.
 
 use std::process::ExitCode;
@@ -72,7 +73,9 @@ impl Setup {
 
 pub async fn run(a: &PgBouncerArgs) -> Result<ExitCode, BoxError> {
     if a.publish_rows == 0 || a.publishers == 0 || a.worker_rows == 0 || a.repeat == 0 {
-        return Err("--publish-rows, --publishers, --worker-rows and --repeat must be at least 1".into());
+        return Err(
+            "--publish-rows, --publishers, --worker-rows and --repeat must be at least 1".into(),
+        );
     }
     let bouncer = PgBouncer::start(&a.server);
     let direct = pool(&a.server, (a.publishers + a.concurrency + 4) as u32).await?;
@@ -95,7 +98,7 @@ pub async fn run(a: &PgBouncerArgs) -> Result<ExitCode, BoxError> {
 
 /// `(set-up, publish rows/s, worker rows/s)` medians. The set-ups take turns within each
 /// repetition, so a change of the machine's load during the run (it is shared) reaches
-/// all three alike.
+/// all three alike; a first round of all three warms the server and is not counted.
 async fn measure(
     a: &PgBouncerArgs,
     bouncer: &PgBouncer,
@@ -105,7 +108,7 @@ async fn measure(
     let setups = [Setup::Direct, Setup::DirectKnob, Setup::Pooler];
     let mut publish = vec![Vec::new(); setups.len()];
     let mut drain = vec![Vec::new(); setups.len()];
-    for round in 0..a.repeat {
+    for round in 0..=a.repeat {
         for (i, &setup) in setups.iter().enumerate() {
             let outbox = Outbox::builder()
                 .table(table)
@@ -117,17 +120,19 @@ async fn measure(
             };
             clear(direct, &outbox).await?;
             let pool = pool(&url, a.publishers as u32).await?;
-            publish[i].push(publish_rate(a, &outbox, &pool).await?);
+            let p = publish_rate(a, &outbox, &pool).await?;
             pool.close().await;
             clear(direct, &outbox).await?;
-            drain[i].push(worker_rate(a, &outbox, direct, &url).await?);
+            let w = worker_rate(a, &outbox, direct, &url).await?;
             eprintln!(
-                "round {}: {}: publish {:.0} rows/s, worker {:.0} rows/s",
-                round + 1,
+                "round {round}{}: {}: publish {p:.0} rows/s, worker {w:.0} rows/s",
+                if round == 0 { " (warm-up)" } else { "" },
                 setup.label(),
-                publish[i][round],
-                drain[i][round]
             );
+            if round > 0 {
+                publish[i].push(p);
+                drain[i].push(w);
+            }
         }
     }
     Ok(setups
@@ -164,7 +169,9 @@ async fn publish_rate(a: &PgBouncerArgs, outbox: &Outbox, pool: &PgPool) -> Resu
             let mut conn = pool.acquire().await?;
             for _ in 0..per {
                 let mut tx = conn.begin().await?;
-                outbox.publish(&mut tx, Message::new(QUEUE, b"payload")).await?;
+                outbox
+                    .publish(&mut tx, Message::new(QUEUE, b"payload"))
+                    .await?;
                 tx.commit().await?;
             }
             Ok::<_, BoxError>(())
@@ -194,7 +201,9 @@ async fn worker_rate(
     url: &str,
 ) -> Result<f64, BoxError> {
     // Published over the direct pool with the default outbox: the same rows for every set-up.
-    let plain = Outbox::builder().table(outbox.table().trim_matches('"')).build()?;
+    let plain = Outbox::builder()
+        .table(outbox.table().trim_matches('"'))
+        .build()?;
     let mut conn = direct.acquire().await?;
     let items: Vec<BatchItem<'_>> = (0..1000).map(|_| BatchItem::new(b"payload")).collect();
     let mut left = a.worker_rows;
@@ -245,11 +254,19 @@ async fn print_report(
     direct: &PgPool,
     rows: &[(Setup, f64, f64)],
 ) -> Result<(), BoxError> {
-    let version: String = sqlx::query_scalar("SELECT version()").fetch_one(direct).await?;
+    let version: String = sqlx::query_scalar("SELECT version()")
+        .fetch_one(direct)
+        .await?;
     let bouncer = std::process::Command::new("pgbouncer")
         .arg("--version")
         .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_owned())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .to_owned()
+        })
         .unwrap_or_default();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(

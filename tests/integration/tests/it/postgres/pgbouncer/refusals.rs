@@ -52,11 +52,12 @@ async fn migrate_through_the_pooler_is_session_required() {
 async fn a_listening_worker_through_the_pooler_is_refused_at_build() {
     let t = Through::new(6).await;
     let noop = |_: Vec<u8>, _ctx: Context| async {};
-    let e = Worker::builder(t.store.clone())
+    let Err(e) = Worker::builder(t.store.clone())
         .queue("pgb.listen", noop)
         .build()
-        .err()
-        .expect("listen(true) is refused");
+    else {
+        panic!("listen(true) through the pooler built");
+    };
     assert!(
         matches!(e, Error::InvalidConfig { knob: "listen", .. }),
         "{e:?}"
