@@ -3,7 +3,7 @@
 //! each transaction to whichever server connection is free
 //! ([`OutboxBuilder::transaction_pooler`](crate::OutboxBuilder::transaction_pooler)).
 //! Every executor of the crate takes a [`Scope`] and builds its queries and picks its
-//! connection through it, so the rule is written once, here (SPEC §13):
+//! connection through it, so the rule is written once, here:
 //!
 //! - in a [`Scope::Transaction`] every statement is **unnamed** (`persistent(false)`):
 //!   sqlx would otherwise prepare it under a name cached per client connection, which
@@ -19,6 +19,7 @@
 //! CONCURRENTLY`) is refused in a transaction scope with [`Error::SessionRequired`] or, for
 //! a worker's `LISTEN`, when the worker is built.
 
+// SPEC §13 (poolers): nothing the library does in one transaction depends on session state.
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 

@@ -96,7 +96,7 @@ pub async fn run(a: &PgBouncerArgs) -> Result<ExitCode, BoxError> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `(set-up, publish rows/s, worker rows/s)` medians. The set-ups take turns within each
+/// `(set-up, publish rows/s, worker rows/s)` of every counted round. The set-ups take turns within each
 /// repetition, so a change of the machine's load during the run (it is shared) reaches
 /// all three alike; a first round of all three warms the server and is not counted.
 async fn measure(
@@ -104,7 +104,7 @@ async fn measure(
     bouncer: &PgBouncer,
     direct: &PgPool,
     table: &str,
-) -> Result<Vec<(Setup, f64, f64)>, BoxError> {
+) -> Result<Vec<(Setup, Vec<f64>, Vec<f64>)>, BoxError> {
     let setups = [Setup::Direct, Setup::DirectKnob, Setup::Pooler];
     let mut publish = vec![Vec::new(); setups.len()];
     let mut drain = vec![Vec::new(); setups.len()];
@@ -137,8 +137,8 @@ async fn measure(
     }
     Ok(setups
         .iter()
-        .enumerate()
-        .map(|(i, &s)| (s, median(&mut publish[i]), median(&mut drain[i])))
+        .zip(publish.into_iter().zip(drain))
+        .map(|(&s, (p, w))| (s, p, w))
         .collect())
 }
 
@@ -244,15 +244,23 @@ async fn worker_rate(
     Ok(a.worker_rows as f64 / elapsed.as_secs_f64())
 }
 
-fn median(v: &mut [f64]) -> f64 {
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// The median over rounds of `of[k] / base[k]`: each round's set-ups ran back to back, so
+/// the ratio within a round is steadier than the ratio of medians on a shared machine.
+fn ratio(of: &[f64], base: &[f64]) -> f64 {
+    let r: Vec<f64> = of.iter().zip(base).map(|(a, b)| a / b).collect();
+    median(&r)
 }
 
 async fn print_report(
     a: &PgBouncerArgs,
     direct: &PgPool,
-    rows: &[(Setup, f64, f64)],
+    rows: &[(Setup, Vec<f64>, Vec<f64>)],
 ) -> Result<(), BoxError> {
     let version: String = sqlx::query_scalar("SELECT version()")
         .fetch_one(direct)
@@ -279,15 +287,20 @@ async fn print_report(
         a.publish_rows, a.publishers, a.worker_rows, a.concurrency, a.repeat
     );
     println!();
-    println!("| set-up | publish rows/s | vs direct | worker rows/s | vs direct |");
+    println!(
+        "| set-up | publish rows/s (median) | publish vs direct (median of rounds) \
+         | worker rows/s (median) | worker vs direct (median of rounds) |"
+    );
     println!("|---|---:|---:|---:|---:|");
-    let (p0, w0) = (rows[0].1, rows[0].2);
+    let (p0, w0) = (&rows[0].1, &rows[0].2);
     for (setup, p, w) in rows {
         println!(
-            "| {} | {p:.0} | {:+.0} % | {w:.0} | {:+.0} % |",
+            "| {} | {:.0} | {:+.0} % | {:.0} | {:+.0} % |",
             setup.label(),
-            (p / p0 - 1.0) * 100.0,
-            (w / w0 - 1.0) * 100.0
+            median(p),
+            (ratio(p, p0) - 1.0) * 100.0,
+            median(w),
+            (ratio(w, w0) - 1.0) * 100.0
         );
     }
     Ok(())
