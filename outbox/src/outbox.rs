@@ -661,9 +661,11 @@ impl OutboxBuilder {
     ///   1.18 does not carry the name to the next server connection ("prepared statement
     ///   … does not exist");
     /// - every statement runs **inside a transaction**: in yours when the connection you
-    ///   pass is in one (begun with sqlx's `begin`), otherwise in a short one of its own
-    ///   (an unnamed statement outside a transaction takes two round trips, between which
-    ///   the pooler may switch server connections);
+    ///   pass is in one begun with sqlx's `begin` (`&mut *tx`), otherwise in a short one of
+    ///   its own (an unnamed statement outside a transaction takes two round trips, between
+    ///   which the pooler may switch server connections). sqlx does not tell a transaction
+    ///   begun by sending `BEGIN` yourself, so the library's own `COMMIT` would end it: begin
+    ///   yours with sqlx;
     /// - a worker's completions, lease renewals and releases set their short
     ///   `lock_timeout` with `SET LOCAL` in their transaction, instead of a startup
     ///   parameter of the store's second pool ([`PgStore`](crate::PgStore#connections));
