@@ -268,3 +268,31 @@ fn set_mode(path: &Path, mode: u32) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
         .unwrap_or_else(|e| panic!("chmod {}: {e}", path.display()));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_block_is_the_first_ini_fence_under_its_heading() {
+        let page = "# Page\n\n```ini\nnot = this\n```\n\n### PgBouncer\n\ntext\n\n\
+                    ```ini\n[pgbouncer]\npool_mode = transaction\n```\n\n```ini\nnor = this\n```\n";
+        assert_eq!(
+            ini_block(page, "PgBouncer").as_deref(),
+            Some("[pgbouncer]\npool_mode = transaction\n")
+        );
+        // A heading without a block before the next heading has none.
+        let bare = "## PgBouncer\n\ntext\n\n## Next\n\n```ini\na = b\n```\n";
+        assert_eq!(ini_block(bare, "PgBouncer"), None);
+        assert_eq!(ini_block(page, "Other"), None);
+    }
+
+    #[test]
+    fn the_deployment_guide_block_is_usable() {
+        let settings = docs_settings();
+        assert!(settings.contains(&("pool_mode".to_owned(), "transaction".to_owned())));
+        assert!(settings
+            .iter()
+            .any(|(k, v)| k == "ignore_startup_parameters" && v.contains("extra_float_digits")));
+    }
+}
