@@ -47,14 +47,14 @@ async fn unnamed_statements_inside_a_transaction_work() {
     assert_eq!(errors, Vec::<String>::new());
 }
 
-/// Six clients, each running 40 rounds of two different statements (different parameter
+/// Six clients, each running 100 rounds of two different statements (different parameter
 /// types, so a Bind that reaches the other one fails), named or unnamed, each round in a
 /// transaction or not. Returns every error's text.
 async fn race(pool: &sqlx::PgPool, named: bool, in_transaction: bool) -> Vec<String> {
     let clients = (0..6i64).map(|c| async move {
         let mut errors = Vec::new();
         let mut conn = pool.acquire().await.expect("a pooled connection");
-        for round in 0..40i64 {
+        for round in 0..100i64 {
             let result = if in_transaction {
                 async {
                     let mut tx = conn.begin().await?;

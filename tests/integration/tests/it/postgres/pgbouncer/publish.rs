@@ -165,7 +165,7 @@ async fn without_the_knob_publishing_through_pgbouncer_fails() {
         async move {
             let mut conn = t.pooled.acquire().await.unwrap();
             let mut errors = Vec::new();
-            for _ in 0..10 {
+            for _ in 0..20 {
                 let result = async {
                     let mut tx = conn.begin().await?;
                     t.plain.publish(&mut tx, Message::new(q, b"p")).await?;
