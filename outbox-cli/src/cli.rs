@@ -40,6 +40,12 @@ pub struct Global {
     /// The `dlq` commands always work with the dead-letter table.
     #[arg(long, global = true)]
     pub dead_letter: bool,
+    /// The database URL reaches Postgres through a pooler in transaction mode (PgBouncer
+    /// `pool_mode = transaction`): every statement is sent unnamed and inside a
+    /// transaction (`OutboxBuilder::transaction_pooler(true)`). `migrate` then refuses:
+    /// run it with a URL of the server itself.
+    #[arg(long, global = true)]
+    pub transaction_pooler: bool,
     /// Print JSON instead of a table (one document per command; one per refresh with
     /// `status --watch`).
     #[arg(long, global = true)]

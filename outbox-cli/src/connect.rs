@@ -147,6 +147,11 @@ pub fn explain(e: &Error, target: &Target) -> String {
             "{e}; run `{migrate}` again once those sessions are done (or give it longer with \
              --deadline)"
         ),
+        Error::SessionRequired { what, why } => format!(
+            "`{what}` needs a server session of its own ({why}), which a transaction-mode \
+             pooler does not keep: run `{migrate}` without --transaction-pooler, with a \
+             --database-url that reaches the Postgres server itself"
+        ),
         Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42501") => {
             let table = target.table.as_deref().unwrap_or("outbox");
             format!(

@@ -79,7 +79,10 @@ fn dead_letter(cli: &Cli) -> bool {
 /// The application's `Outbox`, from the global options (names are checked here, before any
 /// connection).
 fn outbox(g: &Global, dead_letter: bool) -> Result<Outbox, Failure> {
-    let mut b = Outbox::builder().table(&g.table).dead_letter(dead_letter);
+    let mut b = Outbox::builder()
+        .table(&g.table)
+        .dead_letter(dead_letter)
+        .transaction_pooler(g.transaction_pooler);
     if let Some(s) = &g.schema {
         b = b.schema(s);
     }

@@ -775,3 +775,84 @@ async fn permission_errors_say_which_grant_is_missing() {
         .unwrap();
     let _ = name;
 }
+
+/// Every command through a real PgBouncer in transaction mode (the deployment guide's
+/// settings) with `--transaction-pooler`: status, pending, pause and resume, the row
+/// actions, the dead-letter commands and validate work; `migrate` refuses, naming the
+/// direct connection to use (SPEC §13).
+#[tokio::test]
+async fn commands_run_through_pgbouncer_with_transaction_pooler() {
+    let t = Tables::new().await;
+    let bouncer = outbox_bench::pgbouncer::PgBouncer::start(&database_url());
+    let through = |args: &[&str]| {
+        outbox_cmd()
+            .args(["--database-url", bouncer.url(), "--transaction-pooler"])
+            .args(["--table", &t.name])
+            .args(args)
+            .output()
+            .expect("the binary runs")
+    };
+    let json = |args: &[&str]| {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        let out = through(&all);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        serde_json::from_slice::<Value>(&out.stdout)
+            .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {}", text(&out.stdout)))
+    };
+    let mut conn = t.pool.acquire().await.unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let p = t
+            .outbox
+            .publish(
+                &mut conn,
+                Message::new("cli.pgb", b"x").schedule(Duration::from_secs(3600)),
+            )
+            .await
+            .unwrap();
+        ids.push(p.id().unwrap().to_string());
+    }
+    drop(conn);
+    t.exec(format!(
+        "INSERT INTO {} (original_id, queue, payload, attempts_count, deliveries_count, \
+         created_at, failed_at, failure_reason) VALUES \
+         (1, 'cli.pgb', 'dead', 1, 1, now(), now() - interval '2 hours', 'rejected')",
+        t.outbox.dead_letter_table()
+    ))
+    .await;
+
+    assert!(through(&["--dead-letter", "validate"]).status.success());
+    assert_eq!(queue_of(&json(&["status"]), "cli.pgb")["pending"], 3);
+    assert_eq!(
+        json(&["pending", "--queue", "cli.pgb"])["rows"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+    for args in [
+        &["pause", "cli.pgb"][..],
+        &["resume", "cli.pgb"],
+        &["run-now", &ids[0]],
+        &["reschedule", &ids[1], "--in", "2h"],
+        &["delete", &ids[2]],
+    ] {
+        let out = through(args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+    }
+    let letters = json(&["dlq", "list"]);
+    let id = letters["dead_letters"][0]["id"].to_string();
+    assert_eq!(json(&["dlq", "redrive", "--id", &id])["redriven"], 1);
+    assert_eq!(json(&["dlq", "purge", "--older-than", "1h"])["deleted"], 1);
+
+    let out = through(&["migrate"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("without --transaction-pooler") && err.contains("server itself"),
+        "{err}"
+    );
+    drop(bouncer);
+    t.cleanup().await;
+}

@@ -41,6 +41,7 @@ use sqlx::{PgConnection, Row};
 
 use crate::error::{Error, Result};
 use crate::message::{validate_queue, Schedule};
+use crate::scope::Scope;
 use crate::sql;
 
 /// What an action on one row by id did.
@@ -73,37 +74,48 @@ pub struct PausedQueue {
 /// Pauses `queue`; true when this call paused it, false when it was paused already.
 pub(crate) async fn pause(
     sql: &sql::admin::Admin,
+    scope: Scope,
     conn: &mut PgConnection,
     queue: &str,
 ) -> Result<bool> {
     validate_queue(queue)?;
-    let row = sqlx::query(sql.pause.clone())
+    let mut db = scope.on(conn).await?;
+    let row = scope
+        .query(sql.pause.clone())
         .bind(queue)
-        .fetch_optional(conn)
+        .fetch_optional(&mut *db)
         .await?;
+    db.done().await?;
     Ok(row.is_some())
 }
 
 /// Resumes `queue`; true when this call resumed it, false when it was not paused.
 pub(crate) async fn resume(
     sql: &sql::admin::Admin,
+    scope: Scope,
     conn: &mut PgConnection,
     queue: &str,
 ) -> Result<bool> {
     validate_queue(queue)?;
-    let row = sqlx::query(sql.resume.clone())
+    let mut db = scope.on(conn).await?;
+    let row = scope
+        .query(sql.resume.clone())
         .bind(queue)
-        .fetch_optional(conn)
+        .fetch_optional(&mut *db)
         .await?;
+    db.done().await?;
     Ok(row.is_some())
 }
 
 /// Every paused queue, by name.
 pub(crate) async fn paused(
     sql: &sql::admin::Admin,
+    scope: Scope,
     conn: &mut PgConnection,
 ) -> Result<Vec<PausedQueue>> {
-    let rows = sqlx::query(sql.paused.clone()).fetch_all(conn).await?;
+    let mut db = scope.on(conn).await?;
+    let rows = scope.query(sql.paused.clone()).fetch_all(&mut *db).await?;
+    db.done().await?;
     rows.iter()
         .map(|r| {
             Ok(PausedQueue {
@@ -117,18 +129,22 @@ pub(crate) async fn paused(
 /// Moves the deadline of pending row `id` to `schedule`.
 pub(crate) async fn reschedule(
     sql: &sql::admin::Admin,
+    scope: Scope,
     conn: &mut PgConnection,
     id: i64,
     schedule: Schedule,
 ) -> Result<RowAction> {
     validate_id(id)?;
     let (interval, at) = schedule.resolve()?.binds();
-    let row = sqlx::query(sql.reschedule.clone())
+    let mut db = scope.on(conn).await?;
+    let row = scope
+        .query(sql.reschedule.clone())
         .bind(id)
         .bind(interval)
         .bind(at)
-        .fetch_optional(conn)
+        .fetch_optional(&mut *db)
         .await?;
+    db.done().await?;
     let Some(row) = row else {
         return Ok(RowAction::NotFound);
     };
@@ -145,14 +161,18 @@ pub(crate) async fn reschedule(
 /// Deletes pending row `id`.
 pub(crate) async fn delete(
     sql: &sql::admin::Admin,
+    scope: Scope,
     conn: &mut PgConnection,
     id: i64,
 ) -> Result<RowAction> {
     validate_id(id)?;
-    let row = sqlx::query(sql.delete.clone())
+    let mut db = scope.on(conn).await?;
+    let row = scope
+        .query(sql.delete.clone())
         .bind(id)
-        .fetch_optional(conn)
+        .fetch_optional(&mut *db)
         .await?;
+    db.done().await?;
     let Some(row) = row else {
         return Ok(RowAction::NotFound);
     };

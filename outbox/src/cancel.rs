@@ -5,6 +5,7 @@ use sqlx::{PgConnection, Row};
 
 use crate::error::Result;
 use crate::message::{validate_queue, validate_timer_id};
+use crate::scope::Scope;
 use crate::sql;
 
 /// What a cancel did. A cancel locks the timer's row first (`SELECT … FOR UPDATE`) and then
@@ -41,14 +42,31 @@ pub enum Cancelled {
 /// Cancels a timer on `conn` ([`crate::Outbox::cancel`]).
 pub(crate) async fn cancel(
     sql: &sql::cancel::Cancel,
+    scope: Scope,
     conn: &mut PgConnection,
     queue: &str,
     timer_id: &str,
 ) -> Result<Cancelled> {
     validate_queue(queue)?;
     validate_timer_id(timer_id)?;
+    // Through a pooler, a bare connection gets one transaction around the lock and the
+    // write, which also keeps the row locked from the look to the write.
+    let mut db = scope.on(conn).await?;
+    let outcome = cancel_on(sql, scope, &mut db, queue, timer_id).await?;
+    db.done().await?;
+    Ok(outcome)
+}
+
+async fn cancel_on(
+    sql: &sql::cancel::Cancel,
+    scope: Scope,
+    conn: &mut PgConnection,
+    queue: &str,
+    timer_id: &str,
+) -> Result<Cancelled> {
     loop {
-        let row = sqlx::query(sql.lock.clone())
+        let row = scope
+            .query(sql.lock.clone())
             .bind(queue)
             .bind(timer_id)
             .fetch_optional(&mut *conn)
@@ -60,14 +78,16 @@ pub(crate) async fn cancel(
         let token: Option<uuid::Uuid> = row.try_get(1)?;
         let done = match token {
             None => {
-                let n = sqlx::query(sql.delete.clone())
+                let n = scope
+                    .query(sql.delete.clone())
                     .bind(id)
                     .execute(&mut *conn)
                     .await?;
                 (n.rows_affected() == 1).then_some(Cancelled::Deleted { id })
             }
             Some(token) => {
-                let had_rearm: Option<bool> = sqlx::query_scalar(sql.mark.clone())
+                let had_rearm: Option<bool> = scope
+                    .query_scalar(sql.mark.clone())
                     .bind(id)
                     .bind(token)
                     .fetch_optional(&mut *conn)

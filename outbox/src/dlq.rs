@@ -156,6 +156,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use crate::error::{Error, Result};
 use crate::message::{validate_queue, MAX_HEADERS_BYTES};
+use crate::scope::Scope;
 use crate::sql::binds::{interval, micros};
 use crate::sql::dlq::Dlq;
 use crate::store::rows::{dead_letter_from_row, DeadLetter};
@@ -502,24 +503,28 @@ fn limit_param(limit: usize) -> i64 {
 /// [`crate::Outbox::dead_letters`].
 pub(crate) async fn list(
     sql: &Dlq,
+    scope: Scope,
     conn: &mut PgConnection,
     filter: &DeadLetterFilter,
     after: Option<i64>,
     limit: usize,
 ) -> Result<Vec<DeadLetter>> {
     let binds = filter.binds()?;
+    let mut db = scope.on(conn).await?;
     let rows = binds
-        .bind(sqlx::query(sql.list.clone()))
+        .bind(scope.query(sql.list.clone()))
         .bind(after.unwrap_or(i64::MIN))
         .bind(limit_param(limit))
-        .fetch_all(conn)
+        .fetch_all(&mut *db)
         .await?;
+    db.done().await?;
     rows.iter().map(dead_letter_from_row).collect()
 }
 
 /// [`crate::Outbox::redrive_dead_letters`].
 pub(crate) async fn redrive(
     sql: &Dlq,
+    scope: Scope,
     conn: &mut PgConnection,
     redrive: &Redrive,
 ) -> Result<Vec<RedriveOutcome>> {
@@ -530,25 +535,32 @@ pub(crate) async fn redrive(
             if ids.is_empty() {
                 return Ok(Vec::new());
             }
-            sqlx::query(sql.redrive_ids.clone())
+            let mut db = scope.on(conn).await?;
+            let rows = scope
+                .query(sql.redrive_ids.clone())
                 .bind(ids)
                 .bind(REDRIVEN_FROM_HEADER)
                 .bind(max)
-                .fetch_all(conn)
-                .await?
+                .fetch_all(&mut *db)
+                .await?;
+            db.done().await?;
+            rows
         }
         Selection::Matching { filter, limit } => {
             let binds = filter.binds()?;
             if *limit == 0 {
                 return Ok(Vec::new());
             }
-            binds
-                .bind(sqlx::query(sql.redrive_matching.clone()))
+            let mut db = scope.on(conn).await?;
+            let rows = binds
+                .bind(scope.query(sql.redrive_matching.clone()))
                 .bind(limit_param(*limit))
                 .bind(REDRIVEN_FROM_HEADER)
                 .bind(max)
-                .fetch_all(conn)
-                .await?
+                .fetch_all(&mut *db)
+                .await?;
+            db.done().await?;
+            rows
         }
     };
     rows.iter().map(outcome_from_row).collect()
@@ -592,6 +604,7 @@ fn outcome_from_row(row: &sqlx::postgres::PgRow) -> Result<RedriveOutcome> {
 /// [`crate::Outbox::purge_dead_letters`].
 pub(crate) async fn purge(
     sql: &Dlq,
+    scope: Scope,
     pool: &PgPool,
     filter: &DeadLetterFilter,
     batch_size: usize,
@@ -600,11 +613,13 @@ pub(crate) async fn purge(
     let batch = limit_param(batch_size);
     let mut total = 0u64;
     loop {
+        let mut db = scope.acquire(pool).await?;
         let done = binds
-            .bind(sqlx::query(sql.purge.clone()))
+            .bind(scope.query(sql.purge.clone()))
             .bind(batch)
-            .execute(pool)
+            .execute(&mut *db)
             .await?;
+        db.done().await?;
         total += done.rows_affected();
         if done.rows_affected() < batch as u64 {
             return Ok(total);

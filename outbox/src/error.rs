@@ -7,7 +7,8 @@ use crate::schema::problem::{LockHolder, SchemaProblem, UPGRADE_GUIDE};
 /// Everything that can go wrong in `outbox`.
 ///
 /// Validation errors ([`Error::InvalidArgument`], [`Error::InvalidName`],
-/// [`Error::InvalidConfig`], [`Error::DuplicateHandler`], [`Error::DeadLetterDisabled`]) are
+/// [`Error::InvalidConfig`], [`Error::DuplicateHandler`], [`Error::DeadLetterDisabled`],
+/// [`Error::SessionRequired`]) are
 /// returned **before any SQL runs**: nothing has been written when you see one.
 #[derive(thiserror::Error)]
 #[non_exhaustive]
@@ -163,6 +164,21 @@ pub enum Error {
         source: Option<sqlx::Error>,
     },
 
+    /// An operation that needs a server session of its own was asked of an outbox built
+    /// with [`OutboxBuilder::transaction_pooler`](crate::OutboxBuilder::transaction_pooler)
+    /// (a transaction-mode pooler such as PgBouncer `pool_mode = transaction` hands each
+    /// transaction to any server connection, so session state does not survive it).
+    /// Nothing ran. `migrate` is one: it holds an advisory lock and a `lock_timeout` on its
+    /// session and builds an index `CONCURRENTLY`. Run it over a direct connection (an
+    /// outbox without the knob, on a pool that reaches the server itself).
+    #[error("{what} needs a server session of its own ({why}), which a transaction-mode pooler does not keep: run it over a direct connection to the server, with an outbox built without `transaction_pooler`")]
+    SessionRequired {
+        /// The operation (for example `migrate`).
+        what: &'static str,
+        /// The session state it relies on.
+        why: &'static str,
+    },
+
     /// Postgres or the connection failed.
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
@@ -280,6 +296,11 @@ impl fmt::Debug for Fields<'_> {
                 .field("detail", detail)
                 .field("source", source)
                 .finish(),
+            Error::SessionRequired { what, why } => f
+                .debug_struct("SessionRequired")
+                .field("what", what)
+                .field("why", why)
+                .finish(),
             Error::Database(e) => f.debug_tuple("Database").field(e).finish(),
         }
     }
@@ -361,6 +382,7 @@ impl Error {
             Error::TransactionUnavailable { .. } => "TransactionUnavailable",
             Error::DeadLetterDisabled => "DeadLetterDisabled",
             Error::ReadOnly { .. } => "ReadOnly",
+            Error::SessionRequired { .. } => "SessionRequired",
             Error::Database(_) => "Database",
         }
     }
@@ -505,7 +527,8 @@ mod tests {
                 | Error::SchemaMismatch { .. }
                 | Error::LeaseLost { .. }
                 | Error::TransactionUnavailable { .. }
-                | Error::DeadLetterDisabled => false,
+                | Error::DeadLetterDisabled
+                | Error::SessionRequired { .. } => false,
             }
         }
 
@@ -566,6 +589,10 @@ mod tests {
             Error::ReadOnly {
                 detail: "pg_is_in_recovery() is true".to_owned(),
                 source: None,
+            },
+            Error::SessionRequired {
+                what: "migrate",
+                why: "an advisory lock",
             },
         ];
         for e in &all {

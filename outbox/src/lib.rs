@@ -103,7 +103,9 @@
 //! whose message links the upgrade guide ([`schema::upgrading`]); a database where the
 //! tables do not exist gives [`Error::NotMigrated`], which says to run [`migrate`]; an
 //! explicit schema that does not exist gives [`Error::SchemaNotFound`] (`migrate` creates
-//! tables, not schemas).
+//! tables, not schemas). Through a transaction-mode pooler
+//! ([`OutboxBuilder::transaction_pooler`]), what needs a server session of its own
+//! (`migrate`) is [`Error::SessionRequired`], before any SQL runs.
 //!
 //! ## Decisions a user relies on
 //!
@@ -186,6 +188,7 @@ mod names;
 mod outbox;
 mod publish;
 mod read;
+mod scope;
 mod sql;
 mod timer;
 

@@ -19,6 +19,7 @@ use crate::message::{BatchItem, Schedule};
 use crate::names::Names;
 use crate::schema::migrate::{AppliedMigration, MigrateOptions, MigrationStep};
 use crate::schema::shape::DEFAULT_TABLE;
+use crate::scope::Scope;
 use crate::sql::Statements;
 use crate::stats::{QueueStats, StatsRequest};
 use crate::store::{DeadLetter, StoredRow};
@@ -46,6 +47,7 @@ pub struct Outbox {
 struct Inner {
     names: Names,
     dead_letter: bool,
+    scope: Scope,
     sql: Statements,
 }
 
@@ -55,6 +57,7 @@ impl std::fmt::Debug for Outbox {
             .field("table", &self.inner.names.qtable)
             .field("dead_letter_table", &self.inner.names.qdlq)
             .field("dead_letter", &self.inner.dead_letter)
+            .field("transaction_pooler", &self.transaction_pooler())
             .finish()
     }
 }
@@ -140,8 +143,18 @@ impl Outbox {
         self.inner.sql.claim.claim.as_str()
     }
 
+    /// Whether it was built for a transaction-mode pooler (see
+    /// [`OutboxBuilder::transaction_pooler`]).
+    pub fn transaction_pooler(&self) -> bool {
+        self.inner.scope == Scope::Transaction
+    }
+
     pub(crate) fn sql(&self) -> &Statements {
         &self.inner.sql
+    }
+
+    pub(crate) fn scope(&self) -> Scope {
+        self.inner.scope
     }
 
     #[cfg(feature = "testing")]
@@ -176,7 +189,7 @@ impl Outbox {
         conn: &mut PgConnection,
         message: Message<'_>,
     ) -> Result<Published> {
-        crate::publish::publish(&self.inner.sql.publish, conn, message).await
+        crate::publish::publish(&self.inner.sql.publish, self.inner.scope, conn, message).await
     }
 
     /// Publishes many messages to one queue in **one statement**: all rows are inserted or
@@ -193,7 +206,15 @@ impl Outbox {
         schedule: impl Into<Schedule>,
     ) -> Result<Vec<i64>> {
         let schedule = schedule.into();
-        crate::publish::publish_batch(&self.inner.sql.publish, conn, queue, items, schedule).await
+        crate::publish::publish_batch(
+            &self.inner.sql.publish,
+            self.inner.scope,
+            conn,
+            queue,
+            items,
+            schedule,
+        )
+        .await
     }
 
     /// Cancels the timer `(queue, timer_id)` on the caller's connection or transaction: locks
@@ -213,7 +234,14 @@ impl Outbox {
         queue: &str,
         timer_id: &str,
     ) -> Result<Cancelled> {
-        crate::cancel::cancel(&self.inner.sql.cancel, conn, queue, timer_id).await
+        crate::cancel::cancel(
+            &self.inner.sql.cancel,
+            self.inner.scope,
+            conn,
+            queue,
+            timer_id,
+        )
+        .await
     }
 
     /// Reads live rows of `queue` without leasing or locking them, pending and leased alike,
@@ -228,7 +256,7 @@ impl Outbox {
         queue: &str,
         limit: usize,
     ) -> Result<Vec<StoredRow>> {
-        crate::read::pending(&self.inner.sql.read, conn, queue, limit).await
+        crate::read::pending(&self.inner.sql.read, self.inner.scope, conn, queue, limit).await
     }
 
     /// Pauses `queue`: from the next claim on, no worker claims its rows (due rows and
@@ -243,7 +271,7 @@ impl Outbox {
     /// table does not exist yet (run [`Outbox::migrate`]);
     /// [`Error::Database`](crate::Error::Database).
     pub async fn pause_queue(&self, conn: &mut PgConnection, queue: &str) -> Result<bool> {
-        crate::admin::pause(&self.inner.sql.admin, conn, queue).await
+        crate::admin::pause(&self.inner.sql.admin, self.inner.scope, conn, queue).await
     }
 
     /// Resumes a paused `queue` and wakes the listening workers (the notification is sent
@@ -253,7 +281,7 @@ impl Outbox {
     /// # Errors
     /// As [`Outbox::pause_queue`].
     pub async fn resume_queue(&self, conn: &mut PgConnection, queue: &str) -> Result<bool> {
-        crate::admin::resume(&self.inner.sql.admin, conn, queue).await
+        crate::admin::resume(&self.inner.sql.admin, self.inner.scope, conn, queue).await
     }
 
     /// The paused queues, by name.
@@ -261,7 +289,7 @@ impl Outbox {
     /// # Errors
     /// [`Error::Database`](crate::Error::Database).
     pub async fn paused_queues(&self, conn: &mut PgConnection) -> Result<Vec<PausedQueue>> {
-        crate::admin::paused(&self.inner.sql.admin, conn).await
+        crate::admin::paused(&self.inner.sql.admin, self.inner.scope, conn).await
     }
 
     /// Makes pending row `id` due now (database clock), keeping its counters and retry
@@ -291,7 +319,14 @@ impl Outbox {
         id: i64,
         schedule: impl Into<Schedule>,
     ) -> Result<RowAction> {
-        crate::admin::reschedule(&self.inner.sql.admin, conn, id, schedule.into()).await
+        crate::admin::reschedule(
+            &self.inner.sql.admin,
+            self.inner.scope,
+            conn,
+            id,
+            schedule.into(),
+        )
+        .await
     }
 
     /// Deletes pending row `id`: [`RowAction::Deleted`], [`RowAction::Leased`] (a worker
@@ -302,7 +337,7 @@ impl Outbox {
     /// # Errors
     /// As [`Outbox::run_now`].
     pub async fn delete_pending(&self, conn: &mut PgConnection, id: i64) -> Result<RowAction> {
-        crate::admin::delete(&self.inner.sql.admin, conn, id).await
+        crate::admin::delete(&self.inner.sql.admin, self.inner.scope, conn, id).await
     }
 
     /// Lists dead letters of `filter` on the caller's connection or transaction, by id
@@ -324,7 +359,15 @@ impl Outbox {
         limit: usize,
     ) -> Result<Vec<DeadLetter>> {
         crate::dlq::require_enabled(self.inner.dead_letter)?;
-        crate::dlq::list(&self.inner.sql.dlq, conn, filter, after, limit).await
+        crate::dlq::list(
+            &self.inner.sql.dlq,
+            self.inner.scope,
+            conn,
+            filter,
+            after,
+            limit,
+        )
+        .await
     }
 
     /// Publishes the dead letters `redrive` selects again, each into its original queue with
@@ -350,7 +393,7 @@ impl Outbox {
         redrive: &Redrive,
     ) -> Result<Vec<RedriveOutcome>> {
         crate::dlq::require_enabled(self.inner.dead_letter)?;
-        crate::dlq::redrive(&self.inner.sql.dlq, conn, redrive).await
+        crate::dlq::redrive(&self.inner.sql.dlq, self.inner.scope, conn, redrive).await
     }
 
     /// Deletes the dead letters of `filter`, which must bound their age
@@ -373,7 +416,14 @@ impl Outbox {
         batch_size: usize,
     ) -> Result<u64> {
         crate::dlq::require_enabled(self.inner.dead_letter)?;
-        crate::dlq::purge(&self.inner.sql.dlq, pool, filter, batch_size).await
+        crate::dlq::purge(
+            &self.inner.sql.dlq,
+            self.inner.scope,
+            pool,
+            filter,
+            batch_size,
+        )
+        .await
     }
 
     /// Reads how deep and how late each queue is, on the caller's connection, in **one
@@ -395,7 +445,14 @@ impl Outbox {
         conn: &mut PgConnection,
         request: &StatsRequest,
     ) -> Result<Vec<QueueStats>> {
-        crate::stats::read(&self.inner.sql.stats, self.inner.dead_letter, conn, request).await
+        crate::stats::read(
+            &self.inner.sql.stats,
+            self.inner.scope,
+            self.inner.dead_letter,
+            conn,
+            request,
+        )
+        .await
     }
 
     /// The migration steps for this outbox's names, in order. Each runs in its own
@@ -433,9 +490,12 @@ impl Outbox {
     ///   upgrade the dead-letter table (its redrive columns and `(failed_at)` index) are
     ///   left for the `migrate()` of an outbox that has it on.
     ///
-    /// The schema named by [`OutboxBuilder::schema`] must exist.
+    /// The schema named by [`OutboxBuilder::schema`] must exist. It needs a server session
+    /// of its own: run it over a direct connection, not through a transaction-mode pooler.
     ///
     /// # Errors
+    /// [`Error::SessionRequired`](crate::Error::SessionRequired) on an outbox built with
+    /// [`OutboxBuilder::transaction_pooler`], before any SQL runs;
     /// [`Error::MigrationBlocked`](crate::Error::MigrationBlocked) naming the step and the
     /// sessions that held its tables past the deadline;
     /// [`Error::ReadOnly`](crate::Error::ReadOnly) when the server is a standby in recovery
@@ -452,6 +512,12 @@ impl Outbox {
     /// As [`Outbox::migrate`], and
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for options out of range.
     pub async fn migrate_with(&self, pool: &PgPool, options: MigrateOptions) -> Result<()> {
+        // SPEC §13: the advisory session lock, the session's lock_timeout and the
+        // concurrent index build all need a session a transaction-mode pooler does not keep.
+        self.inner.scope.require_session(
+            "migrate",
+            "an advisory lock and a lock_timeout held on its session, and CREATE INDEX CONCURRENTLY outside a transaction",
+        )?;
         let (ddl, names) = (&self.inner.sql.ddl, &self.inner.names);
         crate::schema::migrate::run(
             ddl,
@@ -473,7 +539,13 @@ impl Outbox {
     /// # Errors
     /// [`Error::Database`](crate::Error::Database).
     pub async fn applied_migrations(&self, pool: &PgPool) -> Result<Vec<AppliedMigration>> {
-        crate::schema::migrate::applied(&self.inner.sql.ddl, &self.inner.names, pool).await
+        crate::schema::migrate::applied(
+            &self.inner.sql.ddl,
+            &self.inner.names,
+            self.inner.scope,
+            pool,
+        )
+        .await
     }
 
     /// Checks the live schema against this version's needs and returns **every** problem at
@@ -492,7 +564,13 @@ impl Outbox {
     /// [`Error::SchemaMismatch`](crate::Error::SchemaMismatch) listing the problems;
     /// [`Error::Database`](crate::Error::Database) if the catalog cannot be read.
     pub async fn validate_schema(&self, pool: &PgPool) -> Result<()> {
-        crate::schema::validate::validate(&self.inner.names, self.inner.dead_letter, pool).await
+        crate::schema::validate::validate(
+            &self.inner.names,
+            self.inner.dead_letter,
+            self.inner.scope,
+            pool,
+        )
+        .await
     }
 }
 
@@ -505,6 +583,7 @@ pub struct OutboxBuilder {
     dlq_table: Option<String>,
     dead_letter: bool,
     notify: bool,
+    transaction_pooler: bool,
 }
 
 impl Default for OutboxBuilder {
@@ -515,6 +594,7 @@ impl Default for OutboxBuilder {
             dlq_table: None,
             dead_letter: false,
             notify: true,
+            transaction_pooler: false,
         }
     }
 }
@@ -574,6 +654,45 @@ impl OutboxBuilder {
         self
     }
 
+    /// Whether this outbox reaches Postgres through a pooler in **transaction mode**
+    /// (PgBouncer `pool_mode = transaction`), which hands each transaction to whichever
+    /// server connection is free (default off: a direct connection, or a session-mode
+    /// pooler). On, nothing the library runs depends on session state:
+    ///
+    /// - every statement is sent **unnamed** (sqlx's `persistent(false)`): sqlx otherwise
+    ///   prepares each statement under a name cached per client connection, and PgBouncer
+    ///   1.18 does not carry the name to the next server connection ("prepared statement
+    ///   … does not exist");
+    /// - every statement runs **inside a transaction**: in yours when the connection you
+    ///   pass is in one begun with sqlx's `begin` (`&mut *tx`), otherwise in a short one of
+    ///   its own (an unnamed statement outside a transaction takes two round trips, between
+    ///   which the pooler may switch server connections). sqlx does not tell a transaction
+    ///   begun by sending `BEGIN` yourself, so the library's own `COMMIT` would end it: begin
+    ///   yours with sqlx;
+    /// - a worker's completions, lease renewals and releases set their short
+    ///   `lock_timeout` with `SET LOCAL` in their transaction, instead of a startup
+    ///   parameter of the store's second pool ([`PgStore`](crate::PgStore#connections));
+    /// - what needs a session is refused: [`Outbox::migrate`] with
+    ///   [`Error::SessionRequired`](crate::Error::SessionRequired) (run it over a direct
+    ///   connection), a worker that would `LISTEN` when it is built
+    ///   ([`Error::InvalidConfig`](crate::Error::InvalidConfig), knob `listen`: build it
+    ///   with [`listen(false)`](crate::WorkerBuilder::listen)).
+    ///
+    /// The cost: each statement takes two round trips instead of one and is parsed and
+    /// planned every time (no cached plan), and one that would commit on its own takes a
+    /// `BEGIN` and a `COMMIT` round trip more. Measured on 2 cores on 2026-12-02, on a
+    /// direct connection with the knob: publishes in application transactions about a
+    /// quarter slower, a worker about half as fast; through PgBouncer a little slower
+    /// again ("PgBouncer" in
+    /// <https://github.com/outbox-rs/outbox/blob/main/docs/lab-notes/2026-12-02.md>). A
+    /// worker that can reach the server directly keeps the default.
+    /// What to configure on PgBouncer is in the deployment guide
+    /// (<https://github.com/outbox-rs/outbox/blob/main/docs/guide/deployment.md#pgbouncer>).
+    pub fn transaction_pooler(mut self, on: bool) -> Self {
+        self.transaction_pooler = on;
+        self
+    }
+
     /// Checks the names and renders every statement.
     ///
     /// # Errors
@@ -588,6 +707,7 @@ impl OutboxBuilder {
             inner: Arc::new(Inner {
                 names,
                 dead_letter: self.dead_letter,
+                scope: Scope::new(self.transaction_pooler),
                 sql,
             }),
         })

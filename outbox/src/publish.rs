@@ -3,8 +3,9 @@
 //! `opentelemetry`). What a message is and the rules it must follow are `message`'s.
 //!
 //! Everything here runs on the **caller's** connection or transaction: the library never
-//! begins, commits or rolls back it, so a message exists if and only if the caller's
-//! transaction commits (the transactional outbox).
+//! commits or rolls back the caller's transaction, so a message exists if and only if it
+//! commits (the transactional outbox). Through a transaction-mode pooler a connection that
+//! is in no transaction gets a short one of the library's around the statement (`scope`).
 
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
@@ -15,6 +16,7 @@ use crate::message::envelope::{Message, Published};
 use crate::message::{
     slack_micros, validate_batch, BatchItem, Headers, OnConflict, Schedule, MAX_HEADERS_BYTES,
 };
+use crate::scope::Scope;
 use crate::sql;
 use crate::sql::binds::interval;
 use crate::telemetry;
@@ -146,6 +148,7 @@ pub(crate) fn sent_batch(span: &Span, result: &Result<Vec<i64>>) {
 /// Publishes one message on `conn` ([`crate::Outbox::publish`]), in its `send` span.
 pub(crate) async fn publish(
     sql: &sql::publish::Publish,
+    scope: Scope,
     conn: &mut PgConnection,
     message: Message<'_>,
 ) -> Result<Published> {
@@ -155,7 +158,7 @@ pub(crate) async fn publish(
         headers: traced.as_ref().or(message.headers),
         ..message
     };
-    let result = publish_untraced(sql, conn, message)
+    let result = publish_untraced(sql, scope, conn, message)
         .instrument(span.clone())
         .await;
     sent(&span, &result);
@@ -165,6 +168,7 @@ pub(crate) async fn publish(
 /// [`publish`] without its span.
 async fn publish_untraced(
     sql: &sql::publish::Publish,
+    scope: Scope,
     conn: &mut PgConnection,
     message: Message<'_>,
 ) -> Result<Published> {
@@ -175,7 +179,8 @@ async fn publish_untraced(
         (OnConflict::Ignore, Some(_)) => &sql.insert,
         (OnConflict::Ignore, None) => &sql.plain,
     };
-    let mut query = sqlx::query(statement.clone())
+    let mut query = scope
+        .query(statement.clone())
         .bind(message.queue)
         .bind(message.payload)
         .bind(message.headers.map(Json))
@@ -185,7 +190,9 @@ async fn publish_untraced(
     if message.on_conflict == OnConflict::Extend {
         query = query.bind(interval(slack_micros(message.slack)));
     }
-    let row = query.fetch_optional(&mut *conn).await?;
+    let mut db = scope.on(conn).await?;
+    let row = query.fetch_optional(&mut *db).await?;
+    db.done().await?;
     let inserted = |id| {
         telemetry::published(message.queue, 1);
         Published::Inserted { id }
@@ -214,6 +221,7 @@ async fn publish_untraced(
 /// Publishes a batch on `conn` ([`crate::Outbox::publish_batch`]), in its `send` span.
 pub(crate) async fn publish_batch(
     sql: &sql::publish::Publish,
+    scope: Scope,
     conn: &mut PgConnection,
     queue: &str,
     items: &[BatchItem<'_>],
@@ -229,7 +237,7 @@ pub(crate) async fn publish_batch(
         }
         None => items,
     };
-    let result = publish_batch_untraced(sql, conn, queue, items, schedule)
+    let result = publish_batch_untraced(sql, scope, conn, queue, items, schedule)
         .instrument(span.clone())
         .await;
     sent_batch(&span, &result);
@@ -239,6 +247,7 @@ pub(crate) async fn publish_batch(
 /// [`publish_batch`] without its span.
 async fn publish_batch_untraced(
     sql: &sql::publish::Publish,
+    scope: Scope,
     conn: &mut PgConnection,
     queue: &str,
     items: &[BatchItem<'_>],
@@ -251,14 +260,17 @@ async fn publish_batch_untraced(
     let (delay, at) = resolved.binds();
     let payloads: Vec<&[u8]> = items.iter().map(|i| i.payload).collect();
     let headers: Vec<Option<Json<&Headers>>> = items.iter().map(|i| i.headers.map(Json)).collect();
-    let row = sqlx::query(sql.batch.clone())
+    let mut db = scope.on(conn).await?;
+    let row = scope
+        .query(sql.batch.clone())
         .bind(queue)
         .bind(payloads)
         .bind(headers)
         .bind(delay)
         .bind(at)
-        .fetch_one(&mut *conn)
+        .fetch_one(&mut *db)
         .await?;
+    db.done().await?;
     let ids: Vec<i64> = row.try_get::<Option<Vec<i64>>, _>(0)?.unwrap_or_default();
     telemetry::published(queue, ids.len() as u64);
     Ok(ids)

@@ -6,22 +6,27 @@ use sqlx::PgConnection;
 
 use crate::error::Result;
 use crate::message::validate_queue;
+use crate::scope::Scope;
 use crate::sql;
 use crate::store::rows::{stored_from_row, StoredRow};
 
 /// Live rows of `queue` on `conn` ([`crate::Outbox::pending`]).
 pub(crate) async fn pending(
     sql: &sql::read::Read,
+    scope: Scope,
     conn: &mut PgConnection,
     queue: &str,
     limit: usize,
 ) -> Result<Vec<StoredRow>> {
     validate_queue(queue)?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let rows = sqlx::query(sql.pending.clone())
+    let mut db = scope.on(conn).await?;
+    let rows = scope
+        .query(sql.pending.clone())
         .bind(queue)
         .bind(limit)
-        .fetch_all(conn)
+        .fetch_all(&mut *db)
         .await?;
+    db.done().await?;
     rows.iter().map(stored_from_row).collect()
 }

@@ -142,6 +142,7 @@ use sqlx::{PgConnection, Row};
 
 use crate::error::{Error, Result};
 use crate::message::{validate_queue, MAX_DELAY};
+use crate::scope::Scope;
 use crate::sql;
 use crate::sql::binds::{interval, micros};
 
@@ -375,6 +376,7 @@ pub(crate) fn complete(
 /// Reads the statistics on `conn` ([`crate::Outbox::stats`]).
 pub(crate) async fn read(
     sql: &sql::stats::Stats,
+    scope: Scope,
     dead_letter: bool,
     conn: &mut PgConnection,
     request: &StatsRequest,
@@ -400,7 +402,8 @@ pub(crate) async fn read(
         (StatsMode::Estimate, false, _) => &sql.estimate,
         (StatsMode::Estimate, true, _) => &sql.estimate_queues,
     };
-    let mut query = sqlx::query(statement.clone())
+    let mut query = scope
+        .query(statement.clone())
         .bind(default_ttl)
         .bind(ttl_queues)
         .bind(ttls);
@@ -410,7 +413,9 @@ pub(crate) async fn read(
     if let Some(list) = queues {
         query = query.bind(list);
     }
-    let rows = query.fetch_all(conn).await?;
+    let mut db = scope.on(conn).await?;
+    let rows = query.fetch_all(&mut *db).await?;
+    db.done().await?;
     let out = rows
         .iter()
         .map(|r| decode(r, request.mode))

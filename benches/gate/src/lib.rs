@@ -9,6 +9,7 @@
 //! probe       the server's counters: statements, WAL, tuples
 //! recorder    the worker's metrics, read while a scenario runs
 //! payload     the benchmark's message type (`#[outbox::timer]`)
+//! pgbouncer   a PgBouncer in transaction mode with the deployment guide's settings
 //! scenarios   the scenarios and one run of each
 //! report      printing, the baseline file, the gate's comparison
 //! session     the server a run measures (a throwaway cluster or --dsn) and its connection
@@ -21,6 +22,7 @@
 
 pub mod cluster;
 pub mod payload;
+pub mod pgbouncer;
 pub mod probe;
 pub mod recorder;
 pub mod replica;

@@ -10,6 +10,7 @@
 //! cargo run --release -p outbox-lab -- faults                 # the fault matrix (docs/reliability.md)
 //! cargo run --release -p outbox-lab -- processes              # 1, 2, 4 worker processes
 //! cargo run --release -p outbox-lab -- stats --rows 1000000   # the cost of Outbox::stats
+//! cargo run --release -p outbox-lab -- pgbouncer              # transaction_pooler vs direct
 //! cargo run --release -p outbox-lab --features opentelemetry -- run --only …   # with spans
 //! ```
 //!
@@ -22,6 +23,7 @@ mod long;
 #[cfg(feature = "opentelemetry")]
 mod otel;
 mod peer;
+mod pgbouncer;
 mod plot;
 mod processes;
 mod scale;
@@ -67,6 +69,9 @@ enum Cmd {
     /// The cost of the queue statistics (`Outbox::stats`, exact and estimate) at 10⁶ rows,
     /// in a database of its own created and dropped on `--server`.
     Stats(stats::StatsArgs),
+    /// The cost of `transaction_pooler(true)`, direct and through PgBouncer: publish and
+    /// worker rows/s (a Markdown table for the lab notes).
+    Pgbouncer(pgbouncer::PgBouncerArgs),
 }
 
 /// `run`: the gate's options and the lab's.
@@ -103,6 +108,7 @@ async fn main() -> ExitCode {
                 .await
                 .map(|()| ExitCode::SUCCESS),
             Cmd::Stats(a) => stats::run(a).await,
+            Cmd::Pgbouncer(a) => pgbouncer::run(a).await,
         }
     };
     let result = tokio::select! {

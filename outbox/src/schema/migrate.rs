@@ -27,6 +27,7 @@ use super::problem::LockHolder;
 use super::shape::{self, LiveCheck, LiveIndex};
 use crate::error::{Error, Result};
 use crate::names::Names;
+use crate::scope::Scope;
 use crate::sql::catalog;
 use crate::sql::ddl::{
     Ddl, Done, Step, Table, ADVISORY_TRY_LOCK, ADVISORY_TRY_SESSION_LOCK, ADVISORY_UNLOCK,
@@ -279,8 +280,9 @@ async fn table_facts(db: &mut PgConnection, qualified: &str) -> Result<TableFact
         oid: Some(oid),
         columns,
         parameters,
-        indexes: shape::live_indexes(&mut *db, qualified).await?,
-        checks: shape::live_checks(&mut *db, qualified).await?,
+        // migrate() runs only on a session (SPEC §13): refused through a pooler.
+        indexes: shape::live_indexes(&mut *db, Scope::Session, qualified).await?,
+        checks: shape::live_checks(&mut *db, Scope::Session, qualified).await?,
     })
 }
 
@@ -695,15 +697,26 @@ fn migrate_key(names: &Names) -> String {
 pub(crate) async fn applied(
     ddl: &Ddl,
     names: &Names,
+    scope: Scope,
     pool: &PgPool,
 ) -> Result<Vec<AppliedMigration>> {
-    if oid(pool, &names.qversions).await?.is_none() {
+    let mut db = scope.acquire(pool).await?;
+    let exists = scope
+        .query_scalar::<Option<i64>>(catalog::TABLE_OID)
+        .bind(&names.qversions)
+        .fetch_one(&mut *db)
+        .await?
+        .is_some();
+    if !exists {
+        db.done().await?;
         return Ok(Vec::new());
     }
-    sqlx::query(ddl.versions_list.clone())
-        .fetch_all(pool)
-        .await?
-        .iter()
+    let rows = scope
+        .query(ddl.versions_list.clone())
+        .fetch_all(&mut *db)
+        .await?;
+    db.done().await?;
+    rows.iter()
         .map(|r| {
             Ok(AppliedMigration {
                 version: r.try_get(0)?,

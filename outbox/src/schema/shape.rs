@@ -9,6 +9,7 @@ use sqlx::Row;
 
 use crate::error::Result;
 use crate::names::Names;
+use crate::scope::Scope;
 use crate::sql::catalog;
 
 /// The default queue table name. Its dead-letter table is `outbox_dlq`, and both live in the
@@ -199,9 +200,11 @@ impl WantedCheck {
 /// Every index of the table named `qualified` (none if it does not exist).
 pub(crate) async fn live_indexes(
     db: impl sqlx::PgExecutor<'_>,
+    scope: Scope,
     qualified: &str,
 ) -> Result<Vec<LiveIndex>> {
-    let rows = sqlx::query(catalog::INDEXES)
+    let rows = scope
+        .query(catalog::INDEXES)
         .bind(qualified)
         .fetch_all(db)
         .await?;
@@ -221,9 +224,11 @@ pub(crate) async fn live_indexes(
 /// Every CHECK constraint of the table named `qualified` (none if it does not exist).
 pub(crate) async fn live_checks(
     db: impl sqlx::PgExecutor<'_>,
+    scope: Scope,
     qualified: &str,
 ) -> Result<Vec<LiveCheck>> {
-    let rows = sqlx::query(catalog::CHECKS)
+    let rows = scope
+        .query(catalog::CHECKS)
         .bind(qualified)
         .fetch_all(db)
         .await?;

@@ -3,12 +3,13 @@
 
 use std::collections::HashMap;
 
-use sqlx::{PgPool, Row};
+use sqlx::{PgConnection, PgPool, Row};
 
 use super::problem::SchemaProblem;
 use super::shape::{self, LiveIndex, WantedIndex};
 use crate::error::{Error, Result};
 use crate::names::Names;
+use crate::scope::Scope;
 use crate::sql::catalog;
 
 /// `(column, format_type output, NOT NULL, added by an upgrade of older deployments)`.
@@ -57,10 +58,34 @@ const PAUSED_COLUMNS: &[(&str, &str, bool, bool)] = &[
     ("paused_at", "timestamp with time zone", true, true),
 ];
 
-pub(crate) async fn validate(n: &Names, dead_letter: bool, pool: &PgPool) -> Result<()> {
+pub(crate) async fn validate(
+    n: &Names,
+    dead_letter: bool,
+    scope: Scope,
+    pool: &PgPool,
+) -> Result<()> {
+    // One connection for every catalog read; through a pooler, one transaction.
+    let mut db = scope.acquire(pool).await?;
+    let problems = problems(n, dead_letter, scope, &mut db).await?;
+    db.done().await?;
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::SchemaMismatch { problems })
+    }
+}
+
+/// Every problem of the live schema, read on `db`.
+async fn problems(
+    n: &Names,
+    dead_letter: bool,
+    scope: Scope,
+    db: &mut PgConnection,
+) -> Result<Vec<SchemaProblem>> {
     let mut problems = Vec::new();
     let table_exists = check_columns(
-        pool,
+        &mut *db,
+        scope,
         &n.qtable,
         &n.table_name,
         QUEUE_COLUMNS,
@@ -69,12 +94,13 @@ pub(crate) async fn validate(n: &Names, dead_letter: bool, pool: &PgPool) -> Res
     )
     .await?;
     if table_exists {
-        check_queue_indexes(pool, n, &mut problems).await?;
-        check_queue_constraints(pool, n, &mut problems).await?;
+        check_queue_indexes(&mut *db, scope, n, &mut problems).await?;
+        check_queue_constraints(&mut *db, scope, n, &mut problems).await?;
         // The claim reads the paused queues inside its statement: without the table every
         // claim fails.
         check_columns(
-            pool,
+            &mut *db,
+            scope,
             &n.qpaused,
             &n.paused_name,
             PAUSED_COLUMNS,
@@ -85,7 +111,8 @@ pub(crate) async fn validate(n: &Names, dead_letter: bool, pool: &PgPool) -> Res
     }
     if dead_letter {
         let dlq_exists = check_columns(
-            pool,
+            &mut *db,
+            scope,
             &n.qdlq,
             &n.dlq_name,
             DLQ_COLUMNS,
@@ -94,17 +121,13 @@ pub(crate) async fn validate(n: &Names, dead_letter: bool, pool: &PgPool) -> Res
         )
         .await?;
         if dlq_exists {
-            let live = shape::live_indexes(pool, &n.qdlq).await?;
+            let live = shape::live_indexes(&mut *db, scope, &n.qdlq).await?;
             for want in shape::dlq_indexes(n) {
                 check_index(&n.dlq_name, &want, &live, &mut problems);
             }
         }
     }
-    if problems.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::SchemaMismatch { problems })
-    }
+    Ok(problems)
 }
 
 fn problem(
@@ -121,16 +144,18 @@ fn problem(
 
 /// Returns whether the table exists.
 async fn check_columns(
-    pool: &PgPool,
+    db: &mut PgConnection,
+    scope: Scope,
     qualified: &str,
     table: &str,
     wanted: &[(&str, &str, bool, bool)],
     added_by_upgrade: bool,
     problems: &mut Vec<SchemaProblem>,
 ) -> Result<bool> {
-    let oid: Option<i64> = sqlx::query_scalar(catalog::TABLE_OID)
+    let oid: Option<i64> = scope
+        .query_scalar(catalog::TABLE_OID)
         .bind(qualified)
-        .fetch_one(pool)
+        .fetch_one(&mut *db)
         .await?;
     let Some(oid) = oid else {
         // A table an upgrade adds gets the upgrade's hint from `SchemaProblem`'s display.
@@ -142,9 +167,10 @@ async fn check_columns(
         problems.push(problem(table, message, added_by_upgrade));
         return Ok(false);
     };
-    let rows = sqlx::query(catalog::COLUMNS)
+    let rows = scope
+        .query(catalog::COLUMNS)
         .bind(oid)
-        .fetch_all(pool)
+        .fetch_all(&mut *db)
         .await?;
     let mut live: HashMap<String, (String, bool)> = HashMap::new();
     for r in rows {
@@ -217,11 +243,12 @@ fn check_index(
 }
 
 async fn check_queue_indexes(
-    pool: &PgPool,
+    db: &mut PgConnection,
+    scope: Scope,
     n: &Names,
     problems: &mut Vec<SchemaProblem>,
 ) -> Result<()> {
-    let live = shape::live_indexes(pool, &n.qtable).await?;
+    let live = shape::live_indexes(&mut *db, scope, &n.qtable).await?;
     for want in shape::queue_indexes(n) {
         check_index(&n.table_name, &want, &live, problems);
     }
@@ -229,11 +256,12 @@ async fn check_queue_indexes(
 }
 
 async fn check_queue_constraints(
-    pool: &PgPool,
+    db: &mut PgConnection,
+    scope: Scope,
     n: &Names,
     problems: &mut Vec<SchemaProblem>,
 ) -> Result<()> {
-    let live = shape::live_checks(pool, &n.qtable).await?;
+    let live = shape::live_checks(&mut *db, scope, &n.qtable).await?;
     for want in shape::queue_checks(n) {
         let object = format!("{}: constraint {}", n.table_name, want.name);
         let def = want.def;

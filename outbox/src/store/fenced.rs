@@ -6,17 +6,20 @@
 //! lock), a handler's transaction hands [`ack_on`] itself
 //! ([`HandlerTransaction::commit`](crate::HandlerTransaction::commit)). The arm of a
 //! periodic run's next instant (`sql::periodic`) is fenced the same way and lives here too.
+//! Each takes its connection as a [`Db`] picked by the outbox's [`Scope`] and finishes it
+//! (commits the library's own transaction through a pooler; nothing otherwise).
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::postgres::{PgPool, PgRow};
-use sqlx::{PgConnection, Row};
+use sqlx::postgres::PgRow;
+use sqlx::Row;
 use uuid::Uuid;
 
 use super::{clean_error_text, Armed, Completion, Failure, Lease, Release, Released, Renewal};
 use crate::error::{Error, Result};
+use crate::scope::{Db, Scope};
 use crate::sql::binds::{interval, micros};
 use crate::sql::complete::Complete;
 use crate::sql::periodic::Periodic;
@@ -27,22 +30,27 @@ use crate::sql::periodic::Periodic;
 /// On `db`: a connection of the store's pools, or a handler's transaction.
 pub(crate) async fn ack_on(
     sql: &Complete,
-    db: &mut PgConnection,
+    scope: Scope,
+    mut db: Db<'_>,
     lease: Lease,
 ) -> Result<Completion> {
-    let done = sqlx::query(sql.ack_delete.clone())
+    let done = scope
+        .query(sql.ack_delete.clone())
         .bind(lease.id)
         .bind(lease.token)
         .execute(&mut *db)
         .await?;
     if done.rows_affected() == 1 {
+        db.done().await?;
         return Ok(Completion::Deleted);
     }
-    let row = sqlx::query(sql.ack_settle.clone())
+    let row = scope
+        .query(sql.ack_settle.clone())
         .bind(lease.id)
         .bind(lease.token)
         .fetch_one(&mut *db)
         .await?;
+    db.done().await?;
     settled(&row)
 }
 
@@ -50,33 +58,37 @@ pub(crate) async fn ack_on(
 /// queued, or the lease lost) go to one follow-up statement.
 pub(crate) async fn ack_batch_delete_on(
     sql: &Complete,
-    db: &PgPool,
+    scope: Scope,
+    mut db: Db<'_>,
     leases: &[Lease],
 ) -> Result<HashSet<Lease>> {
     let (ids, tokens) = columns(leases.iter().copied());
-    sqlx::query(sql.ack_batch_delete.clone())
+    let rows = scope
+        .query(sql.ack_batch_delete.clone())
         .bind(&ids)
         .bind(&tokens)
-        .fetch_all(db)
-        .await?
-        .iter()
-        .map(lease_at)
-        .collect()
+        .fetch_all(&mut *db)
+        .await?;
+    db.done().await?;
+    rows.iter().map(lease_at).collect()
 }
 
 /// The batched follow-up for the rows the DELETE did not return: applies their rearm, or
 /// deletes them; a lease missing from the result is lost.
 pub(crate) async fn ack_batch_settle_on(
     sql: &Complete,
-    db: &PgPool,
+    scope: Scope,
+    mut db: Db<'_>,
     leases: &[Lease],
 ) -> Result<HashMap<Lease, Completion>> {
     let (ids, tokens) = columns(leases.iter().copied());
-    let rows = sqlx::query(sql.ack_batch_settle.clone())
+    let rows = scope
+        .query(sql.ack_batch_settle.clone())
         .bind(&ids)
         .bind(&tokens)
-        .fetch_all(db)
+        .fetch_all(&mut *db)
         .await?;
+    db.done().await?;
     let mut settled = HashMap::new();
     for r in rows {
         let at: Option<DateTime<Utc>> = r.try_get(2)?;
@@ -90,16 +102,19 @@ pub(crate) async fn ack_batch_settle_on(
 
 pub(crate) async fn retry_on(
     sql: &Complete,
-    db: &PgPool,
+    scope: Scope,
+    mut db: Db<'_>,
     lease: Lease,
     delay: Duration,
 ) -> Result<Completion> {
-    let row = sqlx::query(sql.retry.clone())
+    let row = scope
+        .query(sql.retry.clone())
         .bind(lease.id)
         .bind(lease.token)
         .bind(interval(micros(delay)?))
-        .fetch_one(db)
+        .fetch_one(&mut *db)
         .await?;
+    db.done().await?;
     let locked: i64 = row.try_get(0)?;
     let at: Option<DateTime<Utc>> = row.try_get(1)?;
     let rearmed: Option<bool> = row.try_get(2)?;
@@ -114,39 +129,46 @@ pub(crate) async fn retry_on(
 
 pub(crate) async fn fail_on(
     sql: &Complete,
-    db: &PgPool,
+    scope: Scope,
+    mut db: Db<'_>,
     archive: bool,
     lease: Lease,
     failure: Failure<'_>,
 ) -> Result<Completion> {
     if !archive {
         // Without a dead-letter table a terminal failure ends the row like a success.
-        let cancelled: Option<bool> = sqlx::query_scalar(sql.fail_delete.clone())
+        let cancelled: Option<bool> = scope
+            .query_scalar(sql.fail_delete.clone())
             .bind(lease.id)
             .bind(lease.token)
-            .fetch_optional(db)
+            .fetch_optional(&mut *db)
             .await?;
-        return match cancelled {
-            Some(true) => Ok(Completion::Cancelled),
-            Some(false) => Ok(Completion::Deleted),
+        let outcome = match cancelled {
+            Some(true) => Completion::Cancelled,
+            Some(false) => Completion::Deleted,
             None => {
-                let row = sqlx::query(sql.ack_settle.clone())
+                let row = scope
+                    .query(sql.ack_settle.clone())
                     .bind(lease.id)
                     .bind(lease.token)
-                    .fetch_one(db)
+                    .fetch_one(&mut *db)
                     .await?;
-                settled(&row)
+                settled(&row)?
             }
         };
+        db.done().await?;
+        return Ok(outcome);
     }
-    let row = sqlx::query(sql.fail_archive.clone())
+    let row = scope
+        .query(sql.fail_archive.clone())
         .bind(lease.id)
         .bind(lease.token)
         .bind(failure.reason.as_str())
         .bind(failure.last_error.map(clean_error_text))
         .bind(i32::from(failure.reason.handler_ran()))
-        .fetch_one(db)
+        .fetch_one(&mut *db)
         .await?;
+    db.done().await?;
     if row.try_get::<Option<bool>, _>(3)? == Some(true) {
         return Ok(Completion::Cancelled);
     }
@@ -155,15 +177,18 @@ pub(crate) async fn fail_on(
 
 pub(crate) async fn renew_on(
     sql: &Complete,
-    db: &PgPool,
+    scope: Scope,
+    mut db: Db<'_>,
     leases: &[Lease],
 ) -> Result<Vec<Renewal>> {
     let (ids, tokens) = columns(leases.iter().copied());
-    let rows = sqlx::query(sql.renew.clone())
+    let rows = scope
+        .query(sql.renew.clone())
         .bind(&ids)
         .bind(&tokens)
-        .fetch_all(db)
+        .fetch_all(&mut *db)
         .await?;
+    db.done().await?;
     let mut held = HashMap::new();
     for r in rows {
         let lease = lease_at(&r)?;
@@ -185,17 +210,20 @@ pub(crate) async fn renew_on(
 
 pub(crate) async fn release_on(
     sql: &Complete,
-    db: &PgPool,
+    scope: Scope,
+    mut db: Db<'_>,
     items: &[Release],
 ) -> Result<Vec<Released>> {
     let (ids, tokens) = columns(items.iter().map(|r| r.lease));
     let started: Vec<bool> = items.iter().map(|r| r.started).collect();
-    let rows = sqlx::query(sql.release.clone())
+    let rows = scope
+        .query(sql.release.clone())
         .bind(&ids)
         .bind(&tokens)
         .bind(&started)
-        .fetch_all(db)
+        .fetch_all(&mut *db)
         .await?;
+    db.done().await?;
     let mut done = HashMap::new();
     for r in rows {
         let lease = lease_at(&r)?;
@@ -244,16 +272,19 @@ fn settled(row: &PgRow) -> Result<Completion> {
 /// `arm_next` on `db`: one locking statement, see [`Armed`].
 pub(crate) async fn arm_next_on(
     sql: &Periodic,
-    db: &PgPool,
+    scope: Scope,
+    mut db: Db<'_>,
     lease: Lease,
     at: DateTime<Utc>,
 ) -> Result<Armed> {
-    let row = sqlx::query(sql.arm_next.clone())
+    let row = scope
+        .query(sql.arm_next.clone())
         .bind(lease.id)
         .bind(lease.token)
         .bind(at)
-        .fetch_one(db)
+        .fetch_one(&mut *db)
         .await?;
+    db.done().await?;
     let locked: i64 = row.try_get(0)?;
     let cancelled: Option<bool> = row.try_get(1)?;
     let stored: Option<DateTime<Utc>> = row.try_get(2)?;

@@ -59,6 +59,7 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 use crate::message::{Headers, MAX_DELAY};
+use crate::scope::Scope;
 use crate::sql::complete::Complete;
 use crate::stats::{QueueStats, StatsRequest};
 
@@ -85,11 +86,16 @@ pub use self::rows::{DeadLetter, StoredRow};
 pub struct TransactionSource {
     pub(crate) pool: sqlx::PgPool,
     pub(crate) complete: Complete,
+    pub(crate) scope: Scope,
 }
 
 impl TransactionSource {
-    pub(crate) fn new(pool: sqlx::PgPool, complete: Complete) -> Self {
-        TransactionSource { pool, complete }
+    pub(crate) fn new(pool: sqlx::PgPool, complete: Complete, scope: Scope) -> Self {
+        TransactionSource {
+            pool,
+            complete,
+            scope,
+        }
     }
 }
 
@@ -732,6 +738,15 @@ pub trait Store: sealed::Sealed + Clone + Send + Sync + 'static {
     /// `build()` checks it against the connections the worker needs.
     fn max_connections(&self) -> Option<u32> {
         None
+    }
+
+    /// Whether the store reaches Postgres through a transaction-mode pooler
+    /// ([`OutboxBuilder::transaction_pooler`](crate::OutboxBuilder::transaction_pooler)),
+    /// where a `LISTEN` would not last beyond its transaction: a worker's `build()` then
+    /// refuses [`listen(true)`](crate::WorkerBuilder::listen). `false` (the default) for
+    /// stores with a session of their own.
+    fn transaction_pooler(&self) -> bool {
+        false
     }
 }
 

@@ -34,6 +34,7 @@ use crate::error::{Error, Result};
 use crate::message::envelope::{Message, Published};
 use crate::message::validate_queue;
 use crate::outbox::Outbox;
+use crate::scope::{Db, Scope};
 use crate::sql::binds::{interval, micros};
 use crate::sql::complete::Complete;
 use crate::sql::periodic::Periodic;
@@ -60,7 +61,7 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 /// | for | from | at most |
 /// |---|---|---|
 /// | claims, wake-up reads; handlers' own transactions ([`Context::begin`](crate::Context::begin)); a completion that must wait for a row lock; the queue-depth gauge's read of the statistics, when on | the pool you give | 1 + one per handler slot (its transaction while it runs, or its completion after), + 1 with the queue-depth gauge |
-/// | completions, lease renewal, release at shutdown | a second pool the store opens on first use, with your pool's connect options (not its `after_connect` hooks: put session settings such as `synchronous_commit` in the connect options) and size, plus `lock_timeout = 200ms` | `concurrency + 2` |
+/// | completions, lease renewal, release at shutdown | a second pool the store opens on first use, with your pool's connect options (not its `after_connect` hooks: put session settings such as `synchronous_commit` in the connect options) and size, plus `lock_timeout = 200ms` (a startup parameter; through a transaction-mode pooler, [`transaction_pooler`](crate::OutboxBuilder::transaction_pooler), a `SET LOCAL` in each write's transaction instead) | `concurrency + 2` |
 /// | `LISTEN` for wake-ups | a connection of its own, outside both pools | 1 |
 ///
 /// Completions, renewal and release run with a short `lock_timeout` because an application
@@ -135,13 +136,33 @@ impl PgStore {
         &self.outbox.sql().complete
     }
 
+    fn scope(&self) -> Scope {
+        self.outbox.scope()
+    }
+
+    /// A connection for a write with the short `lock_timeout` (see the type's docs).
+    async fn fenced_db(&self) -> Result<Db<'static>> {
+        self.scope()
+            .acquire_fenced(self.fenced(), LOCK_TIMEOUT)
+            .await
+    }
+
+    /// A connection of the caller's pool for statements that commit on their own.
+    async fn pool_db(&self) -> Result<Db<'static>> {
+        self.scope().acquire(&self.pool).await
+    }
+
     /// The pool with a short `lock_timeout` (see the type's docs).
     fn fenced(&self) -> &PgPool {
         self.fenced.get_or_init(|| {
             let ms = LOCK_TIMEOUT.as_millis().to_string() + "ms";
-            let options = (*self.pool.connect_options())
-                .clone()
-                .options([("lock_timeout", ms.as_str())]);
+            let options = (*self.pool.connect_options()).clone();
+            // Through a transaction-mode pooler the startup parameter would be refused (or
+            // dropped): each write sets it with SET LOCAL instead (`Scope::acquire_fenced`).
+            let options = match self.scope() {
+                Scope::Session => options.options([("lock_timeout", ms.as_str())]),
+                Scope::Transaction => options,
+            };
             let of = self.pool.options();
             PgPoolOptions::new()
                 .max_connections(of.get_max_connections())
@@ -176,9 +197,10 @@ impl PgStore {
         }
         let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
         let sql = &self.outbox.sql().claim;
+        let scope = self.scope();
         let query = match request.only {
-            None => sqlx::query(sql.claim.clone()),
-            Some(_) => sqlx::query(sql.claim_only.clone()),
+            None => scope.query(sql.claim.clone()),
+            Some(_) => scope.query(sql.claim_only.clone()),
         }
         .bind(&queues)
         .bind(limit)
@@ -246,13 +268,13 @@ impl PgStore {
 
     /// Runs a single-row write on the fenced pool; if it timed out on a row lock, runs it
     /// again on the caller's pool, where it may wait (it holds no other row lock).
-    async fn single<'a, T, F, Fut>(&'a self, write: F) -> Result<T>
+    async fn single<T, F, Fut>(&self, write: F) -> Result<T>
     where
-        F: Fn(&'a PgPool) -> Fut,
+        F: Fn(Db<'static>) -> Fut,
         Fut: Future<Output = Result<T>>,
     {
-        match write(self.fenced()).await {
-            Err(e) if e.is_lock_timeout() => write(&self.pool).await,
+        match write(self.fenced_db().await?).await {
+            Err(e) if e.is_lock_timeout() => write(self.pool_db().await?).await,
             done => done,
         }
     }
@@ -262,20 +284,18 @@ impl super::sealed::Sealed for PgStore {}
 
 impl Store for PgStore {
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Delivery>> {
-        let mut conn = match self.pool.acquire().await {
+        let mut conn = match self.pool_db().await {
             Ok(c) => c,
-            Err(e) => return Err(explain(&self.pool, e.into()).await),
+            Err(e) => return Err(explain(&self.pool, e).await),
         };
-        self.claim_with(&mut conn, request).await
+        let claimed = self.claim_with(&mut conn, request).await?;
+        conn.done().await?;
+        Ok(claimed)
     }
 
     async fn ack(&self, lease: Lease) -> Result<Completion> {
-        let sql = self.sql();
-        self.single(|db| async move {
-            let mut conn = db.acquire().await?;
-            ack_on(sql, &mut conn, lease).await
-        })
-        .await
+        let (sql, scope) = (self.sql(), self.scope());
+        self.single(|db| ack_on(sql, scope, db, lease)).await
     }
 
     async fn ack_batch(&self, leases: &[Lease]) -> Result<Vec<Completion>> {
@@ -293,8 +313,8 @@ impl Store for PgStore {
                 .map(|(l, c)| c.map(|c| (l, c)))
                 .collect::<Result<HashMap<Lease, Completion>>>()
         };
-        let sql = self.sql();
-        let deleted = match ack_batch_delete_on(sql, self.fenced(), leases).await {
+        let (sql, scope) = (self.sql(), self.scope());
+        let deleted = match ack_batch_delete_on(sql, scope, self.fenced_db().await?, leases).await {
             Ok(d) => d,
             Err(e) if e.is_lock_timeout() || e.is_row_fault() => {
                 let done = one_by_one(leases.to_vec()).await?;
@@ -311,7 +331,7 @@ impl Store for PgStore {
         let settled = if rest.is_empty() {
             HashMap::new()
         } else {
-            match ack_batch_settle_on(sql, self.fenced(), &rest).await {
+            match ack_batch_settle_on(sql, scope, self.fenced_db().await?, &rest).await {
                 Err(e) if e.is_lock_timeout() || e.is_row_fault() => one_by_one(rest).await?,
                 done => done?,
             }
@@ -330,14 +350,15 @@ impl Store for PgStore {
 
     async fn retry(&self, lease: Lease, delay: Duration) -> Result<Completion> {
         check_retry_delay(delay)?;
-        let sql = self.sql();
-        self.single(|db| retry_on(sql, db, lease, delay)).await
+        let (sql, scope) = (self.sql(), self.scope());
+        self.single(|db| retry_on(sql, scope, db, lease, delay))
+            .await
     }
 
     async fn fail(&self, lease: Lease, failure: Failure<'_>) -> Result<Completion> {
-        let sql = self.sql();
+        let (sql, scope) = (self.sql(), self.scope());
         let archive = self.outbox.dead_letter_enabled();
-        self.single(|db| fail_on(sql, db, archive, lease, failure))
+        self.single(|db| fail_on(sql, scope, db, archive, lease, failure))
             .await
     }
 
@@ -345,13 +366,14 @@ impl Store for PgStore {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        let sql = self.sql();
-        match renew_on(sql, self.fenced(), leases).await {
+        let (sql, scope) = (self.sql(), self.scope());
+        match renew_on(sql, scope, self.fenced_db().await?, leases).await {
             // A row locked by another transaction (an extend): renew the rest one at a time,
             // and report the locked one as busy, not lost, without waiting for it.
             Err(e) if e.is_lock_timeout() => {
                 let singles = join_all(leases.iter().map(|l| async move {
-                    match renew_on(sql, self.fenced(), std::slice::from_ref(l)).await {
+                    let db = self.fenced_db().await?;
+                    match renew_on(sql, scope, db, std::slice::from_ref(l)).await {
                         Ok(r) => Ok(r[0]),
                         Err(e) if e.is_lock_timeout() => Ok(Renewal::Busy),
                         Err(e) => Err(e),
@@ -368,12 +390,12 @@ impl Store for PgStore {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        let sql = self.sql();
-        match release_on(sql, self.fenced(), items).await {
+        let (sql, scope) = (self.sql(), self.scope());
+        match release_on(sql, scope, self.fenced_db().await?, items).await {
             Err(e) if e.is_lock_timeout() || e.is_row_fault() => {
                 let singles = join_all(items.iter().map(|item| async move {
                     let one = std::slice::from_ref(item);
-                    self.single(|db| release_on(sql, db, one))
+                    self.single(|db| release_on(sql, scope, db, one))
                         .await
                         .map(|r| r[0])
                 }))
@@ -390,14 +412,19 @@ impl Store for PgStore {
         lease_ttl: Duration,
         failure: Failure<'_>,
     ) -> Result<Completion> {
-        let deleted: i64 = sqlx::query_scalar(self.sql().fail_unclaimed.clone())
+        let ttl = interval(micros(lease_ttl)?);
+        let mut db = self.pool_db().await?;
+        let deleted: i64 = self
+            .scope()
+            .query_scalar(self.sql().fail_unclaimed.clone())
             .bind(id)
-            .bind(interval(micros(lease_ttl)?))
+            .bind(ttl)
             .bind(failure.reason.as_str())
             .bind(failure.last_error.map(clean_error_text))
             .bind(self.outbox.dead_letter_enabled())
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *db)
             .await?;
+        db.done().await?;
         Ok(if deleted > 0 {
             Completion::Deleted
         } else {
@@ -407,26 +434,38 @@ impl Store for PgStore {
 
     async fn arm_next(&self, lease: Lease, at: DateTime<Utc>) -> Result<Armed> {
         check_instant("at", at)?;
-        let sql = &self.outbox.sql().periodic;
-        self.single(|db| arm_next_on(sql, db, lease, at)).await
+        let (sql, scope) = (&self.outbox.sql().periodic, self.scope());
+        self.single(|db| arm_next_on(sql, scope, db, lease, at))
+            .await
     }
 
     async fn register_schedule(&self, request: RegisterSchedule<'_>) -> Result<Registered> {
         // On the caller's pool: a registration may wait for a claim's or a completion's row
         // lock, and holds no other.
-        register_on(&self.outbox.sql().periodic, &self.pool, request).await
+        register_on(
+            &self.outbox.sql().periodic,
+            self.scope(),
+            &self.pool,
+            request,
+        )
+        .await
     }
 
     async fn next_wakeup(&self, request: ClaimRequest<'_>) -> Result<NextWakeup> {
         for q in request.queues {
             validate_queue(q)?;
         }
-        let row = sqlx::query(self.outbox.sql().claim.next_wakeup.clone())
+        let ttl = interval(micros(request.lease_ttl)?);
+        let mut db = self.pool_db().await?;
+        let row = self
+            .scope()
+            .query(self.outbox.sql().claim.next_wakeup.clone())
             .bind(request.queues)
-            .bind(interval(micros(request.lease_ttl)?))
+            .bind(ttl)
             .bind(request.exclude)
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *db)
             .await?;
+        db.done().await?;
         Ok(NextWakeup {
             now: row.try_get(0)?,
             deadline: row.try_get(1)?,
@@ -445,14 +484,18 @@ impl Store for PgStore {
             return Ok(Vec::new());
         }
         let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
-        let rows = sqlx::query(self.outbox.sql().claim.peek.clone())
+        let mut db = self.pool_db().await?;
+        let rows = self
+            .scope()
+            .query(self.outbox.sql().claim.peek.clone())
             .bind(queues)
             .bind(limit)
             .bind(ttl)
             .bind(request.exclude)
             .bind(caps)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *db)
             .await?;
+        db.done().await?;
         rows.iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
             .collect()
@@ -465,9 +508,14 @@ impl Store for PgStore {
     }
 
     async fn now(&self) -> Result<DateTime<Utc>> {
-        Ok(sqlx::query_scalar(self.outbox.sql().claim.now.clone())
-            .fetch_one(&self.pool)
-            .await?)
+        let mut db = self.pool_db().await?;
+        let now = self
+            .scope()
+            .query_scalar(self.outbox.sql().claim.now.clone())
+            .fetch_one(&mut *db)
+            .await?;
+        db.done().await?;
+        Ok(now)
     }
 
     fn dead_letter_enabled(&self) -> bool {
@@ -478,17 +526,21 @@ impl Store for PgStore {
         Some(TransactionSource::new(
             self.pool.clone(),
             self.outbox.sql().complete.clone(),
+            self.scope(),
         ))
     }
 
     /// One catalog read: the `autovacuum` setting and the queue table's
     /// `autovacuum_enabled` storage parameter.
     async fn autovacuum_off(&self) -> Result<Option<AutovacuumOff>> {
-        let (exists, server, table): (bool, bool, bool) =
-            sqlx::query_as(crate::sql::catalog::AUTOVACUUM_OFF)
-                .bind(self.outbox.table())
-                .fetch_one(&self.pool)
-                .await?;
+        let mut db = self.pool_db().await?;
+        let (exists, server, table): (bool, bool, bool) = self
+            .scope()
+            .query_as(crate::sql::catalog::AUTOVACUUM_OFF)
+            .bind(self.outbox.table())
+            .fetch_one(&mut *db)
+            .await?;
+        db.done().await?;
         if !exists {
             // Asked at start-up: a worker started before `migrate()` hears it here first.
             return Err(Error::NotMigrated {
@@ -510,6 +562,10 @@ impl Store for PgStore {
     /// The pool's `max_connections` (the store's own pool has the same size).
     fn max_connections(&self) -> Option<u32> {
         Some(self.pool.options().get_max_connections())
+    }
+
+    fn transaction_pooler(&self) -> bool {
+        self.outbox.transaction_pooler()
     }
 }
 
@@ -535,18 +591,22 @@ impl Publisher for &PgStore {
 /// `register` on `db`: one `INSERT … ON CONFLICT DO UPDATE`, see [`Registered`].
 pub(crate) async fn register_on(
     sql: &Periodic,
-    db: &PgPool,
+    scope: Scope,
+    pool: &PgPool,
     request: RegisterSchedule<'_>,
 ) -> Result<Registered> {
     request.validate()?;
-    let row = sqlx::query(sql.register.clone())
+    let mut db = scope.acquire(pool).await?;
+    let row = scope
+        .query(sql.register.clone())
         .bind(request.queue)
         .bind(request.timer_id)
         .bind(request.payload)
         .bind(Json(request.headers))
         .bind(request.first)
-        .fetch_optional(db)
+        .fetch_optional(&mut *db)
         .await?;
+    db.done().await?;
     let Some(row) = row else {
         return Ok(Registered::Unchanged);
     };

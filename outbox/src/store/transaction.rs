@@ -25,6 +25,7 @@ use tokio::sync::watch;
 
 use super::{Completion, Lease, TransactionSource};
 use crate::error::{Error, Result};
+use crate::scope::{Db, Scope};
 use crate::sql::complete::Complete;
 
 /// Where one run's transaction stands (see the module docs).
@@ -154,6 +155,7 @@ impl TransactionAccess {
         Ok(HandlerTransaction {
             tx: Some(tx),
             complete: source.complete.clone(),
+            scope: source.scope,
             access: self.clone(),
         })
     }
@@ -178,6 +180,8 @@ pub struct HandlerTransaction {
     tx: Option<sqlx::Transaction<'static, Postgres>>,
     /// The statements of the row's completion (its outbox's).
     complete: Complete,
+    /// How they are sent (unnamed through a pooler).
+    scope: Scope,
     access: TransactionAccess,
 }
 
@@ -254,7 +258,7 @@ impl HandlerTransaction {
             hooks.committing();
         }
         let complete = self.complete.clone();
-        let task = tokio::spawn(commit_in_task(tx, complete, access.clone()));
+        let task = tokio::spawn(commit_in_task(tx, complete, self.scope, access.clone()));
         match task.await {
             Ok(done) => done,
             Err(e) => {
@@ -290,10 +294,11 @@ impl HandlerTransaction {
 async fn commit_in_task(
     mut tx: sqlx::Transaction<'static, Postgres>,
     complete: Complete,
+    scope: Scope,
     access: TransactionAccess,
 ) -> Result<Completion> {
     let lease = access.lease;
-    let done = super::fenced::ack_on(&complete, &mut tx, lease).await;
+    let done = super::fenced::ack_on(&complete, scope, Db::Borrowed(&mut tx), lease).await;
     let result = match done {
         Ok(Completion::LeaseLost) => {
             let _ = tx.rollback().await;

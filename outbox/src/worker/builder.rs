@@ -286,7 +286,11 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// `LISTEN` belongs to a server session, and such a pooler hands each transaction to any
     /// session, so notifications would be lost or go to the wrong client. Pair it with
     /// [`OutboxBuilder::notify(false)`](crate::OutboxBuilder::notify) on the publishers'
-    /// [`Outbox`](crate::Outbox) to save the `pg_notify` they would send for nobody.
+    /// [`Outbox`](crate::Outbox) to save the `pg_notify` they would send for nobody. A
+    /// worker whose store's outbox is built with
+    /// [`transaction_pooler(true)`](crate::OutboxBuilder::transaction_pooler) must have it
+    /// off: `build()` refuses `listen(true)` there with [`Error::InvalidConfig`], knob
+    /// `listen`.
     pub fn listen(mut self, on: bool) -> Self {
         self.config.listen = on;
         self
@@ -349,7 +353,8 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// [`Error::InvalidConfig`] naming the knob whose value is out of range (or `handlers`
     /// when none is registered, `retry` for a bad strategy, `max_deliveries` for 0,
     /// `queue_depth_gauge` for an interval under 15 s, `max_connections` for a store pool
-    /// smaller than the worker needs);
+    /// smaller than the worker needs, `listen` for a worker that would `LISTEN` through a
+    /// transaction-mode pooler);
     /// [`Error::InvalidArgument`] for a bad raw queue name; [`Error::DuplicateHandler`]
     /// naming both handlers when two serve one queue; for schedules, the errors listed at
     /// [`schedule`](Self::schedule).
@@ -358,6 +363,14 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
             return Err(e);
         }
         self.config.validate()?;
+        // SPEC §13: LISTEN belongs to a server session, which a transaction-mode pooler
+        // does not keep beyond a transaction.
+        if self.config.listen && self.store.transaction_pooler() {
+            return Err(Error::config(
+                "listen",
+                "the store's outbox is built with `transaction_pooler(true)`, and a transaction-mode                  pooler does not keep a LISTEN beyond its transaction: build the worker with                  `listen(false)` (poll-only, with a short `idle_poll`), or give it a store over a                  direct connection",
+            ));
+        }
         if self.routes.is_empty() {
             return Err(Error::config("handlers", "register at least one handler"));
         }

@@ -14,6 +14,7 @@ mod limits;
 mod locks;
 mod managed;
 mod migrate;
+mod pgbouncer;
 mod plans;
 mod processes;
 mod publish;
