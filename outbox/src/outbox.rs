@@ -435,6 +435,9 @@ impl Outbox {
     /// The schema named by [`OutboxBuilder::schema`] must exist.
     ///
     /// # Errors
+    /// [`Error::UnsupportedPostgres`](crate::Error::UnsupportedPostgres) before anything
+    /// else when the server is not PostgreSQL 14 to 18
+    /// ([`SUPPORTED_POSTGRES`](crate::schema::SUPPORTED_POSTGRES));
     /// [`Error::MigrationBlocked`](crate::Error::MigrationBlocked) naming the step and the
     /// sessions that held its tables past the deadline;
     /// [`Error::Database`](crate::Error::Database) if a statement fails (for example
@@ -486,6 +489,8 @@ impl Outbox {
     /// [`Outbox::migrate`] drops and builds it again.
     ///
     /// # Errors
+    /// [`Error::UnsupportedPostgres`](crate::Error::UnsupportedPostgres) before anything
+    /// else when the server is not PostgreSQL 14 to 18;
     /// [`Error::SchemaMismatch`](crate::Error::SchemaMismatch) listing the problems;
     /// [`Error::Database`](crate::Error::Database) if the catalog cannot be read.
     pub async fn validate_schema(&self, pool: &PgPool) -> Result<()> {

@@ -297,6 +297,7 @@ pub(crate) async fn run(
     options: MigrateOptions,
 ) -> Result<()> {
     options.validate()?;
+    super::server::require(pool, super::server::SUPPORTED_POSTGRES).await?;
     let started = Instant::now();
     let mut facts = Facts::read_pool(pool, names).await?;
     let mut recorded = recorded_versions(ddl, pool, &facts).await?;

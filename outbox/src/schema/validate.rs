@@ -58,6 +58,7 @@ const PAUSED_COLUMNS: &[(&str, &str, bool, bool)] = &[
 ];
 
 pub(crate) async fn validate(n: &Names, dead_letter: bool, pool: &PgPool) -> Result<()> {
+    super::server::require(pool, super::server::SUPPORTED_POSTGRES).await?;
     let mut problems = Vec::new();
     let table_exists = check_columns(
         pool,

@@ -18,3 +18,4 @@ mod rearm;
 mod schema;
 mod slack;
 mod stats;
+mod version;
