@@ -854,5 +854,43 @@ async fn commands_run_through_pgbouncer_with_transaction_pooler() {
         "{err}"
     );
     drop(bouncer);
+}
+
+/// The version gate through the binary: on a supported server `migrate` and `validate`
+/// run; on one outside PostgreSQL 14 to 18 (13 in `.ci/run`'s version matrix) both exit 1
+/// with the library's sentence naming the server's version, and nothing is created.
+#[tokio::test]
+async fn postgres_version_decides_whether_migrate_and_validate_run() {
+    let t = Tables::with(true, false).await;
+    let (version, num): (String, i32) = sqlx::query_as(
+        "SELECT current_setting('server_version'), current_setting('server_version_num')::int",
+    )
+    .fetch_one(&t.pool)
+    .await
+    .unwrap();
+    let (low, high) = outbox::schema::SUPPORTED_POSTGRES;
+    let supported = (low..=high).contains(&u32::try_from(num / 10_000).unwrap());
+    for args in [&["migrate"][..], &["validate"][..]] {
+        let out = t.run(args);
+        if supported {
+            assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains(&format!(
+                "PostgreSQL {version} is not supported: this version of outbox runs on \
+                 PostgreSQL 14 to 18"
+            )),
+            "{args:?}: {stderr}"
+        );
+    }
+    let created: Option<i64> = sqlx::query_scalar("SELECT to_regclass($1)::oid::bigint")
+        .bind(&t.name)
+        .fetch_one(&t.pool)
+        .await
+        .unwrap();
+    assert_eq!(created.is_some(), supported, "PostgreSQL {version}");
     t.cleanup().await;
 }

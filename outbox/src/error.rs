@@ -89,6 +89,23 @@ pub enum Error {
         detail: String,
     },
 
+    /// The server is a PostgreSQL major version this release does not support
+    /// ([`SUPPORTED_POSTGRES`](crate::schema::SUPPORTED_POSTGRES): 14 to 18), read from its
+    /// `server_version_num` setting. [`crate::migrate`] and
+    /// [`crate::schema::validate_schema`] (and [`crate::Outbox`]'s methods of the same names)
+    /// check it first: nothing was read from or written to the outbox's tables.
+    #[error("PostgreSQL {version} is not supported: this version of outbox runs on PostgreSQL {} to {}", .supported.0, .supported.1)]
+    UnsupportedPostgres {
+        /// The server's `server_version`, as it reports it (for example `13.14 (Debian
+        /// 13.14-1)`).
+        version: String,
+        /// Its major version, from `server_version_num` (`None` when that did not parse as
+        /// a PostgreSQL version number).
+        major: Option<u32>,
+        /// The supported major versions, lowest and highest.
+        supported: (u32, u32),
+    },
+
     /// A migration step could not run within the deadline of [`crate::schema::MigrateOptions`]:
     /// other sessions held what it needs the whole time (a table lock held by a long
     /// transaction or an idle-in-transaction session; the advisory lock of another
@@ -270,6 +287,16 @@ impl fmt::Debug for Fields<'_> {
                 .debug_struct("SchemaNotFound")
                 .field("detail", detail)
                 .finish(),
+            Error::UnsupportedPostgres {
+                version,
+                major,
+                supported,
+            } => f
+                .debug_struct("UnsupportedPostgres")
+                .field("version", version)
+                .field("major", major)
+                .field("supported", supported)
+                .finish(),
             Error::MigrationBlocked {
                 step,
                 waited,
@@ -375,6 +402,7 @@ impl Error {
             Error::UpgradeRequired { .. } => "UpgradeRequired",
             Error::NotMigrated { .. } => "NotMigrated",
             Error::SchemaNotFound { .. } => "SchemaNotFound",
+            Error::UnsupportedPostgres { .. } => "UnsupportedPostgres",
             Error::MigrationBlocked { .. } => "MigrationBlocked",
             Error::SchemaMismatch { .. } => "SchemaMismatch",
             Error::Encode(_) => "Encode",
@@ -523,6 +551,7 @@ mod tests {
                 | Error::UpgradeRequired { .. }
                 | Error::NotMigrated { .. }
                 | Error::SchemaNotFound { .. }
+                | Error::UnsupportedPostgres { .. }
                 | Error::MigrationBlocked { .. }
                 | Error::SchemaMismatch { .. }
                 | Error::LeaseLost { .. }
@@ -573,6 +602,11 @@ mod tests {
             Error::UpgradeRequired { detail: detail() },
             Error::NotMigrated { detail: detail() },
             Error::SchemaNotFound { detail: detail() },
+            Error::UnsupportedPostgres {
+                version: "13.14".to_owned(),
+                major: Some(13),
+                supported: (14, 18),
+            },
             Error::MigrationBlocked {
                 step: "base".to_owned(),
                 waited: std::time::Duration::from_secs(1),

@@ -22,6 +22,18 @@ impl Outbox {
             .collect()
     }
 
+    /// The version check of `migrate()` and `validate_schema` against another range of
+    /// major versions: the tests refuse the server they run on with it (no server outside
+    /// the supported range is at hand). Returns the server's major version.
+    #[doc(hidden)]
+    pub async fn require_postgres_within(
+        &self,
+        pool: &PgPool,
+        supported: (u32, u32),
+    ) -> Result<u32> {
+        crate::schema::server::require(pool, supported).await
+    }
+
     /// Applies only the base shape (the first migration step: the queue table without the
     /// rearm columns, the rearm CHECK and the cancel mark, plus the dead-letter table), as a
     /// deployment that predates rearm has it: the upgrade tests start from it.

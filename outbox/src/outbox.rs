@@ -496,10 +496,13 @@ impl Outbox {
     /// # Errors
     /// [`Error::SessionRequired`](crate::Error::SessionRequired) on an outbox built with
     /// [`OutboxBuilder::transaction_pooler`], before any SQL runs;
+    /// [`Error::UnsupportedPostgres`](crate::Error::UnsupportedPostgres) when the server is
+    /// not PostgreSQL 14 to 18 ([`SUPPORTED_POSTGRES`](crate::schema::SUPPORTED_POSTGRES)),
+    /// its first read: nothing ran;
     /// [`Error::MigrationBlocked`](crate::Error::MigrationBlocked) naming the step and the
     /// sessions that held its tables past the deadline;
     /// [`Error::ReadOnly`](crate::Error::ReadOnly) when the server is a standby in recovery
-    /// (`pg_is_in_recovery()`, asked before anything else: nothing ran);
+    /// (`pg_is_in_recovery()`, read right after the version: nothing ran);
     /// [`Error::Database`](crate::Error::Database) if a statement fails (for example
     /// missing privileges). The steps already applied stay.
     pub async fn migrate(&self, pool: &PgPool) -> Result<()> {
@@ -561,6 +564,8 @@ impl Outbox {
     /// [`Outbox::migrate`] drops and builds it again.
     ///
     /// # Errors
+    /// [`Error::UnsupportedPostgres`](crate::Error::UnsupportedPostgres) before anything
+    /// else when the server is not PostgreSQL 14 to 18;
     /// [`Error::SchemaMismatch`](crate::Error::SchemaMismatch) listing the problems;
     /// [`Error::Database`](crate::Error::Database) if the catalog cannot be read.
     pub async fn validate_schema(&self, pool: &PgPool) -> Result<()> {

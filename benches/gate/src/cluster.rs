@@ -131,6 +131,10 @@ impl Cluster {
         ];
         if checksums {
             initdb.push("--data-checksums".to_owned());
+        } else if initdb_major(&cluster.bin)? >= 18 {
+            // initdb turns checksums on by default from PostgreSQL 18 (and a checksummed
+            // cluster WAL-logs hint bits): off, as the mirrored server has them.
+            initdb.push("--no-data-checksums".to_owned());
         }
         cluster.pg_tool("initdb", &initdb)?;
 
@@ -375,6 +379,18 @@ fn server_bin() -> Result<PathBuf, BoxError> {
         )
         .into()
     })
+}
+
+/// The major version of `initdb` in `bin` (`initdb (PostgreSQL) 18.4` and
+/// `initdb (PostgreSQL) 15.20 (Debian 15.20-0+deb12u1)` are 18 and 15).
+fn initdb_major(bin: &Path) -> Result<u32, BoxError> {
+    let out = Command::new(bin.join("initdb")).arg("--version").output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .skip_while(|w| *w != "(PostgreSQL)")
+        .nth(1)
+        .and_then(|v| v.split('.').next()?.parse().ok())
+        .ok_or_else(|| format!("cannot read the version of initdb: `{}`", text.trim()).into())
 }
 
 pub(crate) fn running_as_root() -> bool {

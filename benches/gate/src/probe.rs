@@ -1,6 +1,6 @@
 //! Reading the server's statistics around a measured window.
 //!
-//! Every statement the harness itself sends carries [`TAG`], and rows of
+//! Every statement the harness itself sends carries [`TAG`] ([`tagged`]), and rows of
 //! `pg_stat_statements` whose text holds it are left out, so the counts are the runtime's
 //! (and the sqlx transaction control the benchmark's own publishes need: `BEGIN`/`COMMIT`).
 //!
@@ -19,8 +19,16 @@ use sqlx::Row;
 
 use crate::BoxError;
 
-/// Marks the harness's own statements.
+/// Marks the harness's own statements (see [`tagged`]).
 pub const TAG: &str = "/* outbox-bench probe */";
+
+/// `sql` (one statement) with [`TAG`] after it. After, not before: from PostgreSQL 18,
+/// `pg_stat_statements` records a statement's text from its first token, so a comment in
+/// front is dropped (and the harness's own polling would count as the runtime's); one at
+/// the end stays, on every version.
+pub fn tagged(sql: &str) -> String {
+    format!("{} {TAG}", sql.trim_end().trim_end_matches(';'))
+}
 
 /// `application_name` of the connections whose work is measured.
 pub const WORK_APP: &str = "outbox-bench-work";
@@ -67,11 +75,9 @@ impl Statement {
 }
 
 pub async fn flush_own(conn: &mut PgConnection) -> Result<(), BoxError> {
-    sqlx::query(AssertSqlSafe(format!(
-        "{TAG} SELECT pg_stat_force_next_flush()"
-    )))
-    .execute(&mut *conn)
-    .await?;
+    sqlx::query(AssertSqlSafe(tagged("SELECT pg_stat_force_next_flush()")))
+        .execute(&mut *conn)
+        .await?;
     // The flush happens when the transaction above ends; stats views read afterwards (in a
     // new transaction, so no cached snapshot) see it.
     Ok(())
@@ -79,9 +85,9 @@ pub async fn flush_own(conn: &mut PgConnection) -> Result<(), BoxError> {
 
 pub async fn wal(conn: &mut PgConnection) -> Result<Wal, BoxError> {
     flush_own(conn).await?;
-    let r = sqlx::query(AssertSqlSafe(format!(
-        "{TAG} SELECT wal_records, wal_fpi, wal_bytes::bigint, \
-           pg_current_wal_insert_lsn()::text FROM pg_stat_wal"
+    let r = sqlx::query(AssertSqlSafe(tagged(
+        "SELECT wal_records, wal_fpi, wal_bytes::bigint, \
+           pg_current_wal_insert_lsn()::text FROM pg_stat_wal",
     )))
     .fetch_one(&mut *conn)
     .await?;
@@ -95,9 +101,9 @@ pub async fn wal(conn: &mut PgConnection) -> Result<Wal, BoxError> {
 
 pub async fn tuples(conn: &mut PgConnection, table: &str) -> Result<Tuples, BoxError> {
     flush_own(conn).await?;
-    let r = sqlx::query(AssertSqlSafe(format!(
-        "{TAG} SELECT n_tup_ins, n_tup_upd, n_tup_del, n_tup_hot_upd, n_dead_tup \
-         FROM pg_stat_user_tables WHERE relid = to_regclass($1)"
+    let r = sqlx::query(AssertSqlSafe(tagged(
+        "SELECT n_tup_ins, n_tup_upd, n_tup_del, n_tup_hot_upd, n_dead_tup \
+         FROM pg_stat_user_tables WHERE relid = to_regclass($1)",
     )))
     .bind(table)
     .fetch_optional(&mut *conn)
@@ -115,22 +121,20 @@ pub async fn tuples(conn: &mut PgConnection, table: &str) -> Result<Tuples, BoxE
 }
 
 pub async fn reset_statements(conn: &mut PgConnection) -> Result<(), BoxError> {
-    sqlx::query(AssertSqlSafe(format!(
-        "{TAG} SELECT pg_stat_statements_reset()"
-    )))
-    .execute(&mut *conn)
-    .await?;
+    sqlx::query(AssertSqlSafe(tagged("SELECT pg_stat_statements_reset()")))
+        .execute(&mut *conn)
+        .await?;
     Ok(())
 }
 
 /// Every statement of the current database since the last reset, without the harness's.
 pub async fn statements(conn: &mut PgConnection) -> Result<Vec<Statement>, BoxError> {
-    let rows = sqlx::query(AssertSqlSafe(format!(
-        "{TAG} SELECT query, calls, rows, total_exec_time, wal_records, wal_fpi, wal_bytes::bigint \
+    let rows = sqlx::query(AssertSqlSafe(tagged(
+        "SELECT query, calls, rows, total_exec_time, wal_records, wal_fpi, wal_bytes::bigint \
          FROM pg_stat_statements \
          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
            AND query NOT LIKE '%outbox-bench probe%' \
-         ORDER BY calls DESC, query"
+         ORDER BY calls DESC, query",
     )))
     .fetch_all(&mut *conn)
     .await?;
@@ -151,10 +155,10 @@ pub async fn statements(conn: &mut PgConnection) -> Result<Vec<Statement>, BoxEr
 
 /// Sum of calls of the statements above; used to see that a worker has gone quiet.
 pub async fn total_calls(conn: &mut PgConnection) -> Result<i64, BoxError> {
-    let n: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
-        "{TAG} SELECT sum(calls)::bigint FROM pg_stat_statements \
+    let n: Option<i64> = sqlx::query_scalar(AssertSqlSafe(tagged(
+        "SELECT sum(calls)::bigint FROM pg_stat_statements \
          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-           AND query NOT LIKE '%outbox-bench probe%'"
+           AND query NOT LIKE '%outbox-bench probe%'",
     )))
     .fetch_one(&mut *conn)
     .await?;
@@ -187,31 +191,31 @@ pub async fn wait_backends_gone(
     let deadline = start + Duration::from_secs(30);
     let mut terminated = false;
     loop {
-        let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "{TAG} SELECT count(*) FROM pg_stat_activity \
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(tagged(&format!(
+            "SELECT count(*) FROM pg_stat_activity \
              WHERE pid <> pg_backend_pid() AND backend_type = 'client backend' AND ({filter})"
-        )))
+        ))))
         .fetch_one(&mut *conn)
         .await?;
         if n == 0 {
             return Ok(());
         }
         if terminate_idle && !terminated && start.elapsed() > Duration::from_millis(500) {
-            sqlx::query(AssertSqlSafe(format!(
-                "{TAG} SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+            sqlx::query(AssertSqlSafe(tagged(&format!(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                  WHERE pid <> pg_backend_pid() AND backend_type = 'client backend' \
                    AND state = 'idle' AND ({filter})"
-            )))
+            ))))
             .execute(&mut *conn)
             .await?;
             terminated = true;
         }
         if Instant::now() > deadline {
-            let who: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
-                "{TAG} SELECT format('pid %s app %s state %s wait %s/%s query %s', pid, application_name, \
+            let who: Vec<String> = sqlx::query_scalar(AssertSqlSafe(tagged(&format!(
+                "SELECT format('pid %s app %s state %s wait %s/%s query %s', pid, application_name, \
                    state, wait_event_type, wait_event, left(query, 80)) FROM pg_stat_activity \
                  WHERE pid <> pg_backend_pid() AND backend_type = 'client backend' AND ({filter})"
-            )))
+            ))))
             .fetch_all(&mut *conn)
             .await?;
             return Err(format!(
@@ -296,7 +300,16 @@ fn tokens(query: &str) -> Vec<(String, i32)> {
 
 #[cfg(test)]
 mod tests {
-    use super::keyword;
+    use super::{keyword, tagged};
+
+    #[test]
+    fn the_tag_follows_the_statement() {
+        assert_eq!(tagged("SELECT 1"), "SELECT 1 /* outbox-bench probe */");
+        assert_eq!(
+            tagged("CHECKPOINT;\n"),
+            "CHECKPOINT /* outbox-bench probe */"
+        );
+    }
 
     #[test]
     fn keywords() {

@@ -26,6 +26,18 @@ pub struct Machine {
 }
 
 impl Machine {
+    /// The PostgreSQL major of [`Machine::postgres`] (`PostgreSQL 15.20 (Debian …)` is 15).
+    pub fn postgres_major(&self) -> Option<u32> {
+        self.postgres
+            .split_whitespace()
+            .skip_while(|w| *w != "PostgreSQL")
+            .nth(1)?
+            .split('.')
+            .next()?
+            .parse()
+            .ok()
+    }
+
     pub fn read(postgres: &str, server: &str) -> Machine {
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
         let cpu = cpuinfo
@@ -487,6 +499,14 @@ mod tests {
     use super::*;
     use crate::probe::Tuples;
     use crate::scenarios::WalTotals;
+
+    #[test]
+    fn the_postgres_major_of_a_machine() {
+        let of = |postgres: &str| Machine::read(postgres, "").postgres_major();
+        assert_eq!(of("PostgreSQL 15.20 (Debian 15.20-0+deb12u1)"), Some(15));
+        assert_eq!(of("PostgreSQL 18.4"), Some(18));
+        assert_eq!(of("something else"), None);
+    }
 
     /// The per-row-ack consumer: every count gated exactly.
     const EXACT: &str = "consumer/w1/b10/ack1";

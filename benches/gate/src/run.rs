@@ -121,6 +121,21 @@ pub async fn check(a: &CheckArgs) -> Result<ExitCode, BoxError> {
     let selected = select(&a.common.only, true)?;
     let baseline = Baseline::load(&a.common.baseline)?;
     let mut session = Session::open(&a.common, &a.common.pg_set).await?;
+    // Statement and WAL counts may differ between majors: they are compared on the one
+    // they were recorded on (`run` measures any).
+    let (recorded, here) = (
+        baseline.machine.postgres_major(),
+        session.machine.postgres_major(),
+    );
+    if recorded != here {
+        return Err(format!(
+            "the baseline was recorded on {} and this server is {}: check compares counts on \
+             the PostgreSQL major they were recorded on (unset PG_BIN, or --dsn a server of \
+             that major); `run` measures any version",
+            baseline.machine.postgres, session.machine.postgres
+        )
+        .into());
+    }
     let results = measure(&mut session, &selected, 1, a.common.waldump, &mut ()).await?;
     summary(&results);
     println!(

@@ -26,7 +26,7 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::payload::{extend_body, publish_body, Body};
-use crate::probe::{self, Statement, Tuples, Wal, TAG, WORK_APP};
+use crate::probe::{self, Statement, Tuples, Wal, WORK_APP};
 use crate::recorder;
 use crate::BoxError;
 
@@ -477,14 +477,14 @@ impl Env {
     }
 
     async fn exec(&mut self, sql: &str) -> Result<(), BoxError> {
-        sqlx::raw_sql(AssertSqlSafe(format!("{TAG} {sql}")))
+        sqlx::raw_sql(AssertSqlSafe(probe::tagged(sql)))
             .execute(&mut self.probe)
             .await?;
         Ok(())
     }
 
     async fn count(&mut self, sql: &str) -> Result<i64, BoxError> {
-        Ok(sqlx::query_scalar(AssertSqlSafe(format!("{TAG} {sql}")))
+        Ok(sqlx::query_scalar(AssertSqlSafe(probe::tagged(sql)))
             .fetch_one(&mut self.probe)
             .await?)
     }

@@ -132,9 +132,8 @@ impl Session {
             .application_name("outbox-bench-probe")
             .connect()
             .await?;
-        if let Err(e) = sqlx::query(AssertSqlSafe(format!(
-            "{} SELECT 1 FROM pg_stat_statements LIMIT 1",
-            probe::TAG
+        if let Err(e) = sqlx::query(AssertSqlSafe(probe::tagged(
+            "SELECT 1 FROM pg_stat_statements LIMIT 1",
         )))
         .execute(&mut probe_conn)
         .await

@@ -207,14 +207,13 @@ pub async fn run(
     let mut wal0 = None;
     // Backends the command opens start after this; on a shared server (--dsn) they are
     // the only ones waited for.
-    let started: String = sqlx::query_scalar(AssertSqlSafe(format!(
-        "{} SELECT clock_timestamp()::text",
-        probe::TAG
+    let started: String = sqlx::query_scalar(AssertSqlSafe(probe::tagged(
+        "SELECT clock_timestamp()::text",
     )))
     .fetch_one(&mut env.probe)
     .await?;
     if measure {
-        sqlx::raw_sql(AssertSqlSafe(format!("{} CHECKPOINT", probe::TAG)))
+        sqlx::raw_sql(AssertSqlSafe(probe::tagged("CHECKPOINT")))
             .execute(&mut env.probe)
             .await?;
         wal0 = Some(probe::wal(&mut env.probe).await?);

@@ -24,7 +24,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::AssertSqlSafe;
 
 use outbox_bench::payload::{extend_body, Body};
-use outbox_bench::probe::{TAG, WORK_APP};
+use outbox_bench::probe::{tagged, WORK_APP};
 use outbox_bench::recorder;
 use outbox_bench::scenarios::Env;
 use outbox_bench::BoxError;
@@ -170,14 +170,14 @@ pub async fn pool(env: &Env, max: u32, ping: bool) -> Result<PgPool, BoxError> {
 
 /// Runs the harness's own statement on the probe connection.
 pub async fn exec(env: &mut Env, sql: &str) -> Result<(), BoxError> {
-    sqlx::raw_sql(AssertSqlSafe(format!("{TAG} {sql}")))
+    sqlx::raw_sql(AssertSqlSafe(tagged(sql)))
         .execute(&mut env.probe)
         .await?;
     Ok(())
 }
 
 async fn scalar(env: &mut Env, sql: &str) -> Result<i64, BoxError> {
-    Ok(sqlx::query_scalar(AssertSqlSafe(format!("{TAG} {sql}")))
+    Ok(sqlx::query_scalar(AssertSqlSafe(tagged(sql)))
         .fetch_one(&mut env.probe)
         .await?)
 }

@@ -31,7 +31,7 @@ use tokio::sync::mpsc;
 
 use crate::scale::{self, percentile, SQL_BODY, SQL_HEADERS};
 use outbox_bench::payload::{extend_body, Body};
-use outbox_bench::probe::TAG;
+use outbox_bench::probe::tagged;
 use outbox_bench::scenarios::Env;
 use outbox_bench::BoxError;
 
@@ -194,17 +194,17 @@ pub async fn run(
     .await?;
     scale::exec(env, &format!("ANALYZE {t}")).await?;
 
-    let reloptions: Option<Vec<String>> = sqlx::query_scalar(AssertSqlSafe(format!(
-        "{TAG} SELECT reloptions FROM pg_class WHERE oid = '{}'::regclass",
+    let reloptions: Option<Vec<String>> = sqlx::query_scalar(AssertSqlSafe(tagged(&format!(
+        "SELECT reloptions FROM pg_class WHERE oid = '{}'::regclass",
         t.replace('\'', "''")
-    )))
+    ))))
     .fetch_one(&mut env.probe)
     .await?;
-    let server: Vec<(String, String)> = sqlx::query_as(AssertSqlSafe(format!(
-        "{TAG} SELECT name, setting FROM pg_settings WHERE name IN ('autovacuum', \
+    let server: Vec<(String, String)> = sqlx::query_as(AssertSqlSafe(tagged(
+        "SELECT name, setting FROM pg_settings WHERE name IN ('autovacuum', \
          'autovacuum_naptime', 'autovacuum_vacuum_scale_factor', 'autovacuum_vacuum_threshold', \
          'autovacuum_vacuum_cost_limit', 'autovacuum_vacuum_cost_delay', \
-         'autovacuum_analyze_scale_factor') ORDER BY name"
+         'autovacuum_analyze_scale_factor') ORDER BY name",
     )))
     .fetch_all(&mut env.probe)
     .await?;
@@ -412,11 +412,11 @@ pub async fn run(
 /// least once a second while they are busy, so they lag by up to that).
 async fn table_stats(env: &mut Env, table: &str) -> Result<[i64; 6], BoxError> {
     let t = table.replace('\'', "''");
-    let r: (i64, i64, i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
-        "{TAG} SELECT pg_table_size('{t}'), pg_indexes_size('{t}'), n_dead_tup, n_live_tup, \
+    let r: (i64, i64, i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(tagged(&format!(
+        "SELECT pg_table_size('{t}'), pg_indexes_size('{t}'), n_dead_tup, n_live_tup, \
          autovacuum_count, autoanalyze_count FROM pg_stat_user_tables \
          WHERE relid = '{t}'::regclass"
-    )))
+    ))))
     .fetch_one(&mut env.probe)
     .await?;
     Ok([r.0, r.1, r.2, r.3, r.4, r.5])

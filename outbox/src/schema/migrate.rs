@@ -318,6 +318,7 @@ pub(crate) async fn run(
     options: MigrateOptions,
 ) -> Result<()> {
     options.validate()?;
+    super::server::require(pool, super::server::SUPPORTED_POSTGRES).await?;
     refuse_standby(pool).await?;
     let started = Instant::now();
     let mut facts = Facts::read_pool(pool, names).await?;

@@ -17,11 +17,13 @@ use crate::outbox::Outbox;
 // nothing the handle or `error.rs` imports may be defined here.
 pub(crate) mod migrate;
 pub(crate) mod problem;
+pub(crate) mod server;
 pub(crate) mod shape;
 pub(crate) mod validate;
 
 pub use self::migrate::{AppliedMigration, MigrateOptions, MigrationStep};
 pub use self::problem::{LockHolder, SchemaProblem, UPGRADE_GUIDE};
+pub use self::server::SUPPORTED_POSTGRES;
 pub use self::shape::{DEFAULT_TABLE, MAX_NAME_BYTES};
 
 /// The migration steps for `outbox`'s names; see [`Outbox::migration_steps`].

@@ -66,6 +66,7 @@ pub(crate) async fn validate(
 ) -> Result<()> {
     // One connection for every catalog read; through a pooler, one transaction.
     let mut db = scope.acquire(pool).await?;
+    super::server::require_on(scope, &mut db, super::server::SUPPORTED_POSTGRES).await?;
     let problems = problems(n, dead_letter, scope, &mut db).await?;
     db.done().await?;
     if problems.is_empty() {

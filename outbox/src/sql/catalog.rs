@@ -5,6 +5,12 @@
 /// `$1` qualified table name → its oid, or NULL when it does not exist.
 pub(crate) const TABLE_OID: &str = "SELECT to_regclass($1)::oid::bigint";
 
+/// The server's `server_version` (as it prints it, `18.4 (Debian 18.4-1)`) and
+/// `server_version_num` (`180004`), both text: the version check of `migrate()` and
+/// `validate_schema`.
+pub(crate) const SERVER_VERSION: &str =
+    "SELECT current_setting('server_version'), current_setting('server_version_num')";
+
 /// `$1` table oid → the names of the storage parameters the table sets (`reloptions`).
 pub(crate) const STORAGE_PARAMETERS: &str = r#"
 SELECT split_part(o, '=', 1)

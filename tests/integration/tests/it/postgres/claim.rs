@@ -142,9 +142,19 @@ async fn claim_plan_uses_both_partial_indexes_on_a_large_backlog() {
         .unwrap();
     let plan = plan.join("\n");
     let name = t.trim_matches('"');
+    // The queue table by its exact name: PostgreSQL 16 and later may read `<t>_paused` (a
+    // row per paused queue, none of the backlog) with a sequential scan, as the outer side
+    // of a hash right anti join (a join type new in 16); the prefix `{name}` matches it.
+    let scanned: Vec<&str> = plan
+        .lines()
+        .map(|l| l.trim_start())
+        .map(|l| l.strip_prefix("->  ").unwrap_or(l))
+        .filter_map(|l| l.strip_prefix("Seq Scan on "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
     assert!(
-        !plan.contains(&format!("Seq Scan on {name}")),
-        "sequential scan in:\n{plan}"
+        !scanned.contains(&name),
+        "sequential scan of the queue table in:\n{plan}"
     );
     assert!(
         plan.contains(&format!("{name}_pending_idx")),

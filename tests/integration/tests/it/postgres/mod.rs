@@ -23,3 +23,4 @@ mod schema;
 mod slack;
 mod standby;
 mod stats;
+mod version;
