@@ -65,12 +65,14 @@
 //!
 //! **One statement.** Locking, checking, the insert into the queue table
 //! (`INSERT … ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO NOTHING`, on the
-//! partial unique index that keeps one live row per timer key) and the update of the dead
+//! partial unique index that keeps one live row per timer key, after a look for the key) and the update of the dead
 //! letters are data-modifying CTEs of one statement: there is no moment where a queue row
 //! exists and its dead letter is unmarked. Two dead letters of one selection with the same
 //! timer key: the lower id is redriven, the other reports
-//! [`RedriveResult::TimerKeyHeld`]. Like a publish, each insert attempted (redriven or
-//! refused for its key) uses up an id of the queue table's identity. Measured on 10^6 dead
+//! [`RedriveResult::TimerKeyHeld`]. A dead letter refused for its key is left out before
+//! the insert, so it uses up no id of the queue table's identity (an `INSERT` evaluates the
+//! identity default for each row it tries, before `ON CONFLICT` looks); only a row inserted
+//! after the statement's snapshot still costs one. Measured on 10^6 dead
 //! letters: 1000 rows by ids in 8 ms, 10 000 in 33 ms, 1000 of one queue by filter in
 //! 55 ms (each rolled back).
 //!

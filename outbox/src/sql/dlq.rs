@@ -48,9 +48,11 @@ pub(crate) struct Dlq {
 ///   `schedule:` key), which goes back as a one-off message: no timer key and no schedule
 ///   fingerprint, so a redrive never restarts a schedule nor meets its live row (only
 ///   registrations write schedule rows); fresh counters and due now are the
-///   table's defaults. `ON CONFLICT … DO NOTHING` on the partial unique index leaves a row
-///   whose key a live row holds (or a row inserted just before it in this statement) out;
-///   its RETURNING maps each new row back to its dead letter through the header it carries
+///   table's defaults. A row whose key a live row holds, or an earlier dead letter of this
+///   redrive (by id) takes, is left out before the INSERT sees it, so it consumes no
+///   identity value (issue 27: `nextval` runs per row inserted, ahead of ON CONFLICT);
+///   `ON CONFLICT … DO NOTHING` on the partial unique index stays as the guard for a row
+///   inserted after the statement's snapshot. Its RETURNING maps each new row back to its dead letter through the header it carries
 ///   (an INSERT can return only its own row's columns);
 /// - `marked` sets `redriven_at` (the transaction's `now()`) and `redriven_id` on the rows
 ///   `ins` inserted, all of them locked by `sel`. It reaches them by their ids through the
@@ -88,8 +90,12 @@ ins AS (
     INSERT INTO {t} (queue, payload, headers, timer_id)
     SELECT queue, payload,
            (coalesce(headers, '{{}}'::jsonb) - '{sh}') || jsonb_build_object({hdr}::text, id::text),
-           CASE WHEN starts_with(timer_id, '{sk}') THEN NULL ELSE timer_id END
-    FROM chk WHERE redriven_at IS NULL AND map AND bytes <= {max}::bigint
+           key
+    FROM (SELECT c.*, row_number() OVER (PARTITION BY c.queue, c.key ORDER BY c.id) AS nth
+          FROM (SELECT chk.*, CASE WHEN starts_with(timer_id, '{sk}') THEN NULL ELSE timer_id END AS key
+                FROM chk WHERE redriven_at IS NULL AND map AND bytes <= {max}::bigint) c) c
+    WHERE key IS NULL
+       OR (nth = 1 AND NOT EXISTS (SELECT FROM {t} l WHERE l.queue = c.queue AND l.timer_id = c.key))
     ORDER BY id
     ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO NOTHING
     RETURNING id, queue, next_attempt_at, (headers ->> {hdr}::text)::bigint AS dead_letter_id),

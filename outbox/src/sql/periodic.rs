@@ -101,13 +101,8 @@ SELECT (SELECT count(*) FROM cur), (SELECT bool_or(cancelled) FROM cur),
         let moved = format!("({next_fp} IS DISTINCT FROM excluded.headers->>'{h}')");
         let next_payload =
             "(CASE WHEN t.rearm_at IS NOT NULL THEN t.rearm_payload ELSE t.payload END)";
-        let register = format!(
-            r#"
-WITH up AS (
-    INSERT INTO {t} AS t (queue, payload, headers, next_attempt_at, timer_id)
-    VALUES ($1, $3, $4, $5::timestamptz, $2)
-    ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO UPDATE SET
-        next_attempt_at  = CASE WHEN {pending} AND {moved} AND t.next_attempt_at > now()
+        let set = format!(
+            r#"next_attempt_at  = CASE WHEN {pending} AND {moved} AND t.next_attempt_at > now()
                                 THEN excluded.next_attempt_at ELSE t.next_attempt_at END,
         payload          = CASE WHEN {pending} THEN excluded.payload ELSE t.payload END,
         headers          = CASE WHEN {pending} THEN excluded.headers ELSE t.headers END,
@@ -119,12 +114,43 @@ WITH up AS (
                                 ELSE t.rearm_at END,
         rearm_payload    = CASE WHEN {pending} THEN t.rearm_payload ELSE excluded.payload END,
         rearm_headers    = CASE WHEN {pending} THEN t.rearm_headers ELSE excluded.headers END,
-        cancelled_at     = NULL
-    WHERE {moved}
+        cancelled_at     = NULL"#
+        );
+        let changed = format!(
+            "{moved}
        OR {next_payload} IS DISTINCT FROM excluded.payload
-       OR (t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL)
+       OR (t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL)"
+        );
+        // A stored schedule consumes no identity value (issue 27; every worker start
+        // registers): the shape of `publish.extend` (see sql/publish.rs), lock the key's
+        // row, rewrite it when something changed, insert only when no row was found, with
+        // ON CONFLICT as the guard for a row inserted after the snapshot.
+        let register = format!(
+            r#"
+WITH v AS (
+    SELECT $1::text AS queue, $3::bytea AS payload, $4::jsonb AS headers,
+           $5::timestamptz AS next_attempt_at, $2::text AS timer_id),
+cur AS (
+    SELECT id FROM {t} WHERE queue = $1::text AND timer_id = $2::text FOR UPDATE),
+upd AS (
+    UPDATE {t} AS t SET
+        {set}
+    FROM cur, v AS excluded
+    WHERE t.queue = $1::text AND t.timer_id = $2::text AND t.id = cur.id
+      AND ({changed})
+    RETURNING t.id, t.queue, t.next_attempt_at, t.rearm_at, false AS inserted,
+              (t.acquired_token IS NOT NULL) AS leased),
+ins AS (
+    INSERT INTO {t} AS t (queue, payload, headers, next_attempt_at, timer_id)
+    SELECT queue, payload, headers, next_attempt_at, timer_id FROM v
+    WHERE NOT EXISTS (SELECT FROM cur)
+    ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO UPDATE SET
+        {set}
+    WHERE {changed}
     RETURNING t.id, t.queue, t.next_attempt_at, t.rearm_at, (t.xmax = 0) AS inserted,
-              (t.acquired_token IS NOT NULL) AS leased)
+              (t.acquired_token IS NOT NULL) AS leased),
+up AS (
+    SELECT * FROM upd UNION ALL SELECT * FROM ins)
 SELECT up.id, up.inserted, up.leased,
        CASE WHEN up.leased THEN up.rearm_at ELSE up.next_attempt_at END,
        CASE WHEN NOT up.leased THEN {notify} END

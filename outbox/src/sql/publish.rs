@@ -39,10 +39,17 @@ WITH ins AS (
 SELECT ins.id, {notify} FROM ins"#,
             notify = notify(n, "ins"),
         );
+        // A keyed insert that first looks for the key: when a live row holds it, the INSERT
+        // gets no row to insert and so never evaluates the identity default (`nextval` runs
+        // per row inserted, and a skipped publish must not use up a value: at the end of the
+        // identity's range every such publish would fail). The look is at the statement's
+        // snapshot; ON CONFLICT stays as the guard for a row inserted after it.
         let insert = format!(
             r#"
 WITH ins AS (
-    INSERT INTO {t} {COLUMNS} {VALUES}
+    INSERT INTO {t} {COLUMNS}
+    SELECT $1::text, $2::bytea, $3::jsonb, coalesce($5::timestamptz, now() + $4::interval), $6::text
+    WHERE NOT EXISTS (SELECT FROM {t} WHERE queue = $1::text AND timer_id = $6::text)
     ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO NOTHING
     RETURNING id, queue, next_attempt_at)
 SELECT ins.id, {notify} FROM ins"#,
@@ -51,23 +58,29 @@ SELECT ins.id, {notify} FROM ins"#,
         // One statement for the whole extend path (SPEC §4, §5). The row found decides:
         // pending → move the deadline and reset retry history; leased → queue the rearm.
         // Either only when the new deadline is later (for a leased row, later than both
-        // the claimed deadline and any queued rearm). ON CONFLICT DO UPDATE waits on a
-        // claim's row lock and then sees the leased row, so a claim racing an extend
-        // always ends with a queued rearm (SPEC §5.3). `xmax = 0` marks a fresh insert.
-        // The newest intent wins (SPEC §3): an extend that queues a rearm on a running row
-        // clears a cancel mark left by an earlier cancel (a pending row never has one).
-        // `$7` is the slack (issue 14): a move of a pending deadline or of a queued rearm by
-        // at most the slack writes nothing. It never applies to a running row without a
-        // rearm (`t.rearm_at + $7` is NULL, which `greatest` ignores): that row's
-        // completion would delete it. Failing the WHERE of DO UPDATE only locks the row,
-        // so a skipped extend adds no row version and no index entry.
+        // the claimed deadline and any queued rearm). The newest intent wins (SPEC §3): an
+        // extend that queues a rearm on a running row clears a cancel mark left by an
+        // earlier cancel (a pending row never has one). `$7` is the slack (issue 14): a move
+        // of a pending deadline or of a queued rearm by at most the slack writes nothing. It
+        // never applies to a running row without a rearm (`t.rearm_at + $7` is NULL, which
+        // `greatest` ignores): that row's completion would delete it.
+        //
+        // An existing row consumes no identity value (issue 27): `cur` locks the live row
+        // of the key (through `<t>_timer_id_uq`), `upd` rewrites it when the WHERE holds
+        // (a failed WHERE only leaves the lock, as a failed DO UPDATE WHERE did: no row
+        // version, no index entry), and `ins` gets a row to insert, so a `nextval`, only
+        // when `cur` found none. `upd` joins `cur` so the lock is taken before the write
+        // (a row updated by this very statement could not be locked after). Under the lock
+        // Postgres re-reads the row at its latest version (READ COMMITTED): a claim racing
+        // an extend is seen and the extend queues a rearm (SPEC §5.3); a completion that
+        // deleted the row leaves `cur` empty and the insert brings the timer back, as
+        // ON CONFLICT did. A row inserted after the snapshot is met by ON CONFLICT, which
+        // waits for it and applies the same SET: two first extends of a key never fail.
+        // `v` is the proposed row, named `excluded` in both writes so one text serves both;
+        // `xmax = 0` marks a fresh insert.
         let pending = "t.acquired_token IS NULL";
-        let extend = format!(
-            r#"
-WITH up AS (
-    INSERT INTO {t} AS t {COLUMNS} {VALUES}
-    ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO UPDATE SET
-        next_attempt_at  = CASE WHEN {pending} THEN excluded.next_attempt_at ELSE t.next_attempt_at END,
+        let set = format!(
+            r#"next_attempt_at  = CASE WHEN {pending} THEN excluded.next_attempt_at ELSE t.next_attempt_at END,
         payload          = CASE WHEN {pending} THEN excluded.payload ELSE t.payload END,
         headers          = CASE WHEN {pending} THEN excluded.headers ELSE t.headers END,
         attempts_count   = CASE WHEN {pending} THEN 0 ELSE t.attempts_count END,
@@ -76,11 +89,38 @@ WITH up AS (
         rearm_at         = CASE WHEN {pending} THEN t.rearm_at ELSE excluded.next_attempt_at END,
         rearm_payload    = CASE WHEN {pending} THEN t.rearm_payload ELSE excluded.payload END,
         rearm_headers    = CASE WHEN {pending} THEN t.rearm_headers ELSE excluded.headers END,
-        cancelled_at     = NULL
-    WHERE excluded.next_attempt_at > CASE WHEN {pending} THEN t.next_attempt_at + $7::interval
-                                          ELSE greatest(t.next_attempt_at, t.rearm_at + $7::interval) END
+        cancelled_at     = NULL"#
+        );
+        let later = format!(
+            "excluded.next_attempt_at > CASE WHEN {pending} THEN t.next_attempt_at + $7::interval
+        ELSE greatest(t.next_attempt_at, t.rearm_at + $7::interval) END"
+        );
+        let extend = format!(
+            r#"
+WITH v AS (
+    SELECT $1::text AS queue, $2::bytea AS payload, $3::jsonb AS headers,
+           coalesce($5::timestamptz, now() + $4::interval) AS next_attempt_at, $6::text AS timer_id),
+cur AS (
+    SELECT id FROM {t} WHERE queue = $1::text AND timer_id = $6::text FOR UPDATE),
+upd AS (
+    UPDATE {t} AS t SET
+        {set}
+    FROM cur, v AS excluded
+    WHERE t.queue = $1::text AND t.timer_id = $6::text AND t.id = cur.id
+      AND {later}
+    RETURNING t.id, t.queue, t.next_attempt_at, false AS inserted,
+              (t.acquired_token IS NOT NULL) AS leased),
+ins AS (
+    INSERT INTO {t} AS t {COLUMNS}
+    SELECT queue, payload, headers, next_attempt_at, timer_id FROM v
+    WHERE NOT EXISTS (SELECT FROM cur)
+    ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO UPDATE SET
+        {set}
+    WHERE {later}
     RETURNING t.id, t.queue, t.next_attempt_at, (t.xmax = 0) AS inserted,
-              (t.acquired_token IS NOT NULL) AS leased)
+              (t.acquired_token IS NOT NULL) AS leased),
+up AS (
+    SELECT * FROM upd UNION ALL SELECT * FROM ins)
 SELECT up.id, up.inserted, up.leased,
        CASE WHEN up.inserted THEN {notify} END
 FROM up"#,

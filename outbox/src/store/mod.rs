@@ -656,8 +656,10 @@ pub trait Store: sealed::Sealed + Clone + Send + Sync + 'static {
 
     /// Registers a schedule: inserts its row, leaves it alone when the stored schedule is
     /// the same, or brings it to the new one (the table of [`Registered`]). On Postgres one
-    /// `INSERT … ON CONFLICT DO UPDATE` on the timer key's unique index, so workers that
-    /// register one schedule at once leave one live row.
+    /// statement: it locks and updates the stored row, or inserts with
+    /// `INSERT … ON CONFLICT DO UPDATE` on the timer key's unique index when there is none,
+    /// so workers that register one schedule at once leave one live row, and a stored
+    /// schedule consumes no value of the table's identity sequence.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a request that breaks [`RegisterSchedule`]'s rules,

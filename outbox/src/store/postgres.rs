@@ -588,7 +588,7 @@ impl Publisher for &PgStore {
     }
 }
 
-/// `register` on `db`: one `INSERT … ON CONFLICT DO UPDATE`, see [`Registered`].
+/// `register` on `db`: one statement (`periodic.register`), see [`Registered`].
 pub(crate) async fn register_on(
     sql: &Periodic,
     scope: Scope,

@@ -53,8 +53,8 @@ impl State {
     }
 
     /// `dlq.redrive_ids` / `dlq.redrive_matching`: classify each selected row, then insert
-    /// the ones that pass in id order (each attempt uses up an id, as the INSERT's identity
-    /// default does before ON CONFLICT looks), mark them, and notify once per queue.
+    /// the ones that pass in id order (only an insert uses up an id: the statement leaves a
+    /// held key out before the INSERT), mark them, and notify once per queue.
     fn redrive(&mut self, redrive: &Redrive) -> Result<Vec<RedriveOutcome>> {
         crate::dlq::require_enabled(self.dead_letter)?;
         redrive.check()?;
@@ -117,13 +117,13 @@ impl State {
             letter.payload.clone(),
             crate::dlq::redrive_timer_id(letter),
         );
-        let id = self.next_id();
         if timer_id
             .as_deref()
             .is_some_and(|k| self.timer_row(&queue, k).is_some())
         {
             return RedriveResult::TimerKeyHeld;
         }
+        let id = self.next_id();
         self.insert(id, queue.clone(), payload, Some(headers), timer_id, now);
         let letter = &mut self.dlq[i];
         letter.redriven_at = Some(now);

@@ -47,11 +47,10 @@ use crate::store::{
 /// for testing handlers and timer logic without a database.
 ///
 /// What "the same" means: for the same sequence of operations, both stores return the same
-/// outcomes and hold the same rows: ids count up from 1 (a single-row publish uses up an id
-/// even when it inserts nothing, as a Postgres identity column does under
-/// `INSERT … ON CONFLICT`), one random lease token per claim, the same deliveries and
-/// attempts counts, retry history, rearm columns and dead-letter rows, and timestamps at
-/// Postgres' precision (whole microseconds). The project's contract suite checks this
+/// outcomes and hold the same rows: ids count up from 1, one per row inserted (a publish,
+/// registration or redrive that finds its key held uses up none), one random lease token
+/// per claim, the same deliveries and attempts counts, retry history, rearm columns and
+/// dead-letter rows, and timestamps at Postgres' precision (whole microseconds). The project's contract suite checks this
 /// scenario by scenario against Postgres.
 ///
 /// # The virtual clock

@@ -44,9 +44,9 @@ impl State {
     ) -> Result<Registered> {
         request.validate()?;
         let at = to_postgres_precision(request.first);
-        // The identity default is evaluated before ON CONFLICT looks for the key.
-        let id = self.next_id();
+        // The statement looks for the key first: only an insert uses up an id.
         let Some(existing) = self.timer_row(request.queue, request.timer_id) else {
+            let id = self.next_id();
             self.insert(
                 id,
                 request.queue.to_owned(),

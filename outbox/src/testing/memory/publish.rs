@@ -21,13 +21,13 @@ impl State {
     fn publish(&mut self, message: Message<'_>) -> Result<Published> {
         let schedule = message.validate()?;
         let at = self.deadline(schedule)?;
-        // The identity default is evaluated before ON CONFLICT looks for the key, so every
-        // single-row publish uses up an id, whatever it ends up doing.
-        let id = self.next_id();
+        // The statements look for the key first: only a real insert evaluates the identity
+        // default, so only an insert uses up an id.
         let existing = message
             .timer_id
             .and_then(|k| self.timer_row(message.queue, k));
         let Some(existing) = existing else {
+            let id = self.next_id();
             self.insert(
                 id,
                 message.queue.to_owned(),

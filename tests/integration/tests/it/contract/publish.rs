@@ -4,7 +4,7 @@
 
 use super::*;
 
-async fn publish_outcomes_use_up_ids_like_an_identity_column<H: Harness>(h: &H) {
+async fn publish_outcomes_use_up_ids_only_when_they_insert<H: Harness>(h: &H) {
     assert_eq!(
         publish(h, schedule("k", b"v1", at(60))).await,
         Published::Inserted { id: 1 }
@@ -17,30 +17,98 @@ async fn publish_outcomes_use_up_ids_like_an_identity_column<H: Harness>(h: &H) 
         publish(h, extend("k", b"v3", at(30))).await,
         Published::Unchanged
     );
-    // The skipped and the unchanged publish each used up an id.
+    // The skipped and the unchanged publish found the key held and used up no id (issue
+    // 27: the statements look for the key before the identity default is evaluated).
     assert_eq!(
         publish(h, plain(b"p", 0)).await,
-        Published::Inserted { id: 4 }
+        Published::Inserted { id: 2 }
     );
     // Rejected input uses up nothing.
     let e = h.publish(Message::new("", b"x")).await.unwrap_err();
     assert_eq!(invalid_field(e), "queue");
     assert_eq!(
         publish(h, extend("other", b"o", secs(5))).await,
-        Published::Inserted { id: 5 }
+        Published::Inserted { id: 3 }
     );
     let rows = rows(h, Q).await;
     assert_eq!(
         rows,
         vec![
-            row(4, Q, b"p", at(0)),
-            timer_row(5, "other", b"o", at(5)),
+            row(2, Q, b"p", at(0)),
+            timer_row(3, "other", b"o", at(5)),
             timer_row(1, "k", b"v1", at(60)),
         ]
     );
     // The same key in another queue is another timer.
     let other = Message::new(Q2, b"v").timer_id("k");
-    assert_eq!(publish(h, other).await, Published::Inserted { id: 6 });
+    assert_eq!(publish(h, other).await, Published::Inserted { id: 4 });
+}
+
+/// Issue 27: every write that meets a live row of its key (an extend that moves a pending
+/// deadline, one that queues a rearm on a running row, one that changes nothing, a skipped
+/// publish, a registration of a stored schedule, changed or not) leaves the identity
+/// alone: the next insert gets the id after the last insert's.
+async fn writes_to_a_held_key_use_up_no_id<H: Harness>(h: &H) {
+    assert_eq!(
+        publish(h, extend("run", b"r0", at(0))).await,
+        Published::Inserted { id: 1 }
+    );
+    assert_eq!(
+        publish(h, extend("wait", b"w0", at(60))).await,
+        Published::Inserted { id: 2 }
+    );
+    let fp = headers(&[(SCHEDULE_HEADER, "every:1s")]);
+    let fp2 = headers(&[(SCHEDULE_HEADER, "every:2s")]);
+    let register = |fp, first| RegisterSchedule::new(Q, "schedule:s", b"{}", fp, first);
+    assert_eq!(
+        h.store()
+            .register_schedule(register(&fp, at(30)))
+            .await
+            .unwrap(),
+        Registered::Inserted { id: 3, at: at(30) }
+    );
+    let d = claim_one(h).await;
+    assert_eq!(d.lease.id, 1);
+    for i in 1..=3 {
+        assert_eq!(
+            publish(h, extend("wait", b"w", at(60 + i))).await,
+            Published::Extended { id: 2 }
+        );
+        assert_eq!(
+            publish(h, extend("run", b"r", at(100 + i))).await,
+            Published::RearmQueued { id: 1 }
+        );
+    }
+    assert_eq!(
+        publish(h, extend("wait", b"w", at(10))).await,
+        Published::Unchanged
+    );
+    assert_eq!(
+        publish(h, schedule("run", b"x", at(500))).await,
+        Published::Skipped
+    );
+    assert_eq!(
+        h.store()
+            .register_schedule(register(&fp, at(40)))
+            .await
+            .unwrap(),
+        Registered::Unchanged
+    );
+    assert_eq!(
+        h.store()
+            .register_schedule(register(&fp2, at(40)))
+            .await
+            .unwrap(),
+        Registered::Rescheduled { id: 3, at: at(40) }
+    );
+    assert_eq!(
+        publish(h, extend("fresh", b"f", at(5))).await,
+        Published::Inserted { id: 4 }
+    );
+    assert_eq!(
+        publish(h, plain(b"p", 0)).await,
+        Published::Inserted { id: 5 }
+    );
 }
 
 async fn extend_of_a_pending_row_moves_later_only_and_resets_history<H: Harness>(h: &H) {
@@ -300,7 +368,8 @@ async fn an_extend_with_slack_skips_small_moves<H: Harness>(h: &H) {
 }
 
 contract! {
-    publish_outcomes_use_up_ids_like_an_identity_column(dead_letter = true);
+    publish_outcomes_use_up_ids_only_when_they_insert(dead_letter = true);
+    writes_to_a_held_key_use_up_no_id(dead_letter = true);
     extend_of_a_pending_row_moves_later_only_and_resets_history(dead_letter = true);
     an_extend_with_slack_skips_small_moves(dead_letter = true);
     a_batch_inserts_rows_in_item_order(dead_letter = true);

@@ -267,8 +267,41 @@ async fn every_statement_reaches_the_table_through_an_index_with_stale_statistic
             "periodic.arm_next" => {
                 explain(&f, sql, |q| q.bind(id).bind(token).bind(chrono::Utc::now())).await
             }
-            // `periodic.register` is an `INSERT … ON CONFLICT`: it finds its row through the
-            // arbiter index (`<t>_timer_id_uq`) without a scan node to read here.
+            // The keyed writes look for their key's row before they insert (issue 27): the
+            // look must go through `<t>_timer_id_uq`.
+            "publish.insert" => {
+                explain(&f, sql, |q| {
+                    q.bind("long")
+                        .bind(b"x".to_vec())
+                        .bind(None::<Value>)
+                        .bind(interval(0))
+                        .bind(None::<chrono::DateTime<chrono::Utc>>)
+                        .bind("one")
+                })
+                .await
+            }
+            "publish.extend" => {
+                explain(&f, sql, |q| {
+                    q.bind("long")
+                        .bind(b"x".to_vec())
+                        .bind(None::<Value>)
+                        .bind(interval(0))
+                        .bind(None::<chrono::DateTime<chrono::Utc>>)
+                        .bind("one")
+                        .bind(interval(0))
+                })
+                .await
+            }
+            "periodic.register" => {
+                explain(&f, sql, |q| {
+                    q.bind("long")
+                        .bind("schedule:s")
+                        .bind(b"x".to_vec())
+                        .bind(serde_json::json!({}))
+                        .bind(chrono::Utc::now())
+                })
+                .await
+            }
             "cancel.lock" => explain(&f, sql, |q| q.bind("long").bind("one")).await,
             "cancel.delete" => explain(&f, sql, |q| q.bind(id)).await,
             _ => continue,
@@ -309,6 +342,9 @@ async fn every_statement_reaches_the_table_through_an_index_with_stale_statistic
         "cancel.delete",
         "cancel.mark",
         "periodic.arm_next",
+        "periodic.register",
+        "publish.insert",
+        "publish.extend",
     ] {
         assert!(checked.contains(&must), "{must} was not explained");
     }

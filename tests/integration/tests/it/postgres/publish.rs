@@ -397,3 +397,147 @@ async fn a_quiet_outbox_publishes_without_notifying() {
     assert!(n.payload().ends_with(":loud"), "{}", n.payload());
     f.cleanup().await;
 }
+
+/// Issue 27: with the identity ten values from 2^63 − 1, a thousand extends of existing
+/// timers all succeed and the sequence does not move; so do skipped publishes, extends that
+/// change nothing, extends that queue a rearm on a running row and registrations of a
+/// stored schedule. Before the fix each of them evaluated `nextval` ahead of ON CONFLICT,
+/// and all but the first ten failed ("reached maximum value of sequence").
+#[tokio::test]
+async fn writes_to_a_held_key_consume_no_sequence_value_near_the_identity_end() {
+    use outbox::store::{ClaimRequest, RegisterSchedule, Registered, Store, SCHEDULE_HEADER};
+    use sqlx::AssertSqlSafe;
+
+    const KEYS: usize = 10;
+    const EXTENDS: usize = 1000;
+    const LAST: i64 = i64::MAX - KEYS as i64 + 1;
+    let f = Fixture::new().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    let t = f.outbox.table();
+    let q = "near-the-end";
+    let base = micros(Utc::now() + TimeDelta::hours(1));
+    let keys: Vec<String> = (0..KEYS).map(|k| format!("k{k}")).collect();
+    for k in &keys {
+        let m = Message::new(q, b"v0").timer_id(k).schedule(base);
+        assert!(matches!(
+            f.outbox.publish(&mut conn, m).await.unwrap(),
+            Published::Inserted { .. }
+        ));
+    }
+    // A running timer (due now, claimed) and a stored schedule.
+    let m = Message::new(q, b"r0").timer_id("running");
+    f.outbox.publish(&mut conn, m).await.unwrap();
+    let queues = vec![q.to_owned()];
+    let claimed = f
+        .store
+        .claim(ClaimRequest::new(&queues, 10, Duration::from_secs(600)))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    let fp: Headers = [(SCHEDULE_HEADER.to_owned(), "every:1s".to_owned())].into();
+    let fp2: Headers = [(SCHEDULE_HEADER.to_owned(), "every:2s".to_owned())].into();
+    let register = |fp, first| RegisterSchedule::new(q, "schedule:s", b"{}", fp, first);
+    assert!(matches!(
+        f.store
+            .register_schedule(register(&fp, base))
+            .await
+            .unwrap(),
+        Registered::Inserted { .. }
+    ));
+
+    // Ten values left: LAST ..= i64::MAX.
+    let restart = format!("ALTER TABLE {t} ALTER COLUMN id RESTART WITH {LAST}");
+    sqlx::raw_sql(AssertSqlSafe(restart))
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let seq: String = sqlx::query_scalar("SELECT pg_get_serial_sequence($1, 'id')")
+        .bind(t)
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    let read_seq = format!("SELECT last_value, is_called FROM {seq}");
+    let sequence = || async {
+        sqlx::query_as::<_, (i64, bool)>(AssertSqlSafe(read_seq.clone()))
+            .fetch_one(&f.pool)
+            .await
+            .unwrap()
+    };
+    let before = sequence().await;
+    assert_eq!(before, (LAST, false));
+
+    let mut failures = Vec::new();
+    let mut extended = 0;
+    for i in 0..EXTENDS {
+        let at = base + TimeDelta::seconds(i as i64 + 1);
+        let m = Message::new(q, b"v")
+            .timer_id(&keys[i % KEYS])
+            .schedule(at)
+            .on_conflict(OnConflict::Extend);
+        match f.outbox.publish(&mut conn, m).await {
+            Ok(Published::Extended { .. }) => extended += 1,
+            other => failures.push(format!("extend {i}: {other:?}")),
+        }
+    }
+    // The other writes that meet a live row, a few of each.
+    for i in 0..20 {
+        let later = base + TimeDelta::seconds(10_000 + i);
+        let writes = [
+            (
+                Message::new(q, b"x").timer_id("k0").schedule(later),
+                Published::Skipped,
+            ),
+            (
+                Message::new(q, b"x")
+                    .timer_id("k0")
+                    .schedule(base)
+                    .on_conflict(OnConflict::Extend),
+                Published::Unchanged,
+            ),
+        ];
+        for (m, want) in writes {
+            match f.outbox.publish(&mut conn, m).await {
+                Ok(got) if got == want => {}
+                other => failures.push(format!("{want:?} {i}: {other:?}")),
+            }
+        }
+        let m = Message::new(q, b"r")
+            .timer_id("running")
+            .schedule(later)
+            .on_conflict(OnConflict::Extend);
+        match f.outbox.publish(&mut conn, m).await {
+            Ok(Published::RearmQueued { .. }) => {}
+            other => failures.push(format!("rearm {i}: {other:?}")),
+        }
+        let fp = if i % 2 == 0 { &fp2 } else { &fp };
+        match f.store.register_schedule(register(fp, later)).await {
+            Ok(Registered::Rescheduled { .. }) => {}
+            other => failures.push(format!("register {i}: {other:?}")),
+        }
+        match f.store.register_schedule(register(fp, later)).await {
+            Ok(Registered::Unchanged) => {}
+            other => failures.push(format!("register again {i}: {other:?}")),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} writes failed, the first: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(3)]
+    );
+    assert_eq!(extended, EXTENDS);
+    assert_eq!(
+        sequence().await,
+        before,
+        "a write to a held key used up a value"
+    );
+
+    // A real insert still takes the next value.
+    let m = Message::new(q, b"n").timer_id("new").schedule(base);
+    assert_eq!(
+        f.outbox.publish(&mut conn, m).await.unwrap(),
+        Published::Inserted { id: LAST }
+    );
+    drop(conn);
+    f.cleanup().await;
+}
