@@ -172,6 +172,29 @@ pub fn compare(baseline: &Baseline, current: &[Measurement]) -> Vec<Regression> 
         let Some(sc) = scenarios::find(&cur.scenario) else {
             continue;
         };
+        // An idle worker's load is bounded, not compared with a baseline: any statement in
+        // the window is a poll, and the bound is the design's (sleep until the earliest
+        // deadline, issue 27).
+        if let Some(i) = cur.idle {
+            let ok = i.statements_per_second <= scenarios::IDLE_STATEMENTS_PER_SECOND_MAX;
+            println!(
+                "  {} {:<26} idle {:.1} statements/s (at most {:.0})",
+                if ok { "ok  " } else { "FAIL" },
+                cur.scenario,
+                i.statements_per_second,
+                scenarios::IDLE_STATEMENTS_PER_SECOND_MAX
+            );
+            if !ok {
+                out.push(Regression {
+                    scenario: cur.scenario.clone(),
+                    metric: "idle statements/s".into(),
+                    baseline: format!("at most {}", scenarios::IDLE_STATEMENTS_PER_SECOND_MAX),
+                    current: format!("{:.1}", i.statements_per_second),
+                    why: "an idle worker polls".into(),
+                });
+            }
+            continue;
+        }
         let Some(base) = baseline
             .scenarios
             .iter()
@@ -194,6 +217,7 @@ pub fn compare(baseline: &Baseline, current: &[Measurement]) -> Vec<Regression> 
                 why: why.to_owned(),
             })
         };
+
         if base.messages != cur.messages {
             push(
                 "messages".into(),
@@ -290,9 +314,14 @@ pub fn compare(baseline: &Baseline, current: &[Measurement]) -> Vec<Regression> 
                 cur.msgs_per_second / base.msgs_per_second
             )
         } else {
-            match cur.lateness_ms {
-                Some(l) => format!("lateness p99 {:.1} ms (informational)", l.p99),
-                None => String::new(),
+            match (cur.lateness_ms, cur.idle) {
+                (Some(l), _) => format!("lateness p99 {:.1} ms (informational)", l.p99),
+                (None, Some(i)) => format!(
+                    "idle {:.1} statements/s (at most {:.0})",
+                    i.statements_per_second,
+                    scenarios::IDLE_STATEMENTS_PER_SECOND_MAX
+                ),
+                (None, None) => String::new(),
             }
         };
         println!(
@@ -394,6 +423,12 @@ pub fn print_block(m: &Measurement, statements: &[Statement], verbose: bool) {
             cpu * 1e6 / n
         );
     }
+    if let Some(i) = m.idle {
+        println!(
+            "  idle worker: {:.2} statements/s over {:.1} s",
+            i.statements_per_second, i.window_seconds
+        );
+    }
     if let Some(l) = m.lateness_ms {
         println!(
             "  lateness (handler start − deadline): p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms  (claim − deadline p99 {:.1} ms)",
@@ -443,7 +478,10 @@ pub fn summary_table(results: &[Measurement]) -> String {
         ) {
             (true, _) => format!("{:.0}", m.msgs_per_second),
             (false, Some(l)) => format!("p50/p99/max {:.0}/{:.0}/{:.0} ms", l.p50, l.p99, l.max),
-            (false, None) => "–".to_owned(),
+            (false, None) => match m.idle {
+                Some(i) => format!("idle {:.1} stmt/s", i.statements_per_second),
+                None => "–".to_owned(),
+            },
         };
         s.push_str(&format!(
             "| {} | {} | {} ({}) | {:.2} | {:.0} | {:.3} | {} | {} | {} | {} | {} |\n",
@@ -542,6 +580,7 @@ mod tests {
                 dead: 10000,
             },
             lateness_ms: None,
+            idle: None,
             client_cpu_seconds: None,
         }
     }

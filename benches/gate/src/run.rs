@@ -247,7 +247,7 @@ pub fn select(only: &[String], checking: bool) -> Result<Vec<Scenario>, BoxError
     if only.is_empty() {
         return Ok(scenarios::ALL
             .iter()
-            .filter(|s| !checking || s.gates_tuples_and_wal())
+            .filter(|s| !checking || s.checked())
             .copied()
             .collect());
     }

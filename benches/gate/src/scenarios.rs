@@ -38,6 +38,13 @@ const PAYLOAD: usize = 256;
 const TIMERS: u64 = 500;
 /// Timers of `timers/lateness`.
 const LATENESS_TIMERS: u64 = 200;
+/// Future timers of `idle/timers10k`, due an hour ahead.
+const IDLE_TIMERS: u64 = 10_000;
+/// How long `idle/timers10k` counts the idle worker's statements, after it settled.
+const IDLE_WINDOW: Duration = Duration::from_secs(5);
+/// The most statements per second a worker with nothing due may send (issue 27): it must
+/// sleep until the earliest deadline, not poll. `check` fails a run above it.
+pub const IDLE_STATEMENTS_PER_SECOND_MAX: f64 = 10.0;
 /// Tuple counters `check` compares exactly, unless [`Scenario::gated_tuples`] says less.
 pub const GATED_TUPLES: &[&str] = &["ins", "upd", "del", "hot_upd", "dead"];
 
@@ -69,6 +76,10 @@ pub enum Kind {
     ExtendRearm,
     /// `LATENESS_TIMERS` timers due 1–3 s ahead while a default worker is idle.
     Lateness,
+    /// `IDLE_TIMERS` timers due an hour ahead and a default worker with nothing due: the
+    /// statements it sends per second over `IDLE_WINDOW` (what an idle worker costs the
+    /// database). Never gated by count; `check` bounds the rate.
+    Idle,
     /// `held` due rows claimed at once by a worker with `lease_ttl` 300 ms whose first
     /// handler blocks for `RENEWAL_WINDOW` while the rest wait in its buffer: every lease is
     /// held (and renewed) for the whole window. Measures what renewal costs; never gated.
@@ -97,6 +108,7 @@ impl Scenario {
     pub fn messages(&self) -> u64 {
         match self.kind {
             Kind::Lateness => LATENESS_TIMERS,
+            Kind::Idle => IDLE_TIMERS,
             Kind::Renewal { held } => held as u64,
             _ => MESSAGES,
         }
@@ -129,7 +141,7 @@ impl Scenario {
             Kind::ExtendRearm => Some(&["DELETE", "WITH…SELECT"]),
             // How many timers fall due per wake-up depends on the clock; how many renewals
             // fit in the window too.
-            Kind::Lateness | Kind::Renewal { .. } => None,
+            Kind::Lateness | Kind::Renewal { .. } | Kind::Idle => None,
             _ => Some(&[]),
         }
     }
@@ -163,7 +175,15 @@ impl Scenario {
     /// for the informational `synchronous_commit = off` variants, whose counts are their
     /// durable twin's).
     pub fn gates_tuples_and_wal(&self) -> bool {
-        !matches!(self.kind, Kind::Lateness | Kind::Renewal { .. }) && !self.async_commit
+        !matches!(
+            self.kind,
+            Kind::Lateness | Kind::Renewal { .. } | Kind::Idle
+        ) && !self.async_commit
+    }
+
+    /// Whether `check` runs it: a gated count, or the idle worker's bounded load.
+    pub fn checked(&self) -> bool {
+        self.gates_tuples_and_wal() || self.kind == Kind::Idle
     }
 
     /// The tuple counters gated exactly. Inserted, updated and deleted tuples follow from
@@ -178,7 +198,7 @@ impl Scenario {
             return &[];
         }
         match self.kind {
-            Kind::Lateness | Kind::Renewal { .. } => &[],
+            Kind::Lateness | Kind::Renewal { .. } | Kind::Idle => &[],
             Kind::ExtendRearm => &GATED_TUPLES[..3],
             _ => GATED_TUPLES,
         }
@@ -186,7 +206,10 @@ impl Scenario {
 
     /// Whether throughput is meaningful (the lateness run waits for deadlines).
     pub fn has_throughput(&self) -> bool {
-        !matches!(self.kind, Kind::Lateness | Kind::Renewal { .. })
+        !matches!(
+            self.kind,
+            Kind::Lateness | Kind::Renewal { .. } | Kind::Idle
+        )
     }
 
     /// Consumer-shaped runs are seeded and then checkpointed, as the reference does.
@@ -342,6 +365,12 @@ pub const ALL: &[Scenario] = &[
         async_commit: false,
     },
     Scenario {
+        name: "idle/timers10k",
+        kind: Kind::Idle,
+        peer: &[],
+        async_commit: false,
+    },
+    Scenario {
         name: "renewal/held10",
         kind: Kind::Renewal { held: 10 },
         peer: &[],
@@ -376,6 +405,15 @@ pub struct Lateness {
     pub claim_p99: f64,
 }
 
+/// What an idle worker sent in the window of `idle/timers10k`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct IdleLoad {
+    /// Statements of every connection but the harness's probe (`pg_stat_statements` calls,
+    /// `BEGIN`/`COMMIT` and `LISTEN` included) per second of the window.
+    pub statements_per_second: f64,
+    pub window_seconds: f64,
+}
+
 /// WAL written in the window, totals.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
 pub struct WalTotals {
@@ -397,6 +435,8 @@ pub struct Measurement {
     pub tuples: Tuples,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub lateness_ms: Option<Lateness>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub idle: Option<IdleLoad>,
     /// CPU time of this process (every thread: the worker, the publishers, the harness)
     /// while the scenario ran, seeding included; `None` where `/proc/self/stat` is not
     /// readable. Informational, never gated: what the runtime costs on the client side
@@ -559,7 +599,7 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
     // scenario uses are opened.
     let workers = match sc.kind {
         Kind::Consumer { workers, .. } => Some(workers),
-        Kind::ExtendRearm | Kind::Lateness | Kind::Renewal { .. } => Some(1),
+        Kind::ExtendRearm | Kind::Lateness | Kind::Renewal { .. } | Kind::Idle => Some(1),
         _ => None,
     };
     let worker_pool = match workers {
@@ -570,7 +610,7 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
         None => None,
     };
     let app_pool = match sc.kind {
-        Kind::Consumer { .. } | Kind::Renewal { .. } => None,
+        Kind::Consumer { .. } | Kind::Renewal { .. } | Kind::Idle => None,
         _ => Some(env.pool(Role::App, 4, sc.async_commit).await?),
     };
     let wal0 = probe::wal(&mut env.probe).await?;
@@ -607,6 +647,7 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
         (Kind::ExtendRearm, (Some(w), Some(a))) => run_extend_rearm(env, w, a, &outbox).await?,
         (Kind::Lateness, (Some(w), Some(a))) => run_lateness(w, a, &outbox, env.verbose).await?,
         (Kind::Renewal { held }, (Some(w), _)) => run_renewal(env, w, &outbox, held).await?,
+        (Kind::Idle, (Some(w), _)) => run_idle(env, w, &outbox).await?,
         _ => unreachable!("every kind gets the pools it uses"),
     };
     let client_cpu_seconds = process_cpu_seconds()
@@ -646,6 +687,7 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
             dead: tup1.dead,
         },
         lateness_ms: ran.lateness,
+        idle: ran.idle,
         client_cpu_seconds,
     };
     Ok(Output {
@@ -712,6 +754,27 @@ async fn seed(sc: &Scenario, pool: &PgPool, outbox: &Outbox) -> Result<(), BoxEr
                 expect(matches!(p, Published::Inserted { .. }), "seed insert", p)?;
             }
         }
+        Kind::Idle => {
+            let h = headers();
+            let payloads: Vec<Vec<u8>> = (0..sc.messages()).map(json).collect();
+            for chunk in payloads.chunks(1000) {
+                let items: Vec<BatchItem<'_>> = chunk
+                    .iter()
+                    .map(|p| BatchItem {
+                        payload: p,
+                        headers: Some(&h),
+                    })
+                    .collect();
+                outbox
+                    .publish_batch(
+                        &mut tx,
+                        "bench",
+                        &items,
+                        Schedule::after(Duration::from_secs(3600)),
+                    )
+                    .await?;
+            }
+        }
         Kind::ExtendRearm => {
             for t in 0..TIMERS {
                 let p = publish_body(
@@ -749,6 +812,7 @@ async fn verify(env: &mut Env, sc: &Scenario, outbox: &Outbox) -> Result<(), Box
         | Kind::ProducerPerTx
         | Kind::CommitLimit => MESSAGES as i64,
         Kind::ExtendPending | Kind::ExtendRearm => TIMERS as i64,
+        Kind::Idle => IDLE_TIMERS as i64,
     };
     if left != want {
         return Err(format!("{}: {left} rows left in {t}, expected {want}", sc.name).into());
@@ -786,6 +850,7 @@ async fn verify(env: &mut Env, sc: &Scenario, outbox: &Outbox) -> Result<(), Box
 struct Ran {
     wall: Duration,
     lateness: Option<Lateness>,
+    idle: Option<IdleLoad>,
 }
 
 /// Which bodies were handled, and how often.
@@ -926,6 +991,7 @@ async fn run_consumer(
     Ok(Ran {
         wall,
         lateness: None,
+        idle: None,
     })
 }
 
@@ -979,6 +1045,7 @@ async fn run_renewal(
     Ok(Ran {
         wall,
         lateness: None,
+        idle: None,
     })
 }
 
@@ -997,6 +1064,7 @@ async fn run_producer_one_tx(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxE
     Ok(Ran {
         wall: t0.elapsed(),
         lateness: None,
+        idle: None,
     })
 }
 
@@ -1029,6 +1097,7 @@ async fn run_producer_batch(pool: &PgPool, outbox: &Outbox, batch: usize) -> Res
     Ok(Ran {
         wall: t0.elapsed(),
         lateness: None,
+        idle: None,
     })
 }
 
@@ -1047,6 +1116,7 @@ async fn run_producer_per_tx(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxE
     Ok(Ran {
         wall: t0.elapsed(),
         lateness: None,
+        idle: None,
     })
 }
 
@@ -1070,6 +1140,7 @@ async fn run_commit_limit(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxErro
     Ok(Ran {
         wall: t0.elapsed(),
         lateness: None,
+        idle: None,
     })
 }
 
@@ -1094,6 +1165,7 @@ async fn run_extend_pending(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxEr
     Ok(Ran {
         wall: t0.elapsed(),
         lateness: None,
+        idle: None,
     })
 }
 
@@ -1172,6 +1244,7 @@ async fn run_extend_rearm(
     Ok(Ran {
         wall,
         lateness: None,
+        idle: None,
     })
 }
 
@@ -1247,6 +1320,35 @@ async fn run_lateness(
             p99: percentile(&start, 0.99),
             max: start.last().copied().unwrap_or(0.0),
             claim_p99: percentile(&claim, 0.99),
+        }),
+        idle: None,
+    })
+}
+
+/// An idle default worker over `IDLE_TIMERS` future timers: after it settled into its sleep
+/// (its start-up statements are outside the window), the statements every connection but
+/// the probe's sent during `IDLE_WINDOW`. The worker should sleep until the earliest deadline
+/// (an hour ahead) or its idle ceiling, so the expected count is 0: any statement is a poll.
+async fn run_idle(env: &mut Env, pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxError> {
+    let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
+        .timer::<Body>(|_b: Body, _ctx: Context| async move {})
+        .lease_ttl(GATED_LEASE_TTL)
+        .build()?;
+    let running = worker.start();
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let before = probe::total_calls(&mut env.probe).await?;
+    let w0 = Instant::now();
+    tokio::time::sleep(IDLE_WINDOW).await;
+    let after = probe::total_calls(&mut env.probe).await?;
+    let window = w0.elapsed();
+    running.shutdown().await;
+    Ok(Ran {
+        wall: t0.elapsed(),
+        lateness: None,
+        idle: Some(IdleLoad {
+            statements_per_second: (after - before) as f64 / window.as_secs_f64(),
+            window_seconds: window.as_secs_f64(),
         }),
     })
 }
