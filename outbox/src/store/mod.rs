@@ -470,6 +470,12 @@ pub struct ClaimRequest<'a> {
     /// need not be one of `queues` (a queue left out of this claim still has its place in
     /// the order). Default unset: rounds start at the first queue by name.
     pub resume_after: Option<&'a str>,
+    /// When set, the Postgres store keeps the claim's connection out of its pool for the
+    /// next claim, until [`Store::next_wakeup`] or [`Store::claims_stopped`] gives it back: a
+    /// claim loop that claims again at once then claims on one warm connection instead of
+    /// each connection of the pool in turn. Default unset (the connection goes back to the
+    /// pool after the claim); the worker's claim loop sets it. Without effect in memory.
+    pub keep_connection: bool,
 }
 
 impl<'a> ClaimRequest<'a> {
@@ -484,7 +490,15 @@ impl<'a> ClaimRequest<'a> {
             only: None,
             queue_limits: None,
             resume_after: None,
+            keep_connection: false,
         }
+    }
+
+    /// Keeps the claim's connection for the next claim (see
+    /// [`keep_connection`](Self::keep_connection)).
+    pub fn keep_connection(mut self) -> Self {
+        self.keep_connection = true;
+        self
     }
 
     /// Starts each round after `queue` (see [`resume_after`](Self::resume_after)).
@@ -704,6 +718,18 @@ pub trait Store: sealed::Sealed + Clone + Send + Sync + 'static {
 
     /// Whether terminal failures are archived.
     fn dead_letter_enabled(&self) -> bool;
+
+    /// Opens what the worker's first completions need (the Postgres store's completion
+    /// pool opens its first connection), so that they do not wait for a connect; run once
+    /// when a worker starts, before its first claim. A failure is not reported here: the
+    /// completion that needs the connection reports it. The default does nothing.
+    fn warm_up(&self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+
+    /// The claim loop has stopped: give back anything kept for the next claim (the
+    /// Postgres store's claim connection goes back to its pool). The default does nothing.
+    fn claims_stopped(&self) {}
 
     /// What this store offers for handlers that complete their row in their own transaction
     /// ([`Context::begin`](crate::Context::begin)): only [`PgStore`](crate::PgStore) offers it.

@@ -225,7 +225,9 @@ pub(crate) async fn claim_loop<S: Store>(
         // or one set aside as poison.
         let exclude = shared.exclude();
         let limits = queue_limits(shared, queues, limit);
-        let mut request = ClaimRequest::new(queues, limit, config.lease_ttl).excluding(&exclude);
+        let mut request = ClaimRequest::new(queues, limit, config.lease_ttl)
+            .excluding(&exclude)
+            .keep_connection();
         if let Some(l) = &limits {
             request = request.queue_limits(l);
         }

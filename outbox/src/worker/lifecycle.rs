@@ -428,9 +428,10 @@ impl<S: Store> Worker<S> {
         let shared = Arc::new(Shared::new(self.store, self.routes, config));
         // LISTEN first, so nothing published after our first scan goes unheard. A
         // poll-only worker (`listen(false)`, for transaction-mode poolers) never asks.
-        let wakeups = if !config.listen {
-            None
-        } else {
+        let listen = async {
+            if !config.listen {
+                return None;
+            }
             match shared.store.wakeups().await {
                 Ok(w) => w,
                 Err(e) => {
@@ -439,7 +440,14 @@ impl<S: Store> Worker<S> {
                 }
             }
         };
-        warn_if_autovacuum_off(&shared.store).await;
+        // Independent of each other, so at once: the LISTEN connection, the autovacuum
+        // check and the store's warm-up (its completions' first connection), all before the
+        // first claim, whose rows the first completions then need not wait for a connect.
+        let (wakeups, (), ()) = tokio::join!(
+            listen,
+            warn_if_autovacuum_off(&shared.store),
+            shared.store.warm_up()
+        );
         let (deliveries_tx, deliveries_rx) = mpsc::channel::<Claimed>(config.fetch_batch_size);
         let deliveries_rx = Arc::new(Mutex::new(deliveries_rx));
         // One statement's worth of successes may wait while the completer writes: a burst
@@ -468,7 +476,10 @@ impl<S: Store> Worker<S> {
         let claims = tokio::spawn({
             let (shared, queues, mut stopped) =
                 (shared.clone(), self.queues.clone(), stopped.clone());
-            async move { claim_loop(&shared, &queues, wakeups, &deliveries_tx, &mut stopped).await }
+            async move {
+                claim_loop(&shared, &queues, wakeups, &deliveries_tx, &mut stopped).await;
+                shared.store.claims_stopped();
+            }
         });
         let gauge = config
             .queue_depth

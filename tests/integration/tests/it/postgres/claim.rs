@@ -187,3 +187,95 @@ async fn claim_plan_uses_both_partial_indexes_on_a_large_backlog() {
     }
     f.cleanup().await;
 }
+
+/// Connections of `pool` checked out (held by someone), once a connection just dropped
+/// has made its way back (sqlx returns it from a spawned task, in microseconds; 100 ms is
+/// the margin).
+async fn in_use(pool: &sqlx::PgPool) -> usize {
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    pool.size() as usize - pool.num_idle()
+}
+
+// Issue 27: the claims of a busy worker follow each other on one connection, which has the
+// claim statement prepared and its catalog cached; it goes back to the pool when the loop
+// reads its next wake-up (about to sleep) and when the claim loop stops. A claim that does
+// not ask for it keeps nothing.
+#[tokio::test]
+async fn consecutive_claims_keep_one_connection_until_the_next_wakeup() {
+    let f = Fixture::new().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    for i in 0..3 {
+        let body = format!("m{i}");
+        let m = Message::new("a", body.as_bytes());
+        f.outbox.publish(&mut conn, m).await.unwrap();
+    }
+    drop(conn);
+    let qs = vec!["a".to_string()];
+    let keep = || ClaimRequest::new(&qs, 1, TTL).keep_connection();
+    assert_eq!(in_use(&f.pool).await, 0);
+    let got = f.store.claim(ClaimRequest::new(&qs, 1, TTL)).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(in_use(&f.pool).await, 0, "a plain claim keeps no connection");
+    let got = f.store.claim(keep()).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(in_use(&f.pool).await, 1, "the claim's connection is kept for the next claim");
+    let got = f.store.claim(keep()).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(in_use(&f.pool).await, 1, "the next claim reuses it: still one");
+    f.store
+        .next_wakeup(ClaimRequest::new(&qs, 1, TTL))
+        .await
+        .unwrap();
+    assert_eq!(in_use(&f.pool).await, 0, "reading the next wake-up gives it back");
+    let body = "m3";
+    let m = Message::new("a", body.as_bytes());
+    f.outbox
+        .publish(&mut f.pool.acquire().await.unwrap(), m)
+        .await
+        .unwrap();
+    let got = f.store.claim(keep()).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(in_use(&f.pool).await, 1);
+    f.store.claims_stopped();
+    assert_eq!(in_use(&f.pool).await, 0, "a stopped claim loop gives it back");
+}
+
+// A worker that drained a backlog and stopped leaves no connection checked out of the pool,
+// even while a clone of its store lives on: closing the pool finishes.
+#[tokio::test]
+async fn a_stopped_worker_leaves_the_pool_closable() {
+    use outbox::{Context, Error, Worker};
+    let f = Fixture::new().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    for i in 0..50 {
+        let body = format!("m{i}");
+        let m = Message::new("a", body.as_bytes());
+        f.outbox.publish(&mut conn, m).await.unwrap();
+    }
+    drop(conn);
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = done.clone();
+    let worker = Worker::builder(f.store.clone())
+        .fetch_batch_size(5)
+        .queue("a", move |_: Vec<u8>, _: Context| {
+            let seen = seen.clone();
+            async move {
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok::<(), Error>(())
+            }
+        })
+        .build()
+        .unwrap();
+    let running = worker.start();
+    outbox_tests::eventually(30, "every row handled", || async {
+        done.load(std::sync::atomic::Ordering::SeqCst) == 50
+    })
+    .await;
+    let report = running.shutdown().await;
+    assert!(report.graceful, "{report:?}");
+    let kept = f.store.clone();
+    tokio::time::timeout(Duration::from_secs(10), f.pool.close())
+        .await
+        .expect("the pool closes: no connection is kept by the stopped worker's store");
+    drop(kept);
+}
