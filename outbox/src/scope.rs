@@ -28,7 +28,7 @@ use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::{Query, QueryAs, QueryScalar};
 use sqlx::{Connection, FromRow, PgConnection, PgPool, Postgres, SqlSafeStr, Transaction};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 
 /// How the crate's statements reach the server.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -87,8 +87,8 @@ impl Scope {
     /// transaction through a pooler. Finish it with [`Db::done`].
     pub(crate) async fn acquire(self, pool: &PgPool) -> Result<Db<'static>> {
         Ok(match self {
-            Scope::Session => Db::Pooled(pool.acquire().await?),
-            Scope::Transaction => Db::Tx(pool.begin().await?),
+            Scope::Session => Db::Pooled(pool.acquire().await.outbox_sql()?),
+            Scope::Transaction => Db::Tx(pool.begin().await.outbox_sql()?),
         })
     }
 
@@ -101,13 +101,17 @@ impl Scope {
         lock_timeout: Duration,
     ) -> Result<Db<'static>> {
         Ok(match self {
-            Scope::Session => Db::Pooled(pool.acquire().await?),
+            Scope::Session => Db::Pooled(pool.acquire().await.outbox_sql()?),
             Scope::Transaction => {
                 let begin = format!(
                     "BEGIN; SET LOCAL lock_timeout = {}",
                     lock_timeout.as_millis()
                 );
-                Db::Tx(pool.begin_with(sqlx::AssertSqlSafe(begin)).await?)
+                Db::Tx(
+                    pool.begin_with(sqlx::AssertSqlSafe(begin))
+                        .await
+                        .outbox_sql()?,
+                )
             }
         })
     }
@@ -117,7 +121,9 @@ impl Scope {
     /// transaction of its own on it, which [`Db::done`] commits.
     pub(crate) async fn on(self, conn: &mut PgConnection) -> Result<Db<'_>> {
         Ok(match self {
-            Scope::Transaction if !conn.is_in_transaction() => Db::Tx(conn.begin().await?),
+            Scope::Transaction if !conn.is_in_transaction() => {
+                Db::Tx(conn.begin().await.outbox_sql()?)
+            }
             _ => Db::Borrowed(conn),
         })
     }
@@ -146,7 +152,7 @@ impl Db<'_> {
     /// Commits the library's own transaction, if it opened one; a no-op otherwise.
     pub(crate) async fn done(self) -> Result<()> {
         if let Db::Tx(tx) = self {
-            tx.commit().await?;
+            tx.commit().await.outbox_sql()?;
         }
         Ok(())
     }

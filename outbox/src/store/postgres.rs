@@ -30,7 +30,7 @@ use super::{
 };
 use crate::cancel::Cancelled;
 use crate::dlq::DeadLetterFilter;
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::message::envelope::{Message, Published};
 use crate::message::validate_queue;
 use crate::outbox::Outbox;
@@ -212,7 +212,7 @@ impl PgStore {
             None => query,
             Some(ids) => query.bind(ids),
         };
-        let rows = query.fetch_all(&mut *conn).await?;
+        let rows = query.fetch_all(&mut *conn).await.outbox_sql()?;
         let mut out = rows
             .iter()
             .map(delivery_from_row)
@@ -220,6 +220,35 @@ impl PgStore {
         // RETURNING follows the update order, not the CTE's; restore the contract's order.
         fair_order(&mut out, request.resume_after);
         Ok(out)
+    }
+
+    /// `e`, unless it is the missing paused-queues table of a database where the queue table
+    /// is missing too: then [`Error::NotMigrated`]. The claim and the wake-up read name
+    /// `<table>_paused` before the queue table, so on a database never migrated Postgres
+    /// reports the paused table first, which alone would mean only the upgrade is missing.
+    /// When the look-up itself fails, `e` stands.
+    async fn unmigrated_or(&self, e: Error) -> Error {
+        if !e.is_missing_paused_table() {
+            return e;
+        }
+        let exists = async {
+            let mut db = self.pool_db().await?;
+            let oid: Option<i64> = self
+                .scope()
+                .query_scalar(crate::sql::catalog::TABLE_OID)
+                .bind(self.outbox.table())
+                .fetch_one(&mut *db)
+                .await
+                .outbox_sql()?;
+            db.done().await?;
+            Ok::<_, Error>(oid.is_some())
+        };
+        match exists.await {
+            Ok(false) => Error::NotMigrated {
+                detail: format!("relation {} does not exist", self.outbox.table()),
+            },
+            _ => e,
+        }
     }
 
     /// Live rows of `queue` (pending and leased), ordered by deadline then id, at most
@@ -231,7 +260,7 @@ impl PgStore {
     /// [`Error::Database`](crate::Error::Database).
     pub async fn pending(&self, queue: &str, limit: usize) -> Result<Vec<StoredRow>> {
         validate_queue(queue)?;
-        let mut conn = self.pool.acquire().await?;
+        let mut conn = self.pool.acquire().await.outbox_sql()?;
         self.outbox.pending(&mut conn, queue, limit).await
     }
 
@@ -249,7 +278,7 @@ impl PgStore {
     ) -> Result<Vec<DeadLetter>> {
         crate::dlq::require_enabled(self.outbox.dead_letter_enabled())?;
         filter.binds()?;
-        let mut conn = self.pool.acquire().await?;
+        let mut conn = self.pool.acquire().await.outbox_sql()?;
         self.outbox
             .dead_letters(&mut conn, filter, after, limit)
             .await
@@ -262,7 +291,7 @@ impl PgStore {
     /// As [`Outbox::stats`].
     pub async fn stats(&self, request: &StatsRequest) -> Result<Vec<QueueStats>> {
         request.validate()?;
-        let mut conn = self.pool.acquire().await?;
+        let mut conn = self.pool.acquire().await.outbox_sql()?;
         self.outbox.stats(&mut conn, request).await
     }
 
@@ -288,7 +317,14 @@ impl Store for PgStore {
             Ok(c) => c,
             Err(e) => return Err(explain(&self.pool, e).await),
         };
-        let claimed = self.claim_with(&mut conn, request).await?;
+        let claimed = match self.claim_with(&mut conn, request).await {
+            Ok(c) => c,
+            Err(e) => {
+                // Give the connection back first: the look-up takes one of its own.
+                drop(conn);
+                return Err(self.unmigrated_or(e).await);
+            }
+        };
         conn.done().await?;
         Ok(claimed)
     }
@@ -423,7 +459,8 @@ impl Store for PgStore {
             .bind(failure.last_error.map(clean_error_text))
             .bind(self.outbox.dead_letter_enabled())
             .fetch_one(&mut *db)
-            .await?;
+            .await
+            .outbox_sql()?;
         db.done().await?;
         Ok(if deleted > 0 {
             Completion::Deleted
@@ -464,13 +501,21 @@ impl Store for PgStore {
             .bind(ttl)
             .bind(request.exclude)
             .fetch_one(&mut *db)
-            .await?;
+            .await
+            .outbox_sql();
+        let row = match row {
+            Ok(row) => row,
+            Err(e) => {
+                drop(db);
+                return Err(self.unmigrated_or(e).await);
+            }
+        };
         db.done().await?;
         Ok(NextWakeup {
-            now: row.try_get(0)?,
-            deadline: row.try_get(1)?,
-            upcoming: row.try_get(2)?,
-            lease_expiry: row.try_get(3)?,
+            now: row.try_get(0).outbox_sql()?,
+            deadline: row.try_get(1).outbox_sql()?,
+            upcoming: row.try_get(2).outbox_sql()?,
+            lease_expiry: row.try_get(3).outbox_sql()?,
         })
     }
 
@@ -494,10 +539,11 @@ impl Store for PgStore {
             .bind(request.exclude)
             .bind(caps)
             .fetch_all(&mut *db)
-            .await?;
+            .await
+            .outbox_sql()?;
         db.done().await?;
         rows.iter()
-            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .map(|r| Ok((r.try_get(0).outbox_sql()?, r.try_get(1).outbox_sql()?)))
             .collect()
     }
 
@@ -513,7 +559,8 @@ impl Store for PgStore {
             .scope()
             .query_scalar(self.outbox.sql().claim.now.clone())
             .fetch_one(&mut *db)
-            .await?;
+            .await
+            .outbox_sql()?;
         db.done().await?;
         Ok(now)
     }
@@ -539,7 +586,8 @@ impl Store for PgStore {
             .query_as(crate::sql::catalog::AUTOVACUUM_OFF)
             .bind(self.outbox.table())
             .fetch_one(&mut *db)
-            .await?;
+            .await
+            .outbox_sql()?;
         db.done().await?;
         if !exists {
             // Asked at start-up: a worker started before `migrate()` hears it here first.
@@ -605,15 +653,16 @@ pub(crate) async fn register_on(
         .bind(Json(request.headers))
         .bind(request.first)
         .fetch_optional(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     let Some(row) = row else {
         return Ok(Registered::Unchanged);
     };
-    let id: i64 = row.try_get(0)?;
-    let inserted: bool = row.try_get(1)?;
-    let leased: bool = row.try_get(2)?;
-    let at: DateTime<Utc> = row.try_get(3)?;
+    let id: i64 = row.try_get(0).outbox_sql()?;
+    let inserted: bool = row.try_get(1).outbox_sql()?;
+    let leased: bool = row.try_get(2).outbox_sql()?;
+    let at: DateTime<Utc> = row.try_get(3).outbox_sql()?;
     Ok(if inserted {
         Registered::Inserted { id, at }
     } else if leased {

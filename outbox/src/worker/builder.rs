@@ -368,7 +368,10 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
         if self.config.listen && self.store.transaction_pooler() {
             return Err(Error::config(
                 "listen",
-                "the store's outbox is built with `transaction_pooler(true)`, and a transaction-mode                  pooler does not keep a LISTEN beyond its transaction: build the worker with                  `listen(false)` (poll-only, with a short `idle_poll`), or give it a store over a                  direct connection",
+                "the store's outbox is built with `transaction_pooler(true)`, and a transaction-mode \
+                 pooler does not keep a LISTEN beyond its transaction: build the worker with \
+                 `listen(false)` (poll-only, with a short `idle_poll`), or give it a store over a \
+                 direct connection",
             ));
         }
         if self.routes.is_empty() {
