@@ -76,6 +76,7 @@ pub(crate) async fn pause(
     sql: &sql::admin::Admin,
     scope: Scope,
     conn: &mut PgConnection,
+    qtable: &str,
     queue: &str,
 ) -> Result<bool> {
     validate_queue(queue)?;
@@ -85,7 +86,14 @@ pub(crate) async fn pause(
         .bind(queue)
         .fetch_optional(&mut *db)
         .await
-        .outbox_sql()?;
+        .outbox_sql();
+    let row = match row {
+        Ok(row) => row,
+        Err(e) => {
+            drop(db);
+            return Err(scope.unmigrated_or(conn, qtable, e).await);
+        }
+    };
     db.done().await?;
     Ok(row.is_some())
 }
@@ -95,6 +103,7 @@ pub(crate) async fn resume(
     sql: &sql::admin::Admin,
     scope: Scope,
     conn: &mut PgConnection,
+    qtable: &str,
     queue: &str,
 ) -> Result<bool> {
     validate_queue(queue)?;
@@ -104,7 +113,14 @@ pub(crate) async fn resume(
         .bind(queue)
         .fetch_optional(&mut *db)
         .await
-        .outbox_sql()?;
+        .outbox_sql();
+    let row = match row {
+        Ok(row) => row,
+        Err(e) => {
+            drop(db);
+            return Err(scope.unmigrated_or(conn, qtable, e).await);
+        }
+    };
     db.done().await?;
     Ok(row.is_some())
 }
@@ -114,13 +130,21 @@ pub(crate) async fn paused(
     sql: &sql::admin::Admin,
     scope: Scope,
     conn: &mut PgConnection,
+    qtable: &str,
 ) -> Result<Vec<PausedQueue>> {
     let mut db = scope.on(conn).await?;
     let rows = scope
         .query(sql.paused.clone())
         .fetch_all(&mut *db)
         .await
-        .outbox_sql()?;
+        .outbox_sql();
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e) => {
+            drop(db);
+            return Err(scope.unmigrated_or(conn, qtable, e).await);
+        }
+    };
     db.done().await?;
     rows.iter()
         .map(|r| {

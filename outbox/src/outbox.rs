@@ -290,10 +290,20 @@ impl Outbox {
     /// # Errors
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad queue name;
     /// [`Error::UpgradeRequired`](crate::Error::UpgradeRequired) when the paused-queues
-    /// table does not exist yet (run [`Outbox::migrate`]);
+    /// table does not exist yet (run [`Outbox::migrate`]), or
+    /// [`Error::NotMigrated`](crate::Error::NotMigrated) when the queue table is missing
+    /// too (looked up on `conn` after the failed statement; inside your own transaction,
+    /// which that statement aborted, the look-up cannot run and `UpgradeRequired` stands);
     /// [`Error::Database`](crate::Error::Database).
     pub async fn pause_queue(&self, conn: &mut PgConnection, queue: &str) -> Result<bool> {
-        crate::admin::pause(&self.inner.sql.admin, self.inner.scope, conn, queue).await
+        crate::admin::pause(
+            &self.inner.sql.admin,
+            self.inner.scope,
+            conn,
+            self.table(),
+            queue,
+        )
+        .await
     }
 
     /// Resumes a paused `queue` and wakes the listening workers (the notification is sent
@@ -303,15 +313,22 @@ impl Outbox {
     /// # Errors
     /// As [`Outbox::pause_queue`].
     pub async fn resume_queue(&self, conn: &mut PgConnection, queue: &str) -> Result<bool> {
-        crate::admin::resume(&self.inner.sql.admin, self.inner.scope, conn, queue).await
+        crate::admin::resume(
+            &self.inner.sql.admin,
+            self.inner.scope,
+            conn,
+            self.table(),
+            queue,
+        )
+        .await
     }
 
     /// The paused queues, by name.
     ///
     /// # Errors
-    /// [`Error::Database`](crate::Error::Database).
+    /// As [`Outbox::pause_queue`] (without the queue name to reject).
     pub async fn paused_queues(&self, conn: &mut PgConnection) -> Result<Vec<PausedQueue>> {
-        crate::admin::paused(&self.inner.sql.admin, self.inner.scope, conn).await
+        crate::admin::paused(&self.inner.sql.admin, self.inner.scope, conn, self.table()).await
     }
 
     /// Makes pending row `id` due now (database clock), keeping its counters and retry

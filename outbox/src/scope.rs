@@ -128,6 +128,40 @@ impl Scope {
         })
     }
 
+    /// `e`, unless it is the missing paused-queues table of a database where the queue
+    /// table `qtable` (quoted, qualified) is missing too: then [`Error::NotMigrated`]. A
+    /// statement that names `<table>_paused` first (the claim, the wake-up read, pause and
+    /// resume) meets it first on a database never migrated, which alone would mean only the
+    /// upgrade is missing. Looked up on `conn` (its failed statement's transaction ended);
+    /// when the look-up fails too (inside the caller's aborted transaction), `e` stands.
+    pub(crate) async fn unmigrated_or(
+        self,
+        conn: &mut PgConnection,
+        qtable: &str,
+        e: Error,
+    ) -> Error {
+        if !e.is_missing_paused_table() {
+            return e;
+        }
+        let exists = async {
+            let mut db = self.on(conn).await?;
+            let oid: Option<i64> = self
+                .query_scalar(crate::sql::catalog::TABLE_OID)
+                .bind(qtable)
+                .fetch_one(&mut *db)
+                .await
+                .outbox_sql()?;
+            db.done().await?;
+            Ok::<_, Error>(oid.is_some())
+        };
+        match exists.await {
+            Ok(false) => Error::NotMigrated {
+                detail: format!("relation {qtable} does not exist"),
+            },
+            _ => e,
+        }
+    }
+
     /// Refuses what needs a server session of its own in a pooler's scope, before any SQL
     /// runs: `what` names the operation, `why` the session state it relies on.
     pub(crate) fn require_session(self, what: &'static str, why: &'static str) -> Result<()> {

@@ -222,32 +222,19 @@ impl PgStore {
         Ok(out)
     }
 
-    /// `e`, unless it is the missing paused-queues table of a database where the queue table
-    /// is missing too: then [`Error::NotMigrated`]. The claim and the wake-up read name
-    /// `<table>_paused` before the queue table, so on a database never migrated Postgres
-    /// reports the paused table first, which alone would mean only the upgrade is missing.
-    /// When the look-up itself fails, `e` stands.
+    /// [`Scope::unmigrated_or`] on a connection of the pool (the failed one is given back
+    /// first, so a pool of one connection does not wait for itself).
     async fn unmigrated_or(&self, e: Error) -> Error {
         if !e.is_missing_paused_table() {
             return e;
         }
-        let exists = async {
-            let mut db = self.pool_db().await?;
-            let oid: Option<i64> = self
-                .scope()
-                .query_scalar(crate::sql::catalog::TABLE_OID)
-                .bind(self.outbox.table())
-                .fetch_one(&mut *db)
-                .await
-                .outbox_sql()?;
-            db.done().await?;
-            Ok::<_, Error>(oid.is_some())
-        };
-        match exists.await {
-            Ok(false) => Error::NotMigrated {
-                detail: format!("relation {} does not exist", self.outbox.table()),
-            },
-            _ => e,
+        match self.pool.acquire().await {
+            Ok(mut conn) => {
+                self.scope()
+                    .unmigrated_or(&mut conn, self.outbox.table(), e)
+                    .await
+            }
+            Err(_) => e,
         }
     }
 

@@ -835,7 +835,8 @@ async fn a_schema_that_does_not_exist_is_a_typed_error() {
 
 /// A worker's claim and wake-up read on a database never migrated say NotMigrated, not
 /// UpgradeRequired (found by a fresh-user review: both statements name `<table>_paused`
-/// before the queue table, and Postgres reports the first missing relation). With only the
+/// before the queue table, and Postgres reports the first missing relation); so do pause,
+/// resume and the paused-queues read, which name only the paused table. With only the
 /// paused table missing (a table from before that upgrade), UpgradeRequired stays.
 #[tokio::test]
 async fn a_claim_on_a_database_never_migrated_says_not_migrated() {
@@ -857,18 +858,33 @@ async fn a_claim_on_a_database_never_migrated_says_not_migrated() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    // Pausing reads only the paused table: it looks the queue table up too.
+    let mut conn = pool.acquire().await.unwrap();
+    let err = outbox.pause_queue(&mut conn, QUEUE).await.unwrap_err();
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    let err = outbox.resume_queue(&mut conn, QUEUE).await.unwrap_err();
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    let err = outbox.paused_queues(&mut conn).await.unwrap_err();
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    drop(conn);
 
     outbox.migrate(&pool).await.unwrap();
-    let paused = outbox.table().trim_end_matches('"').to_owned() + "_paused\"";
-    sqlx::query(AssertSqlSafe(format!("DROP TABLE {paused}")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "DROP TABLE {}",
+        outbox.paused_table()
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
     let err = store
         .claim(ClaimRequest::new(&qs, 1, Duration::from_secs(60)))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::UpgradeRequired { .. }), "{err:?}");
+    let mut conn = pool.acquire().await.unwrap();
+    let err = outbox.pause_queue(&mut conn, QUEUE).await.unwrap_err();
+    assert!(matches!(err, Error::UpgradeRequired { .. }), "{err:?}");
+    drop(conn);
     drop_tables(&pool, &outbox).await;
 }
 
