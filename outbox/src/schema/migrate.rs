@@ -258,11 +258,11 @@ async fn acquire(pool: &PgPool) -> Result<PoolConnection<Postgres>> {
 }
 
 async fn oid(db: impl sqlx::PgExecutor<'_>, qualified: &str) -> Result<Option<i64>> {
-    Ok(sqlx::query_scalar(catalog::TABLE_OID)
+    sqlx::query_scalar(catalog::TABLE_OID)
         .bind(qualified)
         .fetch_one(db)
         .await
-        .outbox_sql()?)
+        .outbox_sql()
 }
 
 /// The names a catalog query (`$1` = table oid) returns, one per row.
@@ -361,14 +361,14 @@ async fn recorded_versions(ddl: &Ddl, pool: &PgPool, facts: &Facts) -> Result<Ha
     if !facts.versions {
         return Ok(HashSet::new());
     }
-    Ok(sqlx::query(ddl.versions_list.clone())
+    sqlx::query(ddl.versions_list.clone())
         .fetch_all(pool)
         .await
         .outbox_sql()?
         .iter()
         .map(|r| r.try_get::<i64, _>(0))
         .collect::<std::result::Result<_, _>>()
-        .outbox_sql()?)
+        .outbox_sql()
 }
 
 /// The table of applied steps: a new table, so creating it locks nothing of the outbox's;
