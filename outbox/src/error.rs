@@ -207,7 +207,10 @@ pub enum Error {
         reason: &'static str,
     },
 
-    /// Postgres or the connection failed.
+    /// Postgres or the connection failed. A `sqlx::Error` of your own statement, turned
+    /// into this type by `?` (`From<sqlx::Error>`), is always this variant, whatever its
+    /// SQLSTATE: only the library's own statements become [`Error::NotMigrated`],
+    /// [`Error::UpgradeRequired`], [`Error::SchemaNotFound`] or [`Error::ReadOnly`].
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
 }
