@@ -39,7 +39,7 @@
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::message::{validate_queue, Schedule};
 use crate::scope::Scope;
 use crate::sql;
@@ -76,6 +76,7 @@ pub(crate) async fn pause(
     sql: &sql::admin::Admin,
     scope: Scope,
     conn: &mut PgConnection,
+    qtable: &str,
     queue: &str,
 ) -> Result<bool> {
     validate_queue(queue)?;
@@ -84,7 +85,15 @@ pub(crate) async fn pause(
         .query(sql.pause.clone())
         .bind(queue)
         .fetch_optional(&mut *db)
-        .await?;
+        .await
+        .outbox_sql();
+    let row = match row {
+        Ok(row) => row,
+        Err(e) => {
+            drop(db);
+            return Err(scope.unmigrated_or(conn, qtable, e).await);
+        }
+    };
     db.done().await?;
     Ok(row.is_some())
 }
@@ -94,6 +103,7 @@ pub(crate) async fn resume(
     sql: &sql::admin::Admin,
     scope: Scope,
     conn: &mut PgConnection,
+    qtable: &str,
     queue: &str,
 ) -> Result<bool> {
     validate_queue(queue)?;
@@ -102,7 +112,15 @@ pub(crate) async fn resume(
         .query(sql.resume.clone())
         .bind(queue)
         .fetch_optional(&mut *db)
-        .await?;
+        .await
+        .outbox_sql();
+    let row = match row {
+        Ok(row) => row,
+        Err(e) => {
+            drop(db);
+            return Err(scope.unmigrated_or(conn, qtable, e).await);
+        }
+    };
     db.done().await?;
     Ok(row.is_some())
 }
@@ -112,15 +130,27 @@ pub(crate) async fn paused(
     sql: &sql::admin::Admin,
     scope: Scope,
     conn: &mut PgConnection,
+    qtable: &str,
 ) -> Result<Vec<PausedQueue>> {
     let mut db = scope.on(conn).await?;
-    let rows = scope.query(sql.paused.clone()).fetch_all(&mut *db).await?;
+    let rows = scope
+        .query(sql.paused.clone())
+        .fetch_all(&mut *db)
+        .await
+        .outbox_sql();
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e) => {
+            drop(db);
+            return Err(scope.unmigrated_or(conn, qtable, e).await);
+        }
+    };
     db.done().await?;
     rows.iter()
         .map(|r| {
             Ok(PausedQueue {
-                queue: r.try_get(0)?,
-                paused_at: r.try_get(1)?,
+                queue: r.try_get(0).outbox_sql()?,
+                paused_at: r.try_get(1).outbox_sql()?,
             })
         })
         .collect()
@@ -143,13 +173,14 @@ pub(crate) async fn reschedule(
         .bind(interval)
         .bind(at)
         .fetch_optional(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     let Some(row) = row else {
         return Ok(RowAction::NotFound);
     };
-    let leased: bool = row.try_get(0)?;
-    let at: Option<DateTime<Utc>> = row.try_get(1)?;
+    let leased: bool = row.try_get(0).outbox_sql()?;
+    let at: Option<DateTime<Utc>> = row.try_get(1).outbox_sql()?;
     Ok(match (leased, at) {
         (true, _) => RowAction::Leased,
         (false, Some(next_attempt_at)) => RowAction::Rescheduled { next_attempt_at },
@@ -171,13 +202,14 @@ pub(crate) async fn delete(
         .query(sql.delete.clone())
         .bind(id)
         .fetch_optional(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     let Some(row) = row else {
         return Ok(RowAction::NotFound);
     };
-    let leased: bool = row.try_get(0)?;
-    let deleted: bool = row.try_get(1)?;
+    let leased: bool = row.try_get(0).outbox_sql()?;
+    let deleted: bool = row.try_get(1).outbox_sql()?;
     Ok(match (leased, deleted) {
         (true, _) => RowAction::Leased,
         (false, true) => RowAction::Deleted,

@@ -3,7 +3,7 @@
 
 use sqlx::{PgConnection, Row};
 
-use crate::error::Result;
+use crate::error::{OutboxSql, Result};
 use crate::message::{validate_queue, validate_timer_id};
 use crate::scope::Scope;
 use crate::sql;
@@ -70,19 +70,21 @@ async fn cancel_on(
             .bind(queue)
             .bind(timer_id)
             .fetch_optional(&mut *conn)
-            .await?;
+            .await
+            .outbox_sql()?;
         let Some(row) = row else {
             return Ok(Cancelled::NotFound);
         };
-        let id: i64 = row.try_get(0)?;
-        let token: Option<uuid::Uuid> = row.try_get(1)?;
+        let id: i64 = row.try_get(0).outbox_sql()?;
+        let token: Option<uuid::Uuid> = row.try_get(1).outbox_sql()?;
         let done = match token {
             None => {
                 let n = scope
                     .query(sql.delete.clone())
                     .bind(id)
                     .execute(&mut *conn)
-                    .await?;
+                    .await
+                    .outbox_sql()?;
                 (n.rows_affected() == 1).then_some(Cancelled::Deleted { id })
             }
             Some(token) => {
@@ -91,7 +93,8 @@ async fn cancel_on(
                     .bind(id)
                     .bind(token)
                     .fetch_optional(&mut *conn)
-                    .await?;
+                    .await
+                    .outbox_sql()?;
                 had_rearm.map(|had| {
                     if had {
                         Cancelled::RearmDropped { id }

@@ -156,7 +156,7 @@ use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::message::{validate_queue, MAX_HEADERS_BYTES};
 use crate::scope::Scope;
 use crate::sql::binds::{interval, micros};
@@ -518,7 +518,8 @@ pub(crate) async fn list(
         .bind(after.unwrap_or(i64::MIN))
         .bind(limit_param(limit))
         .fetch_all(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     rows.iter().map(dead_letter_from_row).collect()
 }
@@ -544,7 +545,8 @@ pub(crate) async fn redrive(
                 .bind(REDRIVEN_FROM_HEADER)
                 .bind(max)
                 .fetch_all(&mut *db)
-                .await?;
+                .await
+                .outbox_sql()?;
             db.done().await?;
             rows
         }
@@ -560,7 +562,8 @@ pub(crate) async fn redrive(
                 .bind(REDRIVEN_FROM_HEADER)
                 .bind(max)
                 .fetch_all(&mut *db)
-                .await?;
+                .await
+                .outbox_sql()?;
             db.done().await?;
             rows
         }
@@ -569,10 +572,10 @@ pub(crate) async fn redrive(
 }
 
 fn outcome_from_row(row: &sqlx::postgres::PgRow) -> Result<RedriveOutcome> {
-    let dead_letter_id: i64 = row.try_get(0)?;
-    let outcome: String = row.try_get(1)?;
-    let other: Option<i64> = row.try_get(2)?;
-    let bytes: Option<i64> = row.try_get(3)?;
+    let dead_letter_id: i64 = row.try_get(0).outbox_sql()?;
+    let outcome: String = row.try_get(1).outbox_sql()?;
+    let other: Option<i64> = row.try_get(2).outbox_sql()?;
+    let bytes: Option<i64> = row.try_get(3).outbox_sql()?;
     let missing = |what: &str| {
         Error::Database(sqlx::Error::Decode(
             format!("the redrive of dead letter {dead_letter_id} returned no {what}").into(),
@@ -620,7 +623,8 @@ pub(crate) async fn purge(
             .bind(scope.query(sql.purge.clone()))
             .bind(batch)
             .execute(&mut *db)
-            .await?;
+            .await
+            .outbox_sql()?;
         db.done().await?;
         total += done.rows_affected();
         if done.rows_affected() < batch as u64 {

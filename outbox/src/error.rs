@@ -28,7 +28,7 @@ pub enum Error {
 
     /// A configured schema or table name is unusable, or a derived identifier (an index,
     /// a constraint, the NOTIFY channel) would exceed Postgres' 63-byte identifier limit.
-    #[error("invalid name: identifier `{identifier}` {reason}")]
+    #[error("invalid name: identifier `{}` {reason}", Printable(.identifier))]
     InvalidName {
         /// The identifier that does not fit (for example `my_long_table_pending_idx`).
         identifier: String,
@@ -46,7 +46,7 @@ pub enum Error {
     },
 
     /// Two handlers were registered for one queue on one worker.
-    #[error("two handlers for queue `{queue}`: `{first}` and `{second}`")]
+    #[error("two handlers for queue `{}`: `{}` and `{}`", Printable(.queue), Printable(.first), Printable(.second))]
     DuplicateHandler {
         /// The queue both handlers claim.
         queue: String,
@@ -196,9 +196,40 @@ pub enum Error {
         why: &'static str,
     },
 
-    /// Postgres or the connection failed.
+    /// [`Outbox::set_global`](crate::Outbox::set_global) came too late: the process-wide
+    /// outbox was already fixed, by an earlier `set_global` or by a call of
+    /// [`Outbox::global`](crate::Outbox::global) (which the functions `#[timer]` generates
+    /// make for a plain connection, transaction or pool), which fixes the default outbox
+    /// for good. Nothing changed: the global outbox stays the one in place.
+    #[error("the global outbox is already set ({reason}); call `Outbox::set_global` once, at start-up, before anything publishes")]
+    GlobalAlreadySet {
+        /// Which came first: `set_global` or `global()`.
+        reason: &'static str,
+    },
+
+    /// Postgres or the connection failed. A `sqlx::Error` of your own statement, turned
+    /// into this type by `?` (`From<sqlx::Error>`), is always this variant, whatever its
+    /// SQLSTATE: only the library's own statements become [`Error::NotMigrated`],
+    /// [`Error::UpgradeRequired`], [`Error::SchemaNotFound`] or [`Error::ReadOnly`].
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
+}
+
+/// A name from the caller, with its control characters escaped (`\0`, `\n`, `\u{1b}`): a
+/// message never carries a raw NUL or terminal escape from bad input.
+pub(crate) struct Printable<'a>(pub(crate) &'a str);
+
+impl fmt::Display for Printable<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for c in self.0.chars() {
+            if c.is_control() {
+                write!(f, "{}", c.escape_debug())?;
+            } else {
+                fmt::Write::write_char(f, c)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 struct LockHolders<'a>(&'a [LockHolder]);
@@ -328,13 +359,45 @@ impl fmt::Debug for Fields<'_> {
                 .field("what", what)
                 .field("why", why)
                 .finish(),
+            Error::GlobalAlreadySet { reason } => f
+                .debug_struct("GlobalAlreadySet")
+                .field("reason", reason)
+                .finish(),
             Error::Database(e) => f.debug_tuple("Database").field(e).finish(),
         }
     }
 }
 
+/// Any sqlx error is [`Error::Database`], whatever its SQLSTATE: `?` on your own statement
+/// (in a handler's transaction, on your own connection) never turns a typo'd table into
+/// [`Error::NotMigrated`]. Only the crate's own statements are classified (the schema
+/// variants, [`Error::ReadOnly`]), because only there does a missing table or column mean
+/// the outbox's schema.
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
+        Error::Database(e)
+    }
+}
+
+/// `.outbox_sql()?` on the result of one of the crate's own statements: its error goes
+/// through [`Error::from_outbox_statement`], the one place the SQLSTATE rules live.
+pub(crate) trait OutboxSql<T> {
+    /// The result, its error classified as an error of the outbox's own SQL.
+    fn outbox_sql(self) -> Result<T>;
+}
+
+impl<T> OutboxSql<T> for std::result::Result<T, sqlx::Error> {
+    fn outbox_sql(self) -> Result<T> {
+        self.map_err(Error::from_outbox_statement)
+    }
+}
+
+impl Error {
+    /// The error of a statement of the crate's own, by SQLSTATE. Every statement of ours
+    /// names only our tables, our columns, our schema (and the catalog), so there a missing
+    /// one means the schema has not been migrated (or upgraded); a user's statement gets
+    /// [`Error::Database`] through `From`.
+    pub(crate) fn from_outbox_statement(e: sqlx::Error) -> Self {
         // SQLSTATE 42703 undefined_column: the only columns this version reads that an
         // older deployment lacks are the rearm columns, the cancel mark (SPEC §1.3) and the
         // dead-letter redrive columns (issue 16: a table migrated with the dead-letter queue
@@ -374,9 +437,7 @@ impl From<sqlx::Error> for Error {
         // table is the paused-queues table (`<table>_paused`, added by an upgrade step and
         // read by every claim), only the upgrade has not.
         if let sqlx::Error::Database(db) = &e {
-            if db.code().as_deref() == Some("42P01")
-                && db.message().contains("_paused\" does not exist")
-            {
+            if db.code().as_deref() == Some("42P01") && db.message().contains(PAUSED_MISSING) {
                 return Error::UpgradeRequired {
                     detail: db.message().to_owned(),
                 };
@@ -391,7 +452,17 @@ impl From<sqlx::Error> for Error {
     }
 }
 
+/// The end of Postgres' 42P01 message for a missing paused-queues table (`<table>_paused`).
+const PAUSED_MISSING: &str = "_paused\" does not exist";
+
 impl Error {
+    /// True for the [`Error::UpgradeRequired`] of a missing paused-queues table: a statement
+    /// that names it before the queue table meets it first on a database never migrated at
+    /// all, so the caller asks whether the queue table exists before believing it.
+    pub(crate) fn is_missing_paused_table(&self) -> bool {
+        matches!(self, Error::UpgradeRequired { detail } if detail.ends_with(PAUSED_MISSING))
+    }
+
     /// The variant's name, as in the type (`"NotMigrated"`).
     pub(crate) fn variant(&self) -> &'static str {
         match self {
@@ -411,6 +482,7 @@ impl Error {
             Error::DeadLetterDisabled => "DeadLetterDisabled",
             Error::ReadOnly { .. } => "ReadOnly",
             Error::SessionRequired { .. } => "SessionRequired",
+            Error::GlobalAlreadySet { .. } => "GlobalAlreadySet",
             Error::Database(_) => "Database",
         }
     }
@@ -528,6 +600,48 @@ mod tests {
         );
     }
 
+    /// A name from the caller is echoed with its control characters escaped (found by a
+    /// review: a schema name with a NUL put the raw byte into the message).
+    #[test]
+    fn messages_escape_control_characters_of_names() {
+        let e = crate::Outbox::builder().schema("a\0b").build().unwrap_err();
+        assert!(matches!(&e, Error::InvalidName { identifier, .. } if identifier == "a\0b"));
+        let text = e.to_string();
+        assert!(
+            text.starts_with(r"invalid name: identifier `a\0b` "),
+            "{text}"
+        );
+        assert!(!text.chars().any(char::is_control), "{text:?}");
+        let e = Error::DuplicateHandler {
+            queue: "q\n\u{1b}[2J".to_owned(),
+            first: "A".to_owned(),
+            second: "B".to_owned(),
+        };
+        assert_eq!(
+            e.to_string(),
+            r"two handlers for queue `q\n\u{1b}[2J`: `A` and `B`"
+        );
+        // Printable characters, quotes included, stay as they are.
+        assert_eq!(Printable(r#"my "t" é"#).to_string(), r#"my "t" é"#);
+    }
+
+    /// `set_global` after `global()` fails and says why (found by a review: it returned the
+    /// outbox back and said nothing). No other unit test touches the global outbox.
+    #[test]
+    fn set_global_after_global_says_why() {
+        let _ = crate::Outbox::global();
+        let late = crate::Outbox::builder().table("late").build().unwrap();
+        let e = late.set_global().unwrap_err();
+        assert!(matches!(e, Error::GlobalAlreadySet { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "the global outbox is already set (`Outbox::global()` was called first and \
+             installed the default outbox); call `Outbox::set_global` once, at start-up, \
+             before anything publishes"
+        );
+        assert_eq!(crate::Outbox::global().table(), "\"outbox\"");
+    }
+
     /// Every error a variant wraps is its `source()`, so a reporter that walks the chain
     /// (anyhow's `{:#}`, `tracing-error`) reaches sqlx's or serde_json's own error. One
     /// value of each variant: a new variant must say here whether it wraps one.
@@ -557,7 +671,8 @@ mod tests {
                 | Error::LeaseLost { .. }
                 | Error::TransactionUnavailable { .. }
                 | Error::DeadLetterDisabled
-                | Error::SessionRequired { .. } => false,
+                | Error::SessionRequired { .. }
+                | Error::GlobalAlreadySet { .. } => false,
             }
         }
 
@@ -627,6 +742,9 @@ mod tests {
             Error::SessionRequired {
                 what: "migrate",
                 why: "an advisory lock",
+            },
+            Error::GlobalAlreadySet {
+                reason: "`set_global` was called before",
             },
         ];
         for e in &all {

@@ -103,8 +103,10 @@
 //! whose message links the upgrade guide ([`schema::upgrading`]); a database where the
 //! tables do not exist gives [`Error::NotMigrated`], which says to run [`migrate`]; an
 //! explicit schema that does not exist gives [`Error::SchemaNotFound`] (`migrate` creates
-//! tables, not schemas). Through a transaction-mode pooler
-//! ([`OutboxBuilder::transaction_pooler`]), what needs a server session of its own
+//! tables, not schemas). Those three come only from the library's own statements: your
+//! own SQL's `sqlx::Error`, turned into an [`Error`] by `?` (in a handler's transaction,
+//! say), is always [`Error::Database`], whatever its SQLSTATE. Through a transaction-mode
+//! pooler ([`OutboxBuilder::transaction_pooler`]), what needs a server session of its own
 //! (`migrate`) is [`Error::SessionRequired`], before any SQL runs.
 //!
 //! ## Decisions a user relies on

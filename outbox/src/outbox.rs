@@ -71,7 +71,9 @@ impl Default for Outbox {
     }
 }
 
-static GLOBAL: OnceLock<Outbox> = OnceLock::new();
+/// The global outbox, and whether `set_global` (rather than `global()`'s default) put it
+/// there: what a later `set_global`'s error says.
+static GLOBAL: OnceLock<(Outbox, bool)> = OnceLock::new();
 
 impl Outbox {
     /// Starts a configuration with the defaults: table `outbox`, dead-letter table
@@ -84,15 +86,35 @@ impl Outbox {
     /// The outbox used by the functions `#[timer]` generates when they are handed a plain
     /// connection, transaction or pool: the one given to [`Outbox::set_global`], or
     /// [`Outbox::default`] if none was.
+    ///
+    /// The first call fixes the global outbox for the life of the process: when
+    /// `set_global` has not run yet, it installs [`Outbox::default`], and every later
+    /// `set_global` fails with [`Error::GlobalAlreadySet`](crate::Error::GlobalAlreadySet).
+    /// Call `set_global` before anything calls this (before the first publish through a
+    /// generated function).
     pub fn global() -> &'static Outbox {
-        GLOBAL.get_or_init(Outbox::default)
+        &GLOBAL.get_or_init(|| (Outbox::default(), false)).0
     }
 
     /// Makes this outbox the process-wide one (see [`Outbox::global`]). Call it once, at
-    /// start-up, before the first publish. Returns the outbox back as an error if a global
-    /// outbox was already in use.
-    pub fn set_global(self) -> std::result::Result<(), Outbox> {
-        GLOBAL.set(self)
+    /// start-up, before the first publish.
+    ///
+    /// # Errors
+    /// [`Error::GlobalAlreadySet`](crate::Error::GlobalAlreadySet) when the global outbox is
+    /// already fixed: by an earlier `set_global`, or by a call of [`Outbox::global`] (made
+    /// by the functions `#[timer]` generates when handed a plain connection, transaction or
+    /// pool), which installs [`Outbox::default`] for good. The error's reason says which;
+    /// the global outbox stays the one in place and this one is dropped.
+    pub fn set_global(self) -> Result<()> {
+        GLOBAL.set((self, true)).map_err(|_| {
+            let by_call = GLOBAL.get().is_some_and(|(_, by_call)| *by_call);
+            let reason = if by_call {
+                "`Outbox::set_global` was called before"
+            } else {
+                "`Outbox::global()` was called first and installed the default outbox"
+            };
+            crate::Error::GlobalAlreadySet { reason }
+        })
     }
 
     /// The quoted, schema-qualified queue table, as it appears in SQL text.
@@ -268,10 +290,20 @@ impl Outbox {
     /// # Errors
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad queue name;
     /// [`Error::UpgradeRequired`](crate::Error::UpgradeRequired) when the paused-queues
-    /// table does not exist yet (run [`Outbox::migrate`]);
+    /// table does not exist yet (run [`Outbox::migrate`]), or
+    /// [`Error::NotMigrated`](crate::Error::NotMigrated) when the queue table is missing
+    /// too (looked up on `conn` after the failed statement; inside your own transaction,
+    /// which that statement aborted, the look-up cannot run and `UpgradeRequired` stands);
     /// [`Error::Database`](crate::Error::Database).
     pub async fn pause_queue(&self, conn: &mut PgConnection, queue: &str) -> Result<bool> {
-        crate::admin::pause(&self.inner.sql.admin, self.inner.scope, conn, queue).await
+        crate::admin::pause(
+            &self.inner.sql.admin,
+            self.inner.scope,
+            conn,
+            self.table(),
+            queue,
+        )
+        .await
     }
 
     /// Resumes a paused `queue` and wakes the listening workers (the notification is sent
@@ -281,15 +313,22 @@ impl Outbox {
     /// # Errors
     /// As [`Outbox::pause_queue`].
     pub async fn resume_queue(&self, conn: &mut PgConnection, queue: &str) -> Result<bool> {
-        crate::admin::resume(&self.inner.sql.admin, self.inner.scope, conn, queue).await
+        crate::admin::resume(
+            &self.inner.sql.admin,
+            self.inner.scope,
+            conn,
+            self.table(),
+            queue,
+        )
+        .await
     }
 
     /// The paused queues, by name.
     ///
     /// # Errors
-    /// [`Error::Database`](crate::Error::Database).
+    /// As [`Outbox::pause_queue`] (without the queue name to reject).
     pub async fn paused_queues(&self, conn: &mut PgConnection) -> Result<Vec<PausedQueue>> {
-        crate::admin::paused(&self.inner.sql.admin, self.inner.scope, conn).await
+        crate::admin::paused(&self.inner.sql.admin, self.inner.scope, conn, self.table()).await
     }
 
     /// Makes pending row `id` due now (database clock), keeping its counters and retry
@@ -566,6 +605,8 @@ impl Outbox {
     /// # Errors
     /// [`Error::UnsupportedPostgres`](crate::Error::UnsupportedPostgres) before anything
     /// else when the server is not PostgreSQL 14 to 18;
+    /// [`Error::SchemaNotFound`](crate::Error::SchemaNotFound) when the schema named by
+    /// [`OutboxBuilder::schema`] does not exist (as `migrate` reports it);
     /// [`Error::SchemaMismatch`](crate::Error::SchemaMismatch) listing the problems;
     /// [`Error::Database`](crate::Error::Database) if the catalog cannot be read.
     pub async fn validate_schema(&self, pool: &PgPool) -> Result<()> {

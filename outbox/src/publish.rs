@@ -11,7 +11,7 @@ use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 use tracing::{Instrument, Span};
 
-use crate::error::Result;
+use crate::error::{OutboxSql, Result};
 use crate::message::envelope::{Message, Published};
 use crate::message::{
     slack_micros, validate_batch, BatchItem, Headers, OnConflict, Schedule, MAX_HEADERS_BYTES,
@@ -191,7 +191,7 @@ async fn publish_untraced(
         query = query.bind(interval(slack_micros(message.slack)));
     }
     let mut db = scope.on(conn).await?;
-    let row = query.fetch_optional(&mut *db).await?;
+    let row = query.fetch_optional(&mut *db).await.outbox_sql()?;
     db.done().await?;
     let inserted = |id| {
         telemetry::published(message.queue, 1);
@@ -204,11 +204,12 @@ async fn publish_untraced(
             OnConflict::Extend => Published::Unchanged,
         });
     };
-    let id: i64 = r.try_get(0)?;
+    let id: i64 = r.try_get(0).outbox_sql()?;
     if message.on_conflict == OnConflict::Ignore {
         return Ok(inserted(id));
     }
-    let (was_inserted, leased): (bool, bool) = (r.try_get(1)?, r.try_get(2)?);
+    let (was_inserted, leased): (bool, bool) =
+        (r.try_get(1).outbox_sql()?, r.try_get(2).outbox_sql()?);
     Ok(if was_inserted {
         inserted(id)
     } else if leased {
@@ -269,9 +270,13 @@ async fn publish_batch_untraced(
         .bind(delay)
         .bind(at)
         .fetch_one(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
-    let ids: Vec<i64> = row.try_get::<Option<Vec<i64>>, _>(0)?.unwrap_or_default();
+    let ids: Vec<i64> = row
+        .try_get::<Option<Vec<i64>>, _>(0)
+        .outbox_sql()?
+        .unwrap_or_default();
     telemetry::published(queue, ids.len() as u64);
     Ok(ids)
 }

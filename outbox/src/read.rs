@@ -4,7 +4,7 @@
 
 use sqlx::PgConnection;
 
-use crate::error::Result;
+use crate::error::{OutboxSql, Result};
 use crate::message::validate_queue;
 use crate::scope::Scope;
 use crate::sql;
@@ -26,7 +26,8 @@ pub(crate) async fn pending(
         .bind(queue)
         .bind(limit)
         .fetch_all(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     rows.iter().map(stored_from_row).collect()
 }

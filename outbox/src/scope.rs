@@ -28,7 +28,7 @@ use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::{Query, QueryAs, QueryScalar};
 use sqlx::{Connection, FromRow, PgConnection, PgPool, Postgres, SqlSafeStr, Transaction};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 
 /// How the crate's statements reach the server.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -87,8 +87,8 @@ impl Scope {
     /// transaction through a pooler. Finish it with [`Db::done`].
     pub(crate) async fn acquire(self, pool: &PgPool) -> Result<Db<'static>> {
         Ok(match self {
-            Scope::Session => Db::Pooled(pool.acquire().await?),
-            Scope::Transaction => Db::Tx(pool.begin().await?),
+            Scope::Session => Db::Pooled(pool.acquire().await.outbox_sql()?),
+            Scope::Transaction => Db::Tx(pool.begin().await.outbox_sql()?),
         })
     }
 
@@ -101,13 +101,17 @@ impl Scope {
         lock_timeout: Duration,
     ) -> Result<Db<'static>> {
         Ok(match self {
-            Scope::Session => Db::Pooled(pool.acquire().await?),
+            Scope::Session => Db::Pooled(pool.acquire().await.outbox_sql()?),
             Scope::Transaction => {
                 let begin = format!(
                     "BEGIN; SET LOCAL lock_timeout = {}",
                     lock_timeout.as_millis()
                 );
-                Db::Tx(pool.begin_with(sqlx::AssertSqlSafe(begin)).await?)
+                Db::Tx(
+                    pool.begin_with(sqlx::AssertSqlSafe(begin))
+                        .await
+                        .outbox_sql()?,
+                )
             }
         })
     }
@@ -117,9 +121,45 @@ impl Scope {
     /// transaction of its own on it, which [`Db::done`] commits.
     pub(crate) async fn on(self, conn: &mut PgConnection) -> Result<Db<'_>> {
         Ok(match self {
-            Scope::Transaction if !conn.is_in_transaction() => Db::Tx(conn.begin().await?),
+            Scope::Transaction if !conn.is_in_transaction() => {
+                Db::Tx(conn.begin().await.outbox_sql()?)
+            }
             _ => Db::Borrowed(conn),
         })
+    }
+
+    /// `e`, unless it is the missing paused-queues table of a database where the queue
+    /// table `qtable` (quoted, qualified) is missing too: then [`Error::NotMigrated`]. A
+    /// statement that names `<table>_paused` first (the claim, the wake-up read, pause and
+    /// resume) meets it first on a database never migrated, which alone would mean only the
+    /// upgrade is missing. Looked up on `conn` (its failed statement's transaction ended);
+    /// when the look-up fails too (inside the caller's aborted transaction), `e` stands.
+    pub(crate) async fn unmigrated_or(
+        self,
+        conn: &mut PgConnection,
+        qtable: &str,
+        e: Error,
+    ) -> Error {
+        if !e.is_missing_paused_table() {
+            return e;
+        }
+        let exists = async {
+            let mut db = self.on(conn).await?;
+            let oid: Option<i64> = self
+                .query_scalar(crate::sql::catalog::TABLE_OID)
+                .bind(qtable)
+                .fetch_one(&mut *db)
+                .await
+                .outbox_sql()?;
+            db.done().await?;
+            Ok::<_, Error>(oid.is_some())
+        };
+        match exists.await {
+            Ok(false) => Error::NotMigrated {
+                detail: format!("relation {qtable} does not exist"),
+            },
+            _ => e,
+        }
     }
 
     /// Refuses what needs a server session of its own in a pooler's scope, before any SQL
@@ -146,7 +186,7 @@ impl Db<'_> {
     /// Commits the library's own transaction, if it opened one; a no-op otherwise.
     pub(crate) async fn done(self) -> Result<()> {
         if let Db::Tx(tx) = self {
-            tx.commit().await?;
+            tx.commit().await.outbox_sql()?;
         }
         Ok(())
     }

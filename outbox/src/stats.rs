@@ -140,7 +140,7 @@ use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::message::{validate_queue, MAX_DELAY};
 use crate::scope::Scope;
 use crate::sql;
@@ -414,7 +414,7 @@ pub(crate) async fn read(
         query = query.bind(list);
     }
     let mut db = scope.on(conn).await?;
-    let rows = query.fetch_all(&mut *db).await?;
+    let rows = query.fetch_all(&mut *db).await.outbox_sql()?;
     db.done().await?;
     let out = rows
         .iter()
@@ -426,7 +426,8 @@ pub(crate) async fn read(
 /// Decodes the columns `sql::stats` documents, in order.
 fn decode(r: &PgRow, mode: StatsMode) -> Result<QueueStats> {
     let count = |i: usize| -> Result<Option<u64>> {
-        Ok(r.try_get::<Option<i64>, _>(i)?
+        Ok(r.try_get::<Option<i64>, _>(i)
+            .outbox_sql()?
             .map(|n| u64::try_from(n).unwrap_or(0)))
     };
     let exact =
@@ -437,10 +438,10 @@ fn decode(r: &PgRow, mode: StatsMode) -> Result<QueueStats> {
             StatsMode::Estimate => count(i)?.map_or(Count::Unavailable, Count::Estimate),
         })
     };
-    let oldest: Option<DateTime<Utc>> = r.try_get(8)?;
-    let now: DateTime<Utc> = r.try_get(9)?;
+    let oldest: Option<DateTime<Utc>> = r.try_get(8).outbox_sql()?;
+    let now: DateTime<Utc> = r.try_get(9).outbox_sql()?;
     Ok(QueueStats {
-        queue: r.try_get(0)?,
+        queue: r.try_get(0).outbox_sql()?,
         pending: estimated(1)?,
         due: exact(2)?,
         leased: exact(3)?,

@@ -10,7 +10,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 use crate::cancel::Cancelled;
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::message::envelope::{Message, Published};
 use crate::message::{validate_queue, validate_timer_id};
 use crate::outbox::Outbox;
@@ -185,7 +185,7 @@ pub(crate) async fn publish_autocommit(
     message.validate()?;
     let mut conn = match pool.acquire().await {
         Ok(c) => c,
-        Err(e) => return Err(explain(pool, e.into()).await),
+        Err(e) => return Err(explain(pool, Error::from_outbox_statement(e)).await),
     };
     outbox.publish(&mut conn, message).await
 }
@@ -202,9 +202,9 @@ pub(crate) async fn cancel_in_own_transaction(
     validate_timer_id(timer_id)?;
     let mut tx = match pool.begin().await {
         Ok(tx) => tx,
-        Err(e) => return Err(explain(pool, e.into()).await),
+        Err(e) => return Err(explain(pool, Error::from_outbox_statement(e)).await),
     };
     let out = outbox.cancel(&mut tx, queue, timer_id).await?;
-    tx.commit().await?;
+    tx.commit().await.outbox_sql()?;
     Ok(out)
 }

@@ -25,7 +25,7 @@ use tokio::time::Instant;
 
 use super::problem::LockHolder;
 use super::shape::{self, LiveCheck, LiveIndex};
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::names::Names;
 use crate::scope::Scope;
 use crate::sql::catalog;
@@ -253,20 +253,25 @@ fn wanted_check(n: &Names, name: &str) -> Option<shape::WantedCheck> {
 async fn acquire(pool: &PgPool) -> Result<PoolConnection<Postgres>> {
     match pool.acquire().await {
         Ok(c) => Ok(c),
-        Err(e) => Err(explain(pool, e.into()).await),
+        Err(e) => Err(explain(pool, Error::from_outbox_statement(e)).await),
     }
 }
 
 async fn oid(db: impl sqlx::PgExecutor<'_>, qualified: &str) -> Result<Option<i64>> {
-    Ok(sqlx::query_scalar(catalog::TABLE_OID)
+    sqlx::query_scalar(catalog::TABLE_OID)
         .bind(qualified)
         .fetch_one(db)
-        .await?)
+        .await
+        .outbox_sql()
 }
 
 /// The names a catalog query (`$1` = table oid) returns, one per row.
 async fn names_of(db: &mut PgConnection, sql: &'static str, oid: i64) -> Result<HashSet<String>> {
-    let names: Vec<String> = sqlx::query_scalar(sql).bind(oid).fetch_all(db).await?;
+    let names: Vec<String> = sqlx::query_scalar(sql)
+        .bind(oid)
+        .fetch_all(db)
+        .await
+        .outbox_sql()?;
     Ok(names.into_iter().collect())
 }
 
@@ -294,7 +299,7 @@ async fn refuse_standby(pool: &PgPool) -> Result<()> {
         .await
     {
         Ok(r) => r,
-        Err(e) => return Err(explain(pool, e.into()).await),
+        Err(e) => return Err(explain(pool, Error::from_outbox_statement(e)).await),
     };
     if in_recovery {
         return Err(Error::ReadOnly {
@@ -356,12 +361,14 @@ async fn recorded_versions(ddl: &Ddl, pool: &PgPool, facts: &Facts) -> Result<Ha
     if !facts.versions {
         return Ok(HashSet::new());
     }
-    Ok(sqlx::query(ddl.versions_list.clone())
+    sqlx::query(ddl.versions_list.clone())
         .fetch_all(pool)
-        .await?
+        .await
+        .outbox_sql()?
         .iter()
         .map(|r| r.try_get::<i64, _>(0))
-        .collect::<std::result::Result<_, _>>()?)
+        .collect::<std::result::Result<_, _>>()
+        .outbox_sql()
 }
 
 /// The table of applied steps: a new table, so creating it locks nothing of the outbox's;
@@ -378,8 +385,9 @@ async fn create_versions(
     let mut tx = begin_locked(names, pool, "schema_migrations", started, options).await?;
     sqlx::query(ddl.versions_create.clone())
         .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
+        .await
+        .outbox_sql()?;
+    tx.commit().await.outbox_sql()?;
     facts.versions = true;
     Ok(())
 }
@@ -399,7 +407,8 @@ async fn record(
         .bind(step.description)
         .bind(found)
         .execute(db)
-        .await?;
+        .await
+        .outbox_sql()?;
     Ok(())
 }
 
@@ -481,18 +490,20 @@ async fn holders(
         .bind(facts.oids())
         .bind(migrate_key(names))
         .fetch_all(pool)
-        .await?;
+        .await
+        .outbox_sql()?;
     if !transaction {
         rows.extend(
             sqlx::query(catalog::SNAPSHOT_HOLDERS)
                 .fetch_all(pool)
-                .await?,
+                .await
+                .outbox_sql()?,
         );
     }
     let mut holders: Vec<LockHolder> = Vec::new();
     for r in rows {
-        let pid: i32 = r.try_get(0)?;
-        let mode: String = r.try_get(3)?;
+        let pid: i32 = r.try_get(0).outbox_sql()?;
+        let mode: String = r.try_get(3).outbox_sql()?;
         if let Some(h) = holders.iter_mut().find(|h| h.pid == pid) {
             if !h.modes.contains(&mode) {
                 h.modes.push(mode);
@@ -501,8 +512,8 @@ async fn holders(
         }
         holders.push(LockHolder {
             pid,
-            transaction_start: r.try_get(1)?,
-            state: r.try_get(2)?,
+            transaction_start: r.try_get(1).outbox_sql()?,
+            state: r.try_get(2).outbox_sql()?,
             modes: vec![mode],
         });
     }
@@ -574,17 +585,18 @@ async fn begin_locked(
     loop {
         let mut tx = match pool.begin().await {
             Ok(tx) => tx,
-            Err(e) => return Err(explain(pool, e.into()).await),
+            Err(e) => return Err(explain(pool, Error::from_outbox_statement(e)).await),
         };
         let got: bool = sqlx::query_scalar(ADVISORY_TRY_LOCK)
             .bind(&key)
             .fetch_one(&mut *tx)
-            .await?;
+            .await
+            .outbox_sql()?;
         if got {
             return Ok(tx);
         }
         // Not holding the transaction open while waiting: it would keep a pool connection.
-        tx.rollback().await?;
+        tx.rollback().await.outbox_sql()?;
         poll.again().await?;
     }
 }
@@ -608,13 +620,16 @@ async fn apply_in_transaction(
             "SET LOCAL lock_timeout = {}",
             options.lock_timeout.as_millis()
         );
-        (&mut *tx).execute(sqlx::AssertSqlSafe(set)).await?;
+        (&mut *tx)
+            .execute(sqlx::AssertSqlSafe(set))
+            .await
+            .outbox_sql()?;
         // Without parameters a statement runs on the simple query protocol, which takes the
         // several statements of a script in one string.
-        (&mut *tx).execute(script.clone()).await?;
+        (&mut *tx).execute(script.clone()).await.outbox_sql()?;
     }
     record(ddl, &mut *tx, &facts, step, false).await?;
-    tx.commit().await?;
+    tx.commit().await.outbox_sql()?;
     tracing::info!(step = step.description, "outbox: migration step applied");
     Ok(())
 }
@@ -642,7 +657,8 @@ async fn apply_concurrently(
         let got: bool = sqlx::query_scalar(ADVISORY_TRY_SESSION_LOCK)
             .bind(&key)
             .fetch_one(&mut *conn)
-            .await?;
+            .await
+            .outbox_sql()?;
         if got {
             break conn;
         }
@@ -669,7 +685,7 @@ async fn build_index(
     let mut facts = Facts::read(&mut *conn, names).await?;
     if !facts.holds(&step.done, names) {
         let set = format!("SET lock_timeout = {}", options.lock_timeout.as_millis());
-        conn.execute(sqlx::AssertSqlSafe(set)).await?;
+        conn.execute(sqlx::AssertSqlSafe(set)).await.outbox_sql()?;
         if let Done::Index { table, name } = &step.done {
             let left = wanted_index(names, name)
                 .is_some_and(|w| w.invalid_in(&facts.table(*table).indexes));
@@ -678,10 +694,10 @@ async fn build_index(
                     index = %name,
                     "outbox: an INVALID index left by an interrupted build is dropped and built again"
                 );
-                conn.execute(drop).await?;
+                conn.execute(drop).await.outbox_sql()?;
             }
         }
-        conn.execute(step.script.clone()).await?;
+        conn.execute(step.script.clone()).await.outbox_sql()?;
         facts = Facts::read(&mut *conn, names).await?;
     }
     record(ddl, &mut *conn, &facts, step, false).await?;
@@ -706,7 +722,8 @@ pub(crate) async fn applied(
         .query_scalar::<Option<i64>>(catalog::TABLE_OID)
         .bind(&names.qversions)
         .fetch_one(&mut *db)
-        .await?
+        .await
+        .outbox_sql()?
         .is_some();
     if !exists {
         db.done().await?;
@@ -715,15 +732,16 @@ pub(crate) async fn applied(
     let rows = scope
         .query(ddl.versions_list.clone())
         .fetch_all(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     rows.iter()
         .map(|r| {
             Ok(AppliedMigration {
-                version: r.try_get(0)?,
-                description: r.try_get(1)?,
-                applied_at: r.try_get(2)?,
-                found: r.try_get(3)?,
+                version: r.try_get(0).outbox_sql()?,
+                description: r.try_get(1).outbox_sql()?,
+                applied_at: r.try_get(2).outbox_sql()?,
+                found: r.try_get(3).outbox_sql()?,
             })
         })
         .collect()

@@ -3,7 +3,7 @@
 
 use sqlx::{PgConnection, PgPool};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::scope::Scope;
 use crate::sql::catalog;
 use crate::store::connect::explain;
@@ -23,7 +23,7 @@ pub(crate) async fn require(pool: &PgPool, supported: (u32, u32)) -> Result<u32>
             .await;
     let (version, version_num) = match row {
         Ok(row) => row,
-        Err(e) => return Err(explain(pool, e.into()).await),
+        Err(e) => return Err(explain(pool, Error::from_outbox_statement(e)).await),
     };
     check(&version, &version_num, supported)
 }
@@ -38,7 +38,8 @@ pub(crate) async fn require_on(
     let (version, version_num): (String, String) = scope
         .query_as(catalog::SERVER_VERSION)
         .fetch_one(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     check(&version, &version_num, supported)
 }
 

@@ -7,7 +7,7 @@
 
 use sqlx::Row;
 
-use crate::error::Result;
+use crate::error::{OutboxSql, Result};
 use crate::names::Names;
 use crate::scope::Scope;
 use crate::sql::catalog;
@@ -207,15 +207,16 @@ pub(crate) async fn live_indexes(
         .query(catalog::INDEXES)
         .bind(qualified)
         .fetch_all(db)
-        .await?;
+        .await
+        .outbox_sql()?;
     rows.iter()
         .map(|r| {
             Ok(LiveIndex {
-                columns: r.try_get(0)?,
-                unique: r.try_get(1)?,
-                predicate: r.try_get(2)?,
-                valid: r.try_get(3)?,
-                name: r.try_get(4)?,
+                columns: r.try_get(0).outbox_sql()?,
+                unique: r.try_get(1).outbox_sql()?,
+                predicate: r.try_get(2).outbox_sql()?,
+                valid: r.try_get(3).outbox_sql()?,
+                name: r.try_get(4).outbox_sql()?,
             })
         })
         .collect()
@@ -231,15 +232,16 @@ pub(crate) async fn live_checks(
         .query(catalog::CHECKS)
         .bind(qualified)
         .fetch_all(db)
-        .await?;
+        .await
+        .outbox_sql()?;
     rows.iter()
         .map(|r| {
-            let def: String = r.try_get(0)?;
+            let def: String = r.try_get(0).outbox_sql()?;
             let def = def.trim_end();
             let def = def.strip_suffix("NOT VALID").unwrap_or(def);
             Ok(LiveCheck {
                 def: normalise(def),
-                validated: r.try_get(1)?,
+                validated: r.try_get(1).outbox_sql()?,
             })
         })
         .collect()

@@ -7,7 +7,7 @@ use sqlx::{PgConnection, PgPool, Row};
 
 use super::problem::SchemaProblem;
 use super::shape::{self, LiveIndex, WantedIndex};
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::names::Names;
 use crate::scope::Scope;
 use crate::sql::catalog;
@@ -67,6 +67,21 @@ pub(crate) async fn validate(
     // One connection for every catalog read; through a pooler, one transaction.
     let mut db = scope.acquire(pool).await?;
     super::server::require_on(scope, &mut db, super::server::SUPPORTED_POSTGRES).await?;
+    // An explicit schema never created is what `migrate` reports (SchemaNotFound, from
+    // 3F000); the catalog reads below would only see every table missing.
+    if let Some(qschema) = &n.qschema {
+        let exists: bool = scope
+            .query_scalar(catalog::SCHEMA_EXISTS)
+            .bind(qschema)
+            .fetch_one(&mut *db)
+            .await
+            .outbox_sql()?;
+        if !exists {
+            return Err(Error::SchemaNotFound {
+                detail: format!("schema {qschema} does not exist"),
+            });
+        }
+    }
     let problems = problems(n, dead_letter, scope, &mut db).await?;
     db.done().await?;
     if problems.is_empty() {
@@ -157,7 +172,8 @@ async fn check_columns(
         .query_scalar(catalog::TABLE_OID)
         .bind(qualified)
         .fetch_one(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     let Some(oid) = oid else {
         // A table an upgrade adds gets the upgrade's hint from `SchemaProblem`'s display.
         let message = if added_by_upgrade {
@@ -172,10 +188,14 @@ async fn check_columns(
         .query(catalog::COLUMNS)
         .bind(oid)
         .fetch_all(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     let mut live: HashMap<String, (String, bool)> = HashMap::new();
     for r in rows {
-        live.insert(r.try_get(0)?, (r.try_get(1)?, r.try_get(2)?));
+        live.insert(
+            r.try_get(0).outbox_sql()?,
+            (r.try_get(1).outbox_sql()?, r.try_get(2).outbox_sql()?),
+        );
     }
     for &(col, ty, not_null, rearm) in wanted {
         let object = format!("{table}.{col}");

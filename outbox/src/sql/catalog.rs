@@ -5,6 +5,10 @@
 /// `$1` qualified table name → its oid, or NULL when it does not exist.
 pub(crate) const TABLE_OID: &str = "SELECT to_regclass($1)::oid::bigint";
 
+/// `$1` a quoted schema name → whether it exists (`to_regnamespace` is NULL for a missing
+/// schema, where `to_regclass` of a table in it is just NULL too).
+pub(crate) const SCHEMA_EXISTS: &str = "SELECT to_regnamespace($1) IS NOT NULL";
+
 /// The server's `server_version` (as it prints it, `18.4 (Debian 18.4-1)`) and
 /// `server_version_num` (`180004`), both text: the version check of `migrate()` and
 /// `validate_schema`.

@@ -18,7 +18,7 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::{clean_error_text, Armed, Completion, Failure, Lease, Release, Released, Renewal};
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::scope::{Db, Scope};
 use crate::sql::binds::{interval, micros};
 use crate::sql::complete::Complete;
@@ -39,7 +39,8 @@ pub(crate) async fn ack_on(
         .bind(lease.id)
         .bind(lease.token)
         .execute(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     if done.rows_affected() == 1 {
         db.done().await?;
         return Ok(Completion::Deleted);
@@ -49,7 +50,8 @@ pub(crate) async fn ack_on(
         .bind(lease.id)
         .bind(lease.token)
         .fetch_one(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     settled(&row)
 }
@@ -68,7 +70,8 @@ pub(crate) async fn ack_batch_delete_on(
         .bind(&ids)
         .bind(&tokens)
         .fetch_all(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     rows.iter().map(lease_at).collect()
 }
@@ -87,11 +90,12 @@ pub(crate) async fn ack_batch_settle_on(
         .bind(&ids)
         .bind(&tokens)
         .fetch_all(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     let mut settled = HashMap::new();
     for r in rows {
-        let at: Option<DateTime<Utc>> = r.try_get(2)?;
+        let at: Option<DateTime<Utc>> = r.try_get(2).outbox_sql()?;
         settled.insert(
             lease_at(&r)?,
             at.map_or(Completion::Deleted, |at| Completion::Rearmed { at }),
@@ -113,11 +117,12 @@ pub(crate) async fn retry_on(
         .bind(lease.token)
         .bind(interval(micros(delay)?))
         .fetch_one(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
-    let locked: i64 = row.try_get(0)?;
-    let at: Option<DateTime<Utc>> = row.try_get(1)?;
-    let rearmed: Option<bool> = row.try_get(2)?;
+    let locked: i64 = row.try_get(0).outbox_sql()?;
+    let at: Option<DateTime<Utc>> = row.try_get(1).outbox_sql()?;
+    let rearmed: Option<bool> = row.try_get(2).outbox_sql()?;
     Ok(match (locked, at, rearmed) {
         (0, _, _) => Completion::LeaseLost,
         (_, Some(at), Some(true)) => Completion::Rearmed { at },
@@ -142,7 +147,8 @@ pub(crate) async fn fail_on(
             .bind(lease.id)
             .bind(lease.token)
             .fetch_optional(&mut *db)
-            .await?;
+            .await
+            .outbox_sql()?;
         let outcome = match cancelled {
             Some(true) => Completion::Cancelled,
             Some(false) => Completion::Deleted,
@@ -152,7 +158,8 @@ pub(crate) async fn fail_on(
                     .bind(lease.id)
                     .bind(lease.token)
                     .fetch_one(&mut *db)
-                    .await?;
+                    .await
+                    .outbox_sql()?;
                 settled(&row)?
             }
         };
@@ -167,9 +174,10 @@ pub(crate) async fn fail_on(
         .bind(failure.last_error.map(clean_error_text))
         .bind(i32::from(failure.reason.handler_ran()))
         .fetch_one(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
-    if row.try_get::<Option<bool>, _>(3)? == Some(true) {
+    if row.try_get::<Option<bool>, _>(3).outbox_sql()? == Some(true) {
         return Ok(Completion::Cancelled);
     }
     settled(&row)
@@ -187,12 +195,13 @@ pub(crate) async fn renew_on(
         .bind(&ids)
         .bind(&tokens)
         .fetch_all(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     let mut held = HashMap::new();
     for r in rows {
         let lease = lease_at(&r)?;
-        let cancelled: bool = r.try_get(2)?;
+        let cancelled: bool = r.try_get(2).outbox_sql()?;
         held.insert(
             lease,
             if cancelled {
@@ -222,12 +231,13 @@ pub(crate) async fn release_on(
         .bind(&tokens)
         .bind(&started)
         .fetch_all(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     let mut done = HashMap::new();
     for r in rows {
         let lease = lease_at(&r)?;
-        let outcome: String = r.try_get(2)?;
+        let outcome: String = r.try_get(2).outbox_sql()?;
         done.insert(
             lease,
             match outcome.as_str() {
@@ -253,15 +263,15 @@ fn columns(leases: impl Iterator<Item = Lease>) -> (Vec<i64>, Vec<Uuid>) {
 /// may share a batch.
 fn lease_at(row: &PgRow) -> Result<Lease> {
     Ok(Lease {
-        id: row.try_get(0)?,
-        token: row.try_get(1)?,
+        id: row.try_get(0).outbox_sql()?,
+        token: row.try_get(1).outbox_sql()?,
     })
 }
 
 /// Reads `(rows locked, rearm deadline)` from a locking completion statement.
 fn settled(row: &PgRow) -> Result<Completion> {
-    let locked: i64 = row.try_get(0)?;
-    let rearmed: Option<DateTime<Utc>> = row.try_get(1)?;
+    let locked: i64 = row.try_get(0).outbox_sql()?;
+    let rearmed: Option<DateTime<Utc>> = row.try_get(1).outbox_sql()?;
     Ok(match (locked, rearmed) {
         (0, _) => Completion::LeaseLost,
         (_, Some(at)) => Completion::Rearmed { at },
@@ -283,12 +293,13 @@ pub(crate) async fn arm_next_on(
         .bind(lease.token)
         .bind(at)
         .fetch_one(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
-    let locked: i64 = row.try_get(0)?;
-    let cancelled: Option<bool> = row.try_get(1)?;
-    let stored: Option<DateTime<Utc>> = row.try_get(2)?;
-    let written: bool = row.try_get(3)?;
+    let locked: i64 = row.try_get(0).outbox_sql()?;
+    let cancelled: Option<bool> = row.try_get(1).outbox_sql()?;
+    let stored: Option<DateTime<Utc>> = row.try_get(2).outbox_sql()?;
+    let written: bool = row.try_get(3).outbox_sql()?;
     Ok(match (locked, cancelled, stored) {
         (0, _, _) => Armed::LeaseLost,
         (_, Some(true), _) => Armed::Cancelled,

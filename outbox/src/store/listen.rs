@@ -11,7 +11,7 @@ use chrono::DateTime;
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 
 use super::Wakeup;
-use crate::error::Result;
+use crate::error::{OutboxSql, Result};
 
 /// Starts listening on `channel` and forwards hints until the receiver is dropped. LISTEN
 /// is in place when this returns (so a scan after it misses nothing); if it fails, the
@@ -51,8 +51,8 @@ pub(crate) async fn start(pool: &PgPool, channel: &str) -> tokio::sync::mpsc::Re
 /// (`Error::ReadOnly`); the loop keeps trying, so the worker hears publishes again once the
 /// standby is promoted.
 async fn listen(pool: &PgPool, channel: &str) -> Result<PgListener> {
-    let mut l = PgListener::connect_with(pool).await?;
-    l.listen(channel).await?;
+    let mut l = PgListener::connect_with(pool).await.outbox_sql()?;
+    l.listen(channel).await.outbox_sql()?;
     Ok(l)
 }
 

@@ -31,7 +31,7 @@ use super::{
 };
 use crate::cancel::Cancelled;
 use crate::dlq::DeadLetterFilter;
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::message::envelope::{Message, Published};
 use crate::message::validate_queue;
 use crate::outbox::Outbox;
@@ -247,7 +247,7 @@ impl PgStore {
             None => query,
             Some(ids) => query.bind(ids),
         };
-        let rows = query.fetch_all(&mut *conn).await?;
+        let rows = query.fetch_all(&mut *conn).await.outbox_sql()?;
         let mut out = rows
             .iter()
             .map(delivery_from_row)
@@ -255,6 +255,22 @@ impl PgStore {
         // RETURNING follows the update order, not the CTE's; restore the contract's order.
         fair_order(&mut out, request.resume_after);
         Ok(out)
+    }
+
+    /// [`Scope::unmigrated_or`] on a connection of the pool (the failed one is given back
+    /// first, so a pool of one connection does not wait for itself).
+    async fn unmigrated_or(&self, e: Error) -> Error {
+        if !e.is_missing_paused_table() {
+            return e;
+        }
+        match self.pool.acquire().await {
+            Ok(mut conn) => {
+                self.scope()
+                    .unmigrated_or(&mut conn, self.outbox.table(), e)
+                    .await
+            }
+            Err(_) => e,
+        }
     }
 
     /// Live rows of `queue` (pending and leased), ordered by deadline then id, at most
@@ -266,7 +282,7 @@ impl PgStore {
     /// [`Error::Database`](crate::Error::Database).
     pub async fn pending(&self, queue: &str, limit: usize) -> Result<Vec<StoredRow>> {
         validate_queue(queue)?;
-        let mut conn = self.pool.acquire().await?;
+        let mut conn = self.pool.acquire().await.outbox_sql()?;
         self.outbox.pending(&mut conn, queue, limit).await
     }
 
@@ -284,7 +300,7 @@ impl PgStore {
     ) -> Result<Vec<DeadLetter>> {
         crate::dlq::require_enabled(self.outbox.dead_letter_enabled())?;
         filter.binds()?;
-        let mut conn = self.pool.acquire().await?;
+        let mut conn = self.pool.acquire().await.outbox_sql()?;
         self.outbox
             .dead_letters(&mut conn, filter, after, limit)
             .await
@@ -297,7 +313,7 @@ impl PgStore {
     /// As [`Outbox::stats`].
     pub async fn stats(&self, request: &StatsRequest) -> Result<Vec<QueueStats>> {
         request.validate()?;
-        let mut conn = self.pool.acquire().await?;
+        let mut conn = self.pool.acquire().await.outbox_sql()?;
         self.outbox.stats(&mut conn, request).await
     }
 
@@ -327,15 +343,31 @@ impl Store for PgStore {
                     Err(e) => return Err(explain(&self.pool, e.into()).await),
                 },
             };
-            let claimed = self.claim_with(&mut conn, request).await?;
-            self.claimer.keep(conn);
-            return Ok(claimed);
+            return match self.claim_with(&mut conn, request).await {
+                Ok(claimed) => {
+                    self.claimer.keep(conn);
+                    Ok(claimed)
+                }
+                Err(e) => {
+                    // A connection whose claim failed is not kept (see `ClaimConnection`);
+                    // give it back first: the look-up takes one of its own.
+                    drop(conn);
+                    Err(self.unmigrated_or(e).await)
+                }
+            };
         }
         let mut conn = match self.pool_db().await {
             Ok(c) => c,
             Err(e) => return Err(explain(&self.pool, e).await),
         };
-        let claimed = self.claim_with(&mut conn, request).await?;
+        let claimed = match self.claim_with(&mut conn, request).await {
+            Ok(c) => c,
+            Err(e) => {
+                // Give the connection back first: the look-up takes one of its own.
+                drop(conn);
+                return Err(self.unmigrated_or(e).await);
+            }
+        };
         conn.done().await?;
         Ok(claimed)
     }
@@ -470,7 +502,8 @@ impl Store for PgStore {
             .bind(failure.last_error.map(clean_error_text))
             .bind(self.outbox.dead_letter_enabled())
             .fetch_one(&mut *db)
-            .await?;
+            .await
+            .outbox_sql()?;
         db.done().await?;
         Ok(if deleted > 0 {
             Completion::Deleted
@@ -512,19 +545,29 @@ impl Store for PgStore {
         // The claim loop is about to sleep: read on the claims' connection, then give it
         // back to the pool (`ClaimConnection`).
         let row = match self.claimer.take() {
-            Some(mut conn) => query.fetch_one(&mut *conn).await?,
+            Some(mut conn) => {
+                let row = query.fetch_one(&mut *conn).await.outbox_sql();
+                drop(conn);
+                row
+            }
             None => {
                 let mut db = self.pool_db().await?;
-                let row = query.fetch_one(&mut *db).await?;
-                db.done().await?;
+                let row = query.fetch_one(&mut *db).await.outbox_sql();
+                if row.is_ok() {
+                    db.done().await?;
+                }
                 row
             }
         };
+        let row = match row {
+            Ok(row) => row,
+            Err(e) => return Err(self.unmigrated_or(e).await),
+        };
         Ok(NextWakeup {
-            now: row.try_get(0)?,
-            deadline: row.try_get(1)?,
-            upcoming: row.try_get(2)?,
-            lease_expiry: row.try_get(3)?,
+            now: row.try_get(0).outbox_sql()?,
+            deadline: row.try_get(1).outbox_sql()?,
+            upcoming: row.try_get(2).outbox_sql()?,
+            lease_expiry: row.try_get(3).outbox_sql()?,
         })
     }
 
@@ -548,10 +591,11 @@ impl Store for PgStore {
             .bind(request.exclude)
             .bind(caps)
             .fetch_all(&mut *db)
-            .await?;
+            .await
+            .outbox_sql()?;
         db.done().await?;
         rows.iter()
-            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .map(|r| Ok((r.try_get(0).outbox_sql()?, r.try_get(1).outbox_sql()?)))
             .collect()
     }
 
@@ -567,7 +611,8 @@ impl Store for PgStore {
             .scope()
             .query_scalar(self.outbox.sql().claim.now.clone())
             .fetch_one(&mut *db)
-            .await?;
+            .await
+            .outbox_sql()?;
         db.done().await?;
         Ok(now)
     }
@@ -603,7 +648,8 @@ impl Store for PgStore {
             .query_as(crate::sql::catalog::AUTOVACUUM_OFF)
             .bind(self.outbox.table())
             .fetch_one(&mut *db)
-            .await?;
+            .await
+            .outbox_sql()?;
         db.done().await?;
         if !exists {
             // Asked at start-up: a worker started before `migrate()` hears it here first.
@@ -669,15 +715,16 @@ pub(crate) async fn register_on(
         .bind(Json(request.headers))
         .bind(request.first)
         .fetch_optional(&mut *db)
-        .await?;
+        .await
+        .outbox_sql()?;
     db.done().await?;
     let Some(row) = row else {
         return Ok(Registered::Unchanged);
     };
-    let id: i64 = row.try_get(0)?;
-    let inserted: bool = row.try_get(1)?;
-    let leased: bool = row.try_get(2)?;
-    let at: DateTime<Utc> = row.try_get(3)?;
+    let id: i64 = row.try_get(0).outbox_sql()?;
+    let inserted: bool = row.try_get(1).outbox_sql()?;
+    let leased: bool = row.try_get(2).outbox_sql()?;
+    let at: DateTime<Utc> = row.try_get(3).outbox_sql()?;
     Ok(if inserted {
         Registered::Inserted { id, at }
     } else if leased {

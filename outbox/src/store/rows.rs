@@ -15,7 +15,7 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::{clean_error_text, Delivery, Lease};
-use crate::error::Result;
+use crate::error::{OutboxSql, Result};
 use crate::message::Headers;
 
 /// A live row of the queue table as stored, read without leasing it: pending
@@ -158,10 +158,10 @@ pub(crate) fn delivery_from_row(row: &PgRow) -> Result<Delivery> {
     }
     Ok(Delivery {
         lease: Lease {
-            id: row.try_get(0)?,
-            token: row.try_get(1)?,
+            id: row.try_get(0).outbox_sql()?,
+            token: row.try_get(1).outbox_sql()?,
         },
-        queue: row.try_get(2)?,
+        queue: row.try_get(2).outbox_sql()?,
         payload,
         headers,
         timer_id,
@@ -193,26 +193,26 @@ fn headers_lenient(
 
 /// Decodes the columns of `sql::read::ROW_COLUMNS`, in order.
 pub(crate) fn stored_from_row(row: &PgRow) -> Result<StoredRow> {
-    let (headers, raw_headers) = headers_lenient(row, 3)?;
-    let (rearm_headers, raw_rearm_headers) = headers_lenient(row, 15)?;
+    let (headers, raw_headers) = headers_lenient(row, 3).outbox_sql()?;
+    let (rearm_headers, raw_rearm_headers) = headers_lenient(row, 15).outbox_sql()?;
     Ok(StoredRow {
-        id: row.try_get(0)?,
-        queue: row.try_get(1)?,
-        payload: row.try_get(2)?,
+        id: row.try_get(0).outbox_sql()?,
+        queue: row.try_get(1).outbox_sql()?,
+        payload: row.try_get(2).outbox_sql()?,
         headers,
-        attempts_count: row.try_get(4)?,
-        deliveries_count: row.try_get(5)?,
-        created_at: row.try_get(6)?,
-        next_attempt_at: row.try_get(7)?,
-        first_attempt_at: row.try_get(8)?,
-        last_attempt_at: row.try_get(9)?,
-        acquired_at: row.try_get(10)?,
-        acquired_token: row.try_get(11)?,
-        timer_id: row.try_get(12)?,
-        rearm_at: row.try_get(13)?,
-        rearm_payload: row.try_get(14)?,
+        attempts_count: row.try_get(4).outbox_sql()?,
+        deliveries_count: row.try_get(5).outbox_sql()?,
+        created_at: row.try_get(6).outbox_sql()?,
+        next_attempt_at: row.try_get(7).outbox_sql()?,
+        first_attempt_at: row.try_get(8).outbox_sql()?,
+        last_attempt_at: row.try_get(9).outbox_sql()?,
+        acquired_at: row.try_get(10).outbox_sql()?,
+        acquired_token: row.try_get(11).outbox_sql()?,
+        timer_id: row.try_get(12).outbox_sql()?,
+        rearm_at: row.try_get(13).outbox_sql()?,
+        rearm_payload: row.try_get(14).outbox_sql()?,
         rearm_headers,
-        cancelled_at: row.try_get(16)?,
+        cancelled_at: row.try_get(16).outbox_sql()?,
         raw_headers,
         raw_rearm_headers,
     })
@@ -220,22 +220,22 @@ pub(crate) fn stored_from_row(row: &PgRow) -> Result<StoredRow> {
 
 /// Decodes the columns of `sql::read::DEAD_LETTER_COLUMNS`, in order.
 pub(crate) fn dead_letter_from_row(r: &PgRow) -> Result<DeadLetter> {
-    let (headers, raw_headers) = headers_lenient(r, 4)?;
+    let (headers, raw_headers) = headers_lenient(r, 4).outbox_sql()?;
     Ok(DeadLetter {
-        id: r.try_get(0)?,
-        original_id: r.try_get(1)?,
-        queue: r.try_get(2)?,
-        payload: r.try_get(3)?,
+        id: r.try_get(0).outbox_sql()?,
+        original_id: r.try_get(1).outbox_sql()?,
+        queue: r.try_get(2).outbox_sql()?,
+        payload: r.try_get(3).outbox_sql()?,
         headers,
         raw_headers,
-        timer_id: r.try_get(5)?,
-        attempts_count: r.try_get(6)?,
-        deliveries_count: r.try_get(7)?,
-        created_at: r.try_get(8)?,
-        failed_at: r.try_get(9)?,
-        failure_reason: r.try_get(10)?,
-        last_error: r.try_get(11)?,
-        redriven_at: r.try_get(12)?,
-        redriven_id: r.try_get(13)?,
+        timer_id: r.try_get(5).outbox_sql()?,
+        attempts_count: r.try_get(6).outbox_sql()?,
+        deliveries_count: r.try_get(7).outbox_sql()?,
+        created_at: r.try_get(8).outbox_sql()?,
+        failed_at: r.try_get(9).outbox_sql()?,
+        failure_reason: r.try_get(10).outbox_sql()?,
+        last_error: r.try_get(11).outbox_sql()?,
+        redriven_at: r.try_get(12).outbox_sql()?,
+        redriven_id: r.try_get(13).outbox_sql()?,
     })
 }

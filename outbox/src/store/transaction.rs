@@ -24,7 +24,7 @@ use sqlx::{PgConnection, Postgres};
 use tokio::sync::watch;
 
 use super::{Completion, Lease, TransactionSource};
-use crate::error::{Error, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::scope::{Db, Scope};
 use crate::sql::complete::Complete;
 
@@ -145,7 +145,11 @@ impl TransactionAccess {
             .await;
         let tx = match begun {
             Ok(tx) => tx,
-            Err(e) => return Err(super::connect::explain(&source.pool, e.into()).await),
+            Err(e) => {
+                return Err(
+                    super::connect::explain(&source.pool, Error::from_outbox_statement(e)).await,
+                )
+            }
         };
         if !self.transition(&RunTransaction::None, RunTransaction::Open) {
             return Err(Error::TransactionUnavailable {
@@ -285,7 +289,7 @@ impl HandlerTransaction {
         let tx = self.tx.take().expect("held until commit or rollback");
         self.access
             .transition(&RunTransaction::Open, RunTransaction::RolledBack);
-        tx.rollback().await?;
+        tx.rollback().await.outbox_sql()?;
         Ok(())
     }
 }
@@ -304,7 +308,11 @@ async fn commit_in_task(
             let _ = tx.rollback().await;
             Err(Error::LeaseLost { id: lease.id })
         }
-        Ok(completion) => tx.commit().await.map(|()| completion).map_err(Error::from),
+        Ok(completion) => tx
+            .commit()
+            .await
+            .map(|()| completion)
+            .map_err(Error::from_outbox_statement),
         Err(e) => {
             let _ = tx.rollback().await;
             Err(e)

@@ -9,7 +9,7 @@ use super::decide::Route;
 use super::handler::{Handler, HandlerOptions};
 use super::lifecycle::Worker;
 use super::schedule::{Declared, Schedule};
-use crate::error::{Error, Result};
+use crate::error::{Error, Printable, Result};
 use crate::message::validate_queue;
 use crate::periodic::{Recurrence, DECLARED_SCHEDULE_NAME};
 use crate::stats::StatsMode;
@@ -368,7 +368,10 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
         if self.config.listen && self.store.transaction_pooler() {
             return Err(Error::config(
                 "listen",
-                "the store's outbox is built with `transaction_pooler(true)`, and a transaction-mode                  pooler does not keep a LISTEN beyond its transaction: build the worker with                  `listen(false)` (poll-only, with a short `idle_poll`), or give it a store over a                  direct connection",
+                "the store's outbox is built with `transaction_pooler(true)`, and a transaction-mode \
+                 pooler does not keep a LISTEN beyond its transaction: build the worker with \
+                 `listen(false)` (poll-only, with a short `idle_poll`), or give it a store over a \
+                 direct connection",
             ));
         }
         if self.routes.is_empty() {
@@ -381,7 +384,7 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
             if route.max_deliveries == 0 {
                 return Err(Error::config(
                     "max_deliveries",
-                    format!("must be at least 1 for queue `{}`", route.queue),
+                    format!("must be at least 1 for queue `{}`", Printable(&route.queue)),
                 ));
             }
             if let Some(t) = route.timeout {
@@ -390,7 +393,7 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
                         "timeout",
                         format!(
                             "must be within 1ms..=7 days for queue `{}`, got {t:?}",
-                            route.queue
+                            Printable(&route.queue)
                         ),
                     ));
                 }
@@ -401,7 +404,7 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
                         "max_concurrency",
                         format!(
                             "must be within 1..=10000 for queue `{}`, got {n}",
-                            route.queue
+                            Printable(&route.queue)
                         ),
                     ));
                 }

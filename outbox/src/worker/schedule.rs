@@ -16,7 +16,7 @@ use chrono::{DateTime, Utc};
 use tokio::sync::watch;
 
 use super::shared::backoff;
-use crate::error::{Error, Result};
+use crate::error::{Error, Printable, Result};
 use crate::message::{validate_payload, validate_timer_id, Headers};
 use crate::periodic::{Recurrence, DECLARED_SCHEDULE_NAME};
 use crate::store::SCHEDULE_KEY_PREFIX;
@@ -166,7 +166,10 @@ pub(crate) async fn register_one<S: Store>(store: &S, schedule: &Schedule) -> Re
     let first = schedule.recurrence.next_after(now).ok_or_else(|| {
         Error::invalid(
             "schedule",
-            format!("{} has no instant after {now}", schedule.timer_id),
+            format!(
+                "{} has no instant after {now}",
+                Printable(&schedule.timer_id)
+            ),
         )
     })?;
     store

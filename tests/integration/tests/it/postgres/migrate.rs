@@ -817,13 +817,13 @@ async fn a_schema_that_does_not_exist_is_a_typed_error() {
     assert!(text.contains(&schema), "{text}");
     assert!(text.contains("CREATE SCHEMA"), "{text}");
     let err = outbox.validate_schema(&pool).await.unwrap_err();
-    // validate_schema reads the catalog: the table is missing, and migrate (above) says
-    // why.
-    let Error::SchemaMismatch { problems } = err else {
+    // validate_schema says the same as migrate: the schema is missing, not "table is
+    // missing" (found by a fresh-user review).
+    let Error::SchemaNotFound { detail } = &err else {
         panic!("{err:?}");
     };
-    assert_eq!(problems.len(), 1, "{problems:?}");
-    assert_eq!(problems[0].message, "table is missing; run the migrations");
+    assert_eq!(detail, &format!("schema \"{schema}\" does not exist"));
+    assert!(err.to_string().contains("CREATE SCHEMA"), "{err}");
     let exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
             .bind(&schema)
@@ -831,4 +831,82 @@ async fn a_schema_that_does_not_exist_is_a_typed_error() {
             .await
             .unwrap();
     assert!(!exists);
+}
+
+/// A worker's claim and wake-up read on a database never migrated say NotMigrated, not
+/// UpgradeRequired (found by a fresh-user review: both statements name `<table>_paused`
+/// before the queue table, and Postgres reports the first missing relation); so do pause,
+/// resume and the paused-queues read, which name only the paused table. With only the
+/// paused table missing (a table from before that upgrade), UpgradeRequired stays.
+#[tokio::test]
+async fn a_claim_on_a_database_never_migrated_says_not_migrated() {
+    let pool = pool().await;
+    let outbox = Outbox::builder()
+        .table(unique_table("never_claimed"))
+        .build()
+        .unwrap();
+    let store = PgStore::new(pool.clone(), outbox.clone());
+    let qs = queues();
+    let err = store
+        .claim(ClaimRequest::new(&qs, 1, Duration::from_secs(60)))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    assert!(err.to_string().contains(outbox.table()), "{err}");
+    let err = store
+        .next_wakeup(ClaimRequest::new(&qs, 1, Duration::from_secs(60)))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    // Pausing reads only the paused table: it looks the queue table up too.
+    let mut conn = pool.acquire().await.unwrap();
+    let err = outbox.pause_queue(&mut conn, QUEUE).await.unwrap_err();
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    let err = outbox.resume_queue(&mut conn, QUEUE).await.unwrap_err();
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    let err = outbox.paused_queues(&mut conn).await.unwrap_err();
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    drop(conn);
+
+    outbox.migrate(&pool).await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "DROP TABLE {}",
+        outbox.paused_table()
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let err = store
+        .claim(ClaimRequest::new(&qs, 1, Duration::from_secs(60)))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::UpgradeRequired { .. }), "{err:?}");
+    let mut conn = pool.acquire().await.unwrap();
+    let err = outbox.pause_queue(&mut conn, QUEUE).await.unwrap_err();
+    assert!(matches!(err, Error::UpgradeRequired { .. }), "{err:?}");
+    drop(conn);
+    drop_tables(&pool, &outbox).await;
+}
+
+/// `?` on the user's own statement gives `Error::Database` whatever the SQLSTATE: a typo'd
+/// table, a missing column named like a rearm column or a missing schema in the user's SQL
+/// say nothing about the outbox's schema (found by a fresh-user review: they became
+/// NotMigrated, UpgradeRequired and SchemaNotFound).
+#[tokio::test]
+async fn the_users_own_sql_errors_stay_database_errors() {
+    async fn user_sql(pool: &PgPool, sql: &'static str) -> outbox::Result<()> {
+        sqlx::query(sql).execute(pool).await?;
+        Ok(())
+    }
+    let pool = pool().await;
+    for (sql, code) in [
+        ("SELECT * FROM no_such_table", "42P01"),
+        ("SELECT * FROM no_such_table_paused", "42P01"),
+        ("SELECT rearm_at FROM pg_class", "42703"),
+        ("CREATE TABLE no_such_schema.t (x int)", "3F000"),
+    ] {
+        let err = user_sql(&pool, sql).await.unwrap_err();
+        assert!(matches!(err, Error::Database(_)), "{sql}: {err:?}");
+        assert_eq!(err.sqlstate().as_deref(), Some(code), "{sql}");
+    }
 }

@@ -828,3 +828,46 @@ async fn shutdown_after_a_commit_or_a_failed_commit_accounts_for_each_row() {
     drop_table(&f, &table).await;
     f.cleanup().await;
 }
+
+/// The handler's own statement in its transaction, converted into `outbox::Error` by `?`,
+/// is `Error::Database` whatever its SQLSTATE: a typo'd table is not `NotMigrated` (found by
+/// a fresh-user review; only the library's own statements are read for what a missing
+/// table means).
+#[tokio::test]
+async fn a_handlers_own_sql_error_is_a_database_error() {
+    let f = Fixture::new().await;
+    let seen = Arc::new(std::sync::Mutex::new(None::<Error>));
+    let worker = {
+        let seen = seen.clone();
+        fast(&f)
+            .timer::<Job>(move |_job: Job, ctx: Context| {
+                let seen = seen.clone();
+                async move {
+                    let mut tx = ctx.begin().await?;
+                    let own = async {
+                        sqlx::query("SELECT * FROM no_such_table")
+                            .execute(&mut *tx)
+                            .await?;
+                        Ok::<_, Error>(())
+                    }
+                    .await;
+                    *seen.lock().unwrap() = own.err();
+                    tx.rollback().await?;
+                    Ok::<_, Error>(())
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    publish(&f, 1, Duration::ZERO).await;
+    eventually(20, "the handler ran", || async {
+        seen.lock().unwrap().is_some()
+    })
+    .await;
+    assert!(worker.shutdown().await.graceful);
+    let e = seen.lock().unwrap().take().unwrap();
+    assert!(matches!(e, Error::Database(_)), "{e:?}");
+    assert_eq!(e.sqlstate().as_deref(), Some("42P01"));
+    f.cleanup().await;
+}

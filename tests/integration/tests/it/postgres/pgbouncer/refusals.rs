@@ -63,6 +63,8 @@ async fn a_listening_worker_through_the_pooler_is_refused_at_build() {
         "{e:?}"
     );
     assert!(e.to_string().contains("listen(false)"), "{e}");
+    // The message is one sentence: no runs of spaces from a literal continued without `\`.
+    assert!(!e.to_string().contains("  "), "{e}");
     let _poll_only = Worker::builder(t.store.clone())
         .listen(false)
         .idle_poll(Duration::from_millis(200))
