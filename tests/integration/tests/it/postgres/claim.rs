@@ -215,18 +215,34 @@ async fn consecutive_claims_keep_one_connection_until_the_next_wakeup() {
     assert_eq!(in_use(&f.pool).await, 0);
     let got = f.store.claim(ClaimRequest::new(&qs, 1, TTL)).await.unwrap();
     assert_eq!(got.len(), 1);
-    assert_eq!(in_use(&f.pool).await, 0, "a plain claim keeps no connection");
+    assert_eq!(
+        in_use(&f.pool).await,
+        0,
+        "a plain claim keeps no connection"
+    );
     let got = f.store.claim(keep()).await.unwrap();
     assert_eq!(got.len(), 1);
-    assert_eq!(in_use(&f.pool).await, 1, "the claim's connection is kept for the next claim");
+    assert_eq!(
+        in_use(&f.pool).await,
+        1,
+        "the claim's connection is kept for the next claim"
+    );
     let got = f.store.claim(keep()).await.unwrap();
     assert_eq!(got.len(), 1);
-    assert_eq!(in_use(&f.pool).await, 1, "the next claim reuses it: still one");
+    assert_eq!(
+        in_use(&f.pool).await,
+        1,
+        "the next claim reuses it: still one"
+    );
     f.store
         .next_wakeup(ClaimRequest::new(&qs, 1, TTL))
         .await
         .unwrap();
-    assert_eq!(in_use(&f.pool).await, 0, "reading the next wake-up gives it back");
+    assert_eq!(
+        in_use(&f.pool).await,
+        0,
+        "reading the next wake-up gives it back"
+    );
     let body = "m3";
     let m = Message::new("a", body.as_bytes());
     f.outbox
@@ -237,7 +253,11 @@ async fn consecutive_claims_keep_one_connection_until_the_next_wakeup() {
     assert_eq!(got.len(), 1);
     assert_eq!(in_use(&f.pool).await, 1);
     f.store.claims_stopped();
-    assert_eq!(in_use(&f.pool).await, 0, "a stopped claim loop gives it back");
+    assert_eq!(
+        in_use(&f.pool).await,
+        0,
+        "a stopped claim loop gives it back"
+    );
 }
 
 // A worker that drained a backlog and stopped leaves no connection checked out of the pool,
