@@ -51,6 +51,11 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 /// The Postgres implementation of [`Store`]: a pool and an [`Outbox`] (names and SQL).
 ///
 /// Claims run on connections of the pool, each statement in its own short transaction.
+/// While a worker's claims follow each other (a backlog), its claim loop keeps the one
+/// connection they run on out of the pool, so every claim finds the statement prepared and
+/// planned there; the connection goes back when the loop is about to sleep or stops
+/// ([`ClaimRequest::keep_connection`]). The worker opens the second pool's first
+/// connection (below) when it starts, so its first completions do not wait for a connect.
 /// Publishing inside your own transaction goes through [`Outbox::publish`] or the functions
 /// `#[timer]` generates, handed `&mut *tx`; handed `&store` they publish on a pool connection
 /// instead, outside any transaction of yours ([`Publisher`]).
@@ -62,7 +67,7 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 /// | for | from | at most |
 /// |---|---|---|
 /// | claims, wake-up reads; handlers' own transactions ([`Context::begin`](crate::Context::begin)); a completion that must wait for a row lock; the queue-depth gauge's read of the statistics, when on | the pool you give | 1 + one per handler slot (its transaction while it runs, or its completion after), + 1 with the queue-depth gauge |
-/// | completions, lease renewal, release at shutdown | a second pool the store opens on first use, with your pool's connect options (not its `after_connect` hooks: put session settings such as `synchronous_commit` in the connect options) and size, plus `lock_timeout = 200ms` (a startup parameter; through a transaction-mode pooler, [`transaction_pooler`](crate::OutboxBuilder::transaction_pooler), a `SET LOCAL` in each write's transaction instead) | `concurrency + 2` |
+/// | completions, lease renewal, release at shutdown | a second pool the store opens on first use (a worker's start), with your pool's connect options (not its `after_connect` hooks: put session settings such as `synchronous_commit` in the connect options) and size, plus `lock_timeout = 200ms` (a startup parameter; through a transaction-mode pooler, [`transaction_pooler`](crate::OutboxBuilder::transaction_pooler), a `SET LOCAL` in each write's transaction instead) | `concurrency + 2` |
 /// | `LISTEN` for wake-ups | a connection of its own, outside both pools | 1 |
 ///
 /// Completions, renewal and release run with a short `lock_timeout` because an application
