@@ -494,8 +494,8 @@ impl<'a> ClaimRequest<'a> {
         }
     }
 
-    /// Keeps the claim's connection for the next claim (see
-    /// [`keep_connection`](Self::keep_connection)).
+    /// Keeps the claim's connection for the next claim (the field of the same name says
+    /// how long).
     pub fn keep_connection(mut self) -> Self {
         self.keep_connection = true;
         self

@@ -54,7 +54,7 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 /// While a worker's claims follow each other (a backlog), its claim loop keeps the one
 /// connection they run on out of the pool, so every claim finds the statement prepared and
 /// planned there; the connection goes back when the loop is about to sleep or stops
-/// ([`ClaimRequest::keep_connection`]). The worker opens the second pool's first
+/// ([`ClaimRequest::keep_connection()`]). The worker opens the second pool's first
 /// connection (below) when it starts, so its first completions do not wait for a connect.
 /// Publishing inside your own transaction goes through [`Outbox::publish`] or the functions
 /// `#[timer]` generates, handed `&mut *tx`; handed `&store` they publish on a pool connection
@@ -128,7 +128,7 @@ pub struct PgStore {
 /// land on every connection of the pool in turn, each paying the first parse and plan
 /// (issue 27, measured on a 1 000-row drain: 2–3.5 ms parse + 1–2 ms bind per claim on a
 /// connection new to it, against 0.8 ms bind once warm). Only for a claim that asks for it
-/// ([`ClaimRequest::keep_connection`], which the worker's claim loop sets), so a caller of
+/// ([`ClaimRequest::keep_connection()`], which the worker's claim loop sets), so a caller of
 /// [`Store::claim`] never finds a connection missing from its pool. The connection goes
 /// back to the pool when the claim loop reads its next wake-up, i.e. when it is about to
 /// sleep, and when the loop stops; one that failed is never kept. Only outside a
