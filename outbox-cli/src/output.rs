@@ -19,18 +19,42 @@ pub fn table(header: &[&str]) -> Table {
     t
 }
 
-/// `text` and a newline on stdout.
+/// `text` and a newline on stdout, its control characters escaped ([`terminal_safe`]).
 pub fn line(text: impl Display) {
+    let text = text.to_string();
     let mut out = std::io::stdout().lock();
-    let written = writeln!(out, "{text}").and_then(|()| out.flush());
+    let written = writeln!(out, "{}", terminal_safe(&text)).and_then(|()| out.flush());
     done_or_exit(written);
 }
 
-/// `text` on stdout as it is (no newline), flushed.
+/// `text` on stdout (no newline), its control characters escaped ([`terminal_safe`]),
+/// flushed.
 pub fn raw(text: &str) {
     let mut out = std::io::stdout().lock();
-    let written = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    let written = out
+        .write_all(terminal_safe(text).as_bytes())
+        .and_then(|()| out.flush());
     done_or_exit(written);
+}
+
+/// `text` with every control character but the line break written as its Rust escape
+/// (`\u{1b}`, `\r`, `\0`): queue names, timer ids, headers and payloads are data, often an
+/// end user's, and an escape sequence among them must not reach the operator's terminal
+/// (clear the screen, set the window title). JSON output is unaffected: JSON escapes
+/// control characters itself.
+pub fn terminal_safe(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(|c| c.is_control() && c != '\n') {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c.is_control() && c != '\n' {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// A closed pipe means the reader has what it wanted: exit 0 without a word. Any other write
@@ -117,5 +141,17 @@ mod tests {
         assert!(long.ends_with('…'));
         assert_eq!(payload_hex(&[0xff, 0x00, 0x1a]), "ff001a");
         assert_eq!(payload_hex(b"text"), Value::Null);
+    }
+
+    #[test]
+    fn control_characters_never_reach_the_terminal() {
+        assert_eq!(
+            terminal_safe("esc\u{1b}]0;pwned\u{7} title\r\nnext\u{9b}"),
+            "esc\\u{1b}]0;pwned\\u{7} title\\r\nnext\\u{9b}"
+        );
+        assert!(matches!(
+            terminal_safe("plain\ntext"),
+            std::borrow::Cow::Borrowed(_)
+        ));
     }
 }

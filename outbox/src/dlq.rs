@@ -294,7 +294,7 @@ impl DeadLetterFilter {
             Some(age) if age > MAX_AGE => {
                 return Err(Error::invalid("older_than", "is longer than 1000 years"))
             }
-            Some(age) => Some(interval(micros(age)?)),
+            Some(age) => Some(interval(micros(age, "older_than")?)),
             None => None,
         };
         Ok(FilterBinds {

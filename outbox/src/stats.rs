@@ -385,11 +385,11 @@ pub(crate) async fn read(
     if request.queue_list().is_some_and(<[String]>::is_empty) {
         return Ok(Vec::new());
     }
-    let default_ttl = interval(micros(request.lease_ttl)?);
+    let default_ttl = interval(micros(request.lease_ttl, "lease_ttl")?);
     let (ttl_queues, ttls): (Vec<&str>, Vec<PgInterval>) = request
         .lease_ttls
         .iter()
-        .map(|(q, t)| Ok((q.as_str(), interval(micros(*t)?))))
+        .map(|(q, t)| Ok((q.as_str(), interval(micros(*t, "lease_ttl")?))))
         .collect::<Result<Vec<_>>>()?
         .into_iter()
         .unzip();

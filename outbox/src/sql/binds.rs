@@ -9,9 +9,8 @@ use sqlx::postgres::types::PgInterval;
 use crate::error::{Error, Result};
 
 /// A duration as whole microseconds, for an `interval` parameter.
-pub(crate) fn micros(d: Duration) -> Result<i64> {
-    i64::try_from(d.as_micros())
-        .map_err(|_| Error::invalid("duration", "overflows 64-bit microseconds"))
+pub(crate) fn micros(d: Duration, field: &'static str) -> Result<i64> {
+    i64::try_from(d.as_micros()).map_err(|_| Error::invalid(field, "overflows 64-bit microseconds"))
 }
 
 /// An `interval` parameter of `microseconds` (no months or days, so Postgres adds it to a

@@ -115,7 +115,7 @@ pub(crate) async fn retry_on(
         .query(sql.retry.clone())
         .bind(lease.id)
         .bind(lease.token)
-        .bind(interval(micros(delay)?))
+        .bind(interval(micros(delay, "delay")?))
         .fetch_one(&mut *db)
         .await
         .outbox_sql()?;

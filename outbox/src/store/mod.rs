@@ -475,6 +475,9 @@ pub struct ClaimRequest<'a> {
     /// claim loop that claims again at once then claims on one warm connection instead of
     /// each connection of the pool in turn. Default unset (the connection goes back to the
     /// pool after the claim); the worker's claim loop sets it. Without effect in memory.
+    /// While the store keeps it, `PgPool::close` waits for it (sqlx closes a pool once every
+    /// connection is back): a caller of [`Store::claim`] that sets this calls
+    /// [`Store::claims_stopped`] before closing the pool.
     pub keep_connection: bool,
 }
 

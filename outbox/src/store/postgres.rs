@@ -230,7 +230,7 @@ impl PgStore {
         for q in request.queues {
             validate_queue(q)?;
         }
-        let ttl = interval(micros(request.lease_ttl)?);
+        let ttl = interval(micros(request.lease_ttl, "lease_ttl")?);
         let (queues, caps) = request.per_queue()?;
         if queues.is_empty() || request.limit == 0 {
             return Ok(Vec::new());
@@ -496,7 +496,7 @@ impl Store for PgStore {
         lease_ttl: Duration,
         failure: Failure<'_>,
     ) -> Result<Completion> {
-        let ttl = interval(micros(lease_ttl)?);
+        let ttl = interval(micros(lease_ttl, "lease_ttl")?);
         let mut db = self.pool_db().await?;
         let deleted: i64 = self
             .scope()
@@ -540,7 +540,7 @@ impl Store for PgStore {
         for q in request.queues {
             validate_queue(q)?;
         }
-        let ttl = interval(micros(request.lease_ttl)?);
+        let ttl = interval(micros(request.lease_ttl, "lease_ttl")?);
         let query = self
             .scope()
             .query(self.outbox.sql().claim.next_wakeup.clone())
@@ -580,7 +580,7 @@ impl Store for PgStore {
         for q in request.queues {
             validate_queue(q)?;
         }
-        let ttl = interval(micros(request.lease_ttl)?);
+        let ttl = interval(micros(request.lease_ttl, "lease_ttl")?);
         let (queues, caps) = request.per_queue()?;
         if queues.is_empty() || request.limit == 0 {
             return Ok(Vec::new());

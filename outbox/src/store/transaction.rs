@@ -312,7 +312,9 @@ async fn commit_in_task(
             .commit()
             .await
             .map(|()| completion)
-            .map_err(Error::from_outbox_statement),
+            // A COMMIT runs the caller's deferred constraints and triggers: its error is
+            // theirs, never one of the library's schema (so `Database`, not `NotMigrated`).
+            .map_err(Error::from),
         Err(e) => {
             let _ = tx.rollback().await;
             Err(e)

@@ -23,7 +23,7 @@ impl State {
         for q in request.queues {
             validate_queue(q)?;
         }
-        let ttl = micros(request.lease_ttl)?;
+        let ttl = micros(request.lease_ttl, "lease_ttl")?;
         let limit = request.limit;
         let (queues, caps) = request.per_queue()?;
         if queues.is_empty() || limit == 0 {
@@ -136,7 +136,7 @@ impl State {
         for q in request.queues {
             validate_queue(q)?;
         }
-        let ttl = micros(request.lease_ttl)?;
+        let ttl = micros(request.lease_ttl, "lease_ttl")?;
         let served = |r: &&StoredRow| {
             request.queues.contains(&r.queue)
                 && !self.paused.contains_key(&r.queue)
@@ -156,7 +156,9 @@ impl State {
             .filter(|r| r.acquired_token.is_some())
             .filter_map(|r| r.acquired_at)
             .min();
-        let lease_expiry = oldest_lease.map(|a| plus(a, ttl, "duration")).transpose()?;
+        let lease_expiry = oldest_lease
+            .map(|a| plus(a, ttl, "lease_ttl"))
+            .transpose()?;
         let upcoming = self
             .rows
             .values()

@@ -67,7 +67,7 @@ impl State {
     /// retry; history is updated either way and `deliveries_count` is kept.
     pub(super) fn retry(&mut self, lease: Lease, delay: Duration) -> Result<Completion> {
         crate::store::check_retry_delay(delay)?;
-        let delay = micros(delay)?;
+        let delay = micros(delay, "delay")?;
         let now = self.now;
         let Some(row) = self.leased(lease) else {
             return Ok(Completion::LeaseLost);
@@ -85,7 +85,7 @@ impl State {
             }
             // Only this branch computes `now() + delay` (SQL's CASE is lazy).
             None => {
-                let at = plus(now, delay, "duration")?;
+                let at = plus(now, delay, "delay")?;
                 (at, Completion::RetryScheduled { at })
             }
         };
@@ -235,7 +235,7 @@ impl State {
         lease_ttl: Duration,
         failure: Failure<'_>,
     ) -> Result<Completion> {
-        let expired_before = plus(self.now, -micros(lease_ttl)?, "lease_ttl")?;
+        let expired_before = plus(self.now, -micros(lease_ttl, "lease_ttl")?, "lease_ttl")?;
         let free = self.rows.get(&id).is_some_and(|r| {
             r.acquired_token.is_none() || r.acquired_at.is_some_and(|a| a < expired_before)
         });

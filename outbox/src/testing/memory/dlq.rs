@@ -16,7 +16,7 @@ impl State {
     /// its times at Postgres' precision as sqlx binds them.
     fn dlq_matches(&self, filter: &DeadLetterFilter, d: &DeadLetter) -> Result<bool> {
         let older = match filter.older_than {
-            Some(age) => Some(plus(self.now, -micros(age)?, "older_than")?),
+            Some(age) => Some(plus(self.now, -micros(age, "older_than")?, "older_than")?),
             None => None,
         };
         let after = filter.failed_after.map(to_postgres_precision);

@@ -48,7 +48,7 @@ impl State {
                     );
                 }
                 Some(acquired_at) => {
-                    let ttl = micros(request.lease_ttl_of(&r.queue))?;
+                    let ttl = micros(request.lease_ttl_of(&r.queue), "lease_ttl")?;
                     let cutoff = plus(self.now, -ttl, "lease_ttl")?;
                     acc.leased += 1;
                     acc.expired += u64::from(acquired_at < cutoff);

@@ -278,7 +278,7 @@ async fn an_empty_queue_list_and_bad_arguments<H: Harness>(h: &H) {
         .claim(ClaimRequest::new(&[Q.to_owned()], 10, Duration::MAX))
         .await
         .unwrap_err();
-    assert_eq!(invalid_field(e), "duration");
+    assert_eq!(invalid_field(e), "lease_ttl");
     assert_eq!(only_row(h).await, row(1, Q, b"a", at(0)));
 }
 

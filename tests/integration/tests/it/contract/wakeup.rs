@@ -43,7 +43,7 @@ async fn next_wakeup_reports_the_earliest_deadline_and_lease_expiry<H: Harness>(
         .next_wakeup(ClaimRequest::new(&qs(&[Q]), 0, Duration::MAX))
         .await
         .unwrap_err();
-    assert_eq!(invalid_field(e), "duration");
+    assert_eq!(invalid_field(e), "lease_ttl");
     assert_eq!(h.store().now().await.unwrap(), at(10));
 }
 

@@ -871,3 +871,66 @@ async fn a_handlers_own_sql_error_is_a_database_error() {
     assert_eq!(e.sqlstate().as_deref(), Some("42P01"));
     f.cleanup().await;
 }
+
+/// The handler transaction's `COMMIT` runs the application's deferred constraints and
+/// triggers: an error there is theirs, `Error::Database`, not one of the library's schema
+/// (found by a fresh-user review: a deferred trigger reading a missing table came back as
+/// `NotMigrated`).
+#[tokio::test]
+async fn a_deferred_trigger_failing_at_commit_is_a_database_error() {
+    let f = Fixture::new().await;
+    let table = format!("{}_deferred", f.outbox.table().trim_matches('"'));
+    let setup = format!(
+        r#"CREATE TABLE "{table}" (id bigint);
+        CREATE FUNCTION "{table}_check"() RETURNS trigger LANGUAGE plpgsql AS
+          $$BEGIN PERFORM 1 FROM no_such_table_at_commit; RETURN NULL; END$$;
+        CREATE CONSTRAINT TRIGGER "{table}_trg" AFTER INSERT ON "{table}"
+          DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION "{table}_check"();"#
+    );
+    sqlx::raw_sql(AssertSqlSafe(setup))
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(None::<Error>));
+    let worker = {
+        let (seen, table) = (seen.clone(), table.clone());
+        fast(&f)
+            .timer::<Job>(move |_job: Job, ctx: Context| {
+                let (seen, table) = (seen.clone(), table.clone());
+                async move {
+                    let mut tx = ctx.begin().await?;
+                    sqlx::query(AssertSqlSafe(format!(
+                        r#"INSERT INTO "{table}" VALUES (1)"#
+                    )))
+                    .execute(&mut *tx)
+                    .await?;
+                    if let Err(e) = tx.commit().await {
+                        let mut seen = seen.lock().unwrap();
+                        if seen.is_none() {
+                            *seen = Some(e);
+                        }
+                    }
+                    Ok::<_, Error>(())
+                }
+            })
+            .build()
+            .unwrap()
+            .start()
+    };
+    publish(&f, 1, Duration::ZERO).await;
+    eventually(20, "the handler's commit failed", || async {
+        seen.lock().unwrap().is_some()
+    })
+    .await;
+    worker.shutdown().await;
+    let e = seen.lock().unwrap().take().unwrap();
+    assert!(matches!(e, Error::Database(_)), "{e:?}");
+    assert_eq!(e.sqlstate().as_deref(), Some("42P01"));
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        r#"DROP TABLE "{table}"; DROP FUNCTION "{table}_check"();"#
+    )))
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    f.cleanup().await;
+}
