@@ -659,7 +659,7 @@ impl Store for PgStore {
         if !exists {
             // Asked at start-up: a worker started before `migrate()` hears it here first.
             return Err(Error::NotMigrated {
-                detail: format!("relation \"{}\" does not exist", self.outbox.table()),
+                detail: format!("relation {} does not exist", self.outbox.table()),
             });
         }
         Ok((server || table).then(|| AutovacuumOff {

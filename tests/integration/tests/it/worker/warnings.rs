@@ -108,6 +108,15 @@ fn a_worker_on_a_table_that_does_not_exist_says_to_migrate() {
         let store = PgStore::new(pool, outbox);
         let err = store.autovacuum_off().await.unwrap_err();
         assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+        // The table as Postgres names it, quoted once (a fresh-user review found it twice).
+        let Error::NotMigrated { detail } = &err else {
+            unreachable!()
+        };
+        assert_eq!(
+            detail,
+            &format!("relation {} does not exist", store.outbox().table())
+        );
+        assert!(!detail.contains("\"\""), "{detail}");
 
         let running = Worker::builder(store)
             .timer::<Tick>(|_t: Tick, _ctx: Context| async {})
