@@ -79,23 +79,7 @@ pub(crate) async fn pause(
     qtable: &str,
     queue: &str,
 ) -> Result<bool> {
-    validate_queue(queue)?;
-    let mut db = scope.on(conn).await?;
-    let row = scope
-        .query(sql.pause.clone())
-        .bind(queue)
-        .fetch_optional(&mut *db)
-        .await
-        .outbox_sql();
-    let row = match row {
-        Ok(row) => row,
-        Err(e) => {
-            drop(db);
-            return Err(scope.unmigrated_or(conn, qtable, e).await);
-        }
-    };
-    db.done().await?;
-    Ok(row.is_some())
+    toggle(&sql.pause, scope, conn, qtable, queue).await
 }
 
 /// Resumes `queue`; true when this call resumed it, false when it was not paused.
@@ -106,10 +90,23 @@ pub(crate) async fn resume(
     qtable: &str,
     queue: &str,
 ) -> Result<bool> {
+    toggle(&sql.resume, scope, conn, qtable, queue).await
+}
+
+/// Pause or resume: `statement` on `queue`, true when it returned a row (this call changed
+/// the queue's state). A missing paused-queues table is told apart from a database never
+/// migrated by a look-up on `conn` after the failed statement.
+async fn toggle(
+    statement: &sqlx::SqlStr,
+    scope: Scope,
+    conn: &mut PgConnection,
+    qtable: &str,
+    queue: &str,
+) -> Result<bool> {
     validate_queue(queue)?;
     let mut db = scope.on(conn).await?;
     let row = scope
-        .query(sql.resume.clone())
+        .query(statement.clone())
         .bind(queue)
         .fetch_optional(&mut *db)
         .await
