@@ -5,7 +5,7 @@ use sqlx::{PgConnection, Row};
 
 use crate::error::{OutboxSql, Result};
 use crate::message::{validate_queue, validate_timer_id};
-use crate::scope::Scope;
+use crate::scope::{BindBucket, Scope};
 use crate::sql;
 
 /// What a cancel did. A cancel locks the timer's row first (`SELECT … FOR UPDATE`) and then
@@ -46,13 +46,14 @@ pub(crate) async fn cancel(
     conn: &mut PgConnection,
     queue: &str,
     timer_id: &str,
+    bucket: Option<i16>,
 ) -> Result<Cancelled> {
     validate_queue(queue)?;
     validate_timer_id(timer_id)?;
     // Through a pooler, a bare connection gets one transaction around the lock and the
     // write, which also keeps the row locked from the look to the write.
     let mut db = scope.on(conn).await?;
-    let outcome = cancel_on(sql, scope, &mut db, queue, timer_id).await?;
+    let outcome = cancel_on(sql, scope, &mut db, queue, timer_id, bucket).await?;
     db.done().await?;
     Ok(outcome)
 }
@@ -63,12 +64,14 @@ async fn cancel_on(
     conn: &mut PgConnection,
     queue: &str,
     timer_id: &str,
+    bucket: Option<i16>,
 ) -> Result<Cancelled> {
     loop {
         let row = scope
             .query(sql.lock.clone())
             .bind(queue)
             .bind(timer_id)
+            .bucket(bucket)
             .fetch_optional(&mut *conn)
             .await
             .outbox_sql()?;
@@ -82,6 +85,7 @@ async fn cancel_on(
                 let n = scope
                     .query(sql.delete.clone())
                     .bind(id)
+                    .bucket(bucket)
                     .execute(&mut *conn)
                     .await
                     .outbox_sql()?;
@@ -92,6 +96,7 @@ async fn cancel_on(
                     .query_scalar(sql.mark.clone())
                     .bind(id)
                     .bind(token)
+                    .bucket(bucket)
                     .fetch_optional(&mut *conn)
                     .await
                     .outbox_sql()?;

@@ -182,6 +182,7 @@
 // `worker` or `testing`, and is defined in that module's file or directory
 // (`message::Schedule` in `message/schedule.rs`). An item with only a root path is defined
 // in a private module (`Message` in `message/envelope.rs`), so that it keeps one path.
+mod bucket;
 mod cancel;
 mod error;
 #[cfg(feature = "testing")]

@@ -1,6 +1,7 @@
 //! Identifiers: the configured schema, table and dead-letter table, every name derived from
 //! them, quoting, and Postgres' 63-byte rule. The leaf every statement is rendered from.
 
+use crate::bucket::Buckets;
 use crate::error::{Error, Result};
 
 /// Postgres truncates identifiers longer than `NAMEDATALEN - 1` bytes; we reject them instead,
@@ -70,6 +71,18 @@ pub(crate) struct Names {
     /// Whether statements notify `channel` when they make a row due (default true; an
     /// `Outbox` built with `notify(false)` renders them without `pg_notify`).
     pub notify: bool,
+    /// Distributed mode (Citus): the bucket layout; `None` for a single node.
+    pub buckets: Option<Buckets>,
+    /// The CHECK that bounds the bucket column (distributed mode).
+    pub bucket_ck: String,
+    /// The sequences of row ids in distributed mode, quoted and qualified.
+    pub qid_seq: String,
+    pub qdlq_id_seq: String,
+    /// Distributed mode: `<table>_minus_us(timestamptz, interval)`, a timestamp less an
+    /// interval of microseconds, declared IMMUTABLE (true without days or months),
+    /// which Citus accepts where it refuses `timestamptz - interval`; quoted, qualified.
+    pub qminus_us: String,
+    pub minus_us_name: String,
 }
 
 impl Names {
@@ -112,6 +125,12 @@ impl Names {
             paused_name: format!("{table}_paused"),
             channel,
             notify: true,
+            buckets: None,
+            bucket_ck: format!("{table}_bucket_ck"),
+            qid_seq: qualify(&format!("{table}_id_seq")),
+            qdlq_id_seq: qualify(&format!("{dlq_table}_id_seq")),
+            qminus_us: qualify(&format!("{table}_minus_us")),
+            minus_us_name: format!("{table}_minus_us"),
             table_name: table,
             dlq_name: dlq_table,
         };
@@ -136,6 +155,8 @@ impl Names {
             &names.versions_name,
             &names.paused_name,
             &names.channel,
+            &names.bucket_ck,
+            &names.minus_us_name,
         ]
         .into_iter()
         .chain(implicit.iter())

@@ -11,9 +11,10 @@ use std::sync::{Arc, OnceLock};
 use sqlx::{PgConnection, PgPool};
 
 use crate::admin::{PausedQueue, RowAction};
+use crate::bucket::Buckets;
 use crate::cancel::Cancelled;
 use crate::dlq::{DeadLetterFilter, Redrive, RedriveOutcome};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::message::envelope::{Message, Published};
 use crate::message::{BatchItem, Schedule};
 use crate::names::Names;
@@ -49,6 +50,8 @@ struct Inner {
     dead_letter: bool,
     scope: Scope,
     sql: Statements,
+    /// The next round-robin bucket of a plain message without a shard key.
+    round_robin: std::sync::atomic::AtomicU32,
 }
 
 impl std::fmt::Debug for Outbox {
@@ -113,7 +116,7 @@ impl Outbox {
             } else {
                 "`Outbox::global()` was called first and installed the default outbox"
             };
-            crate::Error::GlobalAlreadySet { reason }
+            Error::GlobalAlreadySet { reason }
         })
     }
 
@@ -171,6 +174,45 @@ impl Outbox {
         self.inner.scope == Scope::Transaction
     }
 
+    /// The bucket count of a [distributed](OutboxBuilder::distributed) outbox; `None` for a
+    /// single node.
+    pub fn buckets(&self) -> Option<u16> {
+        self.inner.names.buckets.map(Buckets::count)
+    }
+
+    /// The bucket a key's rows live in, in a [distributed](OutboxBuilder::distributed)
+    /// outbox: 32-bit FNV-1a of the key's UTF-8 bytes modulo the bucket count (a keyed
+    /// timer's key is its `timer_id`). Store it in the `bucket` column of the application's
+    /// co-located rows of the same entity. `None` for a single node.
+    pub fn bucket_of(&self, key: &str) -> Option<i16> {
+        self.inner.names.buckets.map(|b| b.of_key(key))
+    }
+
+    /// The bucket of a new row: its timer key's, else its shard key's, else the next in
+    /// round robin. `None` for a single node.
+    pub(crate) fn bucket_for(
+        &self,
+        timer_id: Option<&str>,
+        shard_key: Option<&str>,
+    ) -> Option<i16> {
+        let b = self.inner.names.buckets?;
+        Some(match timer_id.or(shard_key) {
+            Some(key) => b.of_key(key),
+            None => {
+                let next = self
+                    .inner
+                    .round_robin
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                (next % u32::from(b.count())) as i16
+            }
+        })
+    }
+
+    /// The bucket of a row id in a distributed outbox.
+    pub(crate) fn bucket_of_id(&self, id: i64) -> Option<i16> {
+        self.inner.names.buckets.map(|b| b.of_id(id))
+    }
+
     pub(crate) fn sql(&self) -> &Statements {
         &self.inner.sql
     }
@@ -211,7 +253,15 @@ impl Outbox {
         conn: &mut PgConnection,
         message: Message<'_>,
     ) -> Result<Published> {
-        crate::publish::publish(&self.inner.sql.publish, self.inner.scope, conn, message).await
+        let bucket = self.bucket_for(message.timer_id, message.shard_key);
+        crate::publish::publish(
+            &self.inner.sql.publish,
+            self.inner.scope,
+            conn,
+            message,
+            bucket,
+        )
+        .await
     }
 
     /// Publishes many messages to one queue in **one statement**: all rows are inserted or
@@ -235,6 +285,7 @@ impl Outbox {
             queue,
             items,
             schedule,
+            self.bucket_for(None, None),
         )
         .await
     }
@@ -262,6 +313,7 @@ impl Outbox {
             conn,
             queue,
             timer_id,
+            self.bucket_for(Some(timer_id), None),
         )
         .await
     }
@@ -630,6 +682,7 @@ pub struct OutboxBuilder {
     dead_letter: bool,
     notify: bool,
     transaction_pooler: bool,
+    buckets: Option<u16>,
 }
 
 impl Default for OutboxBuilder {
@@ -641,6 +694,7 @@ impl Default for OutboxBuilder {
             dead_letter: false,
             notify: true,
             transaction_pooler: false,
+            buckets: None,
         }
     }
 }
@@ -739,6 +793,34 @@ impl OutboxBuilder {
         self
     }
 
+    /// **Distributed mode**, for a Citus cluster: the queue and dead-letter tables are
+    /// distributed tables spread over `buckets` logical buckets (a `bucket smallint` column,
+    /// the distribution column), and the table of paused queues is a reference table.
+    /// Every claim, completion, lease renewal, release, rearm and cancel names one bucket,
+    /// so Citus runs it on the one worker node that holds it, like a single-node statement.
+    ///
+    /// - A keyed timer's bucket is [`Outbox::bucket_of`] its `timer_id`: one live row per
+    ///   `(queue, timer_id)` across the cluster. A plain message's bucket is that of its
+    ///   [`Message::shard_key`](crate::Message::shard_key), or round robin without one.
+    /// - To keep a publish, extend or cancel and the application's own rows of the same
+    ///   entity on one node (no two-phase commit), distribute the application's table by a
+    ///   `bucket smallint` column holding [`Outbox::bucket_of`] the entity's key, with
+    ///   `colocate_with` the queue table (the Citus guide in `docs/guide/citus.md`).
+    /// - `buckets` is fixed when the tables are created: every process must build with the
+    ///   same count ([`Outbox::validate_schema`] checks it against the table's CHECK). More
+    ///   buckets than shards spread the rows evenly over the shards; a worker claims bucket
+    ///   by bucket, so more buckets also mean more claim statements when work is spread
+    ///   thin. 32–128 suits the default 32 shards.
+    ///
+    /// Needs Citus 11 or later on the server; [`Outbox::migrate`] creates the tables
+    /// distributed. A single-node outbox (the default) is unchanged by this knob's existence.
+    /// `buckets` must be in `1..=256` ([`Error::InvalidConfig`](crate::Error::InvalidConfig),
+    /// knob `distributed`, from [`build`](Self::build)).
+    pub fn distributed(mut self, buckets: u16) -> Self {
+        self.buckets = Some(buckets);
+        self
+    }
+
     /// Checks the names and renders every statement.
     ///
     /// # Errors
@@ -748,13 +830,23 @@ impl OutboxBuilder {
     pub fn build(self) -> Result<Outbox> {
         let mut names = Names::new(self.schema, self.table, self.dlq_table)?;
         names.notify = self.notify;
+        if let Some(count) = self.buckets {
+            names.buckets = Some(Buckets::new(count).ok_or_else(|| Error::InvalidConfig {
+                knob: "distributed",
+                reason: format!(
+                    "the bucket count must be in 1..={} (got {count})",
+                    crate::bucket::MAX_BUCKETS
+                ),
+            })?);
+        }
         let sql = Statements::render(&names);
         Ok(Outbox {
             inner: Arc::new(Inner {
                 names,
                 dead_letter: self.dead_letter,
-                scope: Scope::new(self.transaction_pooler),
+                scope: Scope::new(self.transaction_pooler, self.buckets.is_some()),
                 sql,
+                round_robin: std::sync::atomic::AtomicU32::new(0),
             }),
         })
     }

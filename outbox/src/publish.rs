@@ -16,7 +16,7 @@ use crate::message::envelope::{Message, Published};
 use crate::message::{
     slack_micros, validate_batch, BatchItem, Headers, OnConflict, Schedule, MAX_HEADERS_BYTES,
 };
-use crate::scope::Scope;
+use crate::scope::{BindBucket, Scope};
 use crate::sql;
 use crate::sql::binds::interval;
 use crate::telemetry;
@@ -151,6 +151,7 @@ pub(crate) async fn publish(
     scope: Scope,
     conn: &mut PgConnection,
     message: Message<'_>,
+    bucket: Option<i16>,
 ) -> Result<Published> {
     let span = send_span(&message);
     let traced = with_trace_context(&span, message.headers);
@@ -158,7 +159,7 @@ pub(crate) async fn publish(
         headers: traced.as_ref().or(message.headers),
         ..message
     };
-    let result = publish_untraced(sql, scope, conn, message)
+    let result = publish_untraced(sql, scope, conn, message, bucket)
         .instrument(span.clone())
         .await;
     sent(&span, &result);
@@ -171,6 +172,7 @@ async fn publish_untraced(
     scope: Scope,
     conn: &mut PgConnection,
     message: Message<'_>,
+    bucket: Option<i16>,
 ) -> Result<Published> {
     let resolved = message.validate()?;
     let (delay, at) = resolved.binds();
@@ -190,6 +192,7 @@ async fn publish_untraced(
     if message.on_conflict == OnConflict::Extend {
         query = query.bind(interval(slack_micros(message.slack)));
     }
+    let query = query.bucket(bucket);
     let mut db = scope.on(conn).await?;
     let row = query.fetch_optional(&mut *db).await.outbox_sql()?;
     db.done().await?;
@@ -227,6 +230,7 @@ pub(crate) async fn publish_batch(
     queue: &str,
     items: &[BatchItem<'_>],
     schedule: Schedule,
+    bucket: Option<i16>,
 ) -> Result<Vec<i64>> {
     let span = telemetry::send_span(queue, None, Some(items.len()));
     let traced = batch_trace_context(&span, items);
@@ -238,7 +242,7 @@ pub(crate) async fn publish_batch(
         }
         None => items,
     };
-    let result = publish_batch_untraced(sql, scope, conn, queue, items, schedule)
+    let result = publish_batch_untraced(sql, scope, conn, queue, items, schedule, bucket)
         .instrument(span.clone())
         .await;
     sent_batch(&span, &result);
@@ -253,6 +257,7 @@ async fn publish_batch_untraced(
     queue: &str,
     items: &[BatchItem<'_>],
     schedule: Schedule,
+    bucket: Option<i16>,
 ) -> Result<Vec<i64>> {
     let resolved = validate_batch(queue, items, schedule)?;
     if items.is_empty() {
@@ -269,6 +274,7 @@ async fn publish_batch_untraced(
         .bind(headers)
         .bind(delay)
         .bind(at)
+        .bucket(bucket)
         .fetch_one(&mut *db)
         .await
         .outbox_sql()?;

@@ -39,12 +39,20 @@ pub(crate) enum Scope {
     Session,
     /// Through a transaction-mode pooler: nothing outlives its transaction.
     Transaction,
+    /// A session of their own, every statement **unnamed**: a distributed outbox (Citus).
+    /// Citus routes a statement to one shard by the value of its bucket parameter when it
+    /// plans with the value; a cached generic plan of a join with `unnest` (the batched
+    /// completions, the claim) is routed to every shard instead, so these statements are
+    /// planned at each execution.
+    Unnamed,
 }
 
 impl Scope {
-    pub(crate) fn new(transaction_pooler: bool) -> Scope {
+    pub(crate) fn new(transaction_pooler: bool, distributed: bool) -> Scope {
         if transaction_pooler {
             Scope::Transaction
+        } else if distributed {
+            Scope::Unnamed
         } else {
             Scope::Session
         }
@@ -87,7 +95,7 @@ impl Scope {
     /// transaction through a pooler. Finish it with [`Db::done`].
     pub(crate) async fn acquire(self, pool: &PgPool) -> Result<Db<'static>> {
         Ok(match self {
-            Scope::Session => Db::Pooled(pool.acquire().await.outbox_sql()?),
+            Scope::Session | Scope::Unnamed => Db::Pooled(pool.acquire().await.outbox_sql()?),
             Scope::Transaction => Db::Tx(pool.begin().await.outbox_sql()?),
         })
     }
@@ -101,7 +109,7 @@ impl Scope {
         lock_timeout: Duration,
     ) -> Result<Db<'static>> {
         Ok(match self {
-            Scope::Session => Db::Pooled(pool.acquire().await.outbox_sql()?),
+            Scope::Session | Scope::Unnamed => Db::Pooled(pool.acquire().await.outbox_sql()?),
             Scope::Transaction => {
                 let begin = format!(
                     "BEGIN; SET LOCAL lock_timeout = {}",
@@ -166,7 +174,7 @@ impl Scope {
     /// runs: `what` names the operation, `why` the session state it relies on.
     pub(crate) fn require_session(self, what: &'static str, why: &'static str) -> Result<()> {
         match self {
-            Scope::Session => Ok(()),
+            Scope::Session | Scope::Unnamed => Ok(()),
             Scope::Transaction => Err(Error::SessionRequired { what, why }),
         }
     }
@@ -210,6 +218,40 @@ impl DerefMut for Db<'_> {
             Db::Pooled(c) => c,
             Db::Borrowed(c) => c,
             Db::Tx(t) => t,
+        }
+    }
+}
+
+/// Binds a distributed outbox's bucket as a statement's last parameter; a single node's
+/// statements take none (`None` binds nothing). Every statement that reads or writes one
+/// bucket's rows ends with it (see `sql::text::in_bucket`).
+pub(crate) trait BindBucket: Sized {
+    fn bucket(self, bucket: Option<i16>) -> Self;
+}
+
+impl<'q> BindBucket for Query<'q, Postgres, PgArguments> {
+    fn bucket(self, bucket: Option<i16>) -> Self {
+        match bucket {
+            Some(b) => self.bind(b),
+            None => self,
+        }
+    }
+}
+
+impl<'q, O> BindBucket for QueryAs<'q, Postgres, O, PgArguments> {
+    fn bucket(self, bucket: Option<i16>) -> Self {
+        match bucket {
+            Some(b) => self.bind(b),
+            None => self,
+        }
+    }
+}
+
+impl<'q, O> BindBucket for QueryScalar<'q, Postgres, O, PgArguments> {
+    fn bucket(self, bucket: Option<i16>) -> Self {
+        match bucket {
+            Some(b) => self.bind(b),
+            None => self,
         }
     }
 }

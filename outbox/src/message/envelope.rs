@@ -40,6 +40,7 @@ pub struct Message<'a> {
     pub(crate) timer_id: Option<&'a str>,
     pub(crate) on_conflict: OnConflict,
     pub(crate) slack: Duration,
+    pub(crate) shard_key: Option<&'a str>,
 }
 
 impl<'a> Message<'a> {
@@ -53,7 +54,20 @@ impl<'a> Message<'a> {
             timer_id: None,
             on_conflict: OnConflict::Ignore,
             slack: Duration::ZERO,
+            shard_key: None,
         }
+    }
+
+    /// In a [distributed](crate::OutboxBuilder::distributed) outbox, puts a plain message
+    /// in the bucket of `key` ([`Outbox::bucket_of`](crate::Outbox::bucket_of)), beside the
+    /// application's co-located rows of the same entity, so the publish and the
+    /// application's write stay on one node. Without it a plain message takes the next
+    /// bucket in round robin. A keyed timer always lives in the bucket of its `timer_id`
+    /// (one live row per key across the cluster), so the shard key of a message with a
+    /// [`timer_id`](Self::timer_id) is not used. Ignored by a single-node outbox.
+    pub fn shard_key(mut self, key: &'a str) -> Self {
+        self.shard_key = Some(key);
+        self
     }
 
     /// Attaches headers.

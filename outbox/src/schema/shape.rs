@@ -84,22 +84,37 @@ pub(crate) fn queue_indexes(n: &Names) -> Vec<WantedIndex> {
         predicate,
         upgrade: false,
     };
+    // Distributed mode: the distribution column leads every index (a unique one must hold
+    // it, and each statement names one bucket).
+    let d = n.buckets.is_some();
     vec![
         index(
             &n.pending_idx,
-            &["queue", "next_attempt_at"],
+            if d {
+                &["bucket", "queue", "next_attempt_at"]
+            } else {
+                &["queue", "next_attempt_at"]
+            },
             false,
             Some("acquired_token IS NULL"),
         ),
         index(
             &n.lease_idx,
-            &["queue", "acquired_at"],
+            if d {
+                &["bucket", "queue", "acquired_at"]
+            } else {
+                &["queue", "acquired_at"]
+            },
             false,
             Some("acquired_token IS NOT NULL"),
         ),
         index(
             &n.timer_uq,
-            &["queue", "timer_id"],
+            if d {
+                &["bucket", "queue", "timer_id"]
+            } else {
+                &["queue", "timer_id"]
+            },
             true,
             Some("timer_id IS NOT NULL"),
         ),
@@ -111,14 +126,22 @@ pub(crate) fn dlq_indexes(n: &Names) -> Vec<WantedIndex> {
     vec![
         WantedIndex {
             name: n.dlq_idx.clone(),
-            columns: &["queue", "failed_at"],
+            columns: if n.buckets.is_some() {
+                &["bucket", "queue", "failed_at"]
+            } else {
+                &["queue", "failed_at"]
+            },
             unique: false,
             predicate: None,
             upgrade: false,
         },
         WantedIndex {
             name: n.dlq_failed_idx.clone(),
-            columns: &["failed_at"],
+            columns: if n.buckets.is_some() {
+                &["bucket", "failed_at"]
+            } else {
+                &["failed_at"]
+            },
             unique: false,
             predicate: None,
             upgrade: true,

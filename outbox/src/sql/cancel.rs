@@ -3,12 +3,13 @@
 
 use sqlx::SqlStr;
 
-use super::text::query;
+use super::text::{in_bucket, query};
 use crate::names::Names;
 
 #[derive(Debug)]
 pub(crate) struct Cancel {
-    /// `$1` queue, `$2` timer id → `(id, acquired_token)`.
+    /// `$1` queue, `$2` timer id → `(id, acquired_token)`. In distributed mode each
+    /// statement's last parameter is the bucket (`$3`, `$2`, `$3`).
     pub lock: SqlStr,
     /// `$1` id: deletes a pending row.
     pub delete: SqlStr,
@@ -25,8 +26,9 @@ impl Cancel {
         let lock = format!(
             r#"
 SELECT id, acquired_token FROM {t}
-WHERE queue = $1 AND timer_id = $2
-FOR UPDATE"#
+WHERE queue = $1 AND timer_id = $2{b3}
+FOR UPDATE"#,
+            b3 = in_bucket(n, "", 3),
         );
         // Both writes repeat the state they expect. Inside a transaction the lock makes
         // that redundant; on a bare connection (autocommit) the lock ends with the SELECT,
@@ -36,7 +38,8 @@ FOR UPDATE"#
         // partial pending index, which stale statistics make look cheaper than the primary
         // key (see `sql::complete`).
         let delete = format!(
-            "DELETE FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM NULL::uuid"
+            "DELETE FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM NULL::uuid{b2}",
+            b2 = in_bucket(n, "", 2),
         );
         // A running row is never deleted: its handler is still at work. The mark makes every
         // way the run ends delete the row instead of retrying, re-arming or archiving it; an
@@ -49,11 +52,13 @@ FOR UPDATE"#
             r#"
 WITH old AS (
     SELECT id, rearm_at IS NOT NULL AS had_rearm, cancelled_at FROM {t}
-    WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 FOR UPDATE)
+    WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2{b3} FOR UPDATE)
 UPDATE {t} t SET rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
                  cancelled_at = coalesce(old.cancelled_at, now())
-FROM old WHERE t.id = $1 AND t.id = old.id
-RETURNING old.had_rearm"#
+FROM old WHERE t.id = $1 AND t.id = old.id{tb3}
+RETURNING old.had_rearm"#,
+            b3 = in_bucket(n, "", 3),
+            tb3 = in_bucket(n, "t.", 3),
         );
         Cancel {
             lock: query(lock),

@@ -4,7 +4,7 @@
 
 use sqlx::SqlStr;
 
-use super::text::query;
+use super::text::{in_bucket, query};
 use crate::names::Names;
 
 /// The columns a claim returns, in the order `store/rows.rs` decodes a delivery from.
@@ -31,6 +31,10 @@ pub(crate) struct Claim {
     pub next_wakeup: SqlStr,
     /// The store's clock.
     pub now: SqlStr,
+    /// Distributed mode: `$1 text[]` queues, `$2 interval` lease TTL, `$3 bigint[]` ids to
+    /// leave out → `(bucket)` of every bucket with a due row or an expired lease in an
+    /// active queue, earliest deadline first. A read across the shards (no row locks).
+    pub buckets: Option<SqlStr>,
 }
 
 /// The queues of `unnest` (an alias `u` with a column `queue`) that are not paused, as the
@@ -61,6 +65,7 @@ fn candidates(
     caps: &str,
     only: Option<&str>,
     lock: bool,
+    bucket: &str,
 ) -> String {
     let only = only.map_or(String::new(), |p| format!(" AND id = ANY({p}::bigint[])"));
     let lock = if lock { " FOR UPDATE SKIP LOCKED" } else { "" };
@@ -75,7 +80,7 @@ fn candidates(
     CROSS JOIN LATERAL (
         SELECT id, queue, next_attempt_at, deliveries_count FROM {t}
         WHERE queue = q.queue AND acquired_token IS NULL AND next_attempt_at <= now()
-          AND id <> ALL({exclude}::bigint[]){only}
+          AND id <> ALL({exclude}::bigint[]){only}{bucket}
         ORDER BY next_attempt_at LIMIT $2{lock}) c
     UNION ALL
     SELECT c.id, c.queue, c.next_attempt_at, c.deliveries_count, c.cancelled, q.cap, q.pos
@@ -86,7 +91,7 @@ fn candidates(
         FROM {t}
         WHERE queue = q.queue AND acquired_token IS NOT NULL
           AND acquired_at < now() - $3::interval AND next_attempt_at <= now()
-          AND id <> ALL({exclude}::bigint[]){only}
+          AND id <> ALL({exclude}::bigint[]){only}{bucket}
         ORDER BY acquired_at LIMIT $2{lock}) c"#
     )
 }
@@ -105,7 +110,7 @@ const CLAIM_ORDER: &str = "turn, pos";
 /// A claim over `candidates`: one new token, `deliveries_count + 1`, cancelled rows deleted.
 /// The count comes from the locked candidate, not the updated table (see
 /// `sql::complete`'s `APPLY_REARM` for why).
-fn claim(t: &str, candidates: &str) -> String {
+fn claim(t: &str, candidates: &str, bucket: &str) -> String {
     // `t.id = ANY(ARRAY(…))` gives both writes an index condition of their own, so their
     // plan cannot depend on the table's statistics: with statistics from when the table was
     // nearly empty, a join `t.id = due.id` alone may be planned with the whole table as the
@@ -122,13 +127,45 @@ due AS (
 gone AS (
     DELETE FROM {t} t USING due
     WHERE t.id = ANY(ARRAY(SELECT id FROM due WHERE cancelled))
-      AND t.id = due.id AND due.cancelled)
+      AND t.id = due.id AND due.cancelled{bucket})
 UPDATE {t} t SET acquired_token = $4, acquired_at = now(),
                  deliveries_count = due.deliveries_count + 1
 FROM due
 WHERE t.id = ANY(ARRAY(SELECT id FROM due WHERE NOT cancelled))
-  AND t.id = due.id AND NOT due.cancelled
+  AND t.id = due.id AND NOT due.cancelled{bucket}
 RETURNING {DELIVERY_COLUMNS}"#
+    )
+}
+
+/// Distributed mode: `next_wakeup` as plain aggregates, which Citus runs on every shard and
+/// combines (a LATERAL probe per queue does not distribute). Each aggregate keeps the
+/// predicate of its partial index. Paused queues are left out through the reference table.
+fn distributed_next_wakeup(t: &str, p: &str) -> String {
+    let active = format!("queue = ANY($1::text[]) AND id <> ALL($3::bigint[]) AND NOT EXISTS (SELECT 1 FROM {p} p WHERE p.queue = x.queue)");
+    format!(
+        r#"
+SELECT now(),
+    (SELECT min(next_attempt_at) FROM {t} x WHERE acquired_token IS NULL AND {active}),
+    (SELECT min(next_attempt_at) FROM {t} x WHERE acquired_token IS NULL AND next_attempt_at > now() AND {active}),
+    (SELECT min(acquired_at) + $2::interval FROM {t} x WHERE acquired_token IS NOT NULL AND {active})"#
+    )
+}
+
+/// Distributed mode: which buckets have work for a claim (see `Claim::buckets`).
+fn distributed_buckets(t: &str, p: &str) -> String {
+    let active = format!("queue = ANY($1::text[]) AND id <> ALL($3::bigint[]) AND NOT EXISTS (SELECT 1 FROM {p} p WHERE p.queue = x.queue)");
+    format!(
+        r#"
+SELECT bucket FROM (
+    SELECT bucket, min(next_attempt_at) AS due FROM {t} x
+    WHERE acquired_token IS NULL AND next_attempt_at <= now() AND {active}
+    GROUP BY bucket
+    UNION ALL
+    SELECT bucket, min(next_attempt_at) AS due FROM {t} x
+    WHERE acquired_token IS NOT NULL AND acquired_at < now() - $2::interval
+      AND next_attempt_at <= now() AND {active}
+    GROUP BY bucket) w
+GROUP BY bucket ORDER BY min(due), bucket"#
     )
 }
 
@@ -156,23 +193,38 @@ impl Claim {
         // `$5` leaves out the rows the worker still holds (a reclaim of its own expired
         // lease would run a row twice at once, SPEC §7.8) and rows it has set aside as
         // poison (SPEC §7.4); usually empty, it is a filter on rows the index already found.
-        let claim_all = claim(t, &candidates(t, p, "$5", "$6", None, true));
-        let claim_only = claim(t, &candidates(t, p, "$5", "$6", Some("$7"), true));
+        //
+        // Distributed mode: a claim takes the rows of one bucket, its last parameter (`$7`,
+        // `$8` for `claim_only`, `$6` for `peek`), so Citus runs the whole statement on the
+        // one shard of the bucket; `buckets` finds which buckets have work.
+        let claim_all = claim(
+            t,
+            &candidates(t, p, "$5", "$6", None, true, &in_bucket(n, "", 7)),
+            &in_bucket(n, "t.", 7),
+        );
+        let claim_only = claim(
+            t,
+            &candidates(t, p, "$5", "$6", Some("$7"), true, &in_bucket(n, "", 8)),
+            &in_bucket(n, "t.", 8),
+        );
         let peek = format!(
             r#"
 WITH cand AS ({candidates})
 SELECT id, queue FROM (SELECT *, {FAIR_ORDER} AS turn FROM cand) r
 WHERE turn <= cap
 ORDER BY {CLAIM_ORDER} LIMIT $2"#,
-            candidates = candidates(t, p, "$4", "$5", None, false)
+            candidates = candidates(t, p, "$4", "$5", None, false, &in_bucket(n, "", 6))
         );
         // Every minimum comes from a partial index (one index probe per queue each); `$3`
         // leaves out the rows the claim would leave out, and paused queues are left out as
         // the claim leaves them out: an idle worker never wakes for a paused queue's due rows
         // (resume notifies instead).
         let queues = active_queues("unnest($1::text[]) AS u(queue)", p);
-        let next_wakeup = format!(
-            r#"
+        let next_wakeup = if n.buckets.is_some() {
+            distributed_next_wakeup(t, p)
+        } else {
+            format!(
+                r#"
 SELECT now(),
     (SELECT min(x.next_attempt_at) FROM {queues}
      CROSS JOIN LATERAL (SELECT next_attempt_at FROM {t}
@@ -187,13 +239,15 @@ SELECT now(),
      CROSS JOIN LATERAL (SELECT acquired_at FROM {t}
          WHERE queue = q.queue AND acquired_token IS NOT NULL AND id <> ALL($3::bigint[])
          ORDER BY acquired_at LIMIT 1) x)"#
-        );
+            )
+        };
         Claim {
             claim: query(claim_all),
             claim_only: query(claim_only),
             peek: query(peek),
             next_wakeup: query(next_wakeup),
             now: SqlStr::from_static("SELECT now()"),
+            buckets: n.buckets.map(|_| query(distributed_buckets(t, p))),
         }
     }
 

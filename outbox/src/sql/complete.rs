@@ -8,7 +8,8 @@
 
 use sqlx::SqlStr;
 
-use super::text::{notify, query};
+use super::text::{in_bucket, notify, query};
+use crate::bucket::Buckets;
 use crate::names::Names;
 
 /// The SET list that turns a leased row with a queued rearm into a fresh pending timer at
@@ -65,12 +66,48 @@ pub(crate) struct Complete {
     /// The terminal failure of a row no claim can take: `$1` id, `$2` lease TTL, `$3`
     /// reason, `$4` last error, `$5` archive (bool) → `(deleted)`.
     pub fail_unclaimed: SqlStr,
+    /// Distributed mode: the bucket layout, which names each lease's bucket from its id.
+    pub buckets: Option<Buckets>,
+}
+
+impl Complete {
+    /// The bucket parameter of a statement about row `id`: `None` for a single node.
+    pub(crate) fn bucket_of(&self, id: i64) -> Option<i16> {
+        self.buckets.map(|b| b.of_id(id))
+    }
+
+    /// `items` as the batches of one statement each: one per bucket in distributed mode,
+    /// all of them at once (bucket `None`) for a single node.
+    pub(crate) fn by_bucket<T: Clone>(
+        &self,
+        items: &[T],
+        id: impl Fn(&T) -> i64,
+    ) -> Vec<(Option<i16>, Vec<T>)> {
+        match self.buckets {
+            Some(b) => b
+                .group(items, id)
+                .into_iter()
+                .map(|(k, v)| (Some(k), v))
+                .collect(),
+            None => vec![(None, items.to_vec())],
+        }
+    }
 }
 
 impl Complete {
     pub(crate) fn render(n: &Names) -> Self {
         let t = &n.qtable;
         let d = &n.qdlq;
+        // Distributed mode: every statement names the bucket of its rows as its last
+        // parameter (`b3`: `$3`, and so on; `t.`-prefixed where the table is aliased); a
+        // batch holds the leases of one bucket (the store splits a batch by bucket).
+        let b = |p| in_bucket(n, "", p);
+        let tb = |p| in_bucket(n, "t.", p);
+        let (b3, tb3, b4, tb4, b6, tb6) = (b(3), tb(3), b(4), tb(4), b(6), tb(6));
+        let (dlq_cols, dlq_vals6) = match n.buckets {
+            Some(_) => ("bucket, ", "$6::smallint, "),
+            None => ("", ""),
+        };
         // Plans that do not depend on the statistics (issue 14): with statistics from when
         // the table was nearly empty, the planner believes any scan returns a row or two, so
         // it may take the whole table (or a whole partial index) as the cheapest way in.
@@ -90,7 +127,7 @@ impl Complete {
         // (READ COMMITTED), so a freshly queued rearm makes it match nothing and we fall
         // through to the settle statement below.
         let ack_delete =
-            format!("DELETE FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 AND rearm_at IS NULL");
+            format!("DELETE FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 AND rearm_at IS NULL{b3}");
         // The follow-up, run only when the DELETE matched nothing. It locks the row first and
         // decides under the lock: a cancel may have dropped the rearm between our two
         // statements (the DELETE skipped the row for a rearm that is gone now), and then the
@@ -100,11 +137,11 @@ impl Complete {
             r#"
 WITH cur AS (
     SELECT id, rearm_at IS NOT NULL AS rearm, {LOCKED_VALUES} FROM {t}
-    WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 FOR UPDATE),
-deleted AS (DELETE FROM {t} t USING cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.rearm),
+    WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2{b3} FOR UPDATE),
+deleted AS (DELETE FROM {t} t USING cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.rearm{tb3}),
 rearmed AS (
     UPDATE {t} t SET {APPLY_REARM} FROM cur
-    WHERE t.id = $1 AND t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at, t.queue)
+    WHERE t.id = $1 AND t.id = cur.id AND cur.rearm{tb3} RETURNING t.next_attempt_at, t.queue)
 SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
        (SELECT {notify} FROM rearmed)"#,
             notify = notify(n, "rearmed")
@@ -115,7 +152,7 @@ SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
             r#"
 DELETE FROM {t} t USING unnest($1::bigint[], $2::uuid[]) AS l(id, token)
 WHERE t.id = ANY($1::bigint[]) AND t.id = l.id AND t.acquired_token IS NOT DISTINCT FROM l.token
-  AND t.rearm_at IS NULL
+  AND t.rearm_at IS NULL{tb3}
 RETURNING t.id, l.token"#
         );
         // The batched follow-up, for the ids the DELETE did not return; same reasoning as
@@ -128,14 +165,14 @@ WITH cur AS (
     FROM {t} t
     JOIN unnest($1::bigint[], $2::uuid[]) AS l(id, token)
       ON t.id = l.id AND t.acquired_token IS NOT DISTINCT FROM l.token
-    WHERE t.id = ANY($1::bigint[])
+    WHERE t.id = ANY($1::bigint[]){tb3}
     ORDER BY t.id FOR UPDATE OF t),
 deleted AS (
-    DELETE FROM {t} t USING cur WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND NOT cur.rearm
+    DELETE FROM {t} t USING cur WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND NOT cur.rearm{tb3}
     RETURNING cur.id, cur.token),
 rearmed AS (
     UPDATE {t} t SET {APPLY_REARM} FROM cur
-    WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND cur.rearm
+    WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND cur.rearm{tb3}
     RETURNING cur.id, cur.token, t.next_attempt_at, t.queue)
 SELECT id, token, NULL::timestamptz, NULL::text FROM deleted
 UNION ALL SELECT id, token, next_attempt_at, {notify} FROM rearmed"#,
@@ -150,20 +187,21 @@ UNION ALL SELECT id, token, next_attempt_at, {notify} FROM rearmed"#,
             r#"
 WITH cur AS (
     SELECT id, rearm_at IS NOT NULL AS rearm,
-           cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled, {LOCKED_VALUES}
-    FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 FOR UPDATE),
-gone AS (DELETE FROM {t} t USING cur WHERE t.id = $1 AND t.id = cur.id AND cur.cancelled),
+           cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled, {LOCKED_VALUES},
+           now() AS at_now, now() + $3::interval AS retry_at
+    FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2{b4} FOR UPDATE),
+gone AS (DELETE FROM {t} t USING cur WHERE t.id = $1 AND t.id = cur.id AND cur.cancelled{tb4}),
 up AS (
     UPDATE {t} t SET
-        next_attempt_at = CASE WHEN cur.rearm THEN cur.rearm_at ELSE now() + $3::interval END,
+        next_attempt_at = CASE WHEN cur.rearm THEN cur.rearm_at ELSE cur.retry_at END,
         payload = CASE WHEN cur.rearm THEN cur.rearm_payload ELSE cur.payload END,
         headers = CASE WHEN cur.rearm THEN cur.rearm_headers ELSE cur.headers END,
         attempts_count = cur.attempts_count + 1,
-        first_attempt_at = coalesce(cur.first_attempt_at, now()),
-        last_attempt_at = now(),
+        first_attempt_at = coalesce(cur.first_attempt_at, cur.at_now),
+        last_attempt_at = cur.at_now,
         rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
         acquired_token = NULL, acquired_at = NULL, cancelled_at = NULL
-    FROM cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.cancelled
+    FROM cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.cancelled{tb4}
     RETURNING t.next_attempt_at, cur.rearm, t.queue)
 SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM up), (SELECT rearm FROM up),
        (SELECT {notify} FROM up)"#,
@@ -179,16 +217,16 @@ WITH cur AS (
            created_at, rearm_at IS NOT NULL AS rearm,
            cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled,
            rearm_at, rearm_payload, rearm_headers
-    FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 FOR UPDATE),
+    FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2{b6} FOR UPDATE),
 archived AS (
-    INSERT INTO {d} (original_id, queue, payload, headers, timer_id, attempts_count,
+    INSERT INTO {d} ({dlq_cols}original_id, queue, payload, headers, timer_id, attempts_count,
                      deliveries_count, created_at, failure_reason, last_error)
-    SELECT id, queue, payload, headers, timer_id, attempts_count + $5,
+    SELECT {dlq_vals6}id, queue, payload, headers, timer_id, attempts_count + $5,
            deliveries_count, created_at, $3, $4 FROM cur WHERE NOT cur.cancelled),
-deleted AS (DELETE FROM {t} t USING cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.rearm),
+deleted AS (DELETE FROM {t} t USING cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.rearm{tb6}),
 rearmed AS (
     UPDATE {t} t SET {APPLY_REARM} FROM cur
-    WHERE t.id = $1 AND t.id = cur.id AND cur.rearm RETURNING t.next_attempt_at, t.queue)
+    WHERE t.id = $1 AND t.id = cur.id AND cur.rearm{tb6} RETURNING t.next_attempt_at, t.queue)
 SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
        (SELECT {notify} FROM rearmed), (SELECT bool_or(cancelled) FROM cur)"#,
             notify = notify(n, "rearmed")
@@ -197,7 +235,7 @@ SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
         // taken when no rearm is queued (the rearm applies like a success's, via ack_settle).
         let fail_delete = format!(
             r#"
-DELETE FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 AND rearm_at IS NULL
+DELETE FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 AND rearm_at IS NULL{b3}
 RETURNING cancelled_at IS NOT NULL"#
         );
         // SPEC §7.8: one statement renews every lease the worker holds. It locks the rows it
@@ -208,7 +246,7 @@ RETURNING cancelled_at IS NOT NULL"#
             r#"
 UPDATE {t} t SET acquired_at = now()
 FROM unnest($1::bigint[], $2::uuid[]) AS l(id, token)
-WHERE t.id = ANY($1::bigint[]) AND t.id = l.id AND t.acquired_token IS NOT DISTINCT FROM l.token
+WHERE t.id = ANY($1::bigint[]) AND t.id = l.id AND t.acquired_token IS NOT DISTINCT FROM l.token{tb3}
 RETURNING t.id, l.token, t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL"#
         );
         // SPEC §7.5: the release table. Rows are locked in id order, and the worker runs it
@@ -220,36 +258,36 @@ WITH cur AS (
            t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL AS cancelled,
            t.rearm_at, t.rearm_payload, t.rearm_headers, t.attempts_count,
            t.first_attempt_at, t.last_attempt_at, t.deliveries_count, t.next_attempt_at,
-           t.payload, t.headers
+           t.payload, t.headers, now() AS at_now
     FROM {t} t
     JOIN unnest($1::bigint[], $2::uuid[], $3::bool[]) AS l(id, token, started)
       ON t.id = l.id AND t.acquired_token IS NOT DISTINCT FROM l.token
-    WHERE t.id = ANY($1::bigint[])
+    WHERE t.id = ANY($1::bigint[]){tb4}
     ORDER BY t.id FOR UPDATE OF t),
 gone AS (
-    DELETE FROM {t} t USING cur WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND cur.cancelled
+    DELETE FROM {t} t USING cur WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND cur.cancelled{tb4}
     RETURNING cur.id, cur.token),
 back AS (
     UPDATE {t} t SET
         next_attempt_at = CASE WHEN cur.rearm THEN cur.rearm_at
-                               WHEN cur.started THEN now()
+                               WHEN cur.started THEN cur.at_now
                                ELSE cur.next_attempt_at END,
         payload = CASE WHEN cur.rearm THEN cur.rearm_payload ELSE cur.payload END,
         headers = CASE WHEN cur.rearm THEN cur.rearm_headers ELSE cur.headers END,
         attempts_count = CASE WHEN cur.started THEN cur.attempts_count + 1
                               WHEN cur.rearm THEN 0
                               ELSE cur.attempts_count END,
-        first_attempt_at = CASE WHEN cur.started THEN coalesce(cur.first_attempt_at, now())
+        first_attempt_at = CASE WHEN cur.started THEN coalesce(cur.first_attempt_at, cur.at_now)
                                 WHEN cur.rearm THEN NULL
                                 ELSE cur.first_attempt_at END,
-        last_attempt_at = CASE WHEN cur.started THEN now()
+        last_attempt_at = CASE WHEN cur.started THEN cur.at_now
                                WHEN cur.rearm THEN NULL
                                ELSE cur.last_attempt_at END,
         deliveries_count = CASE WHEN cur.started THEN cur.deliveries_count
                                 ELSE greatest(cur.deliveries_count - 1, 0) END,
         rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
         acquired_token = NULL, acquired_at = NULL, cancelled_at = NULL
-    FROM cur WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND NOT cur.cancelled
+    FROM cur WHERE t.id = ANY($1::bigint[]) AND t.id = cur.id AND NOT cur.cancelled{tb4}
     RETURNING cur.id, cur.token, cur.started, t.next_attempt_at, t.queue)
 SELECT id, token, 'cancelled', NULL::text FROM gone
 UNION ALL
@@ -263,13 +301,13 @@ SELECT id, token, CASE WHEN started THEN 'retried' ELSE 'pending' END, {notify} 
             r#"
 WITH gone AS (
     DELETE FROM {t}
-    WHERE id = $1 AND (acquired_token IS NULL OR acquired_at < now() - $2::interval)
+    WHERE id = $1 AND (acquired_token IS NULL OR acquired_at < now() - $2::interval){b6}
     RETURNING id, queue, payload, headers, timer_id, attempts_count, deliveries_count,
               created_at),
 archived AS (
-    INSERT INTO {d} (original_id, queue, payload, headers, timer_id, attempts_count,
+    INSERT INTO {d} ({dlq_cols}original_id, queue, payload, headers, timer_id, attempts_count,
                      deliveries_count, created_at, failure_reason, last_error)
-    SELECT id, queue, payload, headers, timer_id, attempts_count, deliveries_count,
+    SELECT {dlq_vals6}id, queue, payload, headers, timer_id, attempts_count, deliveries_count,
            created_at, $3, $4 FROM gone WHERE $5)
 SELECT count(*) FROM gone"#
         );
@@ -284,6 +322,7 @@ SELECT count(*) FROM gone"#
             ack_batch_settle: query(ack_batch_settle),
             retry: query(retry),
             fail_archive: query(fail_archive),
+            buckets: n.buckets,
         }
     }
 

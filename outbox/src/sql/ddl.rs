@@ -150,7 +150,10 @@ impl Ddl {
                 step(
                     20240101000001,
                     "outbox_base",
-                    base(n),
+                    match n.buckets {
+                        None => base(n),
+                        Some(_) => distributed_base(n),
+                    },
                     Done::Base {
                         queue_indexes: vec![
                             n.pending_idx.clone(),
@@ -340,6 +343,125 @@ CREATE INDEX IF NOT EXISTS {dlq_idx} ON {d} (queue, failed_at);
         lease_idx = quote_ident(&n.lease_idx),
         timer_uq = quote_ident(&n.timer_uq),
         dlq_idx = quote_ident(&n.dlq_idx),
+    )
+}
+
+/// Distributed mode (Citus): the whole current shape at once, as distributed tables (a new
+/// mode has no older deployments to upgrade), so the later steps find their pieces in the
+/// catalog and are recorded without running. The queue and dead-letter tables are
+/// distributed by `bucket` and co-located; the table of paused queues is a reference table
+/// (a copy on every node, so the claim's join with it stays on one node). A unique index
+/// of a distributed table must hold the distribution column: `bucket` leads every index,
+/// and a keyed timer's bucket is a function of its key, so `(bucket, queue, timer_id)` is
+/// unique exactly when `(queue, timer_id)` is. Queue row ids are `nextval * buckets +
+/// bucket`, so an id names its bucket; the sequences are the id columns' defaults, which
+/// makes Citus create them on the worker nodes too (with a range of values of each node's
+/// own, for a statement Citus runs on a worker). A dead letter's id is the plain default.
+fn distributed_base(n: &Names) -> String {
+    let t = &n.qtable;
+    let d = &n.qdlq;
+    let count = n.buckets.map_or(1, |b| b.count());
+    format!(
+        r#"-- outbox: the distributed shape (Citus), every column and index of the single-node steps.
+CREATE SEQUENCE IF NOT EXISTS {seq} AS bigint;
+CREATE TABLE IF NOT EXISTS {t} (
+    bucket smallint NOT NULL,
+    id bigint NOT NULL DEFAULT nextval({seq_lit}),
+    queue varchar(255) NOT NULL,
+    payload bytea NOT NULL,
+    headers jsonb,
+    attempts_count integer NOT NULL DEFAULT 0,
+    deliveries_count integer NOT NULL DEFAULT 0,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    next_attempt_at timestamptz NOT NULL DEFAULT now(),
+    first_attempt_at timestamptz,
+    last_attempt_at timestamptz,
+    acquired_at timestamptz,
+    acquired_token uuid,
+    timer_id varchar(255),
+    rearm_at timestamptz,
+    rearm_payload bytea,
+    rearm_headers jsonb,
+    cancelled_at timestamptz,
+    PRIMARY KEY (bucket, id),
+    CONSTRAINT {bucket_ck} CHECK (bucket >= 0 AND bucket < {count}),
+    CONSTRAINT {lease_ck} CHECK ((acquired_token IS NULL) = (acquired_at IS NULL)),
+    CONSTRAINT {rearm_ck} CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL),
+    CONSTRAINT {cancel_ck} CHECK (cancelled_at IS NULL OR acquired_token IS NOT NULL)
+) WITH (fillfactor = 70);
+CREATE INDEX IF NOT EXISTS {pending_idx} ON {t} (bucket, queue, next_attempt_at) WHERE acquired_token IS NULL;
+CREATE INDEX IF NOT EXISTS {lease_idx} ON {t} (bucket, queue, acquired_at) WHERE acquired_token IS NOT NULL;
+CREATE UNIQUE INDEX IF NOT EXISTS {timer_uq} ON {t} (bucket, queue, timer_id) WHERE timer_id IS NOT NULL;
+
+CREATE SEQUENCE IF NOT EXISTS {dseq} AS bigint;
+CREATE TABLE IF NOT EXISTS {d} (
+    bucket smallint NOT NULL,
+    id bigint NOT NULL DEFAULT nextval({dseq_lit}),
+    original_id bigint NOT NULL,
+    queue varchar(255) NOT NULL,
+    payload bytea NOT NULL,
+    headers jsonb,
+    timer_id varchar(255),
+    attempts_count integer NOT NULL,
+    deliveries_count integer NOT NULL,
+    created_at timestamptz NOT NULL,
+    failed_at timestamptz NOT NULL DEFAULT now(),
+    failure_reason varchar(64) NOT NULL,
+    last_error text,
+    redriven_at timestamptz,
+    redriven_id bigint,
+    PRIMARY KEY (bucket, id)
+);
+CREATE INDEX IF NOT EXISTS {dlq_idx} ON {d} (bucket, queue, failed_at);
+CREATE INDEX IF NOT EXISTS {dlq_failed_idx} ON {d} (bucket, failed_at);
+
+CREATE TABLE IF NOT EXISTS {p} (
+    queue varchar(255) PRIMARY KEY,
+    paused_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- A deadline less the extend's slack in the ON CONFLICT clause, where Citus accepts only
+-- IMMUTABLE functions (`timestamptz - interval` is STABLE for the sake of days and months,
+-- which the slack, a number of microseconds, never holds).
+CREATE OR REPLACE FUNCTION {minus}(ts timestamptz, slack interval) RETURNS timestamptz
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $fn$ SELECT ts - slack $fn$;
+
+DO $outbox$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_dist_object WHERE objid = {minus_lit}::regprocedure) THEN
+        PERFORM create_distributed_function({minus_lit});
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = {tlit}::regclass) THEN
+        PERFORM create_distributed_table({tlit}, 'bucket');
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = {dlit}::regclass) THEN
+        PERFORM create_distributed_table({dlit}, 'bucket', colocate_with => {tlit});
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = {plit}::regclass) THEN
+        PERFORM create_reference_table({plit});
+    END IF;
+END
+$outbox$;
+"#,
+        seq = n.qid_seq,
+        dseq = n.qdlq_id_seq,
+        seq_lit = quote_literal(&n.qid_seq),
+        minus = n.qminus_us,
+        minus_lit = quote_literal(&format!("{}(timestamptz, interval)", n.qminus_us)),
+        dseq_lit = quote_literal(&n.qdlq_id_seq),
+        p = n.qpaused,
+        bucket_ck = quote_ident(&n.bucket_ck),
+        lease_ck = quote_ident(&n.lease_ck),
+        rearm_ck = quote_ident(&n.rearm_ck),
+        cancel_ck = quote_ident(&n.cancel_ck),
+        pending_idx = quote_ident(&n.pending_idx),
+        lease_idx = quote_ident(&n.lease_idx),
+        timer_uq = quote_ident(&n.timer_uq),
+        dlq_idx = quote_ident(&n.dlq_idx),
+        dlq_failed_idx = quote_ident(&n.dlq_failed_idx),
+        tlit = n.table_literal(),
+        dlit = quote_literal(&n.qdlq),
+        plit = quote_literal(&n.qpaused),
     )
 }
 

@@ -3,14 +3,12 @@
 
 use sqlx::SqlStr;
 
-use super::text::{notify, query};
+use super::text::{in_bucket, notify, query};
 use crate::names::Names;
 
 /// `$1` queue, `$2` payload, `$3` headers, `$4` delay interval, `$5` absolute deadline,
 /// `$6` timer id. The deadline is computed by the database clock (`now() + $4`, where
 /// `now()` is the transaction's start), so clock skew between hosts cannot shift it.
-const COLUMNS: &str = "(queue, payload, headers, next_attempt_at, timer_id)";
-const VALUES: &str = "VALUES ($1, $2, $3, coalesce($5::timestamptz, now() + $4::interval), $6)";
 
 #[derive(Debug)]
 pub(crate) struct Publish {
@@ -24,9 +22,35 @@ pub(crate) struct Publish {
     pub batch: SqlStr,
 }
 
+/// Distributed mode: the leading columns of an insert and their values, the bucket from
+/// parameter `$param` and the id `nextval * buckets + bucket` (Citus evaluates `nextval`
+/// on the coordinator, before it routes the insert to the bucket's shard). Empty for a
+/// single node, whose id is the identity default.
+fn bucket_columns(n: &Names, param: u32) -> (&'static str, String) {
+    match n.buckets {
+        Some(b) => (
+            "bucket, id, ",
+            format!(
+                "${param}::smallint, nextval('{seq}') * {count} + ${param}::smallint, ",
+                seq = n.qid_seq.replace('\'', "''"),
+                count = b.count()
+            ),
+        ),
+        None => ("", String::new()),
+    }
+}
+
 impl Publish {
     pub(crate) fn render(n: &Names) -> Self {
         let t = &n.qtable;
+        // Distributed mode: each statement names its bucket as its last parameter (`$7`,
+        // `$8` for the extend, `$6` for the batch); see `bucket.rs`.
+        let (bc, bv) = bucket_columns(n, 7);
+        let conflict = if n.buckets.is_some() {
+            "(bucket, queue, timer_id)"
+        } else {
+            "(queue, timer_id)"
+        };
         // The notification is folded into each statement: no extra round trip, and it is
         // sent only if the caller's transaction commits. A plain message (NULL timer_id)
         // can never conflict, so it skips ON CONFLICT: a speculative insert costs an extra
@@ -34,7 +58,7 @@ impl Publish {
         let plain = format!(
             r#"
 WITH ins AS (
-    INSERT INTO {t} {COLUMNS} {VALUES}
+    INSERT INTO {t} ({bc}queue, payload, headers, next_attempt_at, timer_id) VALUES ({bv}$1, $2, $3, coalesce($5::timestamptz, now() + $4::interval), $6)
     RETURNING id, queue, next_attempt_at)
 SELECT ins.id, {notify} FROM ins"#,
             notify = notify(n, "ins"),
@@ -47,13 +71,14 @@ SELECT ins.id, {notify} FROM ins"#,
         let insert = format!(
             r#"
 WITH ins AS (
-    INSERT INTO {t} {COLUMNS}
-    SELECT $1::text, $2::bytea, $3::jsonb, coalesce($5::timestamptz, now() + $4::interval), $6::text
-    WHERE NOT EXISTS (SELECT FROM {t} WHERE queue = $1::text AND timer_id = $6::text)
-    ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO NOTHING
+    INSERT INTO {t} ({bc}queue, payload, headers, next_attempt_at, timer_id)
+    SELECT {bv}$1::text, $2::bytea, $3::jsonb, coalesce($5::timestamptz, now() + $4::interval), $6::text
+    WHERE NOT EXISTS (SELECT FROM {t} WHERE queue = $1::text AND timer_id = $6::text{b7})
+    ON CONFLICT {conflict} WHERE timer_id IS NOT NULL DO NOTHING
     RETURNING id, queue, next_attempt_at)
 SELECT ins.id, {notify} FROM ins"#,
             notify = notify(n, "ins"),
+            b7 = in_bucket(n, "", 7),
         );
         // One statement for the whole extend path (SPEC §4, §5). The row found decides:
         // pending → move the deadline and reset retry history; leased → queue the rearm.
@@ -91,30 +116,29 @@ SELECT ins.id, {notify} FROM ins"#,
         rearm_headers    = CASE WHEN {pending} THEN t.rearm_headers ELSE excluded.headers END,
         cancelled_at     = NULL"#
         );
-        let later = format!(
-            "excluded.next_attempt_at > CASE WHEN {pending} THEN t.next_attempt_at + $7::interval
-        ELSE greatest(t.next_attempt_at, t.rearm_at + $7::interval) END"
-        );
+        let later = "excluded.next_attempt_at > CASE WHEN t.acquired_token IS NULL THEN t.next_attempt_at + $7::interval
+        ELSE greatest(t.next_attempt_at, t.rearm_at + $7::interval) END";
+        let (bc8, bv8) = bucket_columns(n, 8);
         let extend = format!(
             r#"
 WITH v AS (
     SELECT $1::text AS queue, $2::bytea AS payload, $3::jsonb AS headers,
            coalesce($5::timestamptz, now() + $4::interval) AS next_attempt_at, $6::text AS timer_id),
 cur AS (
-    SELECT id FROM {t} WHERE queue = $1::text AND timer_id = $6::text FOR UPDATE),
+    SELECT id FROM {t} WHERE queue = $1::text AND timer_id = $6::text{b8} FOR UPDATE),
 upd AS (
     UPDATE {t} AS t SET
         {set}
     FROM cur, v AS excluded
-    WHERE t.queue = $1::text AND t.timer_id = $6::text AND t.id = cur.id
+    WHERE t.queue = $1::text AND t.timer_id = $6::text AND t.id = cur.id{tb8}
       AND {later}
     RETURNING t.id, t.queue, t.next_attempt_at, false AS inserted,
               (t.acquired_token IS NOT NULL) AS leased),
 ins AS (
-    INSERT INTO {t} AS t {COLUMNS}
-    SELECT queue, payload, headers, next_attempt_at, timer_id FROM v
+    INSERT INTO {t} AS t ({bc8}queue, payload, headers, next_attempt_at, timer_id)
+    SELECT {bv8}queue, payload, headers, next_attempt_at, timer_id FROM v
     WHERE NOT EXISTS (SELECT FROM cur)
-    ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO UPDATE SET
+    ON CONFLICT {conflict} WHERE timer_id IS NOT NULL DO UPDATE SET
         {set}
     WHERE {later}
     RETURNING t.id, t.queue, t.next_attempt_at, (t.xmax = 0) AS inserted,
@@ -125,14 +149,18 @@ SELECT up.id, up.inserted, up.leased,
        CASE WHEN up.inserted THEN {notify} END
 FROM up"#,
             notify = notify(n, "up"),
+            b8 = in_bucket(n, "", 8),
+            tb8 = in_bucket(n, "t.", 8),
         );
         // All or nothing, one statement, one notification for the batch (SPEC §2.3).
-        // `$1` queue, `$2` payloads, `$3` headers, `$4` delay, `$5` absolute deadline.
+        // `$1` queue, `$2` payloads, `$3` headers, `$4` delay, `$5` absolute deadline; in
+        // distributed mode `$6` the one bucket of the whole batch.
+        let (bc6, bv6) = bucket_columns(n, 6);
         let batch = format!(
             r#"
 WITH ins AS (
-    INSERT INTO {t} (queue, payload, headers, next_attempt_at)
-    SELECT $1, u.payload, u.headers, coalesce($5::timestamptz, now() + $4::interval)
+    INSERT INTO {t} ({bc6}queue, payload, headers, next_attempt_at)
+    SELECT {bv6}$1, u.payload, u.headers, coalesce($5::timestamptz, now() + $4::interval)
     FROM unnest($2::bytea[], $3::jsonb[]) WITH ORDINALITY AS u(payload, headers, ord)
     ORDER BY u.ord
     RETURNING id, queue, next_attempt_at)
@@ -141,6 +169,47 @@ SELECT array_agg(ins.id ORDER BY ins.id),
 FROM ins"#,
             notify = notify(n, "ins"),
         );
+        // Distributed mode (Citus): one INSERT … VALUES each, which Citus runs whole on the
+        // bucket's shard (a CTE without a table, or an INSERT … SELECT, is planned in steps
+        // through the coordinator, which ships intermediate results to every node and turns
+        // the caller's transaction into a two-phase commit). So an extend of a held key
+        // takes a sequence value here (ids have 2⁶³ / buckets values to spend), and the
+        // slack is subtracted by `<table>_minus_us`.
+        let (insert, extend) = match n.buckets {
+            None => (insert, extend),
+            Some(_) => {
+                let minus = &n.qminus_us;
+                let keyed_values = format!(
+                    "({bc8}queue, payload, headers, next_attempt_at, timer_id) VALUES ({bv8}$1, $2, $3, coalesce($5::timestamptz, now() + $4::interval), $6)"
+                );
+                let insert = format!(
+                    r#"
+WITH ins AS (
+    INSERT INTO {t} ({bc}queue, payload, headers, next_attempt_at, timer_id) VALUES ({bv}$1, $2, $3, coalesce($5::timestamptz, now() + $4::interval), $6)
+    ON CONFLICT {conflict} WHERE timer_id IS NOT NULL DO NOTHING
+    RETURNING id, queue, next_attempt_at)
+SELECT ins.id, {notify} FROM ins"#,
+                    notify = notify(n, "ins"),
+                );
+                let extend = format!(
+                    r#"
+WITH up AS (
+    INSERT INTO {t} AS t {keyed_values}
+    ON CONFLICT {conflict} WHERE timer_id IS NOT NULL DO UPDATE SET
+        {set}
+    WHERE CASE WHEN t.acquired_token IS NULL THEN {minus}(excluded.next_attempt_at, $7::interval) > t.next_attempt_at
+        ELSE excluded.next_attempt_at > t.next_attempt_at
+             AND (t.rearm_at IS NULL OR {minus}(excluded.next_attempt_at, $7::interval) > t.rearm_at) END
+    RETURNING t.id, t.queue, t.next_attempt_at, (t.xmax = 0) AS inserted,
+              (t.acquired_token IS NOT NULL) AS leased)
+SELECT up.id, up.inserted, up.leased,
+       CASE WHEN up.inserted THEN {notify} END
+FROM up"#,
+                    notify = notify(n, "up"),
+                );
+                (insert, extend)
+            }
+        };
         Publish {
             plain: query(plain),
             insert: query(insert),

@@ -33,3 +33,13 @@ pub(super) fn notify(n: &Names, row: &str) -> String {
         channel = crate::names::quote_literal(&n.channel)
     )
 }
+
+/// Distributed mode: ` AND <alias>bucket = $<param>::smallint`, the predicate that routes a
+/// statement to the one shard of a bucket (its value travels as the statement's last
+/// parameter); empty for a single node, whose statements take no such parameter.
+pub(super) fn in_bucket(n: &Names, alias: &str, param: u32) -> String {
+    match n.buckets {
+        Some(_) => format!(" AND {alias}bucket = ${param}::smallint"),
+        None => String::new(),
+    }
+}

@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use super::{clean_error_text, Armed, Completion, Failure, Lease, Release, Released, Renewal};
 use crate::error::{Error, OutboxSql, Result};
-use crate::scope::{Db, Scope};
+use crate::scope::{BindBucket, Db, Scope};
 use crate::sql::binds::{interval, micros};
 use crate::sql::complete::Complete;
 use crate::sql::periodic::Periodic;
@@ -38,6 +38,7 @@ pub(crate) async fn ack_on(
         .query(sql.ack_delete.clone())
         .bind(lease.id)
         .bind(lease.token)
+        .bucket(sql.bucket_of(lease.id))
         .execute(&mut *db)
         .await
         .outbox_sql()?;
@@ -49,6 +50,7 @@ pub(crate) async fn ack_on(
         .query(sql.ack_settle.clone())
         .bind(lease.id)
         .bind(lease.token)
+        .bucket(sql.bucket_of(lease.id))
         .fetch_one(&mut *db)
         .await
         .outbox_sql()?;
@@ -64,14 +66,20 @@ pub(crate) async fn ack_batch_delete_on(
     mut db: Db<'_>,
     leases: &[Lease],
 ) -> Result<HashSet<Lease>> {
-    let (ids, tokens) = columns(leases.iter().copied());
-    let rows = scope
-        .query(sql.ack_batch_delete.clone())
-        .bind(&ids)
-        .bind(&tokens)
-        .fetch_all(&mut *db)
-        .await
-        .outbox_sql()?;
+    let mut rows = Vec::new();
+    for (bucket, group) in sql.by_bucket(leases, |l| l.id) {
+        let (ids, tokens) = columns(group.into_iter());
+        rows.extend(
+            scope
+                .query(sql.ack_batch_delete.clone())
+                .bind(&ids)
+                .bind(&tokens)
+                .bucket(bucket)
+                .fetch_all(&mut *db)
+                .await
+                .outbox_sql()?,
+        );
+    }
     db.done().await?;
     rows.iter().map(lease_at).collect()
 }
@@ -84,14 +92,20 @@ pub(crate) async fn ack_batch_settle_on(
     mut db: Db<'_>,
     leases: &[Lease],
 ) -> Result<HashMap<Lease, Completion>> {
-    let (ids, tokens) = columns(leases.iter().copied());
-    let rows = scope
-        .query(sql.ack_batch_settle.clone())
-        .bind(&ids)
-        .bind(&tokens)
-        .fetch_all(&mut *db)
-        .await
-        .outbox_sql()?;
+    let mut rows = Vec::new();
+    for (bucket, group) in sql.by_bucket(leases, |l| l.id) {
+        let (ids, tokens) = columns(group.into_iter());
+        rows.extend(
+            scope
+                .query(sql.ack_batch_settle.clone())
+                .bind(&ids)
+                .bind(&tokens)
+                .bucket(bucket)
+                .fetch_all(&mut *db)
+                .await
+                .outbox_sql()?,
+        );
+    }
     db.done().await?;
     let mut settled = HashMap::new();
     for r in rows {
@@ -116,6 +130,7 @@ pub(crate) async fn retry_on(
         .bind(lease.id)
         .bind(lease.token)
         .bind(interval(micros(delay, "delay")?))
+        .bucket(sql.bucket_of(lease.id))
         .fetch_one(&mut *db)
         .await
         .outbox_sql()?;
@@ -146,6 +161,7 @@ pub(crate) async fn fail_on(
             .query_scalar(sql.fail_delete.clone())
             .bind(lease.id)
             .bind(lease.token)
+            .bucket(sql.bucket_of(lease.id))
             .fetch_optional(&mut *db)
             .await
             .outbox_sql()?;
@@ -157,6 +173,7 @@ pub(crate) async fn fail_on(
                     .query(sql.ack_settle.clone())
                     .bind(lease.id)
                     .bind(lease.token)
+                    .bucket(sql.bucket_of(lease.id))
                     .fetch_one(&mut *db)
                     .await
                     .outbox_sql()?;
@@ -173,6 +190,7 @@ pub(crate) async fn fail_on(
         .bind(failure.reason.as_str())
         .bind(failure.last_error.map(clean_error_text))
         .bind(i32::from(failure.reason.handler_ran()))
+        .bucket(sql.bucket_of(lease.id))
         .fetch_one(&mut *db)
         .await
         .outbox_sql()?;
@@ -189,14 +207,20 @@ pub(crate) async fn renew_on(
     mut db: Db<'_>,
     leases: &[Lease],
 ) -> Result<Vec<Renewal>> {
-    let (ids, tokens) = columns(leases.iter().copied());
-    let rows = scope
-        .query(sql.renew.clone())
-        .bind(&ids)
-        .bind(&tokens)
-        .fetch_all(&mut *db)
-        .await
-        .outbox_sql()?;
+    let mut rows = Vec::new();
+    for (bucket, group) in sql.by_bucket(leases, |l| l.id) {
+        let (ids, tokens) = columns(group.into_iter());
+        rows.extend(
+            scope
+                .query(sql.renew.clone())
+                .bind(&ids)
+                .bind(&tokens)
+                .bucket(bucket)
+                .fetch_all(&mut *db)
+                .await
+                .outbox_sql()?,
+        );
+    }
     db.done().await?;
     let mut held = HashMap::new();
     for r in rows {
@@ -223,16 +247,22 @@ pub(crate) async fn release_on(
     mut db: Db<'_>,
     items: &[Release],
 ) -> Result<Vec<Released>> {
-    let (ids, tokens) = columns(items.iter().map(|r| r.lease));
-    let started: Vec<bool> = items.iter().map(|r| r.started).collect();
-    let rows = scope
-        .query(sql.release.clone())
-        .bind(&ids)
-        .bind(&tokens)
-        .bind(&started)
-        .fetch_all(&mut *db)
-        .await
-        .outbox_sql()?;
+    let mut rows = Vec::new();
+    for (bucket, group) in sql.by_bucket(items, |r| r.lease.id) {
+        let (ids, tokens) = columns(group.iter().map(|r| r.lease));
+        let started: Vec<bool> = group.iter().map(|r| r.started).collect();
+        rows.extend(
+            scope
+                .query(sql.release.clone())
+                .bind(&ids)
+                .bind(&tokens)
+                .bind(&started)
+                .bucket(bucket)
+                .fetch_all(&mut *db)
+                .await
+                .outbox_sql()?,
+        );
+    }
     db.done().await?;
     let mut done = HashMap::new();
     for r in rows {

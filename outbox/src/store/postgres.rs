@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -35,7 +36,7 @@ use crate::error::{Error, OutboxSql, Result};
 use crate::message::envelope::{Message, Published};
 use crate::message::validate_queue;
 use crate::outbox::Outbox;
-use crate::scope::{Db, Scope};
+use crate::scope::{BindBucket, Db, Scope};
 use crate::sql::binds::{interval, micros};
 use crate::sql::complete::Complete;
 use crate::sql::periodic::Periodic;
@@ -119,6 +120,8 @@ pub struct PgStore {
     /// other (see [`ClaimConnection`]).
     claimer: Arc<ClaimConnection>,
     outbox: Outbox,
+    /// Distributed mode: where the next claim starts among the buckets with work.
+    bucket_cursor: Arc<AtomicUsize>,
 }
 
 /// The connection a busy claim loop claims on, one claim after another. The claim
@@ -159,6 +162,7 @@ impl PgStore {
             fenced: Arc::new(OnceLock::new()),
             claimer: Arc::default(),
             outbox,
+            bucket_cursor: Arc::default(),
         }
     }
 
@@ -200,7 +204,7 @@ impl PgStore {
             // Through a transaction-mode pooler the startup parameter would be refused (or
             // dropped): each write sets it with SET LOCAL instead (`Scope::acquire_fenced`).
             let options = match self.scope() {
-                Scope::Session => options.options([("lock_timeout", ms.as_str())]),
+                Scope::Session | Scope::Unnamed => options.options([("lock_timeout", ms.as_str())]),
                 Scope::Transaction => options,
             };
             let of = self.pool.options();
@@ -235,31 +239,83 @@ impl PgStore {
         if queues.is_empty() || request.limit == 0 {
             return Ok(Vec::new());
         }
-        let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
         let sql = &self.outbox.sql().claim;
         let scope = self.scope();
-        let query = match request.only {
-            None => scope.query(sql.claim.clone()),
-            Some(_) => scope.query(sql.claim_only.clone()),
+        let token = Uuid::new_v4();
+        let mut caps = caps;
+        let mut out = Vec::new();
+        // Distributed mode: one claim statement per bucket with work, each on the bucket's
+        // one shard, until the limit is reached; the queues' caps shrink by what each
+        // bucket gave. The buckets are visited from a cursor that moves on by one every
+        // claim, so a claim smaller than the work does not always favour the same buckets.
+        let buckets = self.buckets_with_work(conn, request, &queues).await?;
+        for bucket in buckets {
+            let left = request.limit - out.len();
+            if left == 0 {
+                break;
+            }
+            let limit = i64::try_from(left).unwrap_or(i64::MAX);
+            let query = match request.only {
+                None => scope.query(sql.claim.clone()),
+                Some(_) => scope.query(sql.claim_only.clone()),
+            }
+            .bind(&queues)
+            .bind(limit)
+            .bind(ttl)
+            .bind(token)
+            .bind(request.exclude)
+            .bind(&caps);
+            let query = match request.only {
+                None => query,
+                Some(ids) => query.bind(ids),
+            }
+            .bucket(bucket);
+            let rows = query.fetch_all(&mut *conn).await.outbox_sql()?;
+            let claimed = rows
+                .iter()
+                .map(delivery_from_row)
+                .collect::<Result<Vec<_>>>()?;
+            if bucket.is_some() {
+                for d in &claimed {
+                    if let Some(i) = queues.iter().position(|q| *q == d.queue) {
+                        caps[i] = (caps[i] - 1).max(0);
+                    }
+                }
+            }
+            out.extend(claimed);
         }
-        .bind(&queues)
-        .bind(limit)
-        .bind(ttl)
-        .bind(Uuid::new_v4())
-        .bind(request.exclude)
-        .bind(&caps);
-        let query = match request.only {
-            None => query,
-            Some(ids) => query.bind(ids),
-        };
-        let rows = query.fetch_all(&mut *conn).await.outbox_sql()?;
-        let mut out = rows
-            .iter()
-            .map(delivery_from_row)
-            .collect::<Result<Vec<_>>>()?;
         // RETURNING follows the update order, not the CTE's; restore the contract's order.
         fair_order(&mut out, request.resume_after);
         Ok(out)
+    }
+
+    /// The buckets a claim visits: `[None]` for a single node (one statement over the
+    /// whole table); in distributed mode those with work (one read across the shards),
+    /// rotated by the store's cursor.
+    async fn buckets_with_work(
+        &self,
+        conn: &mut PgConnection,
+        request: ClaimRequest<'_>,
+        queues: &[String],
+    ) -> Result<Vec<Option<i16>>> {
+        let Some(finder) = &self.outbox.sql().claim.buckets else {
+            return Ok(vec![None]);
+        };
+        let ttl = interval(micros(request.lease_ttl, "lease_ttl")?);
+        let mut found: Vec<i16> = self
+            .scope()
+            .query_scalar(finder.clone())
+            .bind(queues)
+            .bind(ttl)
+            .bind(request.exclude)
+            .fetch_all(&mut *conn)
+            .await
+            .outbox_sql()?;
+        if !found.is_empty() {
+            let turn = self.bucket_cursor.fetch_add(1, Ordering::Relaxed) % found.len();
+            found.rotate_left(turn);
+        }
+        Ok(found.into_iter().map(Some).collect())
     }
 
     /// [`Scope::unmigrated_or`] on a connection of the pool (the failed one is given back
@@ -340,7 +396,7 @@ impl super::sealed::Sealed for PgStore {}
 
 impl Store for PgStore {
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Delivery>> {
-        if request.keep_connection && self.scope() == Scope::Session {
+        if request.keep_connection && self.scope() != Scope::Transaction {
             let mut conn = match self.claimer.take() {
                 Some(c) => c,
                 None => match self.pool.acquire().await {
@@ -506,6 +562,7 @@ impl Store for PgStore {
             .bind(failure.reason.as_str())
             .bind(failure.last_error.map(clean_error_text))
             .bind(self.outbox.dead_letter_enabled())
+            .bucket(self.outbox.bucket_of_id(id))
             .fetch_one(&mut *db)
             .await
             .outbox_sql()?;
@@ -585,19 +642,27 @@ impl Store for PgStore {
         if queues.is_empty() || request.limit == 0 {
             return Ok(Vec::new());
         }
-        let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
         let mut db = self.pool_db().await?;
-        let rows = self
-            .scope()
-            .query(self.outbox.sql().claim.peek.clone())
-            .bind(queues)
-            .bind(limit)
-            .bind(ttl)
-            .bind(request.exclude)
-            .bind(caps)
-            .fetch_all(&mut *db)
-            .await
-            .outbox_sql()?;
+        let mut rows = Vec::new();
+        for bucket in self.buckets_with_work(&mut db, request, &queues).await? {
+            let Some(left) = request.limit.checked_sub(rows.len()).filter(|n| *n > 0) else {
+                break;
+            };
+            let limit = i64::try_from(left).unwrap_or(i64::MAX);
+            rows.extend(
+                self.scope()
+                    .query(self.outbox.sql().claim.peek.clone())
+                    .bind(&queues)
+                    .bind(limit)
+                    .bind(ttl)
+                    .bind(request.exclude)
+                    .bind(&caps)
+                    .bucket(bucket)
+                    .fetch_all(&mut *db)
+                    .await
+                    .outbox_sql()?,
+            );
+        }
         db.done().await?;
         rows.iter()
             .map(|r| Ok((r.try_get(0).outbox_sql()?, r.try_get(1).outbox_sql()?)))

@@ -140,6 +140,24 @@ pub async fn pool() -> PgPool {
     pool_with(8).await
 }
 
+/// Whether the tests run against a Citus cluster (`.ci/citus` sets `OUTBOX_CITUS=1`): the
+/// fixtures then build their outboxes distributed.
+pub fn citus() -> bool {
+    std::env::var("OUTBOX_CITUS").is_ok_and(|v| v == "1")
+}
+
+/// The buckets of the tests' distributed outboxes (more than the cluster's 8 shards).
+pub const CITUS_BUCKETS: u16 = 16;
+
+/// `Outbox::builder()`, distributed on a Citus cluster ([`citus`]).
+pub fn builder() -> OutboxBuilder {
+    if citus() {
+        Outbox::builder().distributed(CITUS_BUCKETS)
+    } else {
+        Outbox::builder()
+    }
+}
+
 /// A unique, valid table name for one test.
 pub fn unique_table(prefix: &str) -> String {
     format!(
@@ -167,7 +185,7 @@ impl Fixture {
     /// Fresh migrated tables configured by `configure`.
     pub async fn with(configure: impl FnOnce(OutboxBuilder) -> OutboxBuilder) -> Fixture {
         let pool = pool().await;
-        let outbox = configure(Outbox::builder().table(unique_table("t")))
+        let outbox = configure(builder().table(unique_table("t")))
             .build()
             .expect("valid test names");
         outbox.migrate(&pool).await.expect("migrations apply");

@@ -6,6 +6,7 @@
 //! stores.
 
 mod admin;
+mod citus;
 mod claim;
 mod deploy;
 mod dlq;

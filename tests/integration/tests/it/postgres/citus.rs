@@ -1,0 +1,449 @@
+//! Distributed mode on a real Citus cluster (issue 28): a coordinator and two worker nodes
+//! started by `.ci/citus`, which sets `OUTBOX_CITUS=1` and points `DATABASE_URL` at the
+//! coordinator. Ignored in the ordinary run (there is no Citus there); `.ci/run` runs them
+//! under `.ci/citus` with `--run-ignored only`, and each one fails unless the server is a
+//! Citus coordinator with two active workers, so they never pass vacuously.
+//!
+//! Single-shard is proven the way Citus offers: `citus.multi_task_query_log_level =
+//! 'error'` on the connection makes any statement Citus would split over several shards
+//! fail.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox::message::OnConflict;
+use outbox::store::{ClaimRequest, Completion, Failure, FailureReason, Lease, Release, Store};
+use outbox::{Cancelled, Context, Error, Message, PgStore, Published, Worker};
+use outbox_tests::{database_url, eventually, Fixture, CITUS_BUCKETS};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool};
+
+const TTL: Duration = Duration::from_secs(60);
+
+/// A fixture on the Citus coordinator; panics unless the server is one with two workers.
+async fn cluster() -> Fixture {
+    assert!(
+        outbox_tests::citus(),
+        "run under .ci/citus (OUTBOX_CITUS=1, DATABASE_URL = a Citus coordinator)"
+    );
+    let f = Fixture::new().await;
+    let workers: i64 = sqlx::query_scalar("SELECT count(*) FROM citus_get_active_worker_nodes()")
+        .fetch_one(&f.pool)
+        .await
+        .expect("a Citus coordinator");
+    assert_eq!(workers, 2, "the cluster has two active worker nodes");
+    f
+}
+
+/// Connections on which any multi-shard statement fails.
+async fn single_shard_pool() -> PgPool {
+    let opts = database_url()
+        .parse::<PgConnectOptions>()
+        .expect("DATABASE_URL")
+        .options([("citus.multi_task_query_log_level", "error")]);
+    PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(opts)
+        .await
+        .expect("connect to the coordinator")
+}
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn migrate_distributes_the_queue_and_dead_letter_tables_by_bucket() {
+    let f = cluster().await;
+    let rows: Vec<(String, String, Option<String>, i32)> = sqlx::query_as(
+        "SELECT CASE logicalrelid WHEN $1::regclass THEN 'queue' WHEN $2::regclass THEN 'dlq' ELSE 'paused' END, partmethod::text, \
+                CASE WHEN partmethod = 'h' THEN column_to_column_name(logicalrelid, partkey) END, \
+                colocationid \
+         FROM pg_dist_partition \
+         WHERE logicalrelid IN ($1::regclass, $2::regclass, $3::regclass) \
+         ORDER BY 1",
+    )
+    .bind(f.outbox.table())
+    .bind(f.outbox.dead_letter_table())
+    .bind(f.outbox.paused_table())
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    let by = |t: &str| {
+        rows.iter()
+            .find(|r| r.0 == t)
+            .unwrap_or_else(|| panic!("{t} in {rows:?}"))
+    };
+    let (q, d, p) = (by("queue"), by("dlq"), by("paused"));
+    assert_eq!((q.1.as_str(), q.2.as_deref()), ("h", Some("bucket")));
+    assert_eq!((d.1.as_str(), d.2.as_deref()), ("h", Some("bucket")));
+    assert_eq!(q.3, d.3, "queue and dead-letter tables co-located");
+    assert_eq!(p.1, "n", "the paused table is a reference table");
+    // Applying the migrations again changes nothing, and the schema checks out.
+    f.outbox.migrate(&f.pool).await.unwrap();
+    f.outbox.validate_schema(&f.pool).await.unwrap();
+    f.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn publish_extend_cancel_and_every_completion_stay_on_one_shard() {
+    let f = cluster().await;
+    let strict = single_shard_pool().await;
+    let strict_store = PgStore::new(strict.clone(), f.outbox.clone());
+    let mut conn = strict.acquire().await.unwrap();
+    let o = &f.outbox;
+
+    // Publishes: plain (round robin over buckets), keyed, extend, a batch.
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        match o
+            .publish(&mut conn, Message::new("q", format!("m{i}").as_bytes()))
+            .await
+            .unwrap()
+        {
+            Published::Inserted { id } => ids.push(id),
+            other => panic!("{other:?}"),
+        }
+    }
+    let buckets: HashSet<i64> = ids.iter().map(|id| id % i64::from(CITUS_BUCKETS)).collect();
+    assert!(
+        buckets.len() > 1,
+        "plain messages spread over buckets: {ids:?}"
+    );
+    let keyed = Message::new("q", b"k").timer_id("user-1");
+    assert!(matches!(
+        o.publish(&mut conn, keyed).await.unwrap(),
+        Published::Inserted { .. }
+    ));
+    assert_eq!(
+        o.publish(&mut conn, keyed).await.unwrap(),
+        Published::Skipped
+    );
+    let later = Message::new("q", b"k2")
+        .timer_id("user-1")
+        .on_conflict(OnConflict::Extend)
+        .schedule(outbox::message::Schedule::after(Duration::from_secs(3600)));
+    assert!(matches!(
+        o.publish(&mut conn, later).await.unwrap(),
+        Published::Extended { .. }
+    ));
+    // The slack: a move by at most the slack writes nothing; a longer one is written.
+    let by = |secs| {
+        Message::new("q", b"k3")
+            .timer_id("user-1")
+            .on_conflict(OnConflict::Extend)
+            .slack(Duration::from_secs(60))
+            .schedule(outbox::message::Schedule::after(Duration::from_secs(secs)))
+    };
+    assert_eq!(
+        o.publish(&mut conn, by(3630)).await.unwrap(),
+        Published::Unchanged
+    );
+    assert!(matches!(
+        o.publish(&mut conn, by(3700)).await.unwrap(),
+        Published::Extended { .. }
+    ));
+    let batch = o
+        .publish_batch(
+            &mut conn,
+            "q",
+            &[
+                outbox::message::BatchItem::new(b"b1"),
+                outbox::message::BatchItem::new(b"b2"),
+            ],
+            outbox::message::Schedule::now(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(batch.len(), 2);
+    assert_eq!(
+        batch[0] % i64::from(CITUS_BUCKETS),
+        batch[1] % i64::from(CITUS_BUCKETS),
+        "a batch is one statement in one bucket"
+    );
+
+    // The claim statement of one bucket, on a connection that refuses multi-shard
+    // statements (the store finds the buckets with work by one read across the shards
+    // first; that read is allowed to span them).
+    let claim_sql = f
+        .outbox
+        .statements()
+        .into_iter()
+        .find(|(name, _)| *name == "claim.claim")
+        .unwrap()
+        .1
+        .to_owned();
+    let bucket = (ids[0] % i64::from(CITUS_BUCKETS)) as i16;
+    let rows: Vec<sqlx::postgres::PgRow> = sqlx::query(AssertSqlSafe(claim_sql))
+        .bind(vec!["q".to_owned()])
+        .bind(100_i64)
+        .bind(sqlx::postgres::types::PgInterval {
+            months: 0,
+            days: 0,
+            microseconds: 60_000_000,
+        })
+        .bind(uuid::Uuid::new_v4())
+        .bind(Vec::<i64>::new())
+        .bind(vec![100_i64])
+        .bind(bucket)
+        .fetch_all(&strict)
+        .await
+        .expect("the claim of one bucket is single-shard");
+    let rows: Vec<(i64,)> = rows
+        .iter()
+        .map(|r| (sqlx::Row::get::<i64, _>(r, 0),))
+        .collect();
+    assert!(rows
+        .iter()
+        .all(|(id,)| id % i64::from(CITUS_BUCKETS) == i64::from(bucket)));
+    assert!(!rows.is_empty());
+
+    // Claims through the store (finder across shards, then one claim per bucket).
+    let qs = vec!["q".to_owned()];
+    let claimed = f
+        .store
+        .claim(ClaimRequest::new(&qs, 100, TTL))
+        .await
+        .unwrap();
+    assert_eq!(
+        claimed.len(),
+        7,
+        "6 plain + 2 batch - the one claimed above: {claimed:?}"
+    );
+
+    // Every completion on the strict store: ack, retry, fail, renew, release, batches.
+    let leases: Vec<Lease> = claimed.iter().map(|d| d.lease).collect();
+    assert!(strict_store
+        .renew(&leases)
+        .await
+        .unwrap()
+        .iter()
+        .all(|r| *r == outbox::store::Renewal::Renewed));
+    assert_eq!(
+        strict_store.ack(leases[0]).await.unwrap(),
+        Completion::Deleted
+    );
+    assert!(matches!(
+        strict_store
+            .retry(leases[1], Duration::from_secs(3600))
+            .await
+            .unwrap(),
+        Completion::RetryScheduled { .. }
+    ));
+    let failure = Failure {
+        reason: FailureReason::RetryExhausted,
+        last_error: Some("boom"),
+    };
+    assert_eq!(
+        strict_store.fail(leases[2], failure).await.unwrap(),
+        Completion::Deleted
+    );
+    let released = strict_store
+        .release(&[Release {
+            lease: leases[3],
+            started: false,
+        }])
+        .await
+        .unwrap();
+    assert_eq!(released, vec![outbox::store::Released::Pending]);
+    let acked = strict_store.ack_batch(&leases[4..]).await.unwrap();
+    assert!(acked.iter().all(|c| *c == Completion::Deleted), "{acked:?}");
+    // The failed row went to the dead-letter table, in its bucket.
+    let dead: Vec<(i16, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT bucket, original_id FROM {}",
+        f.outbox.dead_letter_table()
+    )))
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        dead,
+        vec![(
+            (leases[2].id % i64::from(CITUS_BUCKETS)) as i16,
+            leases[2].id
+        )]
+    );
+
+    // Cancel of a pending keyed timer.
+    assert!(matches!(
+        o.cancel(&mut conn, "q", "user-1").await.unwrap(),
+        Cancelled::Deleted { .. }
+    ));
+    drop(conn);
+    strict.close().await;
+    f.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn one_live_row_per_timer_key_across_the_cluster() {
+    let f = cluster().await;
+    // Many sessions publish the same keys at once: one row per key survives.
+    let mut tasks = Vec::new();
+    for s in 0..8 {
+        let (pool, outbox) = (f.pool.clone(), f.outbox.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut conn = pool.acquire().await.unwrap();
+            for k in 0..20 {
+                let key = format!("key-{k}");
+                let body = format!("s{s}");
+                let m = Message::new("q", body.as_bytes())
+                    .timer_id(&key)
+                    .on_conflict(OnConflict::Extend);
+                outbox.publish(&mut conn, m).await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let (rows, keys): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT count(*), count(DISTINCT timer_id) FROM {}",
+        f.outbox.table()
+    )))
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!((rows, keys), (20, 20));
+    f.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn a_worker_runs_every_message_of_every_bucket_once() {
+    let f = cluster().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    for i in 0..200 {
+        f.outbox
+            .publish(&mut conn, Message::new("w", format!("{i}").as_bytes()))
+            .await
+            .unwrap();
+    }
+    drop(conn);
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = Worker::builder(f.store.clone())
+        .concurrency(4)
+        .queue("w", {
+            let (seen, runs) = (seen.clone(), runs.clone());
+            move |body: Vec<u8>, _: Context| {
+                let (seen, runs) = (seen.clone(), runs.clone());
+                async move {
+                    seen.lock().unwrap().push(String::from_utf8(body).unwrap());
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok::<(), Error>(())
+                }
+            }
+        })
+        .build()
+        .unwrap()
+        .start();
+    eventually(60, "200 runs", || {
+        let runs = runs.clone();
+        async move { runs.load(Ordering::SeqCst) >= 200 }
+    })
+    .await;
+    let report = worker.shutdown().await;
+    assert!(report.graceful, "{report:?}");
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 200, "each once");
+    assert_eq!(seen.iter().collect::<HashSet<_>>().len(), 200);
+    let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}",
+        f.outbox.table()
+    )))
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(left, 0, "every row acked");
+    f.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn a_write_co_located_with_the_outbox_commits_without_two_phase_commit() {
+    let f = cluster().await;
+    let users = outbox_tests::unique_table("users");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {users} (bucket smallint NOT NULL, user_id text NOT NULL, last_seen timestamptz, \
+         PRIMARY KEY (bucket, user_id)); \
+         SELECT create_distributed_table('{users}', 'bucket', colocate_with => '{t}');",
+        t = f.outbox.table().replace('\'', "''")
+    )))
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let two_pc = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_dist_transaction")
+            .fetch_one(&f.pool)
+            .await
+            .unwrap()
+    };
+    let before = two_pc().await;
+    for i in 0..20 {
+        let key = format!("user-{i}");
+        let bucket = f.outbox.bucket_of(&key).unwrap();
+        let mut tx = f.pool.begin().await.unwrap();
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {users} (bucket, user_id, last_seen) VALUES ($1, $2, now()) \
+             ON CONFLICT (bucket, user_id) DO UPDATE SET last_seen = excluded.last_seen"
+        )))
+        .bind(bucket)
+        .bind(&key)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        f.outbox
+            .publish(
+                &mut tx,
+                Message::new("presence", b"{}")
+                    .timer_id(&key)
+                    .on_conflict(OnConflict::Extend),
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    assert_eq!(two_pc().await, before, "no ping needed two-phase commit");
+
+    // Not co-located: still atomic. A rollback after the extend leaves neither row.
+    let other = outbox_tests::unique_table("other");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {other} (user_id text PRIMARY KEY); \
+         SELECT create_distributed_table('{other}', 'user_id', colocate_with => 'none');"
+    )))
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let mut tx = f.pool.begin().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {other} VALUES ('rolled-back')"
+    )))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    f.outbox
+        .publish(
+            &mut tx,
+            Message::new("presence", b"{}").timer_id("rolled-back"),
+        )
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let (a, b): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT (SELECT count(*) FROM {other}), \
+                (SELECT count(*) FROM {t} WHERE queue = 'presence' AND timer_id = 'rolled-back' AND bucket = $1)",
+        t = f.outbox.table()
+    )))
+    .bind(f.outbox.bucket_of("rolled-back").unwrap())
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!((a, b), (0, 0));
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {users}, {other}")))
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    f.cleanup().await;
+}
