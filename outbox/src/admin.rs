@@ -41,7 +41,7 @@ use sqlx::{PgConnection, Row};
 
 use crate::error::{Error, OutboxSql, Result};
 use crate::message::{validate_queue, Schedule};
-use crate::scope::Scope;
+use crate::scope::{BindBucket, Scope};
 use crate::sql;
 
 /// What an action on one row by id did.
@@ -160,6 +160,7 @@ pub(crate) async fn reschedule(
     conn: &mut PgConnection,
     id: i64,
     schedule: Schedule,
+    bucket: Option<i16>,
 ) -> Result<RowAction> {
     validate_id(id)?;
     let (interval, at) = schedule.resolve()?.binds();
@@ -169,6 +170,7 @@ pub(crate) async fn reschedule(
         .bind(id)
         .bind(interval)
         .bind(at)
+        .bucket(bucket)
         .fetch_optional(&mut *db)
         .await
         .outbox_sql()?;
@@ -192,12 +194,14 @@ pub(crate) async fn delete(
     scope: Scope,
     conn: &mut PgConnection,
     id: i64,
+    bucket: Option<i16>,
 ) -> Result<RowAction> {
     validate_id(id)?;
     let mut db = scope.on(conn).await?;
     let row = scope
         .query(sql.delete.clone())
         .bind(id)
+        .bucket(bucket)
         .fetch_optional(&mut *db)
         .await
         .outbox_sql()?;

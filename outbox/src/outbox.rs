@@ -208,6 +208,18 @@ impl Outbox {
         })
     }
 
+    /// [`Error::InvalidConfig`] (knob `distributed`) for an operation a distributed outbox
+    /// does not offer yet, before any SQL runs (see `docs/guide/citus.md`).
+    pub(crate) fn local_only(&self, what: &str) -> Result<()> {
+        match self.inner.names.buckets {
+            None => Ok(()),
+            Some(_) => Err(Error::InvalidConfig {
+                knob: "distributed",
+                reason: format!("{what} is not available on a distributed (Citus) outbox yet"),
+            }),
+        }
+    }
+
     /// The bucket of a row id in a distributed outbox.
     pub(crate) fn bucket_of_id(&self, id: i64) -> Option<i16> {
         self.inner.names.buckets.map(|b| b.of_id(id))
@@ -416,6 +428,7 @@ impl Outbox {
             conn,
             id,
             schedule.into(),
+            self.bucket_of_id(id),
         )
         .await
     }
@@ -428,7 +441,14 @@ impl Outbox {
     /// # Errors
     /// As [`Outbox::run_now`].
     pub async fn delete_pending(&self, conn: &mut PgConnection, id: i64) -> Result<RowAction> {
-        crate::admin::delete(&self.inner.sql.admin, self.inner.scope, conn, id).await
+        crate::admin::delete(
+            &self.inner.sql.admin,
+            self.inner.scope,
+            conn,
+            id,
+            self.bucket_of_id(id),
+        )
+        .await
     }
 
     /// Lists dead letters of `filter` on the caller's connection or transaction, by id
@@ -484,6 +504,7 @@ impl Outbox {
         redrive: &Redrive,
     ) -> Result<Vec<RedriveOutcome>> {
         crate::dlq::require_enabled(self.inner.dead_letter)?;
+        self.local_only("dead-letter redrive")?;
         crate::dlq::redrive(&self.inner.sql.dlq, self.inner.scope, conn, redrive).await
     }
 
@@ -507,6 +528,7 @@ impl Outbox {
         batch_size: usize,
     ) -> Result<u64> {
         crate::dlq::require_enabled(self.inner.dead_letter)?;
+        self.local_only("dead-letter purge")?;
         crate::dlq::purge(
             &self.inner.sql.dlq,
             self.inner.scope,

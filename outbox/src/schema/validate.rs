@@ -110,6 +110,9 @@ async fn problems(
     )
     .await?;
     if table_exists {
+        if let Some(buckets) = n.buckets {
+            check_distribution(&mut *db, scope, n, buckets.count(), &mut problems).await?;
+        }
         check_queue_indexes(&mut *db, scope, n, &mut problems).await?;
         check_queue_constraints(&mut *db, scope, n, &mut problems).await?;
         // The claim reads the paused queues inside its statement: without the table every
@@ -144,6 +147,111 @@ async fn problems(
         }
     }
     Ok(problems)
+}
+
+/// One table as Citus holds it: `(which: 0 queue, 1 dead-letter, 2 paused, partmethod,
+/// distribution column, co-location group)`, NULLs for a local table.
+type Distribution = (i32, Option<String>, Option<String>, Option<i32>);
+
+/// Distributed mode: the tables as Citus holds them (hash-distributed by `bucket`,
+/// co-located, the paused table a reference table) and the bucket count of the table's
+/// CHECK against this outbox's.
+async fn check_distribution(
+    db: &mut PgConnection,
+    scope: Scope,
+    n: &Names,
+    buckets: u16,
+    problems: &mut Vec<SchemaProblem>,
+) -> Result<()> {
+    let citus: bool = scope
+        .query_scalar(catalog::CITUS_INSTALLED)
+        .fetch_one(&mut *db)
+        .await
+        .outbox_sql()?;
+    if !citus {
+        problems.push(problem(
+            &n.table_name,
+            "distributed mode needs the Citus extension in this database (CREATE EXTENSION citus, on a coordinator)",
+            false,
+        ));
+        return Ok(());
+    }
+    let rows: Vec<Distribution> = scope
+        .query_as(catalog::CITUS_DISTRIBUTION)
+        .bind(&n.qtable)
+        .bind(&n.qdlq)
+        .bind(&n.qpaused)
+        .fetch_all(&mut *db)
+        .await
+        .outbox_sql()?;
+    let group = |which| rows.iter().find(|r| r.0 == which).and_then(|r| r.3);
+    for (which, method, column, _) in &rows {
+        let name = match which {
+            0 => &n.table_name,
+            1 => &n.dlq_name,
+            _ => &n.paused_name,
+        };
+        let wanted = if *which == 2 {
+            "a reference table (create_reference_table)"
+        } else {
+            "hash-distributed by bucket (create_distributed_table(..., 'bucket'))"
+        };
+        let ok = match which {
+            2 => method.as_deref() == Some("n"),
+            _ => method.as_deref() == Some("h") && column.as_deref() == Some("bucket"),
+        };
+        if !ok {
+            let is = match (method.as_deref(), column.as_deref()) {
+                (None, _) => "a local table of the coordinator".to_owned(),
+                (Some("n"), _) => "a reference table".to_owned(),
+                (Some("h"), Some(c)) => format!("hash-distributed by {c}"),
+                (Some(m), _) => format!("distributed with method '{m}'"),
+            };
+            problems.push(problem(
+                name,
+                format!("is {is}; distributed mode needs {wanted}"),
+                false,
+            ));
+        }
+    }
+    if let (Some(q), Some(d)) = (group(0), group(1)) {
+        if q != d && rows.iter().any(|r| r.0 == 1 && r.1.as_deref() == Some("h")) {
+            problems.push(problem(
+                &n.dlq_name,
+                format!("is in co-location group {d}, the queue table in {q}: the dead-letter archive would span nodes (create_distributed_table(..., colocate_with => the queue table))"),
+                false,
+            ));
+        }
+    }
+    let def: Option<String> = scope
+        .query_scalar(catalog::CHECK_DEF)
+        .bind(&n.qtable)
+        .bind(&n.bucket_ck)
+        .fetch_optional(&mut *db)
+        .await
+        .outbox_sql()?;
+    let held = def.as_deref().and_then(|d| {
+        let rest = d.split("bucket < ").nth(1)?;
+        rest.trim_start_matches(['(', ' '])
+            .split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse::<u16>()
+            .ok()
+    });
+    match held {
+        Some(h) if h == buckets => {}
+        Some(h) => problems.push(problem(
+            &n.bucket_ck,
+            format!("the table holds {h} buckets; this outbox is built with distributed({buckets}): every process must use the table's count (a keyed timer's bucket depends on it)"),
+            false,
+        )),
+        None => problems.push(problem(
+            &n.bucket_ck,
+            format!("missing: the CHECK that records the bucket count (bucket >= 0 AND bucket < {buckets})"),
+            false,
+        )),
+    }
+    Ok(())
 }
 
 fn problem(

@@ -7,7 +7,7 @@
 
 use sqlx::SqlStr;
 
-use super::text::{notify, query};
+use super::text::{in_bucket, notify, query};
 use crate::names::Names;
 
 #[derive(Debug)]
@@ -40,8 +40,8 @@ RETURNING paused_at"#
         // paused queues): the notification, due now, wakes them to claim again.
         let resume = format!(
             r#"
-WITH gone AS (DELETE FROM {p} WHERE queue = $1 RETURNING queue, now() AS next_attempt_at)
-SELECT {notify} FROM gone"#,
+WITH gone AS (DELETE FROM {p} WHERE queue = $1 RETURNING queue)
+SELECT {notify} FROM (SELECT queue, now() AS next_attempt_at FROM gone) gone"#,
             notify = notify(n, "gone")
         );
         let paused = format!("SELECT queue, paused_at FROM {p} ORDER BY queue");
@@ -52,26 +52,32 @@ SELECT {notify} FROM gone"#,
         let reschedule = format!(
             r#"
 WITH old AS (
-    SELECT id, acquired_token IS NOT NULL AS leased FROM {t} WHERE id = $1 FOR UPDATE),
+    SELECT id, acquired_token IS NOT NULL AS leased,
+           coalesce($3::timestamptz, now() + $2::interval) AS at
+    FROM {t} WHERE id = $1{b4} FOR UPDATE),
 up AS (
-    UPDATE {t} t SET next_attempt_at = coalesce($3::timestamptz, now() + $2::interval)
-    FROM old WHERE t.id = $1 AND t.id = old.id AND NOT old.leased
+    UPDATE {t} t SET next_attempt_at = old.at
+    FROM old WHERE t.id = $1 AND t.id = old.id AND NOT old.leased{tb4}
     RETURNING t.queue, t.next_attempt_at)
 SELECT old.leased, up.next_attempt_at,
        CASE WHEN up.queue IS NOT NULL THEN {notify} END
 FROM old LEFT JOIN up ON true"#,
-            notify = notify(n, "up")
+            notify = notify(n, "up"),
+            b4 = in_bucket(n, "", 4),
+            tb4 = in_bucket(n, "t.", 4),
         );
         let delete = format!(
             r#"
 WITH old AS (
-    SELECT id, acquired_token IS NOT NULL AS leased FROM {t} WHERE id = $1 FOR UPDATE),
+    SELECT id, acquired_token IS NOT NULL AS leased FROM {t} WHERE id = $1{b2} FOR UPDATE),
 gone AS (
     DELETE FROM {t} t USING old
-    WHERE t.id = $1 AND t.id = old.id AND NOT old.leased
+    WHERE t.id = $1 AND t.id = old.id AND NOT old.leased{tb2}
     RETURNING t.id)
 SELECT old.leased, gone.id IS NOT NULL
-FROM old LEFT JOIN gone ON true"#
+FROM old LEFT JOIN gone ON true"#,
+            b2 = in_bucket(n, "", 2),
+            tb2 = in_bucket(n, "t.", 2),
         );
         Admin {
             pause: query(pause),

@@ -82,3 +82,24 @@ SELECT to_regclass($1) IS NOT NULL,
                  FROM pg_class c, pg_options_to_table(c.reloptions) o
                  WHERE c.oid = to_regclass($1) AND o.option_name = 'autovacuum_enabled'),
                 false)"#;
+
+/// Whether the Citus extension is installed in this database.
+pub(crate) const CITUS_INSTALLED: &str =
+    "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')";
+
+/// Distributed mode: how Citus holds each of `$1` (queue), `$2` (dead-letter) and `$3`
+/// (paused) tables → `(which, partmethod, distribution column, colocation group)`, NULLs
+/// for a table Citus does not know (a local table); `which` is 0, 1, 2.
+pub(crate) const CITUS_DISTRIBUTION: &str = r#"
+SELECT t.which, p.partmethod::text,
+       CASE WHEN p.partmethod = 'h' THEN column_to_column_name(p.logicalrelid, p.partkey) END,
+       p.colocationid
+FROM (VALUES (0, to_regclass($1)), (1, to_regclass($2)), (2, to_regclass($3))) AS t(which, oid)
+LEFT JOIN pg_dist_partition p ON p.logicalrelid = t.oid
+WHERE t.oid IS NOT NULL
+ORDER BY t.which"#;
+
+/// The definition of the named CHECK on `$1`, if any (`$2` its name).
+pub(crate) const CHECK_DEF: &str = r#"
+SELECT pg_get_constraintdef(c.oid) FROM pg_constraint c
+WHERE c.conrelid = to_regclass($1) AND c.conname = $2 AND c.contype = 'c'"#;

@@ -576,12 +576,14 @@ impl Store for PgStore {
 
     async fn arm_next(&self, lease: Lease, at: DateTime<Utc>) -> Result<Armed> {
         check_instant("at", at)?;
+        self.outbox.local_only("a periodic schedule")?;
         let (sql, scope) = (&self.outbox.sql().periodic, self.scope());
         self.single(|db| arm_next_on(sql, scope, db, lease, at))
             .await
     }
 
     async fn register_schedule(&self, request: RegisterSchedule<'_>) -> Result<Registered> {
+        self.outbox.local_only("a periodic schedule")?;
         // On the caller's pool: a registration may wait for a claim's or a completion's row
         // lock, and holds no other.
         register_on(

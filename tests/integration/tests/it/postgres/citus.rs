@@ -82,6 +82,52 @@ async fn migrate_distributes_the_queue_and_dead_letter_tables_by_bucket() {
     // Applying the migrations again changes nothing, and the schema checks out.
     f.outbox.migrate(&f.pool).await.unwrap();
     f.outbox.validate_schema(&f.pool).await.unwrap();
+
+    // Built with another bucket count: said in Citus terms, before anything runs.
+    let other = outbox::Outbox::builder()
+        .table(f.outbox.table().trim_matches('"'))
+        .distributed(CITUS_BUCKETS * 2)
+        .build()
+        .unwrap();
+    let err = other.validate_schema(&f.pool).await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, Error::SchemaMismatch { .. }) && text.contains("holds 16 buckets"),
+        "{text}"
+    );
+
+    // A single-node outbox's tables, validated as distributed: every table is named.
+    let local = outbox_tests::unique_table("local");
+    let single = outbox::Outbox::builder().table(&local).build().unwrap();
+    sqlx::query("SET citus.use_citus_managed_tables = off")
+        .execute(&f.pool)
+        .await
+        .ok();
+    single.migrate(&f.pool).await.unwrap();
+    let as_distributed = outbox::Outbox::builder()
+        .table(&local)
+        .distributed(CITUS_BUCKETS)
+        .build()
+        .unwrap();
+    let text = as_distributed
+        .validate_schema(&f.pool)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains("is a local table of the coordinator; distributed mode needs hash-distributed by bucket"),
+        "{text}"
+    );
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP TABLE {}, {}, {}, {}",
+        single.table(),
+        single.dead_letter_table(),
+        single.migrations_table(),
+        single.paused_table()
+    )))
+    .execute(&f.pool)
+    .await
+    .unwrap();
     f.cleanup().await;
 }
 
@@ -445,5 +491,85 @@ async fn a_write_co_located_with_the_outbox_commits_without_two_phase_commit() {
         .execute(&f.pool)
         .await
         .unwrap();
+    f.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn reads_pause_and_actions_by_id_work_and_the_rest_is_refused_before_sql() {
+    use outbox::admin::RowAction;
+    use outbox::message::Schedule;
+    let f = cluster().await;
+    let strict = single_shard_pool().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    let mut one = strict.acquire().await.unwrap();
+    let o = &f.outbox;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        match o.publish(&mut conn, Message::new("p", b"x")).await.unwrap() {
+            Published::Inserted { id } => ids.push(id),
+            x => panic!("{x:?}"),
+        }
+    }
+    // Reads across the shards.
+    assert_eq!(o.pending(&mut conn, "p", 10).await.unwrap().len(), 3);
+    let stats = o
+        .stats(&mut conn, &outbox::stats::StatsRequest::new(TTL))
+        .await
+        .unwrap();
+    assert_eq!(stats.len(), 1);
+    assert!(o
+        .dead_letters(&mut conn, &outbox::dlq::DeadLetterFilter::new(), None, 10)
+        .await
+        .unwrap()
+        .is_empty());
+    // Pause and resume (the reference table), and the actions by id, each on one shard.
+    assert!(o.pause_queue(&mut conn, "p").await.unwrap());
+    assert_eq!(o.paused_queues(&mut conn).await.unwrap().len(), 1);
+    assert!(o.resume_queue(&mut conn, "p").await.unwrap());
+    assert!(matches!(
+        o.run_now(&mut one, ids[0]).await.unwrap(),
+        RowAction::Rescheduled { .. }
+    ));
+    assert!(matches!(
+        o.reschedule(&mut one, ids[1], Schedule::after(Duration::from_secs(5)))
+            .await
+            .unwrap(),
+        RowAction::Rescheduled { .. }
+    ));
+    assert_eq!(
+        o.delete_pending(&mut one, ids[2]).await.unwrap(),
+        RowAction::Deleted
+    );
+    assert_eq!(
+        o.delete_pending(&mut one, ids[2]).await.unwrap(),
+        RowAction::NotFound
+    );
+    // Not built yet on a cluster: a typed refusal before any SQL, not a Citus error.
+    let refused = |e: Error| {
+        matches!(
+            e,
+            Error::InvalidConfig {
+                knob: "distributed",
+                ..
+            }
+        )
+    };
+    assert!(refused(
+        o.redrive_dead_letters(&mut conn, &outbox::dlq::Redrive::ids([1_i64]))
+            .await
+            .unwrap_err()
+    ));
+    assert!(refused(
+        o.purge_dead_letters(
+            &f.pool,
+            &outbox::dlq::DeadLetterFilter::new().older_than(Duration::from_secs(1)),
+            10
+        )
+        .await
+        .unwrap_err()
+    ));
+    drop((conn, one));
+    strict.close().await;
     f.cleanup().await;
 }
