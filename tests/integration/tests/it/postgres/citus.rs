@@ -573,3 +573,50 @@ async fn reads_pause_and_actions_by_id_work_and_the_rest_is_refused_before_sql()
     strict.close().await;
     f.cleanup().await;
 }
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn a_publish_wakes_a_worker_listening_on_the_coordinator() {
+    let f = cluster().await;
+    let idle_poll = Duration::from_secs(30);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = Worker::builder(f.store.clone())
+        .concurrency(2)
+        .idle_poll(idle_poll)
+        .queue("wake", outbox_tests::count_runs::<Vec<u8>>(&runs))
+        .build()
+        .unwrap()
+        .start();
+    // Let the worker go idle: nothing due, its next look is `idle_poll` away.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    let published = std::time::Instant::now();
+    // A plain message, a keyed timer, an extend that inserts: each notifies on commit.
+    f.outbox
+        .publish(&mut conn, Message::new("wake", b"a"))
+        .await
+        .unwrap();
+    f.outbox
+        .publish(&mut conn, Message::new("wake", b"b").timer_id("k1"))
+        .await
+        .unwrap();
+    f.outbox
+        .publish(
+            &mut conn,
+            Message::new("wake", b"c")
+                .timer_id("k2")
+                .on_conflict(OnConflict::Extend),
+        )
+        .await
+        .unwrap();
+    eventually(10, "three runs woken by NOTIFY", || {
+        let runs = runs.clone();
+        async move { runs.load(Ordering::SeqCst) == 3 }
+    })
+    .await;
+    // Well inside the idle poll: the notifications reached the coordinator's LISTEN.
+    assert!(published.elapsed() * 3 < idle_poll, "{:?}", published.elapsed());
+    drop(conn);
+    assert!(worker.shutdown().await.graceful);
+    f.cleanup().await;
+}
