@@ -86,6 +86,11 @@ struct ServeArgs {
     /// Users table (default: `presence_users` for serve, `presence_demo_users` for demo).
     #[arg(long)]
     users_table: Option<String>,
+    /// `DATABASE_URL` names a Citus coordinator: the outbox in distributed mode with this
+    /// many buckets (`OutboxBuilder::distributed`), the users table distributed by the
+    /// same bucket and co-located with it, so a ping commits on one node.
+    #[arg(long, num_args = 0..=1, default_missing_value = "32", value_name = "BUCKETS")]
+    citus: Option<u16>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -193,10 +198,12 @@ impl ServeArgs {
         c.test_before_acquire = self.test_before_acquire;
         c.async_commit = self.async_commit;
         c.pool_size = self.pool_size;
-        c.outbox = Outbox::builder()
-            .table(self.table.as_deref().unwrap_or(defaults.table))
-            .build()
-            .map_err(|e| e.to_string())?;
+        let builder = Outbox::builder().table(self.table.as_deref().unwrap_or(defaults.table));
+        let builder = match self.citus {
+            Some(buckets) => builder.distributed(buckets),
+            None => builder,
+        };
+        c.outbox = builder.build().map_err(|e| e.to_string())?;
         c.users_table = self
             .users_table
             .as_deref()

@@ -341,36 +341,88 @@ struct UserSql {
     go_offline: String,
     count: String,
     audit: String,
+    /// `SELECT create_distributed_table(…)` for the users table on Citus.
+    distribute: Option<String>,
+    /// The outbox, for the bucket of a user's rows.
+    bucket: Outbox,
 }
 
 impl UserSql {
     fn new(table: &str, outbox: &Outbox) -> Self {
         let u = format!("\"{table}\"");
         let o = outbox.table();
+        // On Citus (`--citus`) the users table is distributed by the outbox's bucket of the
+        // user's timer key and co-located with the queue table, and every statement about
+        // one user names the bucket as its last parameter: a ping (user upsert and extend)
+        // and an expiry (lock, update, completion) each stay on one node.
+        let citus = outbox.buckets().is_some();
+        let b = |param: u32| {
+            if citus {
+                format!(" AND bucket = ${param}")
+            } else {
+                String::new()
+            }
+        };
         UserSql {
-            create: format!(
-                "CREATE TABLE IF NOT EXISTS {u} (\
-                   user_id bigint PRIMARY KEY, \
-                   online boolean NOT NULL, \
-                   last_seen timestamptz NOT NULL, \
-                   offline_since timestamptz, \
-                   offline_reason text)"
-            ),
+            create: if citus {
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {u} (\
+                       bucket smallint NOT NULL, \
+                       user_id bigint NOT NULL, \
+                       online boolean NOT NULL, \
+                       last_seen timestamptz NOT NULL, \
+                       offline_since timestamptz, \
+                       offline_reason text, \
+                       PRIMARY KEY (bucket, user_id))"
+                )
+            } else {
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {u} (\
+                       user_id bigint PRIMARY KEY, \
+                       online boolean NOT NULL, \
+                       last_seen timestamptz NOT NULL, \
+                       offline_since timestamptz, \
+                       offline_reason text)"
+                )
+            },
+            distribute: citus.then(|| {
+                let lit = |s: &str| format!("'{}'", s.replace('\'', "''"));
+                format!(
+                    "SELECT create_distributed_table({ul}, 'bucket', colocate_with => {ol}) \
+                     WHERE NOT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = {ul}::regclass)",
+                    ul = lit(&u),
+                    ol = lit(o)
+                )
+            }),
             reset_users: format!("DELETE FROM {u}"),
             reset_timers: format!("DELETE FROM {o} WHERE queue = $1"),
             // `greatest` keeps last_seen monotonic if two pings of one user race.
-            ping: format!(
-                "INSERT INTO {u} AS u (user_id, online, last_seen) VALUES ($1, true, now()) \
-                 ON CONFLICT (user_id) DO UPDATE SET online = true, \
-                   last_seen = greatest(u.last_seen, excluded.last_seen), \
-                   offline_since = NULL, offline_reason = NULL \
-                 RETURNING u.last_seen"
-            ),
+            ping: if citus {
+                format!(
+                    "INSERT INTO {u} AS u (bucket, user_id, online, last_seen) VALUES ($2, $1, true, now()) \
+                     ON CONFLICT (bucket, user_id) DO UPDATE SET online = true, \
+                       last_seen = greatest(u.last_seen, excluded.last_seen), \
+                       offline_since = NULL, offline_reason = NULL \
+                     RETURNING u.last_seen"
+                )
+            } else {
+                format!(
+                    "INSERT INTO {u} AS u (user_id, online, last_seen) VALUES ($1, true, now()) \
+                     ON CONFLICT (user_id) DO UPDATE SET online = true, \
+                       last_seen = greatest(u.last_seen, excluded.last_seen), \
+                       offline_since = NULL, offline_reason = NULL \
+                     RETURNING u.last_seen"
+                )
+            },
             logout: format!(
                 "UPDATE {u} SET online = false, offline_since = now(), offline_reason = 'logout' \
-                 WHERE user_id = $1"
+                 WHERE user_id = $1{b2}",
+                b2 = b(2)
             ),
-            get: format!("SELECT online, last_seen, offline_since, offline_reason FROM {u} WHERE user_id = $1"),
+            get: format!(
+                "SELECT online, last_seen, offline_since, offline_reason FROM {u} WHERE user_id = $1{b2}",
+                b2 = b(2)
+            ),
             // The row lock orders this check against a concurrent ping (which updates the
             // row first, then extends the timer): we see either the state before the ping
             // (and the ping's extend queues a rearm or a new timer) or the state after it.
@@ -381,24 +433,55 @@ impl UserSql {
             lock_for_expiry: format!(
                 "SELECT online, last_seen + $2::bigint * interval '1 microsecond' <= now(), \
                         last_seen + $2::bigint * interval '1 microsecond' \
-                 FROM {u} WHERE user_id = $1 FOR UPDATE"
+                 FROM {u} WHERE user_id = $1{b3} FOR UPDATE",
+                b3 = b(3)
             ),
             go_offline: format!(
                 "UPDATE {u} SET online = false, offline_since = now(), offline_reason = 'expired' \
-                 WHERE user_id = $1"
+                 WHERE user_id = $1{b2}",
+                b2 = b(2)
             ),
             count: format!(
                 "SELECT count(*) FILTER (WHERE online), count(*) FILTER (WHERE NOT online) \
                  FROM {u} WHERE user_id BETWEEN $1 AND $2"
             ),
             // One snapshot of users and their timer rows (the unique index on
-            // (queue, timer_id) serves the probe).
+            // (queue, timer_id) serves the probe; on Citus the co-located bucket joins them).
             audit: format!(
                 "SELECT u.user_id, u.online, u.offline_reason, \
-                        EXISTS (SELECT 1 FROM {o} t WHERE t.queue = $3 AND t.timer_id = u.user_id::text) \
-                 FROM {u} u WHERE u.user_id BETWEEN $1 AND $2 ORDER BY u.user_id"
+                        EXISTS (SELECT 1 FROM {o} t WHERE t.queue = $3 AND t.timer_id = u.user_id::text{tb}) \
+                 FROM {u} u WHERE u.user_id BETWEEN $1 AND $2 ORDER BY u.user_id",
+                tb = if citus { " AND t.bucket = u.bucket" } else { "" }
             ),
+            bucket: outbox.clone(),
         }
+    }
+
+    /// The bucket of a user's rows on Citus (that of the user's timer key); `None` on one node.
+    fn bucket(&self, user_id: i64) -> Option<i16> {
+        self.bucket.bucket_of(&user_id.to_string())
+    }
+}
+
+/// A statement about one user with its bucket bound last, on Citus.
+fn with_bucket<'q>(
+    q: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    bucket: Option<i16>,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    match bucket {
+        Some(b) => q.bind(b),
+        None => q,
+    }
+}
+
+/// [`with_bucket`] for a `query_as`.
+fn with_bucket_as<'q, O>(
+    q: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    bucket: Option<i16>,
+) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
+    match bucket {
+        Some(b) => q.bind(b),
+        None => q,
     }
 }
 
@@ -485,6 +568,11 @@ impl Server {
         sqlx::query(AssertSqlSafe(&*sql.create))
             .execute(&pool)
             .await?;
+        if let Some(distribute) = &sql.distribute {
+            sqlx::query(AssertSqlSafe(&**distribute))
+                .execute(&pool)
+                .await?;
+        }
         if config.reset {
             sqlx::query(AssertSqlSafe(&*sql.reset_users))
                 .execute(&pool)
@@ -651,18 +739,22 @@ async fn expire(t: PresenceExpiry, ctx: Context<Arc<App>>) -> Result<(), outbox:
     }
     let result = async {
         let mut tx = ctx.begin().await?;
-        let row: Option<(bool, bool, DateTime<Utc>)> =
+        let row: Option<(bool, bool, DateTime<Utc>)> = with_bucket_as(
             sqlx::query_as(AssertSqlSafe(&*app.sql.lock_for_expiry))
                 .bind(t.user_id)
-                .bind(app.timeout.as_micros() as i64)
-                .fetch_optional(&mut *tx)
-                .await?;
+                .bind(app.timeout.as_micros() as i64),
+            app.sql.bucket(t.user_id),
+        )
+        .fetch_optional(&mut *tx)
+        .await?;
         let counter = match row {
             Some((true, true, _)) => {
-                sqlx::query(AssertSqlSafe(&*app.sql.go_offline))
-                    .bind(t.user_id)
-                    .execute(&mut *tx)
-                    .await?;
+                with_bucket(
+                    sqlx::query(AssertSqlSafe(&*app.sql.go_offline)).bind(t.user_id),
+                    app.sql.bucket(t.user_id),
+                )
+                .execute(&mut *tx)
+                .await?;
                 &app.counters.went_offline
             }
             // A newer ping: the timer must fire again at its real deadline. A ping whose
@@ -733,10 +825,12 @@ async fn ping(
     Path(user_id): Path<i64>,
 ) -> Result<Json<PingReply>, AppError> {
     let mut tx = app.pool.begin().await?;
-    let last_seen: DateTime<Utc> = sqlx::query_scalar(AssertSqlSafe(&*app.sql.ping))
-        .bind(user_id)
-        .fetch_one(&mut *tx)
-        .await?;
+    let ping = sqlx::query_scalar(AssertSqlSafe(&*app.sql.ping)).bind(user_id);
+    let ping = match app.sql.bucket(user_id) {
+        Some(b) => ping.bind(b),
+        None => ping,
+    };
+    let last_seen: DateTime<Utc> = ping.fetch_one(&mut *tx).await?;
     let timer = extend_presence_expiry_with_slack(
         &mut app.outbox.on(&mut tx),
         &user_id.to_string(),
@@ -792,11 +886,13 @@ async fn logout(
     let mut tx = app.pool.begin().await?;
     // The user row first, as a ping does, so the two never wait on each other's locks in
     // opposite orders.
-    let found = sqlx::query(AssertSqlSafe(&*app.sql.logout))
-        .bind(user_id)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected()
+    let found = with_bucket(
+        sqlx::query(AssertSqlSafe(&*app.sql.logout)).bind(user_id),
+        app.sql.bucket(user_id),
+    )
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
         == 1;
     let cancelled =
         cancel_presence_expiry(&mut app.outbox.on(&mut tx), &user_id.to_string()).await?;
@@ -847,10 +943,12 @@ async fn get_user(
     State(app): State<Arc<App>>,
     Path(user_id): Path<i64>,
 ) -> Result<Response, AppError> {
-    let row = sqlx::query(AssertSqlSafe(&*app.sql.get))
-        .bind(user_id)
-        .fetch_optional(&app.pool)
-        .await?;
+    let row = with_bucket(
+        sqlx::query(AssertSqlSafe(&*app.sql.get)).bind(user_id),
+        app.sql.bucket(user_id),
+    )
+    .fetch_optional(&app.pool)
+    .await?;
     let Some(row) = row else {
         return Ok((StatusCode::NOT_FOUND, "no such user").into_response());
     };

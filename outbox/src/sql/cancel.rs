@@ -51,10 +51,10 @@ FOR UPDATE"#,
         let mark = format!(
             r#"
 WITH old AS (
-    SELECT id, rearm_at IS NOT NULL AS had_rearm, cancelled_at FROM {t}
+    SELECT id, rearm_at IS NOT NULL AS had_rearm, cancelled_at, now() AS at_now FROM {t}
     WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2{b3} FOR UPDATE)
 UPDATE {t} t SET rearm_at = NULL, rearm_payload = NULL, rearm_headers = NULL,
-                 cancelled_at = coalesce(old.cancelled_at, now())
+                 cancelled_at = coalesce(old.cancelled_at, old.at_now)
 FROM old WHERE t.id = $1 AND t.id = old.id{tb3}
 RETURNING old.had_rearm"#,
             b3 = in_bucket(n, "", 3),

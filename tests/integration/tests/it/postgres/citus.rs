@@ -311,11 +311,28 @@ async fn publish_extend_cancel_and_every_completion_stay_on_one_shard() {
         )]
     );
 
-    // Cancel of a pending keyed timer.
+    // Cancel of a pending keyed timer, and of a running one (marked, not deleted).
     assert!(matches!(
         o.cancel(&mut conn, "q", "user-1").await.unwrap(),
         Cancelled::Deleted { .. }
     ));
+    o.publish(&mut conn, Message::new("r", b"r").timer_id("user-2"))
+        .await
+        .unwrap();
+    let running = f
+        .store
+        .claim(ClaimRequest::new(&["r".to_owned()], 1, TTL))
+        .await
+        .unwrap();
+    assert_eq!(running.len(), 1);
+    assert!(matches!(
+        o.cancel(&mut conn, "r", "user-2").await.unwrap(),
+        Cancelled::Running { .. }
+    ));
+    assert_eq!(
+        strict_store.ack(running[0].lease).await.unwrap(),
+        Completion::Deleted
+    );
     drop(conn);
     strict.close().await;
     f.cleanup().await;
@@ -615,7 +632,11 @@ async fn a_publish_wakes_a_worker_listening_on_the_coordinator() {
     })
     .await;
     // Well inside the idle poll: the notifications reached the coordinator's LISTEN.
-    assert!(published.elapsed() * 3 < idle_poll, "{:?}", published.elapsed());
+    assert!(
+        published.elapsed() * 3 < idle_poll,
+        "{:?}",
+        published.elapsed()
+    );
     drop(conn);
     assert!(worker.shutdown().await.graceful);
     f.cleanup().await;
