@@ -163,7 +163,8 @@ impl Outbox {
     /// `$1 text[]` queues, `$2 bigint` limit, `$3 interval` lease TTL, `$4 uuid` token,
     /// `$5 bigint[]` ids never to claim (usually empty), `$6 bigint[]` the most rows of each
     /// queue, parallel to `$1` (the limit for each, unless a handler's `max_concurrency`
-    /// says less).
+    /// says less); in [distributed](OutboxBuilder::distributed) mode `$7 smallint` the one
+    /// bucket it claims in.
     pub fn claim_sql(&self) -> &str {
         self.inner.sql.claim.claim.as_str()
     }
@@ -818,8 +819,9 @@ impl OutboxBuilder {
     /// **Distributed mode**, for a Citus cluster: the queue and dead-letter tables are
     /// distributed tables spread over `buckets` logical buckets (a `bucket smallint` column,
     /// the distribution column), and the table of paused queues is a reference table.
-    /// Every claim, completion, lease renewal, release, rearm and cancel names one bucket,
-    /// so Citus runs it on the one worker node that holds it, like a single-node statement.
+    /// Every completion, lease renewal, release, rearm and cancel names one bucket, so Citus
+    /// runs it on the one worker node that holds it, like a single-node statement; a worker
+    /// claims bucket by bucket, after one read across the shards for the buckets with work.
     ///
     /// - A keyed timer's bucket is [`Outbox::bucket_of`] its `timer_id`: one live row per
     ///   `(queue, timer_id)` across the cluster. A plain message's bucket is that of its

@@ -645,25 +645,35 @@ impl Store for PgStore {
             return Ok(Vec::new());
         }
         let mut db = self.pool_db().await?;
-        let mut rows = Vec::new();
+        let mut rows: Vec<sqlx::postgres::PgRow> = Vec::new();
+        let mut caps = caps;
+        // As `claim_with`: each bucket's rows count against the queues' caps.
         for bucket in self.buckets_with_work(&mut db, request, &queues).await? {
             let Some(left) = request.limit.checked_sub(rows.len()).filter(|n| *n > 0) else {
                 break;
             };
             let limit = i64::try_from(left).unwrap_or(i64::MAX);
-            rows.extend(
-                self.scope()
-                    .query(self.outbox.sql().claim.peek.clone())
-                    .bind(&queues)
-                    .bind(limit)
-                    .bind(ttl)
-                    .bind(request.exclude)
-                    .bind(&caps)
-                    .bucket(bucket)
-                    .fetch_all(&mut *db)
-                    .await
-                    .outbox_sql()?,
-            );
+            let found = self
+                .scope()
+                .query(self.outbox.sql().claim.peek.clone())
+                .bind(&queues)
+                .bind(limit)
+                .bind(ttl)
+                .bind(request.exclude)
+                .bind(&caps)
+                .bucket(bucket)
+                .fetch_all(&mut *db)
+                .await
+                .outbox_sql()?;
+            if bucket.is_some() {
+                for r in &found {
+                    let queue: String = r.try_get(1).outbox_sql()?;
+                    if let Some(i) = queues.iter().position(|q| *q == queue) {
+                        caps[i] = (caps[i] - 1).max(0);
+                    }
+                }
+            }
+            rows.extend(found);
         }
         db.done().await?;
         rows.iter()

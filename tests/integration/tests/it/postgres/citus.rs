@@ -153,6 +153,18 @@ async fn publish_extend_cancel_and_every_completion_stay_on_one_shard() {
         }
     }
     let buckets: HashSet<i64> = ids.iter().map(|id| id % i64::from(CITUS_BUCKETS)).collect();
+    // A shard key puts a plain message in its key's bucket.
+    let Published::Inserted { id: keyed_id } = o
+        .publish(&mut conn, Message::new("sk", b"s").shard_key("user-9"))
+        .await
+        .unwrap()
+    else {
+        panic!("inserted")
+    };
+    assert_eq!(
+        keyed_id % i64::from(CITUS_BUCKETS),
+        i64::from(o.bucket_of("user-9").unwrap())
+    );
     assert!(
         buckets.len() > 1,
         "plain messages spread over buckets: {ids:?}"
@@ -470,7 +482,9 @@ async fn a_write_co_located_with_the_outbox_commits_without_two_phase_commit() {
     }
     assert_eq!(two_pc().await, before, "no ping needed two-phase commit");
 
-    // Not co-located: still atomic. A rollback after the extend leaves neither row.
+    // Not co-located (another co-location group): still atomic, by two-phase commit when
+    // the rows land on two nodes. A rollback after the extend leaves neither row; a commit
+    // keeps both.
     let other = outbox_tests::unique_table("other");
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {other} (user_id text PRIMARY KEY); \
@@ -489,7 +503,9 @@ async fn a_write_co_located_with_the_outbox_commits_without_two_phase_commit() {
     f.outbox
         .publish(
             &mut tx,
-            Message::new("presence", b"{}").timer_id("rolled-back"),
+            Message::new("presence", b"{}")
+                .timer_id("rolled-back")
+                .on_conflict(OnConflict::Extend),
         )
         .await
         .unwrap();
@@ -504,6 +520,33 @@ async fn a_write_co_located_with_the_outbox_commits_without_two_phase_commit() {
     .await
     .unwrap();
     assert_eq!((a, b), (0, 0));
+    let mut tx = f.pool.begin().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {other} VALUES ('committed')"
+    )))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    f.outbox
+        .publish(
+            &mut tx,
+            Message::new("presence", b"{}")
+                .timer_id("committed")
+                .on_conflict(OnConflict::Extend),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let (a, b): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT (SELECT count(*) FROM {other} WHERE user_id = 'committed'), \
+                (SELECT count(*) FROM {t} WHERE queue = 'presence' AND timer_id = 'committed' AND bucket = $1)",
+        t = f.outbox.table()
+    )))
+    .bind(f.outbox.bucket_of("committed").unwrap())
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!((a, b), (1, 1));
     sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {users}, {other}")))
         .execute(&f.pool)
         .await
