@@ -248,7 +248,8 @@ impl PgStore {
         // one shard, until the limit is reached; the queues' caps shrink by what each
         // bucket gave. The buckets are visited from a cursor that moves on by one every
         // claim, so a claim smaller than the work does not always favour the same buckets.
-        let buckets = self.buckets_with_work(conn, request, &queues).await?;
+        let (buckets, every) = self.buckets_with_work(conn, request, &queues).await?;
+        let (tried, mut failed) = (buckets.len(), Vec::new());
         for bucket in buckets {
             let left = request.limit - out.len();
             if left == 0 {
@@ -270,7 +271,17 @@ impl PgStore {
                 Some(ids) => query.bind(ids),
             }
             .bucket(bucket);
-            let rows = query.fetch_all(&mut *conn).await.outbox_sql()?;
+            let rows = match query.fetch_all(&mut *conn).await.outbox_sql() {
+                Ok(rows) => rows,
+                // Visiting every bucket because the read across the shards failed (a worker
+                // node down): a bucket whose shard does not answer is skipped, so the rows
+                // of the nodes that do answer keep being claimed.
+                Err(e) if every => {
+                    failed.push(e);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let claimed = rows
                 .iter()
                 .map(delivery_from_row)
@@ -284,25 +295,32 @@ impl PgStore {
             }
             out.extend(claimed);
         }
+        if !failed.is_empty() && failed.len() == tried {
+            return Err(failed.swap_remove(0));
+        }
         // RETURNING follows the update order, not the CTE's; restore the contract's order.
         fair_order(&mut out, request.resume_after);
         Ok(out)
     }
 
-    /// The buckets a claim visits: `[None]` for a single node (one statement over the
-    /// whole table); in distributed mode those with work (one read across the shards),
-    /// rotated by the store's cursor.
+    /// The buckets a claim visits, and whether they are every bucket: `[None]` for a single
+    /// node (one statement over the whole table); in distributed mode those with work (one
+    /// read across the shards), or every bucket when that read fails (a worker node down:
+    /// the buckets of the nodes that answer can still be claimed), rotated by the store's
+    /// cursor.
     async fn buckets_with_work(
         &self,
         conn: &mut PgConnection,
         request: ClaimRequest<'_>,
         queues: &[String],
-    ) -> Result<Vec<Option<i16>>> {
-        let Some(finder) = &self.outbox.sql().claim.buckets else {
-            return Ok(vec![None]);
+    ) -> Result<(Vec<Option<i16>>, bool)> {
+        let (Some(finder), Some(layout)) =
+            (&self.outbox.sql().claim.buckets, self.outbox.buckets())
+        else {
+            return Ok((vec![None], false));
         };
         let ttl = interval(micros(request.lease_ttl, "lease_ttl")?);
-        let mut found: Vec<i16> = self
+        let found: Result<Vec<i16>> = self
             .scope()
             .query_scalar(finder.clone())
             .bind(queues)
@@ -310,12 +328,20 @@ impl PgStore {
             .bind(request.exclude)
             .fetch_all(&mut *conn)
             .await
-            .outbox_sql()?;
+            .outbox_sql();
+        let (mut found, every) = match found {
+            Ok(found) => (found, false),
+            Err(e) if e.is_missing_paused_table() => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "the read for buckets with work failed; claiming bucket by bucket");
+                ((0..layout as i16).collect(), true)
+            }
+        };
         if !found.is_empty() {
             let turn = self.bucket_cursor.fetch_add(1, Ordering::Relaxed) % found.len();
             found.rotate_left(turn);
         }
-        Ok(found.into_iter().map(Some).collect())
+        Ok((found.into_iter().map(Some).collect(), every))
     }
 
     /// [`Scope::unmigrated_or`] on a connection of the pool (the failed one is given back
@@ -648,7 +674,7 @@ impl Store for PgStore {
         let mut rows: Vec<sqlx::postgres::PgRow> = Vec::new();
         let mut caps = caps;
         // As `claim_with`: each bucket's rows count against the queues' caps.
-        for bucket in self.buckets_with_work(&mut db, request, &queues).await? {
+        for bucket in self.buckets_with_work(&mut db, request, &queues).await?.0 {
             let Some(left) = request.limit.checked_sub(rows.len()).filter(|n| *n > 0) else {
                 break;
             };

@@ -684,3 +684,113 @@ async fn a_publish_wakes_a_worker_listening_on_the_coordinator() {
     assert!(worker.shutdown().await.graceful);
     f.cleanup().await;
 }
+
+/// Runs `pg_ctl` of the cluster's binaries on a node's data directory, as `postgres` when
+/// the tests run as root (as `.ci/citus` starts the nodes).
+fn pg_ctl(args: &[&str]) {
+    let bin = std::env::var("PG_BIN").expect("PG_BIN (set by .ci/citus)");
+    let pg_ctl = format!("{bin}/pg_ctl");
+    let root = std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false);
+    let status = if root {
+        std::process::Command::new("runuser")
+            .args(["-u", "postgres", "--", &pg_ctl])
+            .args(args)
+            .status()
+    } else {
+        std::process::Command::new(&pg_ctl).args(args).status()
+    }
+    .expect("run pg_ctl");
+    assert!(status.success(), "pg_ctl {args:?}: {status}");
+}
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn with_a_worker_node_down_the_other_nodes_rows_keep_running() {
+    let f = cluster().await;
+    let workers: Vec<String> = std::env::var("OUTBOX_CITUS_WORKERS")
+        .expect("OUTBOX_CITUS_WORKERS")
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    let data: Vec<String> = std::env::var("OUTBOX_CITUS_DATA")
+        .expect("OUTBOX_CITUS_DATA")
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    let down_port: i32 = workers[1]
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .expect("a port in the second worker's URL");
+    let mut conn = f.pool.acquire().await.unwrap();
+    let mut on_live = 0;
+    for i in 0..64 {
+        let Published::Inserted { id } = f
+            .outbox
+            .publish(&mut conn, Message::new("down", format!("{i}").as_bytes()))
+            .await
+            .unwrap()
+        else {
+            panic!("inserted")
+        };
+        let port: i32 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT n.nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid) \
+             WHERE p.shardid = get_shard_id_for_distribution_column('{}', $1::smallint)",
+            f.outbox.table().replace('\'', "''")
+        )))
+        .bind((id % i64::from(CITUS_BUCKETS)) as i16)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        if port != down_port {
+            on_live += 1;
+        }
+    }
+    drop(conn);
+    assert!(
+        on_live > 0 && on_live < 64,
+        "rows on both nodes: {on_live} of 64 on the live one"
+    );
+
+    pg_ctl(&["-D", &data[2], "-m", "fast", "-w", "stop"]);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = Worker::builder(f.store.clone())
+        .concurrency(4)
+        .queue("down", outbox_tests::count_runs::<Vec<u8>>(&runs))
+        .build()
+        .unwrap()
+        .start();
+    eventually(30, "the live node's rows run", || {
+        let runs = runs.clone();
+        async move { runs.load(Ordering::SeqCst) >= on_live }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        on_live,
+        "only the live node's rows ran while the other node was down"
+    );
+    pg_ctl(&[
+        "-D",
+        &data[2],
+        "-l",
+        &format!("{}.log", data[2]),
+        "-w",
+        "start",
+    ]);
+    eventually(60, "every row runs once the node is back", || {
+        let runs = runs.clone();
+        async move { runs.load(Ordering::SeqCst) >= 64 }
+    })
+    .await;
+    let report = worker.shutdown().await;
+    assert!(report.graceful, "{report:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 64, "each row once");
+    f.cleanup().await;
+}
