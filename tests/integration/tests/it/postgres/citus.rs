@@ -794,3 +794,187 @@ async fn with_a_worker_node_down_the_other_nodes_rows_keep_running() {
     assert_eq!(runs.load(Ordering::SeqCst), 64, "each row once");
     f.cleanup().await;
 }
+
+/// The port of worker `i` (0-based) of the cluster, and its data directory.
+fn worker_node(i: usize) -> (i32, String) {
+    let url = std::env::var("OUTBOX_CITUS_WORKERS")
+        .expect("OUTBOX_CITUS_WORKERS")
+        .split_whitespace()
+        .nth(i)
+        .expect("a worker URL")
+        .to_owned();
+    let port = url
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .expect("a port in the worker URL");
+    let data = std::env::var("OUTBOX_CITUS_DATA")
+        .expect("OUTBOX_CITUS_DATA")
+        .split_whitespace()
+        .nth(i + 1)
+        .expect("a worker data directory")
+        .to_owned();
+    (port, data)
+}
+
+/// A handler that counts its runs per payload, sleeping `work` first, and the counts.
+fn counting(
+    work: Duration,
+) -> (
+    Arc<Mutex<std::collections::HashMap<String, usize>>>,
+    impl Fn(
+            Vec<u8>,
+            Context,
+        )
+            -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send>>
+        + Send
+        + Sync
+        + 'static,
+) {
+    let seen: Arc<Mutex<std::collections::HashMap<String, usize>>> = Arc::default();
+    let handler = {
+        let seen = seen.clone();
+        move |body: Vec<u8>, _: Context| {
+            let seen = seen.clone();
+            Box::pin(async move {
+                tokio::time::sleep(work).await;
+                *seen
+                    .lock()
+                    .unwrap()
+                    .entry(String::from_utf8(body).unwrap())
+                    .or_default() += 1;
+                Ok::<(), Error>(())
+            })
+                as std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send>>
+        }
+    };
+    (seen, handler)
+}
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn a_worker_node_restarted_while_handlers_run_loses_nothing() {
+    let f = cluster().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    for i in 0..40 {
+        f.outbox
+            .publish(
+                &mut conn,
+                Message::new("restart", format!("{i}").as_bytes()),
+            )
+            .await
+            .unwrap();
+    }
+    drop(conn);
+    let lease_ttl = Duration::from_secs(2);
+    let (seen, handler) = counting(Duration::from_millis(200));
+    let worker = Worker::builder(f.store.clone())
+        .concurrency(4)
+        .lease_ttl(lease_ttl)
+        .queue("restart", handler)
+        .build()
+        .unwrap()
+        .start();
+    // Handlers are running: restart the second worker node without a clean shutdown.
+    eventually(10, "the first runs", || {
+        let seen = seen.clone();
+        async move { !seen.lock().unwrap().is_empty() }
+    })
+    .await;
+    let (_, data) = worker_node(1);
+    pg_ctl(&[
+        "-D",
+        &data,
+        "-m",
+        "immediate",
+        "-w",
+        "restart",
+        "-l",
+        &format!("{data}.log"),
+    ]);
+    // Leases on the restarted node expire (their completions could not commit) and the rows
+    // run again: every row has run at least once and the table empties.
+    eventually(60, "every row ran and the table is empty", || {
+        let (seen, pool, table) = (seen.clone(), f.pool.clone(), f.outbox.table().to_owned());
+        async move {
+            let ran = seen.lock().unwrap().len() == 40;
+            let left: i64 =
+                sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap_or(-1);
+            ran && left == 0
+        }
+    })
+    .await;
+    let report = worker.shutdown().await;
+    assert!(report.graceful, "{report:?}");
+    f.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn a_shard_moved_while_workers_run_loses_nothing_and_runs_nothing_twice() {
+    let f = cluster().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    for i in 0..200 {
+        f.outbox
+            .publish(&mut conn, Message::new("move", format!("{i}").as_bytes()))
+            .await
+            .unwrap();
+    }
+    let (seen, handler) = counting(Duration::from_millis(20));
+    let worker = Worker::builder(f.store.clone())
+        .concurrency(4)
+        .queue("move", handler)
+        .build()
+        .unwrap()
+        .start();
+    eventually(10, "the first runs", || {
+        let seen = seen.clone();
+        async move { !seen.lock().unwrap().is_empty() }
+    })
+    .await;
+    // Move one of the queue table's shards (with its co-located shards) from the first
+    // worker node to the second while the worker claims and completes.
+    let (from, _) = worker_node(0);
+    let (to, _) = worker_node(1);
+    let shard: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT s.shardid FROM pg_dist_shard s JOIN pg_dist_placement p USING (shardid) \
+         JOIN pg_dist_node n USING (groupid) \
+         WHERE s.logicalrelid = '{}'::regclass AND n.nodeport = $1 ORDER BY s.shardid LIMIT 1",
+        f.outbox.table().replace('\'', "''")
+    )))
+    .bind(from)
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    sqlx::query(
+        "SELECT citus_move_shard_placement($1, '127.0.0.1', $2, '127.0.0.1', $3, \
+         shard_transfer_mode => 'block_writes')",
+    )
+    .bind(shard)
+    .bind(from)
+    .bind(to)
+    .execute(&mut *conn)
+    .await
+    .expect("move the shard");
+    drop(conn);
+    eventually(60, "every row ran", || {
+        let seen = seen.clone();
+        async move { seen.lock().unwrap().len() == 200 }
+    })
+    .await;
+    let report = worker.shutdown().await;
+    assert!(report.graceful, "{report:?}");
+    let twice: Vec<_> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(k, n)| (k.clone(), *n))
+        .collect();
+    assert!(twice.is_empty(), "rows run twice: {twice:?}");
+    f.cleanup().await;
+}
