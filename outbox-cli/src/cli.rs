@@ -46,6 +46,12 @@ pub struct Global {
     /// run it with a URL of the server itself.
     #[arg(long, global = true)]
     pub transaction_pooler: bool,
+    /// The outbox is distributed on a Citus cluster with this many buckets
+    /// (`OutboxBuilder::distributed`); the database URL names the coordinator. `migrate`
+    /// creates the tables distributed; `validate` checks the distribution; the actions by
+    /// id name each row's bucket. Dead-letter redrive and purge are not available there yet.
+    #[arg(long, global = true, value_name = "BUCKETS")]
+    pub distributed: Option<u16>,
     /// Print JSON instead of a table (one document per command; one per refresh with
     /// `status --watch`).
     #[arg(long, global = true)]

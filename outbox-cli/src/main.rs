@@ -89,6 +89,9 @@ fn outbox(g: &Global, dead_letter: bool) -> Result<Outbox, Failure> {
     if let Some(d) = &g.dead_letter_table {
         b = b.dead_letter_table(d);
     }
+    if let Some(buckets) = g.distributed {
+        b = b.distributed(buckets);
+    }
     Ok(b.build()?)
 }
 

@@ -894,3 +894,81 @@ async fn postgres_version_decides_whether_migrate_and_validate_run() {
     assert_eq!(created.is_some(), supported, "PostgreSQL {version}");
     t.cleanup().await;
 }
+
+/// The commands against a Citus coordinator (`.ci/citus` points `DATABASE_URL` at one and
+/// sets `OUTBOX_CITUS=1`); ignored in the ordinary run, run by `.ci/run`'s Citus step.
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn citus_commands_against_a_coordinator() {
+    assert_eq!(
+        std::env::var("OUTBOX_CITUS").as_deref(),
+        Ok("1"),
+        "run under .ci/citus"
+    );
+    let t = Tables::with(true, false).await;
+    let d = ["--distributed", "16"];
+    let with = |args: &[&str]| {
+        let mut all = d.to_vec();
+        all.extend_from_slice(args);
+        all.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let run = |args: &[&str]| {
+        let args = with(args);
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        t.run(&refs)
+    };
+    let out = run(&["migrate"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = run(&["--dead-letter", "validate"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Built with another bucket count: the check says so in Citus terms.
+    let out = t.run(&["--distributed", "32", "validate"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stdout).contains("holds 16 buckets"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    let distributed = Outbox::builder()
+        .table(&t.name)
+        .dead_letter(true)
+        .distributed(16)
+        .build()
+        .unwrap();
+    let mut conn = t.pool.acquire().await.unwrap();
+    let outbox::Published::Inserted { id } = distributed
+        .publish(&mut conn, Message::new("jobs", b"{}"))
+        .await
+        .unwrap()
+    else {
+        panic!("inserted")
+    };
+    drop(conn);
+    let status = t.json(&["--distributed", "16", "status"]);
+    assert_eq!(queue_of(&status, "jobs")["pending"], 1, "{status}");
+    for args in [
+        vec!["pending", "--queue", "jobs"],
+        vec!["pause", "jobs"],
+        vec!["resume", "jobs"],
+        vec!["run-now", &id.to_string()],
+        vec!["delete", &id.to_string()],
+        vec!["dlq", "list"],
+    ] {
+        let out = run(&args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+    }
+    t.exec(format!(
+        "DROP TABLE IF EXISTS {}, {}_dlq, {}, {}",
+        t.outbox.table(),
+        t.name,
+        t.outbox.migrations_table(),
+        t.outbox.paused_table()
+    ))
+    .await;
+}
