@@ -49,7 +49,7 @@ pub struct Global {
     /// The outbox is distributed on a Citus cluster with this many buckets
     /// (`OutboxBuilder::distributed`); the database URL names the coordinator. `migrate`
     /// creates the tables distributed; `validate` checks the distribution; the actions by
-    /// id name each row's bucket. Dead-letter redrive and purge are not available there yet.
+    /// id name each row's bucket. Dead-letter redrive is not available there yet.
     #[arg(long, global = true, value_name = "BUCKETS")]
     pub distributed: Option<u16>,
     /// Print JSON instead of a table (one document per command; one per refresh with

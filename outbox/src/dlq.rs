@@ -158,7 +158,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use crate::error::{Error, OutboxSql, Result};
 use crate::message::{validate_queue, MAX_HEADERS_BYTES};
-use crate::scope::Scope;
+use crate::scope::{BindBucket, Scope};
 use crate::sql::binds::{interval, micros};
 use crate::sql::dlq::Dlq;
 use crate::store::rows::{dead_letter_from_row, DeadLetter};
@@ -613,24 +613,35 @@ pub(crate) async fn purge(
     pool: &PgPool,
     filter: &DeadLetterFilter,
     batch_size: usize,
+    buckets: Option<u16>,
 ) -> Result<u64> {
     let binds = check_purge(filter, batch_size)?;
     let batch = limit_param(batch_size);
     let mut total = 0u64;
-    loop {
-        let mut db = scope.acquire(pool).await?;
-        let done = binds
-            .bind(scope.query(sql.purge.clone()))
-            .bind(batch)
-            .execute(&mut *db)
-            .await
-            .outbox_sql()?;
-        db.done().await?;
-        total += done.rows_affected();
-        if done.rows_affected() < batch as u64 {
-            return Ok(total);
+    // A distributed outbox purges bucket by bucket (each statement on one shard), oldest
+    // first within each bucket.
+    let all: Vec<Option<i16>> = match buckets {
+        None => vec![None],
+        Some(n) => (0..n as i16).map(Some).collect(),
+    };
+    for bucket in all {
+        loop {
+            let mut db = scope.acquire(pool).await?;
+            let done = binds
+                .bind(scope.query(sql.purge.clone()))
+                .bind(batch)
+                .bucket(bucket)
+                .execute(&mut *db)
+                .await
+                .outbox_sql()?;
+            db.done().await?;
+            total += done.rows_affected();
+            if done.rows_affected() < batch as u64 {
+                break;
+            }
         }
     }
+    Ok(total)
 }
 
 #[cfg(test)]

@@ -529,13 +529,13 @@ impl Outbox {
         batch_size: usize,
     ) -> Result<u64> {
         crate::dlq::require_enabled(self.inner.dead_letter)?;
-        self.local_only("dead-letter purge")?;
         crate::dlq::purge(
             &self.inner.sql.dlq,
             self.inner.scope,
             pool,
             filter,
             batch_size,
+            self.buckets(),
         )
         .await
     }

@@ -4,7 +4,7 @@
 use sqlx::SqlStr;
 
 use super::read::DEAD_LETTER_COLUMNS;
-use super::text::{notify, query};
+use super::text::{in_bucket, notify, query};
 use crate::names::Names;
 
 /// The filter every dead-letter statement shares, on parameters `$1..$6`: `$1 text` queue,
@@ -168,9 +168,12 @@ ORDER BY id LIMIT $8"#
             r#"
 WITH doomed AS (
     SELECT id FROM {d}
-    WHERE failed_at < least($4::timestamptz, now() - $5::interval) AND {FILTER}
+    WHERE failed_at < least($4::timestamptz, now() - $5::interval) AND {FILTER}{b8}
     ORDER BY failed_at LIMIT $7 FOR UPDATE SKIP LOCKED)
-DELETE FROM {d} WHERE id = ANY(ARRAY(SELECT id FROM doomed))"#
+DELETE FROM {d} WHERE id = ANY(ARRAY(SELECT id FROM doomed)){b8}"#,
+            // Distributed mode: one bucket per statement (`$8`), so the row locks and the
+            // delete stay on one shard; the purge visits the buckets in turn.
+            b8 = in_bucket(n, "", 8),
         );
         Dlq {
             list: query(list),

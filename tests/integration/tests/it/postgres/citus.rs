@@ -620,15 +620,38 @@ async fn reads_pause_and_actions_by_id_work_and_the_rest_is_refused_before_sql()
             .await
             .unwrap_err()
     ));
-    assert!(refused(
-        o.purge_dead_letters(
-            &f.pool,
-            &outbox::dlq::DeadLetterFilter::new().older_than(Duration::from_secs(1)),
-            10
+    // Purge: bucket by bucket. Dead letters in several buckets, purged in batches of 2.
+    for i in 0..5 {
+        o.publish(&mut conn, Message::new("dead", format!("{i}").as_bytes()))
+            .await
+            .unwrap();
+    }
+    let claimed = f
+        .store
+        .claim(ClaimRequest::new(&["dead".to_owned()], 10, TTL))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 5);
+    for d in &claimed {
+        let failure = Failure {
+            reason: FailureReason::Rejected,
+            last_error: Some("no"),
+        };
+        assert_eq!(
+            f.store.fail(d.lease, failure).await.unwrap(),
+            Completion::Deleted
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let purged = o
+        .purge_dead_letters(
+            &strict,
+            &outbox::dlq::DeadLetterFilter::new().older_than(Duration::from_millis(1)),
+            2,
         )
         .await
-        .unwrap_err()
-    ));
+        .unwrap();
+    assert_eq!(purged, 5);
     drop((conn, one));
     strict.close().await;
     f.cleanup().await;
@@ -818,39 +841,31 @@ fn worker_node(i: usize) -> (i32, String) {
     (port, data)
 }
 
-/// A handler that counts its runs per payload, sleeping `work` first, and the counts.
+/// Runs per payload.
+type Seen = Arc<Mutex<std::collections::HashMap<String, usize>>>;
+
+/// A handler that counts its runs per payload in `seen`, sleeping `work` first.
 fn counting(
+    seen: &Seen,
     work: Duration,
-) -> (
-    Arc<Mutex<std::collections::HashMap<String, usize>>>,
-    impl Fn(
-            Vec<u8>,
-            Context,
-        )
-            -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send>>
-        + Send
-        + Sync
-        + 'static,
-) {
-    let seen: Arc<Mutex<std::collections::HashMap<String, usize>>> = Arc::default();
-    let handler = {
+) -> impl Fn(Vec<u8>, Context) -> CountedRun + Send + Sync + 'static {
+    let seen = seen.clone();
+    move |body: Vec<u8>, _: Context| -> CountedRun {
         let seen = seen.clone();
-        move |body: Vec<u8>, _: Context| {
-            let seen = seen.clone();
-            Box::pin(async move {
-                tokio::time::sleep(work).await;
-                *seen
-                    .lock()
-                    .unwrap()
-                    .entry(String::from_utf8(body).unwrap())
-                    .or_default() += 1;
-                Ok::<(), Error>(())
-            })
-                as std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send>>
-        }
-    };
-    (seen, handler)
+        Box::pin(async move {
+            tokio::time::sleep(work).await;
+            *seen
+                .lock()
+                .unwrap()
+                .entry(String::from_utf8(body).unwrap())
+                .or_default() += 1;
+            Ok::<(), Error>(())
+        })
+    }
 }
+
+/// One run of [`counting`]'s handler.
+type CountedRun = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send>>;
 
 #[tokio::test]
 #[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
@@ -868,7 +883,8 @@ async fn a_worker_node_restarted_while_handlers_run_loses_nothing() {
     }
     drop(conn);
     let lease_ttl = Duration::from_secs(2);
-    let (seen, handler) = counting(Duration::from_millis(200));
+    let seen = Seen::default();
+    let handler = counting(&seen, Duration::from_millis(200));
     let worker = Worker::builder(f.store.clone())
         .concurrency(4)
         .lease_ttl(lease_ttl)
@@ -924,7 +940,8 @@ async fn a_shard_moved_while_workers_run_loses_nothing_and_runs_nothing_twice() 
             .await
             .unwrap();
     }
-    let (seen, handler) = counting(Duration::from_millis(20));
+    let seen = Seen::default();
+    let handler = counting(&seen, Duration::from_millis(20));
     let worker = Worker::builder(f.store.clone())
         .concurrency(4)
         .queue("move", handler)
