@@ -36,8 +36,10 @@ pub enum Error {
         reason: String,
     },
 
-    /// A worker knob has a value outside its allowed range.
-    #[error("invalid worker setting `{knob}`: {reason}")]
+    /// A builder knob has a value outside its allowed range (a worker's, or an outbox's
+    /// `distributed`), or the configuration cannot do what was asked (an operation a
+    /// distributed outbox does not offer yet: knob `distributed`).
+    #[error("invalid setting `{knob}`: {reason}")]
     InvalidConfig {
         /// The knob, as named on the builder (for example `concurrency`).
         knob: &'static str,
@@ -409,6 +411,24 @@ impl Error {
             if db.code().as_deref() == Some("42703") && upgrade_column {
                 return Error::UpgradeRequired {
                     detail: db.message().to_owned(),
+                };
+            }
+        }
+        // SQLSTATE 23514 check_violation of a distributed table's bucket CHECK: this process
+        // is built with another bucket count than the table's (docs/guide/citus.md).
+        if let sqlx::Error::Database(db) = &e {
+            // Citus relays a worker node's error without its constraint field: the name is
+            // in the message.
+            if db.code().as_deref() == Some("23514")
+                && (db.constraint().is_some_and(|c| c.ends_with("_bucket_ck"))
+                    || db.message().contains("_bucket_ck\""))
+            {
+                return Error::InvalidConfig {
+                    knob: "distributed",
+                    reason: format!(
+                        "this outbox's bucket count is not the table's ({}): every process must build with the count the table was created with (validate_schema names it)",
+                        db.message()
+                    ),
                 };
             }
         }

@@ -644,7 +644,28 @@ impl Outbox {
             usize::MAX,
             options,
         )
-        .await
+        .await?;
+        // Distributed mode: tables created earlier with another bucket count, or not
+        // distributed at all, are not this outbox's; say so rather than "up to date".
+        if names.buckets.is_some() {
+            match self.validate_schema(pool).await {
+                Err(Error::SchemaMismatch { problems }) => {
+                    return Err(Error::InvalidConfig {
+                        knob: "distributed",
+                        reason: format!(
+                            "the tables are not this distributed outbox's and migrate cannot convert them: {}",
+                            problems
+                                .iter()
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                                .join("; ")
+                        ),
+                    })
+                }
+                other => other?,
+            }
+        }
+        Ok(())
     }
 
     /// The migration steps recorded as applied to this outbox's tables, by version: when

@@ -366,6 +366,9 @@ fn distributed_base(n: &Names) -> String {
 CREATE SEQUENCE IF NOT EXISTS {seq} AS bigint;
 CREATE TABLE IF NOT EXISTS {t} (
     bucket smallint NOT NULL,
+    -- The bucket count of the process that inserted the row: the CHECK refuses a process
+    -- built with another count, whose keyed timers would land in other buckets.
+    buckets smallint NOT NULL,
     id bigint NOT NULL DEFAULT nextval({seq_lit}),
     queue varchar(255) NOT NULL,
     payload bytea NOT NULL,
@@ -384,7 +387,7 @@ CREATE TABLE IF NOT EXISTS {t} (
     rearm_headers jsonb,
     cancelled_at timestamptz,
     PRIMARY KEY (bucket, id),
-    CONSTRAINT {bucket_ck} CHECK (bucket >= 0 AND bucket < {count}),
+    CONSTRAINT {bucket_ck} CHECK (bucket >= 0 AND bucket < {count} AND buckets = {count}),
     CONSTRAINT {lease_ck} CHECK ((acquired_token IS NULL) = (acquired_at IS NULL)),
     CONSTRAINT {rearm_ck} CHECK (rearm_at IS NULL OR acquired_token IS NOT NULL),
     CONSTRAINT {cancel_ck} CHECK (cancelled_at IS NULL OR acquired_token IS NOT NULL)

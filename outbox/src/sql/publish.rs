@@ -23,15 +23,17 @@ pub(crate) struct Publish {
 }
 
 /// Distributed mode: the leading columns of an insert and their values, the bucket from
-/// parameter `$param` and the id `nextval * buckets + bucket` (Citus evaluates `nextval`
+/// parameter `$param`, this outbox's bucket count (which the table's CHECK compares with
+/// its own, so a process built with another count cannot insert) and the id
+/// `nextval * buckets + bucket` (Citus evaluates `nextval`
 /// on the coordinator, before it routes the insert to the bucket's shard). Empty for a
 /// single node, whose id is the identity default.
 fn bucket_columns(n: &Names, param: u32) -> (&'static str, String) {
     match n.buckets {
         Some(b) => (
-            "bucket, id, ",
+            "bucket, buckets, id, ",
             format!(
-                "${param}::smallint, nextval('{seq}') * {count} + ${param}::smallint, ",
+                "${param}::smallint, {count}, nextval('{seq}') * {count} + ${param}::smallint, ",
                 seq = n.qid_seq.replace('\'', "''"),
                 count = b.count()
             ),

@@ -286,6 +286,23 @@ impl PgStore {
                 .iter()
                 .map(delivery_from_row)
                 .collect::<Result<Vec<_>>>()?;
+            // A row id names its bucket only with the table's bucket count: a process built
+            // with another count would fence every completion against the wrong shard. The
+            // rows claimed here stay leased until their lease expires.
+            if let (Some(b), Some(layout)) = (bucket, self.outbox.buckets()) {
+                if let Some(d) = claimed
+                    .iter()
+                    .find(|d| d.lease.id.rem_euclid(i64::from(layout)) != i64::from(b))
+                {
+                    return Err(Error::InvalidConfig {
+                        knob: "distributed",
+                        reason: format!(
+                            "row {} claimed in bucket {b} does not name it with distributed({layout}): this worker's bucket count is not the table's (validate_schema names it)",
+                            d.lease.id
+                        ),
+                    });
+                }
+            }
             if bucket.is_some() {
                 for d in &claimed {
                     if let Some(i) = queues.iter().position(|q| *q == d.queue) {

@@ -95,6 +95,68 @@ async fn migrate_distributes_the_queue_and_dead_letter_tables_by_bucket() {
         matches!(err, Error::SchemaMismatch { .. }) && text.contains("holds 16 buckets"),
         "{text}"
     );
+    // ... and it can neither migrate, nor publish a timer (whose key would land in another
+    // bucket than the live row's), nor complete what it claims.
+    let err = other.migrate(&f.pool).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidConfig {
+                knob: "distributed",
+                ..
+            }
+        ) && err.to_string().contains("holds 16 buckets"),
+        "{err}"
+    );
+    let mut conn = f.pool.acquire().await.unwrap();
+    f.outbox
+        .publish(&mut conn, Message::new("q", b"x").timer_id("dup"))
+        .await
+        .unwrap();
+    for key in ["dup", "fresh"] {
+        let err = other
+            .publish(
+                &mut conn,
+                Message::new("q", b"y")
+                    .timer_id(key)
+                    .on_conflict(OnConflict::Extend),
+            )
+            .await;
+        assert!(
+            matches!(
+                err,
+                Err(Error::InvalidConfig {
+                    knob: "distributed",
+                    ..
+                }) | Ok(Published::Extended { .. })
+            ),
+            "{key}: {err:?}"
+        );
+    }
+    let keys: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {} WHERE timer_id = 'dup'",
+        f.outbox.table()
+    )))
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(keys, 1, "no second live row for a key");
+    let other_store = PgStore::new(f.pool.clone(), other.clone());
+    let err = other_store
+        .claim(ClaimRequest::new(&["q".to_owned()], 10, TTL))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidConfig {
+                knob: "distributed",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop(conn);
 
     // A single-node outbox's tables, validated as distributed: every table is named.
     let local = outbox_tests::unique_table("local");
