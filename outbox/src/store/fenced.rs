@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
-use sqlx::Row;
+use sqlx::{Row, SqlStr};
 use uuid::Uuid;
 
 use super::{clean_error_text, Armed, Completion, Failure, Lease, Release, Released, Renewal};
@@ -66,20 +66,7 @@ pub(crate) async fn ack_batch_delete_on(
     mut db: Db<'_>,
     leases: &[Lease],
 ) -> Result<HashSet<Lease>> {
-    let mut rows = Vec::new();
-    for (bucket, group) in sql.by_bucket(leases, |l| l.id) {
-        let (ids, tokens) = columns(group.into_iter());
-        rows.extend(
-            scope
-                .query(sql.ack_batch_delete.clone())
-                .bind(&ids)
-                .bind(&tokens)
-                .bucket(bucket)
-                .fetch_all(&mut *db)
-                .await
-                .outbox_sql()?,
-        );
-    }
+    let rows = by_lease(&sql.ack_batch_delete, sql, scope, &mut db, leases).await?;
     db.done().await?;
     rows.iter().map(lease_at).collect()
 }
@@ -92,20 +79,7 @@ pub(crate) async fn ack_batch_settle_on(
     mut db: Db<'_>,
     leases: &[Lease],
 ) -> Result<HashMap<Lease, Completion>> {
-    let mut rows = Vec::new();
-    for (bucket, group) in sql.by_bucket(leases, |l| l.id) {
-        let (ids, tokens) = columns(group.into_iter());
-        rows.extend(
-            scope
-                .query(sql.ack_batch_settle.clone())
-                .bind(&ids)
-                .bind(&tokens)
-                .bucket(bucket)
-                .fetch_all(&mut *db)
-                .await
-                .outbox_sql()?,
-        );
-    }
+    let rows = by_lease(&sql.ack_batch_settle, sql, scope, &mut db, leases).await?;
     db.done().await?;
     let mut settled = HashMap::new();
     for r in rows {
@@ -207,20 +181,7 @@ pub(crate) async fn renew_on(
     mut db: Db<'_>,
     leases: &[Lease],
 ) -> Result<Vec<Renewal>> {
-    let mut rows = Vec::new();
-    for (bucket, group) in sql.by_bucket(leases, |l| l.id) {
-        let (ids, tokens) = columns(group.into_iter());
-        rows.extend(
-            scope
-                .query(sql.renew.clone())
-                .bind(&ids)
-                .bind(&tokens)
-                .bucket(bucket)
-                .fetch_all(&mut *db)
-                .await
-                .outbox_sql()?,
-        );
-    }
+    let rows = by_lease(&sql.renew, sql, scope, &mut db, leases).await?;
     db.done().await?;
     let mut held = HashMap::new();
     for r in rows {
@@ -281,6 +242,32 @@ pub(crate) async fn release_on(
         .iter()
         .map(|r| done.get(&r.lease).copied().unwrap_or(Released::LeaseLost))
         .collect())
+}
+
+/// Runs `statement`, a batched statement over the leases' `($1::bigint[], $2::uuid[])`, once
+/// per bucket of `leases` in distributed mode (once in all for a single node), on `db`.
+async fn by_lease(
+    statement: &SqlStr,
+    sql: &Complete,
+    scope: Scope,
+    db: &mut Db<'_>,
+    leases: &[Lease],
+) -> Result<Vec<PgRow>> {
+    let mut rows = Vec::new();
+    for (bucket, group) in sql.by_bucket(leases, |l| l.id) {
+        let (ids, tokens) = columns(group.into_iter());
+        rows.extend(
+            scope
+                .query(statement.clone())
+                .bind(&ids)
+                .bind(&tokens)
+                .bucket(bucket)
+                .fetch_all(&mut **db)
+                .await
+                .outbox_sql()?,
+        );
+    }
+    Ok(rows)
 }
 
 /// Leases as the two array parameters `($1::bigint[], $2::uuid[])` of a batched statement.

@@ -304,11 +304,7 @@ impl PgStore {
                 }
             }
             if bucket.is_some() {
-                for d in &claimed {
-                    if let Some(i) = queues.iter().position(|q| *q == d.queue) {
-                        caps[i] = (caps[i] - 1).max(0);
-                    }
-                }
+                spend_caps(&mut caps, &queues, claimed.iter().map(|d| d.queue.as_str()));
             }
             out.extend(claimed);
         }
@@ -431,6 +427,16 @@ impl PgStore {
         match write(self.fenced_db().await?).await {
             Err(e) if e.is_lock_timeout() => write(self.pool_db().await?).await,
             done => done,
+        }
+    }
+}
+
+/// Distributed mode: lowers each queue's cap (parallel to `queues`) by the rows one bucket
+/// gave, so the next bucket's claim takes only what the queue has left.
+fn spend_caps<'q>(caps: &mut [i64], queues: &[String], taken: impl Iterator<Item = &'q str>) {
+    for queue in taken {
+        if let Some(i) = queues.iter().position(|q| q == queue) {
+            caps[i] = (caps[i] - 1).max(0);
         }
     }
 }
@@ -709,12 +715,11 @@ impl Store for PgStore {
                 .await
                 .outbox_sql()?;
             if bucket.is_some() {
-                for r in &found {
-                    let queue: String = r.try_get(1).outbox_sql()?;
-                    if let Some(i) = queues.iter().position(|q| *q == queue) {
-                        caps[i] = (caps[i] - 1).max(0);
-                    }
-                }
+                let taken: Vec<String> = found
+                    .iter()
+                    .map(|r| r.try_get(1).outbox_sql())
+                    .collect::<Result<_>>()?;
+                spend_caps(&mut caps, &queues, taken.iter().map(String::as_str));
             }
             rows.extend(found);
         }
