@@ -79,7 +79,7 @@ pub(crate) async fn pause(
     qtable: &str,
     queue: &str,
 ) -> Result<bool> {
-    toggle(&sql.pause, scope, conn, qtable, queue).await
+    toggle(&sql.pause, None, scope, conn, qtable, queue).await
 }
 
 /// Resumes `queue`; true when this call resumed it, false when it was not paused.
@@ -90,14 +90,16 @@ pub(crate) async fn resume(
     qtable: &str,
     queue: &str,
 ) -> Result<bool> {
-    toggle(&sql.resume, scope, conn, qtable, queue).await
+    toggle(&sql.resume, sql.wake.as_ref(), scope, conn, qtable, queue).await
 }
 
 /// Pause or resume: `statement` on `queue`, true when it returned a row (this call changed
 /// the queue's state). A missing paused-queues table is told apart from a database never
-/// migrated by a look-up on `conn` after the failed statement.
+/// migrated by a look-up on `conn` after the failed statement. `wake` sends the
+/// notification a resume returns (distributed mode).
 async fn toggle(
     statement: &sqlx::SqlStr,
+    wake: Option<&sqlx::SqlStr>,
     scope: Scope,
     conn: &mut PgConnection,
     qtable: &str,
@@ -118,6 +120,9 @@ async fn toggle(
             return Err(scope.unmigrated_or(conn, qtable, e).await);
         }
     };
+    if let (Some(row), Some(_)) = (&row, wake) {
+        scope.wake(&mut db, wake, [row.try_get(0).outbox_sql()?]).await?;
+    }
     db.done().await?;
     Ok(row.is_some())
 }
@@ -174,6 +179,11 @@ pub(crate) async fn reschedule(
         .fetch_optional(&mut *db)
         .await
         .outbox_sql()?;
+    if let Some(row) = &row {
+        scope
+            .wake(&mut db, sql.wake.as_ref(), [row.try_get(2).outbox_sql()?])
+            .await?;
+    }
     db.done().await?;
     let Some(row) = row else {
         return Ok(RowAction::NotFound);

@@ -154,7 +154,7 @@ use chrono::{DateTime, Datelike, Utc};
 use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
-use sqlx::{PgConnection, PgPool, Postgres, Row};
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Row};
 
 use crate::error::{Error, OutboxSql, Result};
 use crate::message::{validate_queue, MAX_HEADERS_BYTES};
@@ -533,6 +533,9 @@ pub(crate) async fn redrive(
 ) -> Result<Vec<RedriveOutcome>> {
     redrive.check()?;
     let max = i64::try_from(MAX_HEADERS_BYTES).unwrap_or(i64::MAX);
+    if let (Some(ids), Some(matching)) = (&sql.locate_ids, &sql.locate_matching) {
+        return redrive_by_bucket(sql, (ids, matching), scope, conn, redrive, max).await;
+    }
     let rows = match &redrive.selection {
         Selection::Ids(ids) => {
             if ids.is_empty() {
@@ -569,6 +572,76 @@ pub(crate) async fn redrive(
         }
     };
     rows.iter().map(outcome_from_row).collect()
+}
+
+/// A redrive of a distributed outbox: where the selected dead letters are (one read across
+/// the shards), then `redrive_ids` bucket by bucket in ascending order, each on one bucket's
+/// co-located shards, all in one transaction on `conn` (a savepoint inside the caller's),
+/// so the new rows exist and the dead letters are marked if and only if it commits. Two
+/// redrives lock in the same order (bucket, then id): they never deadlock each other. A
+/// row another redrive marks between the read and the lock is reported
+/// [`RedriveResult::AlreadyRedriven`].
+async fn redrive_by_bucket(
+    sql: &Dlq,
+    (locate_ids, locate_matching): (&sqlx::SqlStr, &sqlx::SqlStr),
+    scope: Scope,
+    conn: &mut PgConnection,
+    redrive: &Redrive,
+    max: i64,
+) -> Result<Vec<RedriveOutcome>> {
+    let requested: Vec<i64> = match &redrive.selection {
+        Selection::Ids(ids) if ids.is_empty() => return Ok(Vec::new()),
+        Selection::Ids(ids) => ids.clone(),
+        Selection::Matching { limit, .. } if *limit == 0 => return Ok(Vec::new()),
+        Selection::Matching { .. } => Vec::new(),
+    };
+    let mut tx = conn.begin().await.outbox_sql()?;
+    let located = match &redrive.selection {
+        Selection::Ids(ids) => scope.query(locate_ids.clone()).bind(ids),
+        Selection::Matching { filter, limit } => filter
+            .binds()?
+            .bind(scope.query(locate_matching.clone()))
+            .bind(limit_param(*limit)),
+    }
+    .fetch_all(&mut *tx)
+    .await
+    .outbox_sql()?;
+    let mut by_bucket: std::collections::BTreeMap<i16, Vec<i64>> = Default::default();
+    for r in &located {
+        let (id, bucket): (i64, i16) = (r.try_get(0).outbox_sql()?, r.try_get(1).outbox_sql()?);
+        by_bucket.entry(bucket).or_default().push(id);
+    }
+    let mut outcomes = Vec::new();
+    let mut wakes = Vec::new();
+    for (bucket, ids) in by_bucket {
+        let rows = scope
+            .query(sql.redrive_ids.clone())
+            .bind(&ids)
+            .bind(REDRIVEN_FROM_HEADER)
+            .bind(max)
+            .bucket(Some(bucket))
+            .fetch_all(&mut *tx)
+            .await
+            .outbox_sql()?;
+        for r in &rows {
+            outcomes.push(outcome_from_row(r)?);
+            let sent: Option<Vec<String>> = r.try_get(4).outbox_sql()?;
+            wakes.extend(sent.into_iter().flatten().map(Some));
+        }
+    }
+    // An id no dead letter has: the statement of a single node reports it from its list.
+    let found: std::collections::HashSet<i64> = outcomes.iter().map(|o| o.dead_letter_id).collect();
+    let mut missing: Vec<i64> = requested.into_iter().filter(|id| !found.contains(id)).collect();
+    missing.sort_unstable();
+    missing.dedup();
+    outcomes.extend(missing.into_iter().map(|dead_letter_id| RedriveOutcome {
+        dead_letter_id,
+        result: RedriveResult::NotFound,
+    }));
+    outcomes.sort_by_key(|o| o.dead_letter_id);
+    scope.wake(&mut tx, sql.wake.as_ref(), wakes).await?;
+    tx.commit().await.outbox_sql()?;
+    Ok(outcomes)
 }
 
 fn outcome_from_row(row: &sqlx::postgres::PgRow) -> Result<RedriveOutcome> {

@@ -78,11 +78,6 @@ pub(crate) struct Names {
     /// The sequences of row ids in distributed mode, quoted and qualified.
     pub qid_seq: String,
     pub qdlq_id_seq: String,
-    /// Distributed mode: `<table>_minus_us(timestamptz, interval)`, a timestamp less an
-    /// interval of microseconds, declared IMMUTABLE (true without days or months),
-    /// which Citus accepts where it refuses `timestamptz - interval`; quoted, qualified.
-    pub qminus_us: String,
-    pub minus_us_name: String,
 }
 
 impl Names {
@@ -129,8 +124,6 @@ impl Names {
             bucket_ck: format!("{table}_bucket_ck"),
             qid_seq: qualify(&format!("{table}_id_seq")),
             qdlq_id_seq: qualify(&format!("{dlq_table}_id_seq")),
-            qminus_us: qualify(&format!("{table}_minus_us")),
-            minus_us_name: format!("{table}_minus_us"),
             table_name: table,
             dlq_name: dlq_table,
         };
@@ -156,7 +149,6 @@ impl Names {
             &names.paused_name,
             &names.channel,
             &names.bucket_ck,
-            &names.minus_us_name,
         ]
         .into_iter()
         .chain(implicit.iter())

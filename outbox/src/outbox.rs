@@ -209,18 +209,6 @@ impl Outbox {
         })
     }
 
-    /// [`Error::InvalidConfig`] (knob `distributed`) for an operation a distributed outbox
-    /// does not offer yet, before any SQL runs (see `docs/guide/citus.md`).
-    pub(crate) fn local_only(&self, what: &str) -> Result<()> {
-        match self.inner.names.buckets {
-            None => Ok(()),
-            Some(_) => Err(Error::InvalidConfig {
-                knob: "distributed",
-                reason: format!("{what} is not available on a distributed (Citus) outbox yet"),
-            }),
-        }
-    }
-
     /// The bucket of a row id in a distributed outbox.
     pub(crate) fn bucket_of_id(&self, id: i64) -> Option<i16> {
         self.inner.names.buckets.map(|b| b.of_id(id))
@@ -505,7 +493,6 @@ impl Outbox {
         redrive: &Redrive,
     ) -> Result<Vec<RedriveOutcome>> {
         crate::dlq::require_enabled(self.inner.dead_letter)?;
-        self.local_only("dead-letter redrive")?;
         crate::dlq::redrive(&self.inner.sql.dlq, self.inner.scope, conn, redrive).await
     }
 

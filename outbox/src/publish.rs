@@ -7,11 +7,15 @@
 //! commits (the transactional outbox). Through a transaction-mode pooler a connection that
 //! is in no transaction gets a short one of the library's around the statement (`scope`).
 
+use chrono::{DateTime, Utc};
+use sqlx::postgres::types::PgInterval;
+use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::query::Query;
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 use tracing::{Instrument, Span};
 
-use crate::error::{OutboxSql, Result};
+use crate::error::{Error, OutboxSql, Result};
 use crate::message::envelope::{Message, Published};
 use crate::message::{
     slack_micros, validate_batch, BatchItem, Headers, OnConflict, Schedule, MAX_HEADERS_BYTES,
@@ -176,50 +180,165 @@ async fn publish_untraced(
 ) -> Result<Published> {
     let resolved = message.validate()?;
     let (delay, at) = resolved.binds();
-    let statement = match (message.on_conflict, message.timer_id) {
-        (OnConflict::Extend, _) => &sql.extend,
-        (OnConflict::Ignore, Some(_)) => &sql.insert,
-        (OnConflict::Ignore, None) => &sql.plain,
+    let mut db = scope.on(conn).await?;
+    let written = match (&sql.held, message.timer_id) {
+        (Some(held), Some(key)) => {
+            keyed_in_steps(sql, held, scope, &mut db, &message, key, (delay, at), bucket).await?
+        }
+        _ => {
+            let statement = match (message.on_conflict, message.timer_id) {
+                (OnConflict::Extend, _) => &sql.extend,
+                (OnConflict::Ignore, Some(_)) => &sql.insert,
+                (OnConflict::Ignore, None) => &sql.plain,
+            };
+            let query = binds(scope.query(statement.clone()), &message, (delay, at));
+            let query = match message.on_conflict {
+                OnConflict::Extend => query.bind(interval(slack_micros(message.slack))),
+                OnConflict::Ignore => query,
+            };
+            let row = query.bucket(bucket).fetch_optional(&mut *db).await.outbox_sql()?;
+            match row {
+                None => None,
+                Some(r) => Some(match message.on_conflict {
+                    OnConflict::Ignore => Written::Inserted(r.try_get(0).outbox_sql()?, r.try_get(1).outbox_sql()?),
+                    OnConflict::Extend => Written::from_extend(&r)?,
+                }),
+            }
+        }
     };
-    let mut query = scope
-        .query(statement.clone())
+    if let Some(Written::Inserted(_, wake)) = &written {
+        scope.wake(&mut db, sql.wake.as_ref(), [wake.clone()]).await?;
+    }
+    db.done().await?;
+    Ok(match written {
+        // Nothing written: the key was taken, or the extend was not later.
+        None => match message.on_conflict {
+            OnConflict::Ignore => Published::Skipped,
+            OnConflict::Extend => Published::Unchanged,
+        },
+        Some(Written::Inserted(id, _)) => {
+            telemetry::published(message.queue, 1);
+            Published::Inserted { id }
+        }
+        Some(Written::RearmQueued(id)) => Published::RearmQueued { id },
+        Some(Written::Extended(id)) => Published::Extended { id },
+    })
+}
+
+/// What a publish statement wrote.
+enum Written {
+    /// A new row (its id), with the wake-up payload a distributed statement returns.
+    Inserted(i64, Option<String>),
+    /// A rearm queued on the running row.
+    RearmQueued(i64),
+    /// The pending row's deadline moved.
+    Extended(i64),
+}
+
+impl Written {
+    /// An extend's row `(id, inserted, leased, notify)`; `None` for a NULL id (the key's
+    /// row was found and left as it was, distributed mode).
+    fn from_extend(r: &PgRow) -> Result<Written> {
+        let id: i64 = r.try_get(0).outbox_sql()?;
+        let (inserted, leased): (bool, bool) = (r.try_get(1).outbox_sql()?, r.try_get(2).outbox_sql()?);
+        Ok(if inserted {
+            Written::Inserted(id, r.try_get(3).outbox_sql()?)
+        } else if leased {
+            Written::RearmQueued(id)
+        } else {
+            Written::Extended(id)
+        })
+    }
+}
+
+/// A message's delay (`$4`) and absolute deadline (`$5`).
+type When = (PgInterval, Option<DateTime<Utc>>);
+
+/// The message's parameters `$1..$6` of every single-row publish statement.
+fn binds<'q>(
+    query: Query<'q, sqlx::Postgres, PgArguments>,
+    message: &Message<'q>,
+    (delay, at): When,
+) -> Query<'q, sqlx::Postgres, PgArguments> {
+    query
         .bind(message.queue)
         .bind(message.payload)
         .bind(message.headers.map(Json))
         .bind(delay)
         .bind(at)
-        .bind(message.timer_id);
-    if message.on_conflict == OnConflict::Extend {
-        query = query.bind(interval(slack_micros(message.slack)));
+        .bind(message.timer_id)
+}
+
+/// How many times a distributed keyed publish goes back to the look when its insert met a
+/// row committed after the look: each round means another transaction created the key
+/// between two statements of ours, so the bound is never reached by a key that is not
+/// created and deleted again that many times in a row.
+pub(crate) const KEYED_ROUNDS: usize = 16;
+
+/// A keyed publish in distributed mode (see `sql::publish`): the look or the rewrite of
+/// the key's row, then the insert when no row was found, again while the insert meets a
+/// row committed in between.
+#[allow(clippy::too_many_arguments)]
+async fn keyed_in_steps(
+    sql: &sql::publish::Publish,
+    held: &sqlx::SqlStr,
+    scope: Scope,
+    db: &mut PgConnection,
+    message: &Message<'_>,
+    key: &str,
+    when: When,
+    bucket: Option<i16>,
+) -> Result<Option<Written>> {
+    for _ in 0..KEYED_ROUNDS {
+        match message.on_conflict {
+            OnConflict::Ignore => {
+                let rows: i64 = scope
+                    .query_scalar(held.clone())
+                    .bind(message.queue)
+                    .bind(key)
+                    .bucket(bucket)
+                    .fetch_one(&mut *db)
+                    .await
+                    .outbox_sql()?;
+                if rows > 0 {
+                    return Ok(None);
+                }
+            }
+            OnConflict::Extend => {
+                let row = binds(scope.query(sql.extend.clone()), message, when)
+                    .bind(interval(slack_micros(message.slack)))
+                    .bucket(bucket)
+                    .fetch_optional(&mut *db)
+                    .await
+                    .outbox_sql()?;
+                if let Some(r) = row {
+                    if r.try_get::<Option<i64>, _>(0).outbox_sql()?.is_none() {
+                        return Ok(None);
+                    }
+                    return Written::from_extend(&r).map(Some);
+                }
+            }
+        }
+        let row = binds(scope.query(sql.insert.clone()), message, when)
+            .bucket(bucket)
+            .fetch_optional(&mut *db)
+            .await
+            .outbox_sql()?;
+        match (row, message.on_conflict) {
+            (Some(r), _) => {
+                return Ok(Some(Written::Inserted(
+                    r.try_get(0).outbox_sql()?,
+                    r.try_get(1).outbox_sql()?,
+                )))
+            }
+            // Another transaction holds the key now: a skipped publish.
+            (None, OnConflict::Ignore) => return Ok(None),
+            (None, OnConflict::Extend) => {}
+        }
     }
-    let query = query.bucket(bucket);
-    let mut db = scope.on(conn).await?;
-    let row = query.fetch_optional(&mut *db).await.outbox_sql()?;
-    db.done().await?;
-    let inserted = |id| {
-        telemetry::published(message.queue, 1);
-        Published::Inserted { id }
-    };
-    let Some(r) = row else {
-        // Nothing written: the key was taken, or the extend was not later.
-        return Ok(match message.on_conflict {
-            OnConflict::Ignore => Published::Skipped,
-            OnConflict::Extend => Published::Unchanged,
-        });
-    };
-    let id: i64 = r.try_get(0).outbox_sql()?;
-    if message.on_conflict == OnConflict::Ignore {
-        return Ok(inserted(id));
-    }
-    let (was_inserted, leased): (bool, bool) =
-        (r.try_get(1).outbox_sql()?, r.try_get(2).outbox_sql()?);
-    Ok(if was_inserted {
-        inserted(id)
-    } else if leased {
-        Published::RearmQueued { id }
-    } else {
-        Published::Extended { id }
-    })
+    Err(Error::Database(sqlx::Error::Protocol(format!(
+        "the timer key was created and deleted by others {KEYED_ROUNDS} times while this extend ran"
+    ))))
 }
 
 /// Publishes a batch on `conn` ([`crate::Outbox::publish_batch`]), in its `send` span.
@@ -278,6 +397,9 @@ async fn publish_batch_untraced(
         .fetch_one(&mut *db)
         .await
         .outbox_sql()?;
+    scope
+        .wake(&mut db, sql.wake.as_ref(), [row.try_get(1).outbox_sql()?])
+        .await?;
     db.done().await?;
     let ids: Vec<i64> = row
         .try_get::<Option<Vec<i64>>, _>(0)

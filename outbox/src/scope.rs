@@ -26,7 +26,9 @@ use std::time::Duration;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::{Query, QueryAs, QueryScalar};
-use sqlx::{Connection, FromRow, PgConnection, PgPool, Postgres, SqlSafeStr, Transaction};
+use sqlx::{
+    Connection, FromRow, PgConnection, PgPool, Postgres, SqlSafeStr, SqlStr, Transaction,
+};
 
 use crate::error::{Error, OutboxSql, Result};
 
@@ -168,6 +170,31 @@ impl Scope {
             },
             _ => e,
         }
+    }
+
+    /// Sends the wake-up payloads a distributed statement returned (`sql::text::notify`)
+    /// with `wake` (`sql::text::wake`) on `db`, in its transaction when it is in one, so
+    /// they go out when it commits and not if it rolls back. A no-op without a `wake`
+    /// statement (a single node's statements notify themselves) or without a payload.
+    pub(crate) async fn wake(
+        self,
+        db: &mut PgConnection,
+        wake: Option<&SqlStr>,
+        payloads: impl IntoIterator<Item = Option<String>>,
+    ) -> Result<()> {
+        let Some(wake) = wake else {
+            return Ok(());
+        };
+        let payloads: Vec<String> = payloads.into_iter().flatten().collect();
+        if payloads.is_empty() {
+            return Ok(());
+        }
+        self.query(wake.clone())
+            .bind(payloads)
+            .execute(db)
+            .await
+            .outbox_sql()?;
+        Ok(())
     }
 
     /// Refuses what needs a server session of its own in a pooler's scope, before any SQL

@@ -7,7 +7,7 @@
 
 use sqlx::SqlStr;
 
-use super::text::{in_bucket, notify, query};
+use super::text::{in_bucket, notify, query, wake};
 use crate::names::Names;
 
 #[derive(Debug)]
@@ -24,6 +24,9 @@ pub(crate) struct Admin {
     pub reschedule: SqlStr,
     /// `$1` id → `(leased, deleted)`; no row when the id is not a live row.
     pub delete: SqlStr,
+    /// Sends the wake-up payloads its statements return, distributed mode only
+    /// (`text::wake`).
+    pub wake: Option<SqlStr>,
 }
 
 impl Admin {
@@ -80,6 +83,7 @@ FROM old LEFT JOIN gone ON true"#,
             tb2 = in_bucket(n, "t.", 2),
         );
         Admin {
+            wake: wake(n),
             pause: query(pause),
             resume: query(resume),
             paused: query(paused),

@@ -8,7 +8,7 @@
 
 use sqlx::SqlStr;
 
-use super::text::{in_bucket, notify, query};
+use super::text::{in_bucket, notify, query, wake};
 use crate::bucket::Buckets;
 use crate::names::Names;
 
@@ -68,6 +68,9 @@ pub(crate) struct Complete {
     pub fail_unclaimed: SqlStr,
     /// Distributed mode: the bucket layout, which names each lease's bucket from its id.
     pub buckets: Option<Buckets>,
+    /// Sends the wake-up payloads its statements return, distributed mode only
+    /// (`text::wake`).
+    pub wake: Option<SqlStr>,
 }
 
 impl Complete {
@@ -312,6 +315,7 @@ archived AS (
 SELECT count(*) FROM gone"#
         );
         Complete {
+            wake: wake(n),
             fail_delete: query(fail_delete),
             renew: query(renew),
             release: query(release),

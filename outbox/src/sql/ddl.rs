@@ -423,17 +423,8 @@ CREATE TABLE IF NOT EXISTS {p} (
     paused_at timestamptz NOT NULL DEFAULT now()
 );
 
--- A deadline less the extend's slack in the ON CONFLICT clause, where Citus accepts only
--- IMMUTABLE functions (`timestamptz - interval` is STABLE for the sake of days and months,
--- which the slack, a number of microseconds, never holds).
-CREATE OR REPLACE FUNCTION {minus}(ts timestamptz, slack interval) RETURNS timestamptz
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $fn$ SELECT ts - slack $fn$;
-
 DO $outbox$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_dist_object WHERE objid = {minus_lit}::regprocedure) THEN
-        PERFORM create_distributed_function({minus_lit});
-    END IF;
     IF NOT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = {tlit}::regclass) THEN
         PERFORM create_distributed_table({tlit}, 'bucket');
     END IF;
@@ -449,8 +440,6 @@ $outbox$;
         seq = n.qid_seq,
         dseq = n.qdlq_id_seq,
         seq_lit = quote_literal(&n.qid_seq),
-        minus = n.qminus_us,
-        minus_lit = quote_literal(&format!("{}(timestamptz, interval)", n.qminus_us)),
         dseq_lit = quote_literal(&n.qdlq_id_seq),
         p = n.qpaused,
         bucket_ck = quote_ident(&n.bucket_ck),

@@ -4,7 +4,7 @@
 use sqlx::SqlStr;
 
 use super::read::DEAD_LETTER_COLUMNS;
-use super::text::{in_bucket, notify, query};
+use super::text::{in_bucket, notify, query, wake};
 use crate::names::Names;
 
 /// The filter every dead-letter statement shares, on parameters `$1..$6`: `$1 text` queue,
@@ -27,15 +27,24 @@ pub(crate) struct Dlq {
     /// by id.
     pub list: SqlStr,
     /// `$1 bigint[]` dead-letter ids, `$2 text` the redrive header's name, `$3 bigint` the
-    /// headers' size limit in bytes → one row per distinct id: `(dead-letter id, outcome,
-    /// new or earlier queue row id, header bytes, notified)`.
+    /// headers' size limit in bytes (distributed mode: `$4` the bucket of the ids) → one row
+    /// per distinct id: `(dead-letter id, outcome, new or earlier queue row id, header
+    /// bytes, notified: a count, distributed mode the payloads)`.
     pub redrive_ids: SqlStr,
     /// `$1..$6` the filter, `$7 bigint` limit, `$8 text` the header's name, `$9 bigint` the
-    /// size limit → as `redrive_ids`, one row per dead letter selected.
+    /// size limit → as `redrive_ids`, one row per dead letter selected. A single node's.
     pub redrive_matching: SqlStr,
+    /// Distributed mode: `$1 bigint[]` dead-letter ids → `(id, bucket)` of those that exist.
+    pub locate_ids: Option<SqlStr>,
+    /// Distributed mode: `$1..$6` the filter, `$7 bigint` limit → `(id, bucket)` of the
+    /// first dead letters not yet redriven, by id.
+    pub locate_matching: Option<SqlStr>,
     /// `$1..$6` the filter (`$4` or `$5` set), `$7 bigint` batch size: deletes one batch of
     /// the oldest matching dead letters that no other transaction has locked.
     pub purge: SqlStr,
+    /// Sends the wake-up payloads its statements return, distributed mode only
+    /// (`text::wake`).
+    pub wake: Option<SqlStr>,
 }
 
 /// The redrive after its locking CTE `sel` (one statement, data-modifying CTEs):
@@ -64,9 +73,25 @@ pub(crate) struct Dlq {
 ///
 /// `requested` is the relation of ids to report on, `hdr` and `max` the parameters of the
 /// header's name and the size limit.
-fn redrive(n: &Names, sel: &str, requested: &str, hdr: &str, max: &str) -> String {
+///
+/// Distributed mode: `sel` holds one bucket's rows, the bucket (`$4` of `redrive_ids`) routes every part of
+/// the statement to that bucket's shards (`b` its parameter number) (the queue table's and the dead-letter table's are
+/// co-located), the new rows keep their dead letter's bucket (a key's bucket is its own for
+/// a given bucket count), and the notifications come back as payloads (`text::notify`).
+fn redrive(n: &Names, sel: &str, requested: &str, hdr: &str, max: &str, b: u32) -> String {
     let t = &n.qtable;
     let d = &n.qdlq;
+    let (bc, bv) = super::publish::bucket_columns(n, b);
+    let conflict = if n.buckets.is_some() {
+        "(bucket, queue, timer_id)"
+    } else {
+        "(queue, timer_id)"
+    };
+    let notified = if n.buckets.is_some() {
+        "array_agg"
+    } else {
+        "count"
+    };
     format!(
         r#"
 WITH sel AS (
@@ -87,23 +112,23 @@ chk AS (
                  AS map
           FROM sel) s),
 ins AS (
-    INSERT INTO {t} (queue, payload, headers, timer_id)
-    SELECT queue, payload,
+    INSERT INTO {t} ({bc}queue, payload, headers, timer_id)
+    SELECT {bv}queue, payload,
            (coalesce(headers, '{{}}'::jsonb) - '{sh}') || jsonb_build_object({hdr}::text, id::text),
            key
     FROM (SELECT c.*, row_number() OVER (PARTITION BY c.queue, c.key ORDER BY c.id) AS nth
           FROM (SELECT chk.*, CASE WHEN starts_with(timer_id, '{sk}') THEN NULL ELSE timer_id END AS key
                 FROM chk WHERE redriven_at IS NULL AND map AND bytes <= {max}::bigint) c) c
     WHERE key IS NULL
-       OR (nth = 1 AND NOT EXISTS (SELECT FROM {t} l WHERE l.queue = c.queue AND l.timer_id = c.key))
+       OR (nth = 1 AND NOT EXISTS (SELECT FROM {t} l WHERE l.queue = c.queue AND l.timer_id = c.key{lb4}))
     ORDER BY id
-    ON CONFLICT (queue, timer_id) WHERE timer_id IS NOT NULL DO NOTHING
+    ON CONFLICT {conflict} WHERE timer_id IS NOT NULL DO NOTHING
     RETURNING id, queue, next_attempt_at, (headers ->> {hdr}::text)::bigint AS dead_letter_id),
 marked AS (
     UPDATE {d} d
     SET redriven_at = now(),
         redriven_id = ((SELECT jsonb_object_agg(dead_letter_id::text, id) FROM ins) ->> d.id::text)::bigint
-    WHERE d.id = ANY(ARRAY(SELECT dead_letter_id FROM ins))
+    WHERE d.id = ANY(ARRAY(SELECT dead_letter_id FROM ins)){db4}
     RETURNING d.id)
 SELECT r.id,
        CASE WHEN c.id IS NULL THEN 'not_found'
@@ -113,13 +138,15 @@ SELECT r.id,
             WHEN i.id IS NULL THEN 'timer_key_held'
             ELSE 'redriven' END,
        coalesce(i.id, c.redriven_id), c.bytes,
-       (SELECT count({notify})
+       (SELECT {notified}({notify})
         FROM (SELECT queue, min(next_attempt_at) AS next_attempt_at FROM ins GROUP BY queue) q)
 FROM {requested} r
 LEFT JOIN chk c ON c.id = r.id
 LEFT JOIN ins i ON i.dead_letter_id = r.id
 ORDER BY r.id"#,
         notify = notify(n, "q"),
+        lb4 = in_bucket(n, "l.", b),
+        db4 = in_bucket(n, "d.", b),
         sh = super::periodic::SCHEDULE_HEADER,
         sk = super::periodic::SCHEDULE_KEY_PREFIX,
     )
@@ -143,14 +170,17 @@ ORDER BY id LIMIT $8"#
         // reported not found. SKIP LOCKED could only report a row held by an uncommitted
         // redrive as done, which a rollback would make untrue. Id order keeps two redrives
         // from locking each other's rows in opposite orders (no deadlock between them).
-        let sel_ids =
-            format!("SELECT {LOCKED} FROM {d} WHERE id = ANY($1::bigint[]) ORDER BY id FOR UPDATE");
+        let sel_ids = format!(
+            "SELECT {LOCKED} FROM {d} WHERE id = ANY($1::bigint[]){b4} ORDER BY id FOR UPDATE",
+            b4 = in_bucket(n, "", 4),
+        );
         let redrive_ids = redrive(
             n,
             &sel_ids,
             "(SELECT DISTINCT unnest($1::bigint[]) AS id)",
             "$2",
             "$3",
+            4,
         );
         // The LIMIT sits above the row locks: a row that a concurrent redrive marked while
         // this one waited fails the re-check and the scan moves on to the next row.
@@ -158,7 +188,7 @@ ORDER BY id LIMIT $8"#
             "SELECT {LOCKED} FROM {d} WHERE redriven_at IS NULL AND {FILTER} \
              ORDER BY id LIMIT $7 FOR UPDATE"
         );
-        let redrive_matching = redrive(n, &sel_matching, "sel", "$8", "$9");
+        let redrive_matching = redrive(n, &sel_matching, "sel", "$8", "$9", 10);
         // Oldest first through the `(failed_at)` index (the age bound is its index
         // condition: `least` ignores the NULL of an unset bound); SKIP LOCKED so a purge never
         // waits for a redrive in progress (its rows are left for the next purge) and never
@@ -175,7 +205,24 @@ DELETE FROM {d} WHERE id = ANY(ARRAY(SELECT id FROM doomed)){b8}"#,
             // delete stay on one shard; the purge visits the buckets in turn.
             b8 = in_bucket(n, "", 8),
         );
+        // Distributed mode: where the rows of a redrive are, a read without row locks
+        // across the shards; the redrive then runs `redrive_ids` bucket by bucket.
+        let (locate_ids, locate_matching) = match n.buckets {
+            None => (None, None),
+            Some(_) => (
+                Some(query(format!(
+                    "SELECT id, bucket FROM {d} WHERE id = ANY($1::bigint[])"
+                ))),
+                Some(query(format!(
+                    "SELECT id, bucket FROM {d} WHERE redriven_at IS NULL AND {FILTER} \
+                     ORDER BY id LIMIT $7"
+                ))),
+            ),
+        };
         Dlq {
+            wake: wake(n),
+            locate_ids,
+            locate_matching,
             list: query(list),
             redrive_ids: query(redrive_ids),
             redrive_matching: query(redrive_matching),

@@ -5,7 +5,8 @@
 
 use sqlx::SqlStr;
 
-use super::text::{notify, query};
+use super::publish::bucket_columns;
+use super::text::{in_bucket, notify, query, wake};
 use crate::names::Names;
 
 /// The header that holds a schedule's fingerprint. A literal of our own, pasted into the
@@ -18,12 +19,22 @@ pub(crate) const SCHEDULE_KEY_PREFIX: &str = "schedule:";
 #[derive(Debug)]
 pub(crate) struct Periodic {
     /// Queues the next instant on a running periodic row: `$1` id, `$2` token, `$3` next
-    /// instant → `(rows locked, cancelled, rearm deadline now stored, written)`.
+    /// instant (distributed mode: `$4` the row's bucket) → `(rows locked, cancelled, rearm
+    /// deadline now stored, written)`.
     pub arm_next: SqlStr,
     /// Registers a schedule: `$1` queue, `$2` timer id, `$3` payload, `$4` headers, `$5`
-    /// first instant → one row `(id, inserted, leased, deadline or rearm deadline, notify)`
-    /// when something was written, none when the stored schedule is the same.
+    /// first instant (distributed mode: `$6` the key's bucket) → one row `(id, inserted,
+    /// leased, deadline or rearm deadline, notify)` when something was written, none when
+    /// the stored schedule is the same.
     pub register: SqlStr,
+    /// Distributed mode: `register` rewrites the key's row only, one row per row found
+    /// (its id NULL when nothing changed); this inserts the schedule when it found none,
+    /// same parameters → `(id, true, false, deadline, notify)`, none when another
+    /// registration inserted it first.
+    pub register_insert: Option<SqlStr>,
+    /// Sends the wake-up payloads its statements return, distributed mode only
+    /// (`text::wake`).
+    pub wake: Option<SqlStr>,
 }
 
 impl Periodic {
@@ -54,16 +65,18 @@ WITH cur AS (
              AND (rearm_at >= $3::timestamptz
                   OR (rearm_headers->>'{h}' IS NOT NULL
                       AND rearm_headers->>'{h}' IS DISTINCT FROM headers->>'{h}')) AS keep
-    FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2 FOR UPDATE),
+    FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2{b4} FOR UPDATE),
 armed AS (
     UPDATE {t} t SET rearm_at = $3::timestamptz, rearm_payload = cur.payload,
                      rearm_headers = cur.headers
-    FROM cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.cancelled AND NOT cur.keep
+    FROM cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.cancelled AND NOT cur.keep{tb4}
     RETURNING t.rearm_at)
 SELECT (SELECT count(*) FROM cur), (SELECT bool_or(cancelled) FROM cur),
        coalesce((SELECT rearm_at FROM armed),
                 (SELECT rearm_at FROM cur WHERE NOT cancelled)),
-       (SELECT count(*) FROM armed) > 0"#
+       (SELECT count(*) FROM armed) > 0"#,
+            b4 = in_bucket(n, "", 4),
+            tb4 = in_bucket(n, "t.", 4),
         );
         // SPEC §9.1: registration in one statement, on the partial unique index
         // `<t>_timer_id_uq` `(queue, timer_id) WHERE timer_id IS NOT NULL`. Two workers
@@ -157,7 +170,62 @@ SELECT up.id, up.inserted, up.leased,
 FROM up"#,
             notify = notify(n, "up"),
         );
+        // Distributed mode (Citus): the two single-shard steps of a distributed keyed
+        // publish (sql/publish.rs): `register` locks and rewrites the key's row (one row
+        // per row found, its id NULL when the stored schedule is the same), and only when
+        // it found none `register_insert` inserts with `ON CONFLICT … DO NOTHING`; `$6` is
+        // the key's bucket in both.
+        let (register, register_insert) = match n.buckets {
+            None => (register, None),
+            Some(_) => {
+                // `now()` comes from `cur`: Citus refuses a function that is not
+                // IMMUTABLE inside CASE or COALESCE of an UPDATE (sql/publish.rs).
+                let proposed = |text: &str| {
+                    text.replace("excluded.next_attempt_at", "$5::timestamptz")
+                        .replace("excluded.payload", "$3::bytea")
+                        .replace("excluded.headers", "$4::jsonb")
+                        .replace("now()", "cur.now")
+                };
+                let update = format!(
+                    r#"
+WITH cur AS (
+    SELECT id, now() AS now
+    FROM {t} WHERE queue = $1::text AND timer_id = $2::text{b6} FOR UPDATE),
+upd AS (
+    UPDATE {t} AS t SET
+        {set}
+    FROM cur
+    WHERE t.queue = $1::text AND t.timer_id = $2::text AND t.id = cur.id{tb6}
+      AND ({changed})
+    RETURNING t.id, t.queue, t.next_attempt_at, t.rearm_at,
+              (t.acquired_token IS NOT NULL) AS leased)
+SELECT upd.id, false, upd.leased,
+       CASE WHEN upd.leased THEN upd.rearm_at ELSE upd.next_attempt_at END,
+       CASE WHEN NOT upd.leased THEN {notify} END
+FROM cur LEFT JOIN upd ON upd.id = cur.id"#,
+                    set = proposed(&set),
+                    changed = proposed(&changed),
+                    notify = notify(n, "upd"),
+                    b6 = in_bucket(n, "", 6),
+                    tb6 = in_bucket(n, "t.", 6),
+                );
+                let (bc, bv) = bucket_columns(n, 6);
+                let insert = format!(
+                    r#"
+WITH ins AS (
+    INSERT INTO {t} ({bc}queue, payload, headers, next_attempt_at, timer_id)
+    VALUES ({bv}$1::text, $3::bytea, $4::jsonb, $5::timestamptz, $2::text)
+    ON CONFLICT (bucket, queue, timer_id) WHERE timer_id IS NOT NULL DO NOTHING
+    RETURNING id, queue, next_attempt_at)
+SELECT ins.id, true, false, ins.next_attempt_at, {notify} FROM ins"#,
+                    notify = notify(n, "ins"),
+                );
+                (update, Some(query(insert)))
+            }
+        };
         Periodic {
+            wake: wake(n),
+            register_insert,
             arm_next: query(arm_next),
             register: query(register),
         }

@@ -3,7 +3,7 @@
 
 use sqlx::SqlStr;
 
-use super::text::{in_bucket, notify, query};
+use super::text::{in_bucket, notify, query, wake};
 use crate::names::Names;
 
 /// `$1` queue, `$2` payload, `$3` headers, `$4` delay interval, `$5` absolute deadline,
@@ -16,10 +16,19 @@ pub(crate) struct Publish {
     pub plain: SqlStr,
     /// A keyed timer, `OnConflict::Ignore`.
     pub insert: SqlStr,
-    /// A keyed timer, `OnConflict::Extend`; `$7` the slack interval.
+    /// A keyed timer, `OnConflict::Extend`; `$7` the slack interval → `(id, inserted,
+    /// leased, notify)` when it wrote. Distributed mode: the rewrite of the key's row only,
+    /// one row `(id or NULL when nothing was written, false, leased, NULL)` when the key has
+    /// a row, none when it has not (then `insert`).
     pub extend: SqlStr,
+    /// Distributed mode: `$1` queue, `$2` timer id, `$3` bucket → how many rows hold the
+    /// key, the look before `insert` (see `render`).
+    pub held: Option<SqlStr>,
     /// Many messages of one queue.
     pub batch: SqlStr,
+    /// Sends the wake-up payloads its statements return, distributed mode only
+    /// (`text::wake`).
+    pub wake: Option<SqlStr>,
 }
 
 /// Distributed mode: the leading columns of an insert and their values, the bucket from
@@ -28,7 +37,7 @@ pub(crate) struct Publish {
 /// `nextval * buckets + bucket` (Citus evaluates `nextval`
 /// on the coordinator, before it routes the insert to the bucket's shard). Empty for a
 /// single node, whose id is the identity default.
-fn bucket_columns(n: &Names, param: u32) -> (&'static str, String) {
+pub(super) fn bucket_columns(n: &Names, param: u32) -> (&'static str, String) {
     match n.buckets {
         Some(b) => (
             "bucket, buckets, id, ",
@@ -171,19 +180,20 @@ SELECT array_agg(ins.id ORDER BY ins.id),
 FROM ins"#,
             notify = notify(n, "ins"),
         );
-        // Distributed mode (Citus): one INSERT … VALUES each, which Citus runs whole on the
-        // bucket's shard (a CTE without a table, or an INSERT … SELECT, is planned in steps
-        // through the coordinator, which ships intermediate results to every node and turns
-        // the caller's transaction into a two-phase commit). So an extend of a held key
-        // takes a sequence value here (ids have 2⁶³ / buckets values to spend), and the
-        // slack is subtracted by `<table>_minus_us`.
-        let (insert, extend) = match n.buckets {
-            None => (insert, extend),
+        // Distributed mode (Citus): a keyed write is two single-shard statements, never a
+        // CTE that inserts from a SELECT or from a table-less CTE (Citus plans those in
+        // steps through the coordinator, ships intermediate results to every node and turns
+        // the caller's transaction into a two-phase commit), and never `ON CONFLICT … DO
+        // UPDATE` (Citus refuses a non-IMMUTABLE function there, and `timestamptz ±
+        // interval` is only STABLE). First `held` (Ignore) or `extend` (the lock and rewrite
+        // of the key's row, as a single node's `cur` and `upd`), then, only when no row of
+        // the key was found, the INSERT … VALUES with `ON CONFLICT … DO NOTHING`: an existing
+        // key consumes no sequence value, as on a single node. An insert that meets a row
+        // committed after the look (it returns nothing) goes back to the first statement
+        // (`publish.rs`).
+        let (insert, extend, held) = match n.buckets {
+            None => (insert, extend, None),
             Some(_) => {
-                let minus = &n.qminus_us;
-                let keyed_values = format!(
-                    "({bc8}queue, payload, headers, next_attempt_at, timer_id) VALUES ({bv8}$1, $2, $3, coalesce($5::timestamptz, now() + $4::interval), $6)"
-                );
                 let insert = format!(
                     r#"
 WITH ins AS (
@@ -193,26 +203,48 @@ WITH ins AS (
 SELECT ins.id, {notify} FROM ins"#,
                     notify = notify(n, "ins"),
                 );
+                let held = format!(
+                    "SELECT count(*) FROM {t} WHERE queue = $1::text AND timer_id = $2::text{b3}",
+                    b3 = in_bucket(n, "", 3),
+                );
+                // Every value from `now()` or `timestamptz + interval` (STABLE) is computed
+                // in `cur`, on the locked row's latest version: Citus refuses a function
+                // that is not IMMUTABLE inside CASE or COALESCE of a statement that writes.
+                let due = "coalesce($5::timestamptz, cur.relative)";
+                let proposed = |text: &str| {
+                    text.replace("excluded.next_attempt_at", due)
+                        .replace("excluded.payload", "$2::bytea")
+                        .replace("excluded.headers", "$3::jsonb")
+                };
+                let later = format!(
+                    "{due} > CASE WHEN t.acquired_token IS NULL THEN cur.pending_bound
+        ELSE greatest(t.next_attempt_at, cur.rearm_bound) END"
+                );
                 let extend = format!(
                     r#"
-WITH up AS (
-    INSERT INTO {t} AS t {keyed_values}
-    ON CONFLICT {conflict} WHERE timer_id IS NOT NULL DO UPDATE SET
+WITH cur AS (
+    SELECT id, now() + $4::interval AS relative, next_attempt_at + $7::interval AS pending_bound,
+           rearm_at + $7::interval AS rearm_bound
+    FROM {t} WHERE queue = $1::text AND timer_id = $6::text{b8} FOR UPDATE),
+upd AS (
+    UPDATE {t} AS t SET
         {set}
-    WHERE CASE WHEN t.acquired_token IS NULL THEN {minus}(excluded.next_attempt_at, $7::interval) > t.next_attempt_at
-        ELSE excluded.next_attempt_at > t.next_attempt_at
-             AND (t.rearm_at IS NULL OR {minus}(excluded.next_attempt_at, $7::interval) > t.rearm_at) END
-    RETURNING t.id, t.queue, t.next_attempt_at, (t.xmax = 0) AS inserted,
-              (t.acquired_token IS NOT NULL) AS leased)
-SELECT up.id, up.inserted, up.leased,
-       CASE WHEN up.inserted THEN {notify} END
-FROM up"#,
-                    notify = notify(n, "up"),
+    FROM cur
+    WHERE t.queue = $1::text AND t.timer_id = $6::text AND t.id = cur.id{tb8}
+      AND {later}
+    RETURNING t.id, (t.acquired_token IS NOT NULL) AS leased)
+SELECT upd.id, false, upd.leased, NULL::text
+FROM cur LEFT JOIN upd ON upd.id = cur.id"#,
+                    set = proposed(&set),
+                    b8 = in_bucket(n, "", 8),
+                    tb8 = in_bucket(n, "t.", 8),
                 );
-                (insert, extend)
+                (insert, extend, Some(query(held)))
             }
         };
         Publish {
+            wake: wake(n),
+            held,
             plain: query(plain),
             insert: query(insert),
             extend: query(extend),

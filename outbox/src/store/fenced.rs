@@ -54,6 +54,9 @@ pub(crate) async fn ack_on(
         .fetch_one(&mut *db)
         .await
         .outbox_sql()?;
+    scope
+        .wake(&mut db, sql.wake.as_ref(), [row.try_get(2).outbox_sql()?])
+        .await?;
     db.done().await?;
     settled(&row)
 }
@@ -80,6 +83,10 @@ pub(crate) async fn ack_batch_settle_on(
     leases: &[Lease],
 ) -> Result<HashMap<Lease, Completion>> {
     let rows = by_lease(&sql.ack_batch_settle, sql, scope, &mut db, leases).await?;
+    let wakes = rows.iter().map(|r| r.try_get(3)).collect::<Result<Vec<_>, _>>();
+    scope
+        .wake(&mut db, sql.wake.as_ref(), wakes.outbox_sql()?)
+        .await?;
     db.done().await?;
     let mut settled = HashMap::new();
     for r in rows {
@@ -108,6 +115,9 @@ pub(crate) async fn retry_on(
         .fetch_one(&mut *db)
         .await
         .outbox_sql()?;
+    scope
+        .wake(&mut db, sql.wake.as_ref(), [row.try_get(3).outbox_sql()?])
+        .await?;
     db.done().await?;
     let locked: i64 = row.try_get(0).outbox_sql()?;
     let at: Option<DateTime<Utc>> = row.try_get(1).outbox_sql()?;
@@ -151,6 +161,9 @@ pub(crate) async fn fail_on(
                     .fetch_one(&mut *db)
                     .await
                     .outbox_sql()?;
+                scope
+                    .wake(&mut db, sql.wake.as_ref(), [row.try_get(2).outbox_sql()?])
+                    .await?;
                 settled(&row)?
             }
         };
@@ -168,6 +181,9 @@ pub(crate) async fn fail_on(
         .fetch_one(&mut *db)
         .await
         .outbox_sql()?;
+    scope
+        .wake(&mut db, sql.wake.as_ref(), [row.try_get(2).outbox_sql()?])
+        .await?;
     db.done().await?;
     if row.try_get::<Option<bool>, _>(3).outbox_sql()? == Some(true) {
         return Ok(Completion::Cancelled);
@@ -224,6 +240,10 @@ pub(crate) async fn release_on(
                 .outbox_sql()?,
         );
     }
+    let wakes = rows.iter().map(|r| r.try_get(3)).collect::<Result<Vec<_>, _>>();
+    scope
+        .wake(&mut db, sql.wake.as_ref(), wakes.outbox_sql()?)
+        .await?;
     db.done().await?;
     let mut done = HashMap::new();
     for r in rows {
@@ -296,19 +316,22 @@ fn settled(row: &PgRow) -> Result<Completion> {
     })
 }
 
-/// `arm_next` on `db`: one locking statement, see [`Armed`].
+/// `arm_next` on `db`: one locking statement, see [`Armed`]; `bucket` is the row's
+/// (distributed mode).
 pub(crate) async fn arm_next_on(
     sql: &Periodic,
     scope: Scope,
     mut db: Db<'_>,
     lease: Lease,
     at: DateTime<Utc>,
+    bucket: Option<i16>,
 ) -> Result<Armed> {
     let row = scope
         .query(sql.arm_next.clone())
         .bind(lease.id)
         .bind(lease.token)
         .bind(at)
+        .bucket(bucket)
         .fetch_one(&mut *db)
         .await
         .outbox_sql()?;

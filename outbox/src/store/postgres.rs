@@ -625,21 +625,22 @@ impl Store for PgStore {
 
     async fn arm_next(&self, lease: Lease, at: DateTime<Utc>) -> Result<Armed> {
         check_instant("at", at)?;
-        self.outbox.local_only("a periodic schedule")?;
         let (sql, scope) = (&self.outbox.sql().periodic, self.scope());
-        self.single(|db| arm_next_on(sql, scope, db, lease, at))
+        let bucket = self.outbox.bucket_of_id(lease.id);
+        self.single(|db| arm_next_on(sql, scope, db, lease, at, bucket))
             .await
     }
 
     async fn register_schedule(&self, request: RegisterSchedule<'_>) -> Result<Registered> {
-        self.outbox.local_only("a periodic schedule")?;
         // On the caller's pool: a registration may wait for a claim's or a completion's row
         // lock, and holds no other.
+        let bucket = self.outbox.bucket_for(Some(request.timer_id), None);
         register_on(
             &self.outbox.sql().periodic,
             self.scope(),
             &self.pool,
             request,
+            bucket,
         )
         .await
     }
@@ -828,25 +829,63 @@ impl Publisher for &PgStore {
     }
 }
 
-/// `register` on `db`: one statement (`periodic.register`), see [`Registered`].
+/// `register` on `db`: one statement (`periodic.register`), see [`Registered`]; `bucket`
+/// is the key's (distributed mode).
 pub(crate) async fn register_on(
     sql: &Periodic,
     scope: Scope,
     pool: &PgPool,
     request: RegisterSchedule<'_>,
+    bucket: Option<i16>,
 ) -> Result<Registered> {
     request.validate()?;
     let mut db = scope.acquire(pool).await?;
-    let row = scope
-        .query(sql.register.clone())
-        .bind(request.queue)
-        .bind(request.timer_id)
-        .bind(request.payload)
-        .bind(Json(request.headers))
-        .bind(request.first)
+    let statement = |sql: &sqlx::SqlStr| {
+        scope
+            .query(sql.clone())
+            .bind(request.queue)
+            .bind(request.timer_id)
+            .bind(request.payload)
+            .bind(Json(request.headers))
+            .bind(request.first)
+            .bucket(bucket)
+    };
+    let mut row = statement(&sql.register)
         .fetch_optional(&mut *db)
         .await
         .outbox_sql()?;
+    if let Some(insert) = &sql.register_insert {
+        // Distributed mode: the rewrite of the key's row first, then the insert when it
+        // found none, again while the insert meets a row committed in between (as a
+        // distributed keyed publish, `publish.rs`).
+        let mut rounds = 0;
+        while row.is_none() {
+            row = statement(insert).fetch_optional(&mut *db).await.outbox_sql()?;
+            if row.is_some() {
+                break;
+            }
+            rounds += 1;
+            if rounds == crate::publish::KEYED_ROUNDS {
+                return Err(Error::Database(sqlx::Error::Protocol(format!(
+                    "the schedule's key was created and deleted by others {rounds} times while this registration ran"
+                ))));
+            }
+            row = statement(&sql.register)
+                .fetch_optional(&mut *db)
+                .await
+                .outbox_sql()?;
+        }
+        if let Some(r) = &row {
+            if r.try_get::<Option<i64>, _>(0).outbox_sql()?.is_none() {
+                row = None;
+            }
+        }
+    }
+    if let Some(r) = &row {
+        scope
+            .wake(&mut db, sql.wake.as_ref(), [r.try_get(4).outbox_sql()?])
+            .await?;
+    }
     db.done().await?;
     let Some(row) = row else {
         return Ok(Registered::Unchanged);

@@ -19,6 +19,15 @@
 //! This replaces "the transaction's start time" with "the test's clock": what the contract
 //! suite checks is the logic of each statement, not Postgres' clock. The Postgres-only tests
 //! (`tests/it/postgres/`) run on the real clock.
+//!
+//! # On a Citus cluster
+//!
+//! Under `.ci/citus` ([`crate::citus`]) the outbox is distributed with **one bucket**, so
+//! every row id is the sequence value the hand-written expectations count (`nextval × 1 +
+//! 0`), and every statement is the distributed one. Citus ships each statement to a worker
+//! node with its names schema-qualified, so the test's `now()` runs there too: every worker
+//! gets the same schema, its own `clock` table and the same function (created on the node
+//! itself, not through Citus), and [`Harness::advance`] moves every node's clock.
 
 use std::future::Future;
 use std::time::Duration;
@@ -277,6 +286,53 @@ pub struct PgHarness {
     /// The store under test.
     pub store: PgStore,
     schema: String,
+    /// On a Citus cluster, one connection to each worker node: their clocks.
+    workers: Vec<PgPool>,
+}
+
+/// A pool of one connection to `url`, statements unlogged.
+async fn node(url: &str) -> PgPool {
+    let opts = url
+        .parse::<PgConnectOptions>()
+        .expect("a Postgres URL")
+        .disable_statement_logging();
+    PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(opts)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"))
+}
+
+/// The clock table and the `now()` that reads it, in `schema` (which exists), reading
+/// [`start`]. On a Citus node DDL propagation is off: each node gets its own.
+async fn create_clock(pool: &PgPool, schema: &str) {
+    let setup = format!(
+        "SET citus.enable_ddl_propagation = off;\
+         CREATE TABLE \"{schema}\".clock (t timestamptz NOT NULL);\
+         CREATE FUNCTION \"{schema}\".now() RETURNS timestamptz LANGUAGE sql STABLE \
+           AS 'SELECT t FROM \"{schema}\".clock';\
+         RESET citus.enable_ddl_propagation;"
+    );
+    let setup = if crate::citus() {
+        setup
+    } else {
+        // A plain Postgres has no such setting.
+        setup
+            .replace("SET citus.enable_ddl_propagation = off;", "")
+            .replace("RESET citus.enable_ddl_propagation;", "")
+    };
+    sqlx::raw_sql(AssertSqlSafe(setup))
+        .execute(pool)
+        .await
+        .expect("create the clock");
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".clock VALUES ($1)"
+    )))
+    .bind(start())
+    .execute(pool)
+    .await
+    .expect("set the clock");
 }
 
 impl PgHarness {
@@ -325,23 +381,25 @@ impl Harness for PgHarness {
     async fn new(dead_letter: bool) -> Self {
         let schema = unique_table("clk");
         let admin = crate::pool_with(1).await;
-        let setup = format!(
-            "CREATE SCHEMA \"{schema}\";\
-             CREATE TABLE \"{schema}\".clock (t timestamptz NOT NULL);\
-             CREATE FUNCTION \"{schema}\".now() RETURNS timestamptz LANGUAGE sql STABLE \
-               AS 'SELECT t FROM \"{schema}\".clock';"
-        );
-        sqlx::raw_sql(AssertSqlSafe(setup))
+        // On Citus the schema is propagated to the workers (a distributed object).
+        sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
             .execute(&admin)
             .await
             .expect("create the clock schema");
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO \"{schema}\".clock VALUES ($1)"
-        )))
-        .bind(start())
-        .execute(&admin)
-        .await
-        .expect("set the clock");
+        let mut workers = Vec::new();
+        for url in crate::citus_workers() {
+            let w = node(&url).await;
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "SET citus.enable_ddl_propagation = off;\
+                 CREATE SCHEMA IF NOT EXISTS \"{schema}\";"
+            )))
+            .execute(&w)
+            .await
+            .expect("the clock schema on a worker");
+            create_clock(&w, &schema).await;
+            workers.push(w);
+        }
+        create_clock(&admin, &schema).await;
         admin.close().await;
 
         let url = database_url();
@@ -362,7 +420,12 @@ impl Harness for PgHarness {
             .expect("now()");
         assert_eq!(now, start(), "now() must resolve to the test's clock");
 
-        let outbox = Outbox::builder()
+        let builder = if crate::citus() {
+            Outbox::builder().distributed(1)
+        } else {
+            Outbox::builder()
+        };
+        let outbox = builder
             .schema(schema.clone())
             .table("outbox")
             .dead_letter(dead_letter)
@@ -375,6 +438,7 @@ impl Harness for PgHarness {
             outbox,
             store,
             schema,
+            workers,
         }
     }
 
@@ -383,14 +447,14 @@ impl Harness for PgHarness {
     }
 
     async fn advance(&self, by: Duration) {
-        sqlx::query(AssertSqlSafe(format!(
-            "UPDATE {}.clock SET t = t + $1",
-            self.schema()
-        )))
-        .bind(interval(by))
-        .execute(&self.pool)
-        .await
-        .expect("advance the clock");
+        let sql = format!("UPDATE {}.clock SET t = t + $1", self.schema());
+        for pool in std::iter::once(&self.pool).chain(&self.workers) {
+            sqlx::query(AssertSqlSafe(sql.clone()))
+                .bind(interval(by))
+                .execute(pool)
+                .await
+                .expect("advance the clock");
+        }
     }
 
     async fn publish_batch(
@@ -500,11 +564,18 @@ impl Harness for PgHarness {
             (None, Some(h)) => Some(Json(serde_json::to_value(h).expect("headers encode"))),
             (None, None) => None,
         };
+        // A distributed table needs the bucket (`PgHarness::new`: one bucket).
+        let (bucket, at_bucket) = if crate::citus() {
+            ("bucket, ", "0, ")
+        } else {
+            ("", "")
+        };
         sqlx::query_scalar(AssertSqlSafe(format!(
-            "INSERT INTO {} (original_id, queue, payload, headers, timer_id, attempts_count, \
-               deliveries_count, created_at, failed_at, failure_reason, last_error, \
-               redriven_at, redriven_id) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) RETURNING id",
+            "INSERT INTO {} ({bucket}original_id, queue, payload, headers, timer_id, \
+               attempts_count, deliveries_count, created_at, failed_at, failure_reason, \
+               last_error, redriven_at, redriven_id) \
+             VALUES ({at_bucket}$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+             RETURNING id",
             self.outbox.dead_letter_table()
         )))
         .bind(d.original_id)
@@ -555,5 +626,16 @@ impl Harness for PgHarness {
         .await
         .expect("drop the test schema");
         admin.close().await;
+        for w in self.workers {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "SET citus.enable_ddl_propagation = off;\
+                 DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+                self.schema
+            )))
+            .execute(&w)
+            .await
+            .expect("drop the test schema on a worker");
+            w.close().await;
+        }
     }
 }

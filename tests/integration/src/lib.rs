@@ -146,6 +146,19 @@ pub fn citus() -> bool {
     std::env::var("OUTBOX_CITUS").is_ok_and(|v| v == "1")
 }
 
+/// The worker nodes' URLs of the Citus cluster (`.ci/citus` sets `OUTBOX_CITUS_WORKERS`);
+/// none on a single node.
+pub fn citus_workers() -> Vec<String> {
+    if !citus() {
+        return Vec::new();
+    }
+    std::env::var("OUTBOX_CITUS_WORKERS")
+        .expect("OUTBOX_CITUS_WORKERS names the Citus workers (.ci/citus sets it)")
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect()
+}
+
 /// The buckets of the tests' distributed outboxes (more than the cluster's 8 shards).
 pub const CITUS_BUCKETS: u16 = 16;
 

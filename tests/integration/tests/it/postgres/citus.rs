@@ -618,7 +618,7 @@ async fn a_write_co_located_with_the_outbox_commits_without_two_phase_commit() {
 
 #[tokio::test]
 #[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
-async fn reads_pause_and_actions_by_id_work_and_the_rest_is_refused_before_sql() {
+async fn reads_pause_actions_by_id_redrive_and_purge_work_across_buckets() {
     use outbox::admin::RowAction;
     use outbox::message::Schedule;
     let f = cluster().await;
@@ -667,21 +667,6 @@ async fn reads_pause_and_actions_by_id_work_and_the_rest_is_refused_before_sql()
         o.delete_pending(&mut one, ids[2]).await.unwrap(),
         RowAction::NotFound
     );
-    // Not built yet on a cluster: a typed refusal before any SQL, not a Citus error.
-    let refused = |e: Error| {
-        matches!(
-            e,
-            Error::InvalidConfig {
-                knob: "distributed",
-                ..
-            }
-        )
-    };
-    assert!(refused(
-        o.redrive_dead_letters(&mut conn, &outbox::dlq::Redrive::ids([1_i64]))
-            .await
-            .unwrap_err()
-    ));
     // Purge: bucket by bucket. Dead letters in several buckets, purged in batches of 2.
     for i in 0..5 {
         o.publish(&mut conn, Message::new("dead", format!("{i}").as_bytes()))
@@ -704,6 +689,40 @@ async fn reads_pause_and_actions_by_id_work_and_the_rest_is_refused_before_sql()
             Completion::Deleted
         );
     }
+    // Redrive: bucket by bucket in one transaction; each new row stays in its dead
+    // letter's bucket.
+    use outbox::dlq::{Redrive, RedriveResult};
+    let letters = o
+        .dead_letters(&mut conn, &outbox::dlq::DeadLetterFilter::new().queue("dead"), None, 10)
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 5);
+    let bucket = |id: i64| id % i64::from(outbox_tests::CITUS_BUCKETS);
+    let buckets: std::collections::HashSet<i64> =
+        letters.iter().map(|d| bucket(d.original_id)).collect();
+    assert!(buckets.len() > 1, "round robin spreads the rows: {buckets:?}");
+    let outcomes = o
+        .redrive_dead_letters(
+            &mut conn,
+            &Redrive::matching(outbox::dlq::DeadLetterFilter::new().queue("dead"), 10),
+        )
+        .await
+        .unwrap();
+    assert_eq!(outcomes.len(), 5);
+    for (letter, outcome) in letters.iter().zip(&outcomes) {
+        assert_eq!(outcome.dead_letter_id, letter.id);
+        let RedriveResult::Redriven { id } = outcome.result else {
+            panic!("{outcome:?}");
+        };
+        assert_eq!(bucket(id), bucket(letter.original_id));
+    }
+    assert_eq!(o.pending(&mut conn, "dead", 10).await.unwrap().len(), 5);
+    let again = o
+        .redrive_dead_letters(&mut conn, &Redrive::ids([letters[0].id, i64::MAX]))
+        .await
+        .unwrap();
+    assert!(matches!(again[0].result, RedriveResult::AlreadyRedriven { .. }), "{again:?}");
+    assert_eq!(again[1].result, RedriveResult::NotFound);
     tokio::time::sleep(Duration::from_millis(20)).await;
     let purged = o
         .purge_dead_letters(
