@@ -121,7 +121,9 @@ async fn toggle(
         }
     };
     if let (Some(row), Some(_)) = (&row, wake) {
-        scope.wake(&mut db, wake, [row.try_get(0).outbox_sql()?]).await?;
+        scope
+            .wake(&mut db, wake, [row.try_get(0).outbox_sql()?])
+            .await?;
     }
     db.done().await?;
     Ok(row.is_some())

@@ -631,7 +631,10 @@ async fn redrive_by_bucket(
     }
     // An id no dead letter has: the statement of a single node reports it from its list.
     let found: std::collections::HashSet<i64> = outcomes.iter().map(|o| o.dead_letter_id).collect();
-    let mut missing: Vec<i64> = requested.into_iter().filter(|id| !found.contains(id)).collect();
+    let mut missing: Vec<i64> = requested
+        .into_iter()
+        .filter(|id| !found.contains(id))
+        .collect();
     missing.sort_unstable();
     missing.dedup();
     outcomes.extend(missing.into_iter().map(|dead_letter_id| RedriveOutcome {

@@ -183,7 +183,17 @@ async fn publish_untraced(
     let mut db = scope.on(conn).await?;
     let written = match (&sql.held, message.timer_id) {
         (Some(held), Some(key)) => {
-            keyed_in_steps(sql, held, scope, &mut db, &message, key, (delay, at), bucket).await?
+            keyed_in_steps(
+                sql,
+                held,
+                scope,
+                &mut db,
+                &message,
+                key,
+                (delay, at),
+                bucket,
+            )
+            .await?
         }
         _ => {
             let statement = match (message.on_conflict, message.timer_id) {
@@ -196,18 +206,26 @@ async fn publish_untraced(
                 OnConflict::Extend => query.bind(interval(slack_micros(message.slack))),
                 OnConflict::Ignore => query,
             };
-            let row = query.bucket(bucket).fetch_optional(&mut *db).await.outbox_sql()?;
+            let row = query
+                .bucket(bucket)
+                .fetch_optional(&mut *db)
+                .await
+                .outbox_sql()?;
             match row {
                 None => None,
                 Some(r) => Some(match message.on_conflict {
-                    OnConflict::Ignore => Written::Inserted(r.try_get(0).outbox_sql()?, r.try_get(1).outbox_sql()?),
+                    OnConflict::Ignore => {
+                        Written::Inserted(r.try_get(0).outbox_sql()?, r.try_get(1).outbox_sql()?)
+                    }
                     OnConflict::Extend => Written::from_extend(&r)?,
                 }),
             }
         }
     };
     if let Some(Written::Inserted(_, wake)) = &written {
-        scope.wake(&mut db, sql.wake.as_ref(), [wake.clone()]).await?;
+        scope
+            .wake(&mut db, sql.wake.as_ref(), [wake.clone()])
+            .await?;
     }
     db.done().await?;
     Ok(match written {
@@ -240,7 +258,8 @@ impl Written {
     /// row was found and left as it was, distributed mode).
     fn from_extend(r: &PgRow) -> Result<Written> {
         let id: i64 = r.try_get(0).outbox_sql()?;
-        let (inserted, leased): (bool, bool) = (r.try_get(1).outbox_sql()?, r.try_get(2).outbox_sql()?);
+        let (inserted, leased): (bool, bool) =
+            (r.try_get(1).outbox_sql()?, r.try_get(2).outbox_sql()?);
         Ok(if inserted {
             Written::Inserted(id, r.try_get(3).outbox_sql()?)
         } else if leased {

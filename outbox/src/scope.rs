@@ -26,9 +26,7 @@ use std::time::Duration;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::{Query, QueryAs, QueryScalar};
-use sqlx::{
-    Connection, FromRow, PgConnection, PgPool, Postgres, SqlSafeStr, SqlStr, Transaction,
-};
+use sqlx::{Connection, FromRow, PgConnection, PgPool, Postgres, SqlSafeStr, SqlStr, Transaction};
 
 use crate::error::{Error, OutboxSql, Result};
 

@@ -83,7 +83,10 @@ pub(crate) async fn ack_batch_settle_on(
     leases: &[Lease],
 ) -> Result<HashMap<Lease, Completion>> {
     let rows = by_lease(&sql.ack_batch_settle, sql, scope, &mut db, leases).await?;
-    let wakes = rows.iter().map(|r| r.try_get(3)).collect::<Result<Vec<_>, _>>();
+    let wakes = rows
+        .iter()
+        .map(|r| r.try_get(3))
+        .collect::<Result<Vec<_>, _>>();
     scope
         .wake(&mut db, sql.wake.as_ref(), wakes.outbox_sql()?)
         .await?;
@@ -240,7 +243,10 @@ pub(crate) async fn release_on(
                 .outbox_sql()?,
         );
     }
-    let wakes = rows.iter().map(|r| r.try_get(3)).collect::<Result<Vec<_>, _>>();
+    let wakes = rows
+        .iter()
+        .map(|r| r.try_get(3))
+        .collect::<Result<Vec<_>, _>>();
     scope
         .wake(&mut db, sql.wake.as_ref(), wakes.outbox_sql()?)
         .await?;

@@ -860,7 +860,10 @@ pub(crate) async fn register_on(
         // distributed keyed publish, `publish.rs`).
         let mut rounds = 0;
         while row.is_none() {
-            row = statement(insert).fetch_optional(&mut *db).await.outbox_sql()?;
+            row = statement(insert)
+                .fetch_optional(&mut *db)
+                .await
+                .outbox_sql()?;
             if row.is_some() {
                 break;
             }

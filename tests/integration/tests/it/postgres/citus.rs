@@ -693,14 +693,22 @@ async fn reads_pause_actions_by_id_redrive_and_purge_work_across_buckets() {
     // letter's bucket.
     use outbox::dlq::{Redrive, RedriveResult};
     let letters = o
-        .dead_letters(&mut conn, &outbox::dlq::DeadLetterFilter::new().queue("dead"), None, 10)
+        .dead_letters(
+            &mut conn,
+            &outbox::dlq::DeadLetterFilter::new().queue("dead"),
+            None,
+            10,
+        )
         .await
         .unwrap();
     assert_eq!(letters.len(), 5);
-    let bucket = |id: i64| id % i64::from(outbox_tests::CITUS_BUCKETS);
-    let buckets: std::collections::HashSet<i64> =
+    let bucket = |id: i64| id % i64::from(CITUS_BUCKETS);
+    let buckets: HashSet<i64> =
         letters.iter().map(|d| bucket(d.original_id)).collect();
-    assert!(buckets.len() > 1, "round robin spreads the rows: {buckets:?}");
+    assert!(
+        buckets.len() > 1,
+        "round robin spreads the rows: {buckets:?}"
+    );
     let outcomes = o
         .redrive_dead_letters(
             &mut conn,
@@ -721,7 +729,10 @@ async fn reads_pause_actions_by_id_redrive_and_purge_work_across_buckets() {
         .redrive_dead_letters(&mut conn, &Redrive::ids([letters[0].id, i64::MAX]))
         .await
         .unwrap();
-    assert!(matches!(again[0].result, RedriveResult::AlreadyRedriven { .. }), "{again:?}");
+    assert!(
+        matches!(again[0].result, RedriveResult::AlreadyRedriven { .. }),
+        "{again:?}"
+    );
     assert_eq!(again[1].result, RedriveResult::NotFound);
     tokio::time::sleep(Duration::from_millis(20)).await;
     let purged = o
