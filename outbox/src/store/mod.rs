@@ -42,6 +42,34 @@
 //! that may gain options are structs ([`ClaimRequest`]), so adding one is not a breaking
 //! change.
 //!
+//! # On a Citus cluster
+//!
+//! [`PgStore`](crate::PgStore) over a distributed outbox
+//! ([`OutboxBuilder::distributed`](crate::OutboxBuilder::distributed)) keeps this contract
+//! with every claim, completion, renewal, release, rearm and cancel on **one shard**. Citus
+//! takes `FOR UPDATE SKIP LOCKED` only from a statement with an equality on the
+//! distribution column, so the design is route (a) of the two known ones: a small
+//! **logical bucket** column is the distribution column (`crate::bucket`: a key's bucket is
+//! FNV-1a of the key modulo the bucket count, and a row id is `nextval × buckets + bucket`,
+//! so every statement about a known row names its bucket). Route (b), claims addressed to
+//! each shard's placement on its worker node, was set aside:
+//!
+//! - **co-location**: with (a) the application stores the same bucket on its own rows and
+//!   distributes them `colocate_with` the queue table, so a publish in its transaction stays
+//!   on one node (no two-phase commit); (b) gives the application nothing to co-locate by;
+//! - **rebalancing**: with (a) a shard move (`citus_rebalance_start`) changes where a bucket
+//!   lives, not which statement reaches it, since the coordinator routes every statement;
+//!   (b) would have to follow placements while they move;
+//! - **a node that is down**: with (a) a claim of a bucket on the dead node fails alone and
+//!   the worker moves on to the other buckets; (b) needs connections to every node.
+//!
+//! A worker finds the buckets with due rows with one read across the shards (`GROUP BY
+//! bucket`, no row lock), then claims each of them in turn (a cursor rotates the first
+//! bucket, and each queue's cap shrinks by what a bucket gave); batched completions run one
+//! statement per bucket. Wake-ups go through the coordinator's `LISTEN`: a statement run on
+//! a worker node returns its notification's payload and the store sends it on the
+//! coordinator. The costs and the set-up: `docs/guide/citus.md`.
+//!
 //! # Sealed for 0.x
 //!
 //! Only this crate's stores implement [`Store`]: its methods and the types they take change

@@ -703,8 +703,7 @@ async fn reads_pause_actions_by_id_redrive_and_purge_work_across_buckets() {
         .unwrap();
     assert_eq!(letters.len(), 5);
     let bucket = |id: i64| id % i64::from(CITUS_BUCKETS);
-    let buckets: HashSet<i64> =
-        letters.iter().map(|d| bucket(d.original_id)).collect();
+    let buckets: HashSet<i64> = letters.iter().map(|d| bucket(d.original_id)).collect();
     assert!(
         buckets.len() > 1,
         "round robin spreads the rows: {buckets:?}"
