@@ -83,13 +83,7 @@ pub(crate) async fn ack_batch_settle_on(
     leases: &[Lease],
 ) -> Result<HashMap<Lease, Completion>> {
     let rows = by_lease(&sql.ack_batch_settle, sql, scope, &mut db, leases).await?;
-    let wakes = rows
-        .iter()
-        .map(|r| r.try_get(3))
-        .collect::<Result<Vec<_>, _>>();
-    scope
-        .wake(&mut db, sql.wake.as_ref(), wakes.outbox_sql()?)
-        .await?;
+    wake_rows(sql, scope, &mut db, &rows).await?;
     db.done().await?;
     let mut settled = HashMap::new();
     for r in rows {
@@ -243,13 +237,7 @@ pub(crate) async fn release_on(
                 .outbox_sql()?,
         );
     }
-    let wakes = rows
-        .iter()
-        .map(|r| r.try_get(3))
-        .collect::<Result<Vec<_>, _>>();
-    scope
-        .wake(&mut db, sql.wake.as_ref(), wakes.outbox_sql()?)
-        .await?;
+    wake_rows(sql, scope, &mut db, &rows).await?;
     db.done().await?;
     let mut done = HashMap::new();
     for r in rows {
@@ -294,6 +282,20 @@ async fn by_lease(
         );
     }
     Ok(rows)
+}
+
+/// Sends the wake-up payloads in column 3 of a batched statement's `rows` (distributed
+/// mode, `Scope::wake`); reads nothing on a single node, whose statements notify themselves.
+async fn wake_rows(sql: &Complete, scope: Scope, db: &mut Db<'_>, rows: &[PgRow]) -> Result<()> {
+    if sql.wake.is_none() {
+        return Ok(());
+    }
+    let wakes = rows
+        .iter()
+        .map(|r| r.try_get(3))
+        .collect::<Result<Vec<_>, _>>()
+        .outbox_sql()?;
+    scope.wake(db, sql.wake.as_ref(), wakes).await
 }
 
 /// Leases as the two array parameters `($1::bigint[], $2::uuid[])` of a batched statement.
