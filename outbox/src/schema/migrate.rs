@@ -327,6 +327,7 @@ pub(crate) async fn run(
     refuse_standby(pool).await?;
     let started = Instant::now();
     let mut facts = Facts::read_pool(pool, names).await?;
+    refuse_other_layout(names, pool, &facts).await?;
     let mut recorded = recorded_versions(ddl, pool, &facts).await?;
     // Tables this call creates are new: nobody reads them yet, so their indexes need no
     // concurrent build.
@@ -355,6 +356,47 @@ pub(crate) async fn run(
         facts = Facts::read_pool(pool, names).await?;
     }
     Ok(())
+}
+
+/// A queue table of the other layout is refused before any DDL, with what to do: the
+/// single-node and the distributed (Citus) shapes differ in their key, ids and indexes, and
+/// neither `migrate()` converts one into the other in place (the guide's "Moving a
+/// single-node outbox to Citus" says how to move). Without this, a distributed `migrate()`
+/// over a single-node table failed on its first index (`column "bucket" does not exist`),
+/// and a single-node one over a distributed table said it was up to date.
+async fn refuse_other_layout(n: &Names, pool: &PgPool, facts: &Facts) -> Result<()> {
+    if facts.queue.oid.is_none() {
+        return Ok(());
+    }
+    let has_bucket = facts.queue.columns.contains("bucket");
+    let reason = match (n.buckets, has_bucket) {
+        (Some(b), false) => format!(
+            "{} is a single-node outbox table (no `bucket` column); distributed({}) does not convert it in place: create the distributed outbox under another table name and drain this one (see \"Moving a single-node outbox to Citus\" in the Citus guide)",
+            n.qtable,
+            b.count()
+        ),
+        (None, true) => {
+            let mut conn = acquire(pool).await?;
+            let citus: bool = sqlx::query_scalar(catalog::CITUS_INSTALLED)
+                .fetch_one(&mut *conn)
+                .await
+                .outbox_sql()?;
+            let how = if citus {
+                "a distributed (Citus) outbox table"
+            } else {
+                "the distributed (Citus) shape"
+            };
+            format!(
+                "{} is {how} (it has a `bucket` column): build the outbox with `distributed(buckets)`, the table's bucket count (`validate_schema` in that mode names it)",
+                n.qtable
+            )
+        }
+        _ => return Ok(()),
+    };
+    Err(Error::InvalidConfig {
+        knob: "distributed",
+        reason,
+    })
 }
 
 async fn recorded_versions(ddl: &Ddl, pool: &PgPool, facts: &Facts) -> Result<HashSet<i64>> {

@@ -32,8 +32,10 @@ pub(crate) struct Claim {
     /// The store's clock.
     pub now: SqlStr,
     /// Distributed mode: `$1 text[]` queues, `$2 interval` lease TTL, `$3 bigint[]` ids to
-    /// leave out → `(bucket)` of every bucket with a due row or an expired lease in an
-    /// active queue, earliest deadline first. A read across the shards (no row locks).
+    /// leave out → `(bucket smallint, queue text, rows bigint)` for every bucket and active
+    /// queue with due rows (unleased, or with an expired lease), the earliest due row first
+    /// (ties by bucket, then queue). A read across the shards (no row locks); the claim
+    /// plans its statements from it (`store/plan.rs`).
     pub buckets: Option<SqlStr>,
 }
 
@@ -151,21 +153,23 @@ SELECT now(),
     )
 }
 
-/// Distributed mode: which buckets have work for a claim (see `Claim::buckets`).
+/// Distributed mode: where a claim's work is (see `Claim::buckets`). Each branch carries the
+/// predicate of its partial index (pending, lease) and is grouped by the distribution column
+/// first, so Citus runs it whole on every shard and only merges the groups.
 fn distributed_buckets(t: &str, p: &str) -> String {
     let active = format!("queue = ANY($1::text[]) AND id <> ALL($3::bigint[]) AND NOT EXISTS (SELECT 1 FROM {p} p WHERE p.queue = x.queue)");
     format!(
         r#"
-SELECT bucket FROM (
-    SELECT bucket, min(next_attempt_at) AS due FROM {t} x
+SELECT bucket, queue::text, sum(n)::bigint FROM (
+    SELECT bucket, queue, count(*) AS n, min(next_attempt_at) AS due FROM {t} x
     WHERE acquired_token IS NULL AND next_attempt_at <= now() AND {active}
-    GROUP BY bucket
+    GROUP BY bucket, queue
     UNION ALL
-    SELECT bucket, min(next_attempt_at) AS due FROM {t} x
+    SELECT bucket, queue, count(*) AS n, min(next_attempt_at) AS due FROM {t} x
     WHERE acquired_token IS NOT NULL AND acquired_at < now() - $2::interval
       AND next_attempt_at <= now() AND {active}
-    GROUP BY bucket) w
-GROUP BY bucket ORDER BY min(due), bucket"#
+    GROUP BY bucket, queue) w
+GROUP BY bucket, queue ORDER BY min(due), bucket, queue"#
     )
 }
 

@@ -63,10 +63,13 @@
 //! - **a node that is down**: with (a) a claim of a bucket on the dead node fails alone and
 //!   the worker moves on to the other buckets; (b) needs connections to every node.
 //!
-//! A worker finds the buckets with due rows with one read across the shards (`GROUP BY
-//! bucket`, no row lock), then claims each of them in turn (a cursor rotates the first
-//! bucket, and each queue's cap shrinks by what a bucket gave); batched completions run one
-//! statement per bucket. Wake-ups go through the coordinator's `LISTEN`: a statement run on
+//! A claim first reads, across the shards and without row locks, how many rows each queue
+//! has due in each bucket (`GROUP BY bucket, queue`), then plans one claim statement per
+//! bucket so that the whole claim takes what a single node's would: the limit dealt out
+//! round robin across the queues, each queue's share taken from its buckets with the
+//! earliest due rows. When that read fails (a worker node down) the claim
+//! visits every bucket from a rotating cursor instead, each queue's cap shrinking by what a
+//! bucket gave. Batched completions run one statement per bucket. Wake-ups go through the coordinator's `LISTEN`: a statement run on
 //! a worker node returns its notification's payload and the store sends it on the
 //! coordinator. The costs and the set-up: `docs/guide/citus.md`.
 //!
@@ -95,6 +98,7 @@ pub(crate) mod connect;
 pub(crate) mod fenced;
 pub(crate) mod listen;
 pub(crate) mod periodic;
+pub(crate) mod plan;
 pub(crate) mod postgres;
 pub(crate) mod rows;
 pub(crate) mod sealed;

@@ -24,6 +24,7 @@ use super::fenced::{
     retry_on,
 };
 use super::periodic::check_instant;
+use super::plan::{plan, Visit, Work};
 use super::rows::{delivery_from_row, DeadLetter, StoredRow};
 use super::{
     check_retry_delay, clean_error_text, fair_order, Armed, AutovacuumOff, ClaimRequest,
@@ -242,41 +243,43 @@ impl PgStore {
         let sql = &self.outbox.sql().claim;
         let scope = self.scope();
         let token = Uuid::new_v4();
+        let route = self.route(conn, request, &queues, &caps).await?;
+        let (dynamic, visits) = (route.dynamic, route.visits);
+        let (tried, mut failed) = (visits.len(), Vec::new());
         let mut caps = caps;
         let mut out = Vec::new();
-        // Distributed mode: one claim statement per bucket with work, each on the bucket's
-        // one shard, until the limit is reached; the queues' caps shrink by what each
-        // bucket gave. The buckets are visited from a cursor that moves on by one every
-        // claim, so a claim smaller than the work does not always favour the same buckets.
-        let (buckets, every) = self.buckets_with_work(conn, request, &queues).await?;
-        let (tried, mut failed) = (buckets.len(), Vec::new());
-        for bucket in buckets {
+        for visit in visits {
             let left = request.limit - out.len();
             if left == 0 {
                 break;
             }
-            let limit = i64::try_from(left).unwrap_or(i64::MAX);
+            let left = i64::try_from(left).unwrap_or(i64::MAX);
+            // A planned visit takes its shares; a dynamic one what the queues have left.
+            let (visit_queues, visit_caps, limit) = match &visit.plan {
+                Some(p) => (&p.queues, &p.caps, p.limit().min(left)),
+                None => (&queues, &caps, left),
+            };
             let query = match request.only {
                 None => scope.query(sql.claim.clone()),
                 Some(_) => scope.query(sql.claim_only.clone()),
             }
-            .bind(&queues)
+            .bind(visit_queues)
             .bind(limit)
             .bind(ttl)
             .bind(token)
             .bind(request.exclude)
-            .bind(&caps);
+            .bind(visit_caps);
             let query = match request.only {
                 None => query,
                 Some(ids) => query.bind(ids),
             }
-            .bucket(bucket);
+            .bucket(visit.bucket);
             let rows = match query.fetch_all(&mut *conn).await.outbox_sql() {
                 Ok(rows) => rows,
                 // Visiting every bucket because the read across the shards failed (a worker
                 // node down): a bucket whose shard does not answer is skipped, so the rows
                 // of the nodes that do answer keep being claimed.
-                Err(e) if every => {
+                Err(e) if route.every => {
                     failed.push(e);
                     continue;
                 }
@@ -289,7 +292,7 @@ impl PgStore {
             // A row id names its bucket only with the table's bucket count: a process built
             // with another count would fence every completion against the wrong shard. The
             // rows claimed here stay leased until their lease expires.
-            if let (Some(b), Some(layout)) = (bucket, self.outbox.buckets()) {
+            if let (Some(b), Some(layout)) = (visit.bucket, self.outbox.buckets()) {
                 if let Some(d) = claimed
                     .iter()
                     .find(|d| d.lease.id.rem_euclid(i64::from(layout)) != i64::from(b))
@@ -303,7 +306,7 @@ impl PgStore {
                     });
                 }
             }
-            if bucket.is_some() {
+            if dynamic && visit.bucket.is_some() {
                 spend_caps(&mut caps, &queues, claimed.iter().map(|d| d.queue.as_str()));
             }
             out.extend(claimed);
@@ -316,45 +319,79 @@ impl PgStore {
         Ok(out)
     }
 
-    /// The buckets a claim visits, and whether they are every bucket: `[None]` for a single
-    /// node (one statement over the whole table); in distributed mode those with work (one
-    /// read across the shards), or every bucket when that read fails (a worker node down:
-    /// the buckets of the nodes that answer can still be claimed), rotated by the store's
-    /// cursor.
-    async fn buckets_with_work(
+    /// The statements of a claim over `queues` (in the round's order, `caps` parallel): one
+    /// over the whole table on a single node; in distributed mode one per bucket, planned
+    /// from one read across the shards (`store/plan.rs`). A claim among given ids
+    /// (`ClaimRequest::only`) visits the buckets with work and lets each take what the
+    /// queues have left, since the read counts rows it may not take. When that read fails
+    /// (a worker node down) the claim visits every bucket the same way, from a cursor that
+    /// moves on by one every claim, so the buckets of the nodes that answer can still be
+    /// claimed and none is always last.
+    async fn route(
         &self,
         conn: &mut PgConnection,
         request: ClaimRequest<'_>,
         queues: &[String],
-    ) -> Result<(Vec<Option<i16>>, bool)> {
+        caps: &[i64],
+    ) -> Result<Route> {
         let (Some(finder), Some(layout)) =
             (&self.outbox.sql().claim.buckets, self.outbox.buckets())
         else {
-            return Ok((vec![None], false));
+            return Ok(Route::dynamic(vec![None], false));
         };
         let ttl = interval(micros(request.lease_ttl, "lease_ttl")?);
-        let found: Result<Vec<i16>> = self
+        let found = self
             .scope()
-            .query_scalar(finder.clone())
+            .query(finder.clone())
             .bind(queues)
             .bind(ttl)
             .bind(request.exclude)
             .fetch_all(&mut *conn)
             .await
-            .outbox_sql();
-        let (mut found, every) = match found {
-            Ok(found) => (found, false),
+            .outbox_sql()
+            .and_then(|rows| {
+                rows.iter()
+                    .map(|r| {
+                        Ok(Work {
+                            bucket: r.try_get(0).outbox_sql()?,
+                            queue: r.try_get(1).outbox_sql()?,
+                            rows: r.try_get(2).outbox_sql()?,
+                        })
+                    })
+                    .collect::<Result<Vec<Work>>>()
+            });
+        let work = match found {
+            Ok(work) => work,
             Err(e) if e.is_missing_paused_table() => return Err(e),
             Err(e) => {
                 tracing::warn!(error = %e, "the read for buckets with work failed; claiming bucket by bucket");
-                ((0..layout as i16).collect(), true)
+                let mut every: Vec<Option<i16>> = (0..layout as i16).map(Some).collect();
+                let turn = self.bucket_cursor.fetch_add(1, Ordering::Relaxed) % every.len();
+                every.rotate_left(turn);
+                return Ok(Route::dynamic(every, true));
             }
         };
-        if !found.is_empty() {
-            let turn = self.bucket_cursor.fetch_add(1, Ordering::Relaxed) % found.len();
-            found.rotate_left(turn);
+        if request.only.is_some() {
+            let mut buckets: Vec<Option<i16>> = Vec::new();
+            for w in &work {
+                if !buckets.contains(&Some(w.bucket)) {
+                    buckets.push(Some(w.bucket));
+                }
+            }
+            return Ok(Route::dynamic(buckets, false));
         }
-        Ok((found.into_iter().map(Some).collect(), every))
+        let visits = plan(queues, caps, request.limit, &work)
+            .into_iter()
+            .map(|p| Step {
+                bucket: Some(p.bucket),
+                plan: Some(p),
+            })
+            .collect();
+        Ok(Route {
+            visits,
+            dynamic: false,
+            every: false,
+        })
     }
 
     /// [`Scope::unmigrated_or`] on a connection of the pool (the failed one is given back
@@ -429,6 +466,35 @@ impl PgStore {
             done => done,
         }
     }
+}
+
+/// The statements of one claim or peek (`PgStore::route`).
+struct Route {
+    visits: Vec<Step>,
+    /// The visits take what the queues have left (`spend_caps`), not a plan's shares.
+    dynamic: bool,
+    /// The visits are every bucket, because the read across the shards failed.
+    every: bool,
+}
+
+impl Route {
+    fn dynamic(buckets: Vec<Option<i16>>, every: bool) -> Self {
+        Route {
+            visits: buckets
+                .into_iter()
+                .map(|bucket| Step { bucket, plan: None })
+                .collect(),
+            dynamic: true,
+            every,
+        }
+    }
+}
+
+/// One statement of a claim or peek: its bucket (none on a single node) and, when planned,
+/// the queues and shares it takes.
+struct Step {
+    bucket: Option<i16>,
+    plan: Option<Visit>,
 }
 
 /// Distributed mode: lowers each queue's cap (parallel to `queues`) by the rows one bucket
@@ -697,25 +763,30 @@ impl Store for PgStore {
         let mut db = self.pool_db().await?;
         let mut rows: Vec<sqlx::postgres::PgRow> = Vec::new();
         let mut caps = caps;
-        // As `claim_with`: each bucket's rows count against the queues' caps.
-        for bucket in self.buckets_with_work(&mut db, request, &queues).await?.0 {
+        // As `claim_with`: the same route, the same shares.
+        let route = self.route(&mut db, request, &queues, &caps).await?;
+        for visit in route.visits {
             let Some(left) = request.limit.checked_sub(rows.len()).filter(|n| *n > 0) else {
                 break;
             };
-            let limit = i64::try_from(left).unwrap_or(i64::MAX);
+            let left = i64::try_from(left).unwrap_or(i64::MAX);
+            let (visit_queues, visit_caps, limit) = match &visit.plan {
+                Some(p) => (&p.queues, &p.caps, p.limit().min(left)),
+                None => (&queues, &caps, left),
+            };
             let found = self
                 .scope()
                 .query(self.outbox.sql().claim.peek.clone())
-                .bind(&queues)
+                .bind(visit_queues)
                 .bind(limit)
                 .bind(ttl)
                 .bind(request.exclude)
-                .bind(&caps)
-                .bucket(bucket)
+                .bind(visit_caps)
+                .bucket(visit.bucket)
                 .fetch_all(&mut *db)
                 .await
                 .outbox_sql()?;
-            if bucket.is_some() {
+            if route.dynamic && visit.bucket.is_some() {
                 let taken: Vec<String> = found
                     .iter()
                     .map(|r| r.try_get(1).outbox_sql())

@@ -20,7 +20,9 @@ use outbox_tests::{database_url, eventually, Fixture, CITUS_BUCKETS};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
 
+mod fairness;
 mod faults;
+mod idle;
 
 const TTL: Duration = Duration::from_secs(60);
 
@@ -50,6 +52,74 @@ async fn single_shard_pool() -> PgPool {
         .connect_with(opts)
         .await
         .expect("connect to the coordinator")
+}
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn migrate_refuses_a_queue_table_of_the_other_layout_before_any_ddl() {
+    let f = cluster().await;
+    // A single-node outbox on the coordinator (a local table), then distributed(16) over it.
+    let table = outbox_tests::unique_table("layout");
+    let single = outbox::Outbox::builder().table(&table).build().unwrap();
+    single.migrate(&f.pool).await.unwrap();
+    let distributed = outbox::Outbox::builder()
+        .distributed(CITUS_BUCKETS)
+        .table(&table)
+        .build()
+        .unwrap();
+    match distributed.migrate(&f.pool).await.unwrap_err() {
+        Error::InvalidConfig { knob, reason } => {
+            assert_eq!(knob, "distributed");
+            assert!(reason.contains("single-node outbox table"), "{reason}");
+            assert!(
+                reason.contains("Moving a single-node outbox to Citus"),
+                "{reason}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let columns: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_attribute WHERE attrelid = $1::regclass AND attname = 'bucket'",
+    )
+    .bind(single.table())
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(columns, 0, "nothing was changed");
+    single.migrate(&f.pool).await.expect("still its own");
+
+    // A single-node outbox over a distributed table.
+    let dtable = outbox_tests::unique_table("layout_d");
+    let d = outbox::Outbox::builder()
+        .distributed(CITUS_BUCKETS)
+        .table(&dtable)
+        .build()
+        .unwrap();
+    d.migrate(&f.pool).await.unwrap();
+    let plain = outbox::Outbox::builder().table(&dtable).build().unwrap();
+    match plain.migrate(&f.pool).await.unwrap_err() {
+        Error::InvalidConfig { knob, reason } => {
+            assert_eq!(knob, "distributed");
+            assert!(
+                reason.contains("a distributed (Citus) outbox table"),
+                "{reason}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    for o in [&single, &d] {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP TABLE IF EXISTS {}, {}, {}, {}",
+            o.table(),
+            o.dead_letter_table(),
+            o.migrations_table(),
+            o.paused_table()
+        )))
+        .execute(&f.pool)
+        .await
+        .expect("drop the tables");
+    }
+    f.cleanup().await;
 }
 
 #[tokio::test]
