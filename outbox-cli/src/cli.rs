@@ -49,8 +49,12 @@ pub struct Global {
     /// The outbox is distributed on a Citus cluster with this many buckets
     /// (`OutboxBuilder::distributed`); the database URL names the coordinator. `migrate`
     /// creates the tables distributed; `validate` checks the distribution; the actions by
-    /// id name each row's bucket. Dead-letter redrive is not available there yet.
-    #[arg(long, global = true, value_name = "BUCKETS")]
+    /// id name each row's bucket; dead-letter redrive and purge go bucket by bucket. Every
+    /// process must use the table's count (1 to 256).
+    // 1..=256: the range `OutboxBuilder::distributed` accepts, refused here with clap's
+    // message rather than the library's after connecting.
+    #[arg(long, global = true, value_name = "BUCKETS",
+          value_parser = clap::value_parser!(u16).range(1..=256))]
     pub distributed: Option<u16>,
     /// Print JSON instead of a table (one document per command; one per refresh with
     /// `status --watch`).

@@ -537,6 +537,8 @@ async fn usage_errors_exit_2_and_json_errors_are_json() {
         &["pending", "--queue", ""],
         &["status", "--watch", "10ms"],
         &["run-now", "0"],
+        &["--distributed", "0", "status"],
+        &["--distributed", "257", "status"],
         &["reschedule", "1"],
         &[
             "reschedule",

@@ -391,6 +391,9 @@ impl Outbox {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an id below 1;
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) (knob `distributed`) in
+    /// distributed mode when no row matched and the table records another bucket count than
+    /// this outbox's (an id names its bucket only with the table's count);
     /// [`Error::Database`](crate::Error::Database).
     pub async fn run_now(&self, conn: &mut PgConnection, id: i64) -> Result<RowAction> {
         self.reschedule(conn, id, Schedule::now()).await
@@ -404,14 +407,14 @@ impl Outbox {
     /// # Errors
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an id below 1 or a bad
     /// schedule (`field = "schedule"`: a negative or overflowing delay, a time outside
-    /// Postgres' range); [`Error::Database`](crate::Error::Database).
+    /// Postgres' range); otherwise as [`Outbox::run_now`].
     pub async fn reschedule(
         &self,
         conn: &mut PgConnection,
         id: i64,
         schedule: impl Into<Schedule>,
     ) -> Result<RowAction> {
-        crate::admin::reschedule(
+        let action = crate::admin::reschedule(
             &self.inner.sql.admin,
             self.inner.scope,
             conn,
@@ -419,7 +422,8 @@ impl Outbox {
             schedule.into(),
             self.bucket_of_id(id),
         )
-        .await
+        .await?;
+        self.not_found_checked(conn, action).await
     }
 
     /// Deletes pending row `id`: [`RowAction::Deleted`], [`RowAction::Leased`] (a worker
@@ -430,14 +434,34 @@ impl Outbox {
     /// # Errors
     /// As [`Outbox::run_now`].
     pub async fn delete_pending(&self, conn: &mut PgConnection, id: i64) -> Result<RowAction> {
-        crate::admin::delete(
+        let action = crate::admin::delete(
             &self.inner.sql.admin,
             self.inner.scope,
             conn,
             id,
             self.bucket_of_id(id),
         )
-        .await
+        .await?;
+        self.not_found_checked(conn, action).await
+    }
+
+    /// Distributed mode: an action by id that found nothing first checks that this outbox's
+    /// bucket count is the table's (a row id names its bucket only with that count), so a
+    /// process built with another count is told so instead of "not found".
+    async fn not_found_checked(
+        &self,
+        conn: &mut PgConnection,
+        action: RowAction,
+    ) -> Result<RowAction> {
+        if matches!(action, RowAction::NotFound) && self.inner.names.buckets.is_some() {
+            crate::schema::validate::require_table_buckets(
+                conn,
+                self.inner.scope,
+                &self.inner.names,
+            )
+            .await?;
+        }
+        Ok(action)
     }
 
     /// Lists dead letters of `filter` on the caller's connection or transaction, by id

@@ -223,22 +223,7 @@ async fn check_distribution(
             ));
         }
     }
-    let def: Option<String> = scope
-        .query_scalar(catalog::CHECK_DEF)
-        .bind(&n.qtable)
-        .bind(&n.bucket_ck)
-        .fetch_optional(&mut *db)
-        .await
-        .outbox_sql()?;
-    let held = def.as_deref().and_then(|d| {
-        let rest = d.split("bucket < ").nth(1)?;
-        rest.trim_start_matches(['(', ' '])
-            .split(|c: char| !c.is_ascii_digit())
-            .next()?
-            .parse::<u16>()
-            .ok()
-    });
-    match held {
+    match held_buckets(db, scope, n).await? {
         Some(h) if h == buckets => {}
         Some(h) => problems.push(problem(
             &n.bucket_ck,
@@ -252,6 +237,50 @@ async fn check_distribution(
         )),
     }
     Ok(())
+}
+
+/// Distributed mode: the bucket count the table's CHECK records (`bucket < N`), if it has
+/// that CHECK.
+async fn held_buckets(db: &mut PgConnection, scope: Scope, n: &Names) -> Result<Option<u16>> {
+    let def: Option<String> = scope
+        .query_scalar(catalog::CHECK_DEF)
+        .bind(&n.qtable)
+        .bind(&n.bucket_ck)
+        .fetch_optional(&mut *db)
+        .await
+        .outbox_sql()?;
+    Ok(def.as_deref().and_then(|d| {
+        let rest = d.split("bucket < ").nth(1)?;
+        rest.trim_start_matches(['(', ' '])
+            .split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse::<u16>()
+            .ok()
+    }))
+}
+
+/// Distributed mode: refuses an outbox whose bucket count is not the table's. A row id
+/// names its bucket only with the table's count, so an action by id (`run_now`,
+/// `reschedule`, `delete_pending`) of a process built with another count looks in the wrong
+/// bucket and finds nothing; it calls this before saying so.
+pub(crate) async fn require_table_buckets(
+    db: &mut PgConnection,
+    scope: Scope,
+    n: &Names,
+) -> Result<()> {
+    let Some(buckets) = n.buckets.map(|b| b.count()) else {
+        return Ok(());
+    };
+    match held_buckets(db, scope, n).await? {
+        Some(held) if held != buckets => Err(Error::InvalidConfig {
+            knob: "distributed",
+            reason: format!(
+                "the table {} holds {held} buckets; this outbox is built with distributed({buckets}), so a row id names another bucket: build every process with distributed({held})",
+                n.qtable
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 fn problem(

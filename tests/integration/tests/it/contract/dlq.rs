@@ -83,7 +83,7 @@ impl RedrivenIds {
                 ) => RedriveResult::AlreadyRedriven {
                     redriven_id: Some(self.id(*written)),
                 },
-                (_, other) => other.clone(),
+                (_, other) => *other,
             };
             expected.push(outcome(w.dead_letter_id, result));
         }
