@@ -92,22 +92,31 @@ pub const SCENARIOS: &[&str] = &[
 pub struct FaultArgs {
     /// Plain messages per scenario (raw queue `fault.messages`, due at once).
     #[arg(long, default_value_t = 2000)]
-    messages: usize,
+    pub(crate) messages: usize,
     /// Keyed timers per scenario (`#[outbox::timer]` queue `fault.timers`), due over 3 s.
     #[arg(long, default_value_t = 200)]
-    timers: usize,
+    pub(crate) timers: usize,
     /// Comma-separated scenario names (default: all).
     #[arg(long, value_delimiter = ',')]
-    only: Vec<String>,
+    pub(crate) only: Vec<String>,
     /// The longest a scenario waits for its queue to drain after the fault.
     #[arg(long, default_value_t = 60)]
-    drain_timeout_secs: u64,
+    pub(crate) drain_timeout_secs: u64,
     /// The server whose settings the throwaway cluster copies (as for `run`).
     #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
     mirror: String,
     /// Extra `name=value` server setting for the throwaway cluster (repeatable).
     #[arg(long, value_name = "NAME=VALUE")]
-    pg_set: Vec<String>,
+    pub(crate) pg_set: Vec<String>,
+    /// Runs the Citus faults instead, on the cluster of `.ci/citus` (`.ci/citus -- cargo run
+    /// --release -p outbox-lab -- faults --citus`): a worker node down, a worker node
+    /// restarted with `-m immediate`, a rebalance by `block_writes` and by logical
+    /// replication, each under load.
+    #[arg(long)]
+    pub(crate) citus: bool,
+    /// With `--citus`: the outboxes' bucket count (`OutboxBuilder::distributed`).
+    #[arg(long, default_value_t = 32, requires = "citus")]
+    pub(crate) buckets: u16,
 }
 
 /// `outbox-lab fault-worker` (hidden): the worker process of the `kill-9` scenario. It
@@ -134,12 +143,57 @@ pub struct WorkerArgs {
 
 /// Successful runs per `(key, generation)`, in memory.
 #[derive(Default)]
-struct Ledger {
+pub(crate) struct Ledger {
     runs: Mutex<HashMap<(String, u32), u32>>,
     total: AtomicU64,
+    /// Runs under way per `(key, generation)`, and how many runs started while another run
+    /// of the same version was under way.
+    running: Mutex<HashMap<(String, u32), u32>>,
+    overlaps: AtomicU64,
+}
+
+/// A run under way in a [`Ledger`]; ends when dropped (also when a timeout drops the run).
+struct Running {
+    ledger: Arc<Ledger>,
+    version: (String, u32),
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let mut running = self
+            .ledger
+            .running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = running.get_mut(&self.version) {
+            *n -= 1;
+            if *n == 0 {
+                running.remove(&self.version);
+            }
+        }
+    }
 }
 
 impl Ledger {
+    fn start(self: &Arc<Self>, key: &str, gen: u32) -> Running {
+        let version = (key.to_owned(), gen);
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        let n = running.entry(version.clone()).or_default();
+        if *n > 0 {
+            self.overlaps.fetch_add(1, Ordering::SeqCst);
+        }
+        *n += 1;
+        Running {
+            ledger: self.clone(),
+            version,
+        }
+    }
+
+    /// Runs that started while another run of the same row (and version) was under way.
+    pub(crate) fn overlaps(&self) -> u64 {
+        self.overlaps.load(Ordering::SeqCst)
+    }
+
     fn record(&self, key: String, gen: u32) {
         *self
             .runs
@@ -150,18 +204,18 @@ impl Ledger {
         self.total.fetch_add(1, Ordering::SeqCst);
     }
 
-    fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.total.load(Ordering::SeqCst)
     }
 
-    fn snapshot(&self) -> HashMap<(String, u32), u32> {
+    pub(crate) fn snapshot(&self) -> HashMap<(String, u32), u32> {
         self.runs.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
 /// Where a successful run is recorded.
 #[derive(Clone)]
-enum Recorder {
+pub(crate) enum Recorder {
     Memory(Arc<Ledger>),
     /// An autocommit insert into [`RUNS_TABLE`] (the `kill-9` worker processes).
     Table(PgPool),
@@ -190,7 +244,7 @@ impl Recorder {
 
 /// What a handler run does before it records itself.
 #[derive(Clone, Default)]
-struct Behavior {
+pub(crate) struct Behavior {
     /// Every run sleeps a random time in this range (ms), unless said otherwise below.
     pace_ms: (u64, u64),
     /// Timer runs sleep in this range instead, when set.
@@ -203,7 +257,7 @@ struct Behavior {
 }
 
 impl Behavior {
-    fn paced(min: u64, max: u64) -> Self {
+    pub(crate) fn paced(min: u64, max: u64) -> Self {
         Behavior {
             pace_ms: (min, max),
             ..Behavior::default()
@@ -211,6 +265,10 @@ impl Behavior {
     }
 
     async fn run(&self, rec: &Recorder, key: String, gen: u32, timer: bool) -> Result<(), String> {
+        let _running = match rec {
+            Recorder::Memory(l) => Some(l.start(&key, gen)),
+            Recorder::Table(_) => None,
+        };
         if self.hung.contains(&key) {
             std::future::pending::<()>().await;
         }
@@ -236,7 +294,7 @@ impl Behavior {
 
 /// Worker knobs of a scenario.
 #[derive(Clone, Copy)]
-struct Knobs {
+pub(crate) struct Knobs {
     concurrency: usize,
     fetch: usize,
     ack_batch: usize,
@@ -265,7 +323,7 @@ impl Default for Knobs {
 
 /// Starts a worker serving both queues, on a pool of its own whose connections carry
 /// [`WORKER_APP`]. Returns the pool too, to close it after the shutdown.
-fn start_worker(
+pub(crate) fn start_worker(
     opts: &PgConnectOptions,
     outbox: &Outbox,
     knobs: Knobs,
@@ -318,7 +376,7 @@ fn start_worker(
     Ok((worker.start(), pool))
 }
 
-async fn stop_worker(w: RunningWorker, pool: PgPool) -> ShutdownReport {
+pub(crate) async fn stop_worker(w: RunningWorker, pool: PgPool) -> ShutdownReport {
     let report = w.shutdown().await;
     pool.close().await;
     report
@@ -328,35 +386,39 @@ async fn stop_worker(w: RunningWorker, pool: PgPool) -> ShutdownReport {
 // The matrix.
 
 /// What every scenario shares.
-struct Ctx {
+pub(crate) struct Ctx {
     /// Whose settings a throwaway cluster copies, and the extra settings (`failover`
     /// starts a primary and a standby of its own).
-    mirror: String,
-    pg_set: Vec<String>,
-    dsn: String,
-    opts: PgConnectOptions,
+    pub(crate) mirror: String,
+    pub(crate) pg_set: Vec<String>,
+    pub(crate) dsn: String,
+    pub(crate) opts: PgConnectOptions,
     /// The harness's pool (checks connections before use, so it survives restarts).
-    admin: PgPool,
-    control: Control,
-    messages: usize,
-    timers: usize,
-    drain_timeout: Duration,
+    pub(crate) admin: PgPool,
+    /// The throwaway cluster's `pg_ctl` (none on a Citus cluster, whose nodes the Citus
+    /// faults drive themselves).
+    pub(crate) control: Option<Control>,
+    /// `Some(buckets)`: the outboxes are distributed (a Citus coordinator).
+    pub(crate) buckets: Option<u16>,
+    pub(crate) messages: usize,
+    pub(crate) timers: usize,
+    pub(crate) drain_timeout: Duration,
 }
 
 /// One scenario's fresh tables and the keys published into them.
-struct Prepared {
-    outbox: Outbox,
-    keys: Vec<String>,
+pub(crate) struct Prepared {
+    pub(crate) outbox: Outbox,
+    pub(crate) keys: Vec<String>,
 }
 
 impl Prepared {
-    fn published(&self) -> usize {
+    pub(crate) fn published(&self) -> usize {
         self.keys.len()
     }
 }
 
 /// One row of the final table.
-struct Outcome {
+pub(crate) struct Outcome {
     name: &'static str,
     published: usize,
     handled: usize,
@@ -366,8 +428,8 @@ struct Outcome {
     dead: usize,
     pending: usize,
     wall: Duration,
-    checks: Vec<(String, bool)>,
-    notes: Vec<String>,
+    pub(crate) checks: Vec<(String, bool)>,
+    pub(crate) notes: Vec<String>,
 }
 
 impl Outcome {
@@ -382,22 +444,8 @@ impl Outcome {
 
 /// `outbox-lab faults`.
 pub async fn run(args: &FaultArgs) -> Result<ExitCode, BoxError> {
-    let selected: Vec<&'static str> = if args.only.is_empty() {
-        SCENARIOS.to_vec()
-    } else {
-        args.only
-            .iter()
-            .map(|n| {
-                SCENARIOS
-                    .iter()
-                    .copied()
-                    .find(|s| s == n)
-                    .ok_or_else(|| -> BoxError {
-                        format!("unknown fault `{n}`; known: {}", SCENARIOS.join(", ")).into()
-                    })
-            })
-            .collect::<Result<_, _>>()?
-    };
+    let selected = select(&args.only, SCENARIOS)
+        .map_err(|e| -> BoxError { format!("{e} (the Citus faults run with --citus)").into() })?;
     if args.messages == 0 && args.timers == 0 {
         return Err("nothing to publish: --messages and --timers are both 0".into());
     }
@@ -408,11 +456,7 @@ pub async fn run(args: &FaultArgs) -> Result<ExitCode, BoxError> {
         .map_err(|e| format!("could not start the throwaway Postgres cluster: {e}"))?;
     let dsn = cluster.dsn();
     let opts: PgConnectOptions = dsn.parse()?;
-    let admin = PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(60))
-        .connect_with(opts.clone().application_name(ADMIN_APP))
-        .await?;
+    let admin = admin_pool(&opts).await?;
     let version: String = sqlx::query_scalar("SELECT current_setting('server_version')")
         .fetch_one(&admin)
         .await?;
@@ -438,28 +482,77 @@ pub async fn run(args: &FaultArgs) -> Result<ExitCode, BoxError> {
         dsn,
         opts,
         admin,
-        control: cluster.control(),
+        control: Some(cluster.control()),
+        buckets: None,
         messages: args.messages,
         timers: args.timers,
         drain_timeout: Duration::from_secs(args.drain_timeout_secs),
     };
+    let outcomes = scenarios(&watch, &selected, |name| {
+        let ctx = &ctx;
+        async move {
+            match name {
+                "terminate-storm" => terminate_storm(ctx).await,
+                "restart-fast" => restart(ctx, "restart-fast", "fast").await,
+                "restart-immediate" => restart(ctx, "restart-immediate", "immediate").await,
+                "kill-9" => kill_9(ctx).await,
+                "poison-rows" => poison_rows(ctx).await,
+                "long-handlers" => long_handlers(ctx).await,
+                "hung-handlers" => hung_handlers(ctx).await,
+                "shutdown-under-load" => shutdown_under_load(ctx).await,
+                "deadlock-storm" => deadlock_storm(ctx).await,
+                "failover" => failover(ctx).await,
+                other => Err(format!("no scenario `{other}`").into()),
+            }
+        }
+    })
+    .await?;
+    ctx.admin.close().await;
+    drop(cluster);
+    Ok(conclude(&machine, args, &outcomes))
+}
+
+/// The scenarios of `only` (all of `known` when empty), in the order given.
+pub(crate) fn select(only: &[String], known: &[&'static str]) -> Result<Vec<&'static str>, String> {
+    if only.is_empty() {
+        return Ok(known.to_vec());
+    }
+    only.iter()
+        .map(|n| {
+            known
+                .iter()
+                .copied()
+                .find(|s| s == n)
+                .ok_or_else(|| format!("unknown fault `{n}`; known: {}", known.join(", ")))
+        })
+        .collect()
+}
+
+/// The harness's pool on `opts` (application name [`ADMIN_APP`]).
+pub(crate) async fn admin_pool(opts: &PgConnectOptions) -> Result<PgPool, BoxError> {
+    Ok(PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(60))
+        .connect_with(opts.clone().application_name(ADMIN_APP))
+        .await?)
+}
+
+/// Runs each selected scenario with `scenario`, adds the worker counters that moved to its
+/// notes (except `kill-9`'s, whose workers are other processes) and prints its block.
+pub(crate) async fn scenarios<F, Fut>(
+    watch: &recorder::Watch,
+    selected: &[&'static str],
+    mut scenario: F,
+) -> Result<Vec<Outcome>, BoxError>
+where
+    F: FnMut(&'static str) -> Fut,
+    Fut: std::future::Future<Output = Result<Outcome, BoxError>>,
+{
     let mut outcomes = Vec::new();
-    for name in selected {
+    for &name in selected {
         eprintln!("── {name}");
         let before = watch.tracked();
-        let mut o = match name {
-            "terminate-storm" => terminate_storm(&ctx).await?,
-            "restart-fast" => restart(&ctx, "restart-fast", "fast").await?,
-            "restart-immediate" => restart(&ctx, "restart-immediate", "immediate").await?,
-            "kill-9" => kill_9(&ctx).await?,
-            "poison-rows" => poison_rows(&ctx).await?,
-            "long-handlers" => long_handlers(&ctx).await?,
-            "hung-handlers" => hung_handlers(&ctx).await?,
-            "shutdown-under-load" => shutdown_under_load(&ctx).await?,
-            "deadlock-storm" => deadlock_storm(&ctx).await?,
-            "failover" => failover(&ctx).await?,
-            other => return Err(format!("no scenario `{other}`").into()),
-        };
+        let mut o = scenario(name).await?;
         if name != "kill-9" {
             let counters: Vec<String> = watch
                 .tracked()
@@ -483,16 +576,18 @@ pub async fn run(args: &FaultArgs) -> Result<ExitCode, BoxError> {
         print_outcome(&o);
         outcomes.push(o);
     }
-    ctx.admin.close().await;
-    drop(cluster);
+    Ok(outcomes)
+}
 
+/// Prints the machine, the Markdown table and the verdict; the exit status.
+pub(crate) fn conclude(machine: &Machine, args: &FaultArgs, outcomes: &[Outcome]) -> ExitCode {
     println!();
     println!("{}", machine.describe());
     println!(
         "{} messages + {} timers per fault; lease_ttl 2 s unless stated\n",
         args.messages, args.timers
     );
-    println!("{}", markdown(&outcomes));
+    println!("{}", markdown(outcomes));
     let lost: usize = outcomes.iter().map(|o| o.lost).sum();
     let broken: Vec<String> = outcomes
         .iter()
@@ -509,10 +604,10 @@ pub async fn run(args: &FaultArgs) -> Result<ExitCode, BoxError> {
         println!("FAULTS: expectation not met: {b}");
     }
     if lost > 0 || !broken.is_empty() {
-        Ok(ExitCode::FAILURE)
+        ExitCode::FAILURE
     } else {
         println!("faults: ok ({} scenarios, nothing lost)", outcomes.len());
-        Ok(ExitCode::SUCCESS)
+        ExitCode::SUCCESS
     }
 }
 
@@ -577,9 +672,10 @@ fn markdown(outcomes: &[Outcome]) -> String {
 // Shared steps.
 
 /// Fresh tables `fault_<name>` (DLQ on), the messages and timers published in one
-/// transaction.
-async fn prepare(ctx: &Ctx, name: &str) -> Result<Prepared, BoxError> {
-    let outbox = outbox_for(name)?;
+/// transaction. Distributed, a `publish_batch` lands in one bucket, so the messages go in
+/// batches of at most N / (2 × buckets) rows, every bucket getting some.
+pub(crate) async fn prepare(ctx: &Ctx, name: &str) -> Result<Prepared, BoxError> {
+    let outbox = outbox_for(ctx, name)?;
     sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP TABLE IF EXISTS {}, {}, {}, {}",
         outbox.table(),
@@ -593,7 +689,11 @@ async fn prepare(ctx: &Ctx, name: &str) -> Result<Prepared, BoxError> {
     let messages: Vec<String> = (0..ctx.messages).map(|i| format!("m{i}")).collect();
     let timers: Vec<String> = (0..ctx.timers).map(|i| format!("t{i}")).collect();
     let mut tx = ctx.admin.begin().await?;
-    for chunk in messages.chunks(500) {
+    let batch = match ctx.buckets {
+        Some(b) => (messages.len() / (2 * usize::from(b))).clamp(1, 500),
+        None => 500,
+    };
+    for chunk in messages.chunks(batch) {
         let items: Vec<BatchItem<'_>> =
             chunk.iter().map(|k| BatchItem::new(k.as_bytes())).collect();
         outbox
@@ -614,15 +714,18 @@ async fn prepare(ctx: &Ctx, name: &str) -> Result<Prepared, BoxError> {
     Ok(Prepared { outbox, keys })
 }
 
-/// The tables of scenario `name`: `fault_<name>` and its DLQ, which is on.
-fn outbox_for(name: &str) -> Result<Outbox, BoxError> {
-    Ok(Outbox::builder()
-        .table(table_for(name))
-        .dead_letter(true)
-        .build()?)
+/// The tables of scenario `name`: `fault_<name>` and its DLQ, which is on; distributed
+/// over `ctx.buckets` when set.
+fn outbox_for(ctx: &Ctx, name: &str) -> Result<Outbox, BoxError> {
+    let builder = Outbox::builder().table(table_for(name)).dead_letter(true);
+    let builder = match ctx.buckets {
+        Some(b) => builder.distributed(b),
+        None => builder,
+    };
+    Ok(builder.build()?)
 }
 
-fn table_for(name: &str) -> String {
+pub(crate) fn table_for(name: &str) -> String {
     format!("fault_{}", name.replace('-', "_"))
 }
 
@@ -636,7 +739,12 @@ fn pick(prefix: &str, count: usize, k: usize) -> Vec<String> {
 
 /// Waits until `done()` reaches `share` of `published`, at most [`TRIGGER_WAIT`]; says
 /// when it gave up.
-async fn trigger_at<F, Fut>(name: &str, published: usize, share: f64, mut done: F) -> Option<String>
+pub(crate) async fn trigger_at<F, Fut>(
+    name: &str,
+    published: usize,
+    share: f64,
+    mut done: F,
+) -> Option<String>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = u64>,
@@ -664,7 +772,7 @@ where
 
 /// Live rows of the scenario's table (every status), polled until there are none or the
 /// drain timeout passes. Errors (a restarting server) count as "not drained yet".
-async fn drain(ctx: &Ctx, outbox: &Outbox) -> bool {
+pub(crate) async fn drain(ctx: &Ctx, outbox: &Outbox) -> bool {
     let end = Instant::now() + ctx.drain_timeout;
     let sql = format!("SELECT count(*) FROM {}", outbox.table());
     loop {
@@ -682,7 +790,7 @@ async fn drain(ctx: &Ctx, outbox: &Outbox) -> bool {
 }
 
 /// The key and generation a stored payload of `queue` stands for.
-fn key_of(queue: &str, timer_id: Option<&str>, payload: &[u8]) -> (String, u32) {
+pub(crate) fn key_of(queue: &str, timer_id: Option<&str>, payload: &[u8]) -> (String, u32) {
     if queue == QUEUE {
         return (String::from_utf8_lossy(payload).into_owned(), 0);
     }
@@ -693,7 +801,7 @@ fn key_of(queue: &str, timer_id: Option<&str>, payload: &[u8]) -> (String, u32) 
 }
 
 /// Reads the queue and the DLQ and accounts for every published key.
-async fn tally(
+pub(crate) async fn tally(
     ctx: &Ctx,
     name: &'static str,
     p: &Prepared,
@@ -818,7 +926,7 @@ async fn dlq_reasons(ctx: &Ctx, outbox: &Outbox) -> Result<BTreeMap<String, i64>
     Ok(out)
 }
 
-fn shutdown_note(label: &str, r: &ShutdownReport) -> String {
+pub(crate) fn shutdown_note(label: &str, r: &ShutdownReport) -> String {
     format!(
         "{label}: graceful {}, abandoned {}, released {}, retried {}, aborted {}, unreleased {}",
         r.graceful, r.abandoned, r.released, r.retried, r.aborted, r.unreleased
@@ -827,7 +935,7 @@ fn shutdown_note(label: &str, r: &ShutdownReport) -> String {
 
 /// The common shape: one in-process worker, a fault applied by `fault` once `share` of the
 /// rows ran, then drain and tally.
-async fn simple<F, Fut>(
+pub(crate) async fn simple<F, Fut>(
     ctx: &Ctx,
     name: &'static str,
     knobs: Knobs,
@@ -859,7 +967,18 @@ where
     }
     let mut o = tally(ctx, name, &p, &ledger.snapshot(), &HashMap::new(), wall).await?;
     o.notes.extend(notes);
+    overlaps(&mut o, &ledger);
     Ok(o)
+}
+
+/// Notes the runs that started while another run of the same row was under way (none is
+/// expected in any scenario: a lease is renewed while its run lasts).
+pub(crate) fn overlaps(o: &mut Outcome, ledger: &Ledger) {
+    let n = ledger.overlaps();
+    if n > 0 {
+        o.notes
+            .push(format!("{n} run(s) started while the same row was running"));
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -899,7 +1018,10 @@ async fn terminate_storm(ctx: &Ctx) -> Result<Outcome, BoxError> {
 
 /// `pg_ctl restart -m <mode>` of the whole cluster once 30 % of the rows ran.
 async fn restart(ctx: &Ctx, name: &'static str, mode: &'static str) -> Result<Outcome, BoxError> {
-    let control = ctx.control.clone();
+    let control = ctx
+        .control
+        .clone()
+        .ok_or("restart needs the throwaway cluster's pg_ctl")?;
     simple(
         ctx,
         name,
@@ -946,18 +1068,15 @@ async fn failover(ctx: &Ctx) -> Result<Outcome, BoxError> {
     let standby = primary.standby().await?;
     let port = primary.port();
     let opts: PgConnectOptions = primary.dsn().parse()?;
-    let admin = PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(60))
-        .connect_with(opts.clone().application_name(ADMIN_APP))
-        .await?;
+    let admin = admin_pool(&opts).await?;
     let pair = Ctx {
         mirror: ctx.mirror.clone(),
         pg_set: ctx.pg_set.clone(),
         dsn: primary.dsn(),
         opts,
         admin,
-        control: primary.control(),
+        control: Some(primary.control()),
+        buckets: None,
         messages: ctx.messages,
         timers: ctx.timers,
         drain_timeout: ctx.drain_timeout,
@@ -1208,7 +1327,7 @@ async fn hung_handlers(ctx: &Ctx) -> Result<Outcome, BoxError> {
         0,
         format!("{count} handlers never return; timeout 500 ms, 3 attempts 100 ms apart"),
     );
-    let reasons = dlq_reasons(ctx, &outbox_for(name)?).await?;
+    let reasons = dlq_reasons(ctx, &outbox_for(ctx, name)?).await?;
     o.checks.push((
         format!("{count} timeout in the DLQ"),
         reasons.get("timeout").copied().unwrap_or(0) == count as i64 && o.dead == count,
@@ -1729,6 +1848,37 @@ mod tests {
             key_of(TIMER_QUEUE, Some("t3"), b"not json"),
             ("t3".to_owned(), 0)
         );
+    }
+
+    #[test]
+    fn a_run_started_while_the_same_row_runs_is_an_overlap() {
+        let ledger = Arc::new(Ledger::default());
+        let first = ledger.start("m0", 0);
+        let other_row = ledger.start("m1", 0);
+        let other_version = ledger.start("m0", 1);
+        assert_eq!(
+            ledger.overlaps(),
+            0,
+            "other rows and versions do not overlap"
+        );
+        let second = ledger.start("m0", 0);
+        assert_eq!(ledger.overlaps(), 1);
+        drop((first, second, other_row, other_version));
+        let _again = ledger.start("m0", 0);
+        assert_eq!(
+            ledger.overlaps(),
+            1,
+            "a run after the others ended is no overlap"
+        );
+    }
+
+    #[test]
+    fn selected_scenarios_keep_their_order_and_unknown_names_fail() {
+        let known = &["a", "b", "c"];
+        assert_eq!(select(&[], known).unwrap(), vec!["a", "b", "c"]);
+        assert_eq!(select(&keys(&["c", "a"]), known).unwrap(), vec!["c", "a"]);
+        let e = select(&keys(&["citus-node-down"]), known).unwrap_err();
+        assert!(e.contains("unknown fault `citus-node-down`"), "{e}");
     }
 
     #[test]

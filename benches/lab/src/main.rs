@@ -7,7 +7,8 @@
 //! cargo run --release -p outbox-lab -- run --scale --json scale.jsonl   # growth curves
 //! cargo run --release -p outbox-lab -- run --soak 3 --json soak.jsonl   # soak, 3 minutes
 //! cargo run --release -p outbox-lab -- plot --scale scale.jsonl --soak soak.jsonl
-//! cargo run --release -p outbox-lab -- faults                 # the fault matrix (docs/reliability.md)
+//! cargo run --release -p outbox-lab -- faults                 # the fault matrix (docs/faults.md)
+//! .ci/citus -- cargo run --release -p outbox-lab -- faults --citus   # its Citus faults
 //! cargo run --release -p outbox-lab -- processes              # 1, 2, 4 worker processes
 //! cargo run --release -p outbox-lab -- stats --rows 1000000   # the cost of Outbox::stats
 //! cargo run --release -p outbox-lab -- pgbouncer              # transaction_pooler vs direct
@@ -18,6 +19,7 @@
 //! lab's additions: the reference alongside (`--vs-peer`, see [`peer`]) or, instead of the
 //! scenarios, the growth curves and the soak (`--scale`, `--soak`, see [`long`]).
 
+mod citus_faults;
 mod faults;
 mod long;
 #[cfg(feature = "opentelemetry")]
@@ -100,6 +102,7 @@ async fn main() -> ExitCode {
     let work = async {
         match &cli.cmd {
             Cmd::Run(a) => run(a).await,
+            Cmd::Faults(a) if a.citus => citus_faults::run(a).await,
             Cmd::Faults(a) => faults::run(a).await,
             Cmd::FaultWorker(a) => faults::child(a).await,
             Cmd::Plot(a) => plot::run(a).map(|()| ExitCode::SUCCESS),
