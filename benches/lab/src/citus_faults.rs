@@ -418,11 +418,22 @@ async fn logical_wal(opts: &PgConnectOptions, nodes: &Nodes) -> Result<Option<St
 }
 
 /// The job of `citus_rebalance_start` until it finished, failed or `REBALANCE_LIMIT`
-/// passed: its last state, its details (the tasks' errors when one failed), and how many
-/// tasks it ran.
-async fn wait_for_job(ctx: &Ctx, job: i64) -> Result<(String, String, i64), BoxError> {
-    let end = Instant::now() + REBALANCE_LIMIT;
+/// passed: its last state, its details (the tasks' errors when one failed), how many tasks
+/// it ran, and how long into it the workers still had rows to run (fewer than `published`
+/// rows had run).
+async fn wait_for_job(
+    ctx: &Ctx,
+    job: i64,
+    ledger: &Ledger,
+    published: u64,
+) -> Result<(String, String, i64, Duration), BoxError> {
+    let began = Instant::now();
+    let end = began + REBALANCE_LIMIT;
+    let mut loaded = Duration::ZERO;
     loop {
+        if (ledger.snapshot().len() as u64) < published {
+            loaded = began.elapsed();
+        }
         let (state, details): (String, serde_json::Value) = sqlx::query_as(
             "SELECT state::text, details FROM citus_rebalance_status() WHERE job_id = $1",
         )
@@ -432,7 +443,7 @@ async fn wait_for_job(ctx: &Ctx, job: i64) -> Result<(String, String, i64), BoxE
         let done = details["task_state_counts"]["done"].as_i64().unwrap_or(0);
         let over = matches!(state.as_str(), "finished" | "failed" | "cancelled");
         if over || Instant::now() > end {
-            return Ok((state, details.to_string(), done));
+            return Ok((state, details.to_string(), done, loaded));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -500,9 +511,15 @@ async fn rebalance(
     let job: Option<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
         .fetch_one(&ctx.admin)
         .await?;
-    let (state, details, tasks) = match job {
-        Some(job) => wait_for_job(ctx, job).await?,
-        None => ("not started".to_owned(), "no moves planned".to_owned(), 0),
+    let published = u64::try_from(p.published())?;
+    let (state, details, tasks, loaded) = match job {
+        Some(job) => wait_for_job(ctx, job, &ledger, published).await?,
+        None => (
+            "not started".to_owned(),
+            "no moves planned".to_owned(),
+            0,
+            Duration::ZERO,
+        ),
     };
     let took = t.elapsed();
     let during = ledger.total() - ran_before;
@@ -529,11 +546,12 @@ async fn rebalance(
     notes.insert(
         0,
         format!(
-            "placements {} -> {}: citus_rebalance_start({}) ran {tasks} moves in {:.1} s, {ran_before} runs before it, {during} during it; 2 workers",
+            "placements {} -> {}: citus_rebalance_start({}) ran {tasks} moves in {:.1} s, {ran_before} runs before it, {during} during it (rows left to run for its first {:.1} s); 2 workers",
             show(&before),
             show(&after),
             mode.map_or("default: auto".to_owned(), |m| format!("shard_transfer_mode => '{m}'")),
-            took.as_secs_f64()
+            took.as_secs_f64(),
+            loaded.as_secs_f64()
         ),
     );
     o.notes.extend(notes);
