@@ -524,7 +524,7 @@ async fn rebalance(
     let took = t.elapsed();
     let during = ledger.total() - ran_before;
     if state != "finished" {
-        // A move that keeps failing is retried forever: stop the job.
+        // A move that fails is retried, the job staying `running`: stop it.
         sqlx::query("SELECT citus_rebalance_stop()")
             .execute(&ctx.admin)
             .await?;

@@ -2,9 +2,9 @@
 //! with `-m immediate` while handlers run, a shard moved under a worker, and a whole
 //! rebalance (`citus_rebalance_start`) under load, by `block_writes` and by Citus' default
 //! (`auto`: logical replication, which needs `wal_level = logical` on the worker nodes; with
-//! `.ci/citus`'s `replica` every move of the job fails with `logical decoding requires
-//! wal_level >= logical` and is retried forever). Each checks that nothing is lost and
-//! nothing runs twice at once.
+//! `.ci/citus`'s `replica` the job's first move fails with `logical decoding requires
+//! wal_level >= logical` and is retried, the job staying `running`). Each checks that
+//! nothing is lost and nothing runs twice at once.
 
 use super::*;
 
@@ -351,8 +351,8 @@ async fn logical_wal_on_the_workers() {
 
 /// Waits for rebalance job `job` (`citus_rebalance_start`) to finish, polling
 /// `citus_rebalance_status()`; panics when it failed, was cancelled, or is still running
-/// after `limit` (with the last task's error, as a move that keeps failing is retried
-/// forever). Returns how many tasks (moves) it ran.
+/// after `limit` (with the tasks' errors: a move that fails is retried, the job staying
+/// `running`). Returns how many tasks (moves) it ran.
 async fn rebalance_finished(pool: &PgPool, job: i64, limit: Duration) -> i64 {
     let end = std::time::Instant::now() + limit;
     loop {
