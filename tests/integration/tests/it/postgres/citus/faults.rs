@@ -484,20 +484,22 @@ async fn rebalance_under_load(mode: Option<&str>) {
     let publisher = {
         let (pool, outbox, stop) = (f.pool.clone(), f.outbox.clone(), stop.clone());
         tokio::spawn(async move {
-            let mut keys = Vec::new();
+            let (mut keys, mut slowest) = (Vec::new(), Duration::ZERO);
             let mut i = 300;
             while !stop.load(Ordering::SeqCst) {
                 let key = format!("b{i}");
                 let mut conn = pool.acquire().await.unwrap();
+                let t = std::time::Instant::now();
                 outbox
                     .publish(&mut conn, Message::new("rebalance", key.as_bytes()))
                     .await
                     .unwrap();
+                slowest = slowest.max(t.elapsed());
                 keys.push(key);
                 i += 1;
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            keys
+            (keys, slowest)
         })
     };
 
@@ -524,7 +526,8 @@ async fn rebalance_under_load(mode: Option<&str>) {
     // Load after the moves too: the workers claim from the moved shards.
     tokio::time::sleep(Duration::from_secs(1)).await;
     stop.store(true, Ordering::SeqCst);
-    published.extend(publisher.await.unwrap());
+    let (added, slowest_publish) = publisher.await.unwrap();
+    published.extend(added);
     let after = placements(&f.pool, &table).await;
     assert!(tasks > 0, "the rebalance job ran no task");
     assert!(
@@ -585,10 +588,12 @@ async fn rebalance_under_load(mode: Option<&str>) {
     );
     eprintln!(
         "rebalance ({}): {} task(s), placements {before:?} -> {after:?}; {total} rows published, \
-         {ran_during} runs started during the job's {:.1} s, {again} run(s) again after a finished run",
+         {ran_during} runs started during the job's {:.1} s, {again} run(s) again after a finished run; \
+         the slowest publish took {} ms",
         mode.unwrap_or("auto"),
         tasks,
-        took.as_secs_f64()
+        took.as_secs_f64(),
+        slowest_publish.as_millis()
     );
     f.cleanup().await;
 }
