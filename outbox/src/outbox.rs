@@ -301,6 +301,9 @@ impl Outbox {
     /// # Errors
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an empty, over-long
     /// (more than 255 bytes) or NUL-containing queue or timer id, before any SQL runs;
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) (knob `distributed`) in
+    /// distributed mode when no row matched and the table records another bucket count than
+    /// this outbox's (a key's bucket depends on the count);
     /// [`Error::Database`](crate::Error::Database).
     pub async fn cancel(
         &self,
@@ -308,7 +311,7 @@ impl Outbox {
         queue: &str,
         timer_id: &str,
     ) -> Result<Cancelled> {
-        crate::cancel::cancel(
+        let cancelled = crate::cancel::cancel(
             &self.inner.sql.cancel,
             self.inner.scope,
             conn,
@@ -316,7 +319,10 @@ impl Outbox {
             timer_id,
             self.bucket_for(Some(timer_id), None),
         )
-        .await
+        .await?;
+        self.require_table_buckets_if(conn, matches!(cancelled, Cancelled::NotFound))
+            .await?;
+        Ok(cancelled)
     }
 
     /// Reads live rows of `queue` without leasing or locking them, pending and leased alike,
@@ -453,7 +459,21 @@ impl Outbox {
         conn: &mut PgConnection,
         action: RowAction,
     ) -> Result<RowAction> {
-        if matches!(action, RowAction::NotFound) && self.inner.names.buckets.is_some() {
+        self.require_table_buckets_if(conn, matches!(action, RowAction::NotFound))
+            .await?;
+        Ok(action)
+    }
+
+    /// Distributed mode, when `missing`: [`Error::InvalidConfig`](crate::Error::InvalidConfig)
+    /// if the table records another bucket count than this outbox's. A key's bucket, and the
+    /// bucket an id names, depend on the count, so a process built with another one looks in
+    /// the wrong bucket and finds nothing; one catalog read, only on that path.
+    pub(crate) async fn require_table_buckets_if(
+        &self,
+        conn: &mut PgConnection,
+        missing: bool,
+    ) -> Result<()> {
+        if missing && self.inner.names.buckets.is_some() {
             crate::schema::validate::require_table_buckets(
                 conn,
                 self.inner.scope,
@@ -461,7 +481,7 @@ impl Outbox {
             )
             .await?;
         }
-        Ok(action)
+        Ok(())
     }
 
     /// Lists dead letters of `filter` on the caller's connection or transaction, by id

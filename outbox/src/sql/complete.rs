@@ -51,8 +51,19 @@ pub(crate) struct Complete {
     pub retry: SqlStr,
     /// A terminal failure with the dead-letter queue: `$1` id, `$2` token, `$3` reason,
     /// `$4` last error, `$5` 1 if the handler ran → `(rows locked, rearm deadline, notify,
-    /// deleted as cancelled)`.
+    /// deleted as cancelled)`. Distributed mode: `$1` id, `$2` token, `$3` bucket, without
+    /// the archive, which `fail_archive_insert` writes in the same transaction; it also
+    /// returns the archived columns `(queue, payload, headers, timer_id, attempts_count,
+    /// deliveries_count, created_at)` of the locked row.
     pub fail_archive: SqlStr,
+    /// Distributed mode: the archive of `fail_archive`, an `INSERT … VALUES` of the values
+    /// it returned: `$1` bucket, `$2` original id, `$3` queue, `$4` payload, `$5` headers,
+    /// `$6` timer id, `$7` attempts, `$8` deliveries, `$9` created, `$10` reason, `$11` last
+    /// error. An `INSERT … SELECT` from a CTE is planned through the coordinator, which
+    /// sends its rows to every worker node and makes the completion a two-phase commit
+    /// across the cluster (and stalls it while any node is down); `VALUES` routes to the
+    /// bucket's shard, on the node of the row it archives.
+    pub fail_archive_insert: Option<SqlStr>,
     /// A terminal failure without the dead-letter queue: as `ack_delete`, for a cancelled
     /// row too, but reports whether it was cancelled → `(cancelled)`.
     pub fail_delete: SqlStr,
@@ -213,8 +224,29 @@ SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM up), (SELECT rea
         // Terminal failure with the dead-letter queue: archive the failed run (its own
         // payload) and delete the row or apply its rearm, in one statement (SPEC §5.1). A row
         // cancelled while it ran is deleted without an archive: nobody wants it any more.
-        let fail_archive = format!(
-            r#"
+        let fail_archive = if n.buckets.is_some() {
+            format!(
+                r#"
+WITH cur AS (
+    SELECT id, queue, payload, headers, timer_id, attempts_count, deliveries_count,
+           created_at, rearm_at IS NOT NULL AS rearm,
+           cancelled_at IS NOT NULL AND rearm_at IS NULL AS cancelled,
+           rearm_at, rearm_payload, rearm_headers
+    FROM {t} WHERE id = $1 AND acquired_token IS NOT DISTINCT FROM $2{b3} FOR UPDATE),
+deleted AS (DELETE FROM {t} t USING cur WHERE t.id = $1 AND t.id = cur.id AND NOT cur.rearm{tb3}),
+rearmed AS (
+    UPDATE {t} t SET {APPLY_REARM} FROM cur
+    WHERE t.id = $1 AND t.id = cur.id AND cur.rearm{tb3} RETURNING t.next_attempt_at, t.queue)
+SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
+       (SELECT {notify} FROM rearmed), (SELECT bool_or(cancelled) FROM cur),
+       (SELECT queue::text FROM cur), (SELECT payload FROM cur), (SELECT headers FROM cur),
+       (SELECT timer_id::text FROM cur), (SELECT attempts_count FROM cur),
+       (SELECT deliveries_count FROM cur), (SELECT created_at FROM cur)"#,
+                notify = notify(n, "rearmed")
+            )
+        } else {
+            format!(
+                r#"
 WITH cur AS (
     SELECT id, queue, payload, headers, timer_id, attempts_count, deliveries_count,
            created_at, rearm_at IS NOT NULL AS rearm,
@@ -232,8 +264,17 @@ rearmed AS (
     WHERE t.id = $1 AND t.id = cur.id AND cur.rearm{tb6} RETURNING t.next_attempt_at, t.queue)
 SELECT (SELECT count(*) FROM cur), (SELECT next_attempt_at FROM rearmed),
        (SELECT {notify} FROM rearmed), (SELECT bool_or(cancelled) FROM cur)"#,
-            notify = notify(n, "rearmed")
-        );
+                notify = notify(n, "rearmed")
+            )
+        };
+        let fail_archive_insert = n.buckets.map(|_| {
+            query(format!(
+                r#"
+INSERT INTO {d} (bucket, original_id, queue, payload, headers, timer_id, attempts_count,
+                 deliveries_count, created_at, failure_reason, last_error)
+VALUES ($1::smallint, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"#
+            ))
+        });
         // A terminal failure without the dead-letter queue ends the row like a success; only
         // taken when no rearm is queued (the rearm applies like a success's, via ack_settle).
         let fail_delete = format!(
@@ -326,6 +367,7 @@ SELECT count(*) FROM gone"#
             ack_batch_settle: query(ack_batch_settle),
             retry: query(retry),
             fail_archive: query(fail_archive),
+            fail_archive_insert,
             buckets: n.buckets,
         }
     }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
-use sqlx::{Row, SqlStr};
+use sqlx::{Acquire, Row, SqlStr};
 use uuid::Uuid;
 
 use super::{clean_error_text, Armed, Completion, Failure, Lease, Release, Released, Renewal};
@@ -167,6 +167,9 @@ pub(crate) async fn fail_on(
         db.done().await?;
         return Ok(outcome);
     }
+    if let Some(insert) = &sql.fail_archive_insert {
+        return fail_in_steps(sql, insert, scope, db, lease, failure).await;
+    }
     let row = scope
         .query(sql.fail_archive.clone())
         .bind(lease.id)
@@ -183,6 +186,65 @@ pub(crate) async fn fail_on(
         .await?;
     db.done().await?;
     if row.try_get::<Option<bool>, _>(3).outbox_sql()? == Some(true) {
+        return Ok(Completion::Cancelled);
+    }
+    settled(&row)
+}
+
+/// Distributed mode: the terminal failure with the dead-letter queue as two single-shard
+/// statements in one transaction, both on the row's bucket (the queue and dead-letter tables
+/// are co-located): the fenced delete or rearm, which returns the row as it was, then its
+/// archive by `INSERT … VALUES` (see `Complete::fail_archive_insert`). The transaction
+/// stays on one worker node: no two-phase commit, and a node that is down stalls only the
+/// failures of its own buckets.
+async fn fail_in_steps(
+    sql: &Complete,
+    insert: &SqlStr,
+    scope: Scope,
+    mut db: Db<'_>,
+    lease: Lease,
+    failure: Failure<'_>,
+) -> Result<Completion> {
+    let bucket = sql.bucket_of(lease.id);
+    let mut tx = (&mut *db).begin().await.outbox_sql()?;
+    let row = scope
+        .query(sql.fail_archive.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(bucket)
+        .fetch_one(&mut *tx)
+        .await
+        .outbox_sql()?;
+    let locked: i64 = row.try_get(0).outbox_sql()?;
+    let cancelled = row.try_get::<Option<bool>, _>(3).outbox_sql()? == Some(true);
+    if locked > 0 && !cancelled {
+        let attempts: i32 = row.try_get(8).outbox_sql()?;
+        scope
+            .query(insert.clone())
+            .bind(bucket)
+            .bind(lease.id)
+            .bind(row.try_get::<String, _>(4).outbox_sql()?)
+            .bind(row.try_get::<Vec<u8>, _>(5).outbox_sql()?)
+            .bind(
+                row.try_get::<Option<serde_json::Value>, _>(6)
+                    .outbox_sql()?,
+            )
+            .bind(row.try_get::<Option<String>, _>(7).outbox_sql()?)
+            .bind(attempts + i32::from(failure.reason.handler_ran()))
+            .bind(row.try_get::<i32, _>(9).outbox_sql()?)
+            .bind(row.try_get::<DateTime<Utc>, _>(10).outbox_sql()?)
+            .bind(failure.reason.as_str())
+            .bind(failure.last_error.map(clean_error_text))
+            .execute(&mut *tx)
+            .await
+            .outbox_sql()?;
+    }
+    tx.commit().await.outbox_sql()?;
+    scope
+        .wake(&mut db, sql.wake.as_ref(), [row.try_get(2).outbox_sql()?])
+        .await?;
+    db.done().await?;
+    if cancelled {
         return Ok(Completion::Cancelled);
     }
     settled(&row)

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -123,6 +123,10 @@ pub struct PgStore {
     outbox: Outbox,
     /// Distributed mode: where the next claim starts among the buckets with work.
     bucket_cursor: Arc<AtomicUsize>,
+    /// Distributed mode: the table's bucket count was found to be the outbox's.
+    buckets_checked: Arc<AtomicBool>,
+    /// Distributed mode: when the claim last logged that it went bucket by bucket.
+    fallback_logged: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
 /// The connection a busy claim loop claims on, one claim after another. The claim
@@ -164,6 +168,8 @@ impl PgStore {
             claimer: Arc::default(),
             outbox,
             bucket_cursor: Arc::default(),
+            buckets_checked: Arc::default(),
+            fallback_logged: Arc::default(),
         }
     }
 
@@ -339,6 +345,13 @@ impl PgStore {
         else {
             return Ok(Route::dynamic(vec![None], false));
         };
+        // A process built with another bucket count would read every row's bucket wrongly
+        // (a keyed timer's, the one an id names): its claims are refused, every one, until
+        // the table's CHECK says the counts agree (read once per store).
+        if !self.buckets_checked.load(Ordering::Relaxed) {
+            self.outbox.require_table_buckets_if(conn, true).await?;
+            self.buckets_checked.store(true, Ordering::Relaxed);
+        }
         let ttl = interval(micros(request.lease_ttl, "lease_ttl")?);
         let found = self
             .scope()
@@ -364,7 +377,17 @@ impl PgStore {
             Ok(work) => work,
             Err(e) if e.is_missing_paused_table() => return Err(e),
             Err(e) => {
-                tracing::warn!(error = %e, "the read for buckets with work failed; claiming bucket by bucket");
+                // Once every 10 s at most: with a node down every claim goes this way.
+                let now = std::time::Instant::now();
+                let mut last = self
+                    .fallback_logged
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                if last.is_none_or(|l| now.duration_since(l) >= Duration::from_secs(10)) {
+                    *last = Some(now);
+                    tracing::warn!(error = %e, "the read for buckets with work failed; claiming bucket by bucket (logged at most every 10 s)");
+                }
+                drop(last);
                 let mut every: Vec<Option<i16>> = (0..layout as i16).map(Some).collect();
                 let turn = self.bucket_cursor.fetch_add(1, Ordering::Relaxed) % every.len();
                 every.rotate_left(turn);

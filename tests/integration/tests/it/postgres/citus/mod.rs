@@ -171,6 +171,43 @@ async fn an_action_by_id_with_another_bucket_count_is_refused_not_reported_missi
             other => panic!("{other:?}"),
         }
     }
+    // A cancel of a key whose bucket differs between the two counts: refused, not missing.
+    let key = (0..)
+        .map(|i| format!("key-{i}"))
+        .find(|k| f.outbox.bucket_of(k).unwrap() >= 8)
+        .unwrap();
+    f.outbox
+        .publish(
+            &mut conn,
+            Message::new("q", b"t").timer_id(&key).schedule(TTL),
+        )
+        .await
+        .unwrap();
+    match eight.cancel(&mut conn, "q", &key).await.unwrap_err() {
+        Error::InvalidConfig { knob, reason } => {
+            assert_eq!(knob, "distributed");
+            assert!(reason.contains("holds 16 buckets"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        f.outbox.cancel(&mut conn, "q", &key).await.unwrap(),
+        Cancelled::Deleted { .. }
+    ));
+    // A worker's claims with the other count are refused, every one, whatever the rows' ids
+    // (before, a claim failed only when a claimed id happened not to name its bucket).
+    let qs = vec!["q".to_owned()];
+    let store = PgStore::new(f.pool.clone(), eight.clone());
+    for _ in 0..2 {
+        match store
+            .claim(ClaimRequest::new(&qs, 10, TTL))
+            .await
+            .unwrap_err()
+        {
+            Error::InvalidConfig { knob, .. } => assert_eq!(knob, "distributed"),
+            other => panic!("{other:?}"),
+        }
+    }
     // With the table's count a missing id is just missing, and the row is untouched.
     assert!(matches!(
         f.outbox.run_now(&mut conn, id + 16 * 1000).await.unwrap(),
@@ -178,6 +215,81 @@ async fn an_action_by_id_with_another_bucket_count_is_refused_not_reported_missi
     ));
     assert_eq!(f.rows("q").await.len(), 1);
     drop(conn);
+    f.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs a Citus cluster: .ci/citus -- cargo nextest run --run-ignored only -E 'test(/citus/)'"]
+async fn a_dead_letter_is_archived_on_its_rows_node_without_two_phase_commit() {
+    let f = cluster().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    let hs = outbox::message::Headers::from([("k".to_owned(), "v".to_owned())]);
+    for i in 0..8 {
+        f.outbox
+            .publish(
+                &mut conn,
+                Message::new("dead", format!("{i}").as_bytes()).headers(&hs),
+            )
+            .await
+            .unwrap();
+    }
+    drop(conn);
+    let two_pc = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_dist_transaction")
+            .fetch_one(&f.pool)
+            .await
+            .unwrap()
+    };
+    let before = two_pc().await;
+    let qs = vec!["dead".to_owned()];
+    let claimed = f.store.claim(ClaimRequest::new(&qs, 8, TTL)).await.unwrap();
+    assert_eq!(claimed.len(), 8);
+    for d in &claimed {
+        let failure = Failure {
+            reason: FailureReason::Rejected,
+            last_error: Some("no"),
+        };
+        assert_eq!(
+            f.store.fail(d.lease, failure).await.unwrap(),
+            Completion::Deleted
+        );
+    }
+    assert_eq!(
+        two_pc().await,
+        before,
+        "each archive stayed on the node of its row's bucket"
+    );
+    let mut conn = f.pool.acquire().await.unwrap();
+    let letters = f
+        .outbox
+        .dead_letters(
+            &mut conn,
+            &outbox::dlq::DeadLetterFilter::new().queue("dead"),
+            None,
+            100,
+        )
+        .await
+        .unwrap();
+    drop(conn);
+    assert_eq!(letters.len(), 8);
+    let mut originals: Vec<i64> = letters.iter().map(|l| l.original_id).collect();
+    originals.sort_unstable();
+    let mut ids: Vec<i64> = claimed.iter().map(|d| d.lease.id).collect();
+    ids.sort_unstable();
+    assert_eq!(originals, ids);
+    for l in &letters {
+        assert_eq!(
+            (
+                l.failure_reason.as_str(),
+                l.last_error.as_deref(),
+                l.attempts_count,
+                l.deliveries_count,
+                l.headers.as_ref()
+            ),
+            ("rejected", Some("no"), 1, 1, Some(&hs))
+        );
+    }
+    assert!(f.rows("dead").await.is_empty());
     f.cleanup().await;
 }
 
