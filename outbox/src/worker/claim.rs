@@ -204,6 +204,11 @@ pub(crate) async fn claim_loop<S: Store>(
     let limit = config.fetch_batch_size;
     let mut failures = 0u32;
     let mut throttle = Throttle::default();
+    // The look-ahead's failures count apart from the claim's: on a Citus cluster with a
+    // worker node down the claim goes on bucket by bucket while the look-ahead (a read across
+    // the shards) keeps failing, and a claim that works must not reset its back-off.
+    let mut wakeup_failures = 0u32;
+    let mut wakeup_throttle = Throttle::default();
     // Rows due but not claimable (locked by another worker's claim in flight) make the
     // earliest deadline lie in the past; wait a little, growing, instead of spinning.
     let mut contention = Duration::from_millis(10);
@@ -292,14 +297,16 @@ pub(crate) async fn claim_loop<S: Store>(
         let next = match next {
             Ok(n) => n,
             Err(e) => {
-                failures += 1;
-                throttle.failed("reading the next deadline", &e, failures);
-                if sleep_or_stop(backoff(failures - 1), stopped).await {
+                wakeup_failures += 1;
+                wakeup_throttle.failed("reading the next deadline", &e, wakeup_failures);
+                if sleep_or_stop(backoff(wakeup_failures - 1), stopped).await {
                     return;
                 }
                 continue;
             }
         };
+        wakeup_failures = 0;
+        wakeup_throttle.recovered();
         shared.observe_clock(next.now);
         let now = Instant::now();
         let ceiling = if degraded {
