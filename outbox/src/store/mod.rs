@@ -799,6 +799,14 @@ pub trait Store: sealed::Sealed + Clone + Send + Sync + 'static {
         None
     }
 
+    /// The name of the store's queue table, unquoted and schema-qualified when a schema is
+    /// configured (`outbox`, `app.outbox`): a relay's message ids start with it, so two
+    /// tables relaying to one broker never share an id. The in-memory store answers
+    /// `memory` (the default).
+    fn queue_table_name(&self) -> String {
+        "memory".to_owned()
+    }
+
     /// Whether the store reaches Postgres through a transaction-mode pooler
     /// ([`OutboxBuilder::transaction_pooler`](crate::OutboxBuilder::transaction_pooler)),
     /// where a `LISTEN` would not last beyond its transaction: a worker's `build()` then

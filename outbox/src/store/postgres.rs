@@ -808,6 +808,10 @@ impl Store for PgStore {
     fn transaction_pooler(&self) -> bool {
         self.outbox.transaction_pooler()
     }
+
+    fn queue_table_name(&self) -> String {
+        self.outbox.table().replace('"', "")
+    }
 }
 
 /// Publishes on a pool connection, outside any transaction of yours (autocommit); cancels

@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::circuit::Gate;
 use super::execute::{execute, Dispatched, Executed, Mode};
 use super::poison::claim_isolating;
 use super::shared::{backoff, Claimed, Shared};
@@ -329,6 +330,10 @@ pub(crate) async fn claim_loop<S: Store>(
         if let Some(until) = shared.quarantine.next_until(Instant::now()) {
             target = target.min(until);
         }
+        // A relay's circuit lets its probe through when its back-off ends.
+        if let Some(until) = circuit_reopens(shared, queues) {
+            target = target.min(until);
+        }
         loop {
             if let Some(h) = shared.take_hint() {
                 target = target.min(h);
@@ -372,23 +377,48 @@ fn queue_limits<S: Store>(
     queues: &[String],
     limit: usize,
 ) -> Option<Vec<usize>> {
-    if shared.routes.values().all(|r| r.max_concurrency.is_none()) {
+    if shared
+        .routes
+        .values()
+        .all(|r| r.max_concurrency.is_none() && r.circuit.is_none())
+    {
         return None;
     }
     let active = shared.held.active_by_queue();
+    let now = Instant::now();
     Some(
         queues
             .iter()
-            .map(
-                |q| match shared.routes.get(q).and_then(|r| r.max_concurrency) {
-                    Some(max) => max
-                        .saturating_sub(active.get(q).copied().unwrap_or(0))
-                        .min(limit),
+            .map(|q| {
+                let route = shared.routes.get(q);
+                let held = active.get(q).copied().unwrap_or(0);
+                let free = match route.and_then(|r| r.max_concurrency) {
+                    Some(max) => max.saturating_sub(held).min(limit),
                     None => limit,
-                },
-            )
+                };
+                // A relay whose sink is down: nothing while its circuit is open, then one
+                // row to probe it (none while the queue still holds rows: a run is on it).
+                match route.and_then(|r| r.circuit.as_ref()).map(|c| c.gate(now)) {
+                    Some(Gate::Open(_)) => 0,
+                    Some(Gate::Probe) => free.min(usize::from(held == 0)),
+                    Some(Gate::Closed) | None => free,
+                }
+            })
             .collect(),
     )
+}
+
+/// The earliest instant a circuit of `queues` lets a probe through, if one is open.
+fn circuit_reopens<S: Store>(shared: &Shared<S>, queues: &[String]) -> Option<Instant> {
+    let now = Instant::now();
+    queues
+        .iter()
+        .filter_map(|q| shared.routes.get(q)?.circuit.as_ref())
+        .filter_map(|c| match c.gate(now) {
+            Gate::Open(until) => Some(until),
+            Gate::Probe | Gate::Closed => None,
+        })
+        .min()
 }
 
 /// Receives the next hint, or waits forever when there is no hint channel.

@@ -14,6 +14,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use tokio::sync::watch;
 
+use super::circuit::Circuit;
 use super::handler::{
     CancelReason, Context, Handler, HandlerOptions, Outcome, DEFAULT_MAX_DELIVERIES,
 };
@@ -108,6 +109,8 @@ pub(crate) struct Route {
     pub max_concurrency: Option<usize>,
     /// The schedules of this queue the worker registered, by timer id (`schedule:<name>`).
     pub schedules: HashMap<String, Recurrence>,
+    /// A relay's circuit: claims paused while its sink is down, rows given back.
+    pub circuit: Option<Arc<Circuit>>,
 }
 
 impl Route {
@@ -130,6 +133,7 @@ impl Route {
             timeout: options.timeout,
             max_concurrency: options.max_concurrency,
             schedules: HashMap::new(),
+            circuit: None,
         }
     }
 
@@ -152,6 +156,7 @@ impl Route {
             timeout: options.timeout,
             max_concurrency: options.max_concurrency,
             schedules: HashMap::new(),
+            circuit: None,
         }
     }
 }
