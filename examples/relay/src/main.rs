@@ -48,6 +48,22 @@ enum Command {
         #[arg(long, default_value_t = 120)]
         timeout_secs: u64,
     },
+    /// Measure: relay throughput into JetStream from a backlog, then the latency from
+    /// commit to the stream at a steady publishing rate.
+    Bench {
+        /// Rows in the backlog.
+        #[arg(long, default_value_t = 100_000)]
+        messages: usize,
+        /// The relay's publishes in flight.
+        #[arg(long, default_value_t = 256)]
+        concurrency: usize,
+        /// Messages per second in the latency phase (one transaction each).
+        #[arg(long, default_value_t = 1000)]
+        rate: u64,
+        /// Seconds of the latency phase.
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+    },
 }
 
 #[tokio::main]
@@ -57,28 +73,39 @@ async fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .init();
-    let Command::Demo {
-        messages,
-        keys,
-        concurrency,
-        timeout_secs,
-    } = Cli::parse().command;
-    match demo(
-        messages,
-        keys.max(1),
-        concurrency,
-        Duration::from_secs(timeout_secs),
-    )
-    .await
-    {
+    let done = match Cli::parse().command {
+        Command::Demo {
+            messages,
+            keys,
+            concurrency,
+            timeout_secs,
+        } => {
+            demo(
+                messages,
+                keys.max(1),
+                concurrency,
+                Duration::from_secs(timeout_secs),
+            )
+            .await
+        }
+        Command::Bench {
+            messages,
+            concurrency,
+            rate,
+            seconds,
+        } => bench::run(messages, concurrency, rate, seconds).await,
+    };
+    match done {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("relay demo: {e}");
+            eprintln!("relay: {e}");
             ExitCode::from(2)
         }
     }
 }
+
+mod bench;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
