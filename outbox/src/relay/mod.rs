@@ -230,7 +230,8 @@ impl Relay {
     /// How long to wait for the broker's confirm of one message (default 10 s, range
     /// 1 ms..=10 min, checked by the worker's `build()`). A confirm that does not come in
     /// time counts as the broker being unavailable: the row is given back and the circuit
-    /// opens. The client's own timeout (async-nats' `ack_timeout`) should not be shorter.
+    /// opens. A client's own publish-ack timeout (async-nats' context `timeout`) that is
+    /// shorter ends the wait first, with the same effect.
     pub fn publish_timeout(mut self, timeout: Duration) -> Self {
         self.publish_timeout = timeout;
         self

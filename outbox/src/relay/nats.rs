@@ -113,8 +113,8 @@ pub struct NatsSink {
 /// Each message carries the row's headers and `Nats-Msg-Id` = the row's message id, so the
 /// stream drops a redelivery within its duplicate window (its `duplicate_window`; set it
 /// longer than the worker's `lease_ttl`). Publishes pipeline up to the context's
-/// `max_ack_inflight` (async-nats' default 5 000) and wait for the ack up to its
-/// `ack_timeout` (default 5 s) and the relay's
+/// `max_ack_inflight` (async-nats' default 5 000) and wait for the ack up to the context's
+/// own publish-ack timeout and the relay's
 /// [`publish_timeout`](super::Relay::publish_timeout), whichever ends first.
 ///
 /// What counts as the message's fault ([`SinkError::Rejected`]): a message larger than

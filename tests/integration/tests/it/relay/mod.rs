@@ -8,6 +8,7 @@
 //! Time bounds derive from the configured values with a margin of at least 3×.
 
 mod amqp;
+mod memory;
 mod nats;
 
 use std::collections::BTreeMap;
