@@ -261,3 +261,68 @@ fn a_crash_between_confirm_and_ack_delivers_at_most_one_duplicate_with_the_same_
         drop(conn);
     });
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_pauses_the_relay_and_the_sink_reconnects_when_the_broker_is_back() {
+    const ROWS: usize = 30;
+    let f = Fixture::new().await;
+    let (_conn, channel, exchange, queue) = setup("orders").await;
+    let upstream = amqp_url();
+    let host = upstream
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or("127.0.0.1:5672")
+        .to_owned();
+    let proxy = outbox_tests::proxy::Proxy::start_to(&host).await;
+    let through_proxy = upstream.replace(&host, &proxy.addr().to_string());
+    let running = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(relay::amqp(through_proxy, exchange.clone()))
+                .publish_timeout(Duration::from_millis(500))
+                .max_deliveries(2),
+        )
+        .build()
+        .unwrap()
+        .start();
+    publish(&f, "orders", 5, &headers(&[])).await;
+    eventually(10, "the first rows relayed", || async {
+        f.rows("orders").await.is_empty()
+    })
+    .await;
+
+    proxy.cut().await;
+    publish(&f, "orders", ROWS, &headers(&[])).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let rows = f.rows("orders").await;
+    assert_eq!(rows.len(), ROWS, "every row still pending");
+    for r in &rows {
+        assert_eq!(r.attempts_count, 0, "no attempt recorded: {r:?}");
+        let in_flight = i32::from(r.acquired_token.is_some());
+        assert!(
+            r.deliveries_count <= in_flight,
+            "the outage counted no delivery: {r:?}"
+        );
+    }
+    let dead = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("orders"), None, 100)
+        .await
+        .unwrap();
+    assert!(dead.is_empty(), "nothing dead-lettered: {dead:?}");
+
+    proxy.restore().await;
+    // The circuit's longest back-off (2 s) plus a connect and a probe, at least 3×.
+    eventually(15, "every row relayed once the broker is back", || async {
+        f.rows("orders").await.is_empty()
+    })
+    .await;
+    running.shutdown().await;
+    let got = drain(&channel, &queue).await;
+    let mut ids: Vec<&String> = got.iter().map(|(_, id, _, _)| id).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), ROWS + 5, "every row arrived");
+    teardown(&channel, &exchange, &queue, f).await;
+}
