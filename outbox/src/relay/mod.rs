@@ -13,8 +13,8 @@
 //!     .concurrency(64)
 //!     .relay(["orders"], relay::nats(jetstream, Subject::from_queue("outbox.")))
 //!     .build()?
-//!     .start()
-//!     .await?;
+//!     .start();
+//! # drop(worker);
 //! # Ok(()) }
 //! ```
 //!
