@@ -83,6 +83,104 @@ pub(crate) async fn run(
     result
 }
 
+/// The backlog into RabbitMQ: a fresh queue on the default exchange, the relay's routing
+/// key its name, publisher confirms; timed until the queue holds every message.
+pub(crate) async fn run_amqp(messages: usize, concurrency: usize) -> Result<bool, BoxError> {
+    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::types::FieldTable;
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let amqp_url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..10];
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&url)
+        .await?;
+    let outbox = Outbox::builder()
+        .table(format!("relay_bench_{suffix}"))
+        .build()?;
+    outbox.migrate(&pool).await?;
+    let conn =
+        lapin::Connection::connect(&amqp_url, lapin::ConnectionProperties::default()).await?;
+    let channel = conn.create_channel().await?;
+    let queue = format!("relay_bench_{suffix}");
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let count = || async {
+        let q = channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        Ok::<u32, BoxError>(q.message_count())
+    };
+    backlog(&pool, &outbox, messages).await?;
+    let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
+        .concurrency(concurrency)
+        .fetch_batch_size(concurrency.min(1000))
+        .relay(
+            ["bench"],
+            relay::amqp(amqp_url.clone(), "").routing_key(relay::RoutingKey::Fixed(queue.clone())),
+        )
+        .build()?
+        .start();
+    let started = Instant::now();
+    let mut done = true;
+    while (count().await? as usize) < messages {
+        if started.elapsed() > Duration::from_secs(600) {
+            done = false;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = started.elapsed();
+    worker.shutdown().await;
+    println!(
+        "backlog: {messages} rows relayed into RabbitMQ (persistent, mandatory, confirms) in {:.2} s: {:.0} msg/s (concurrency {concurrency})",
+        took.as_secs_f64(),
+        messages as f64 / took.as_secs_f64()
+    );
+    let _ = channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    let drop = format!(
+        "DROP TABLE IF EXISTS {}, {}, {}, {}",
+        outbox.table(),
+        outbox.dead_letter_table(),
+        outbox.migrations_table(),
+        outbox.paused_table()
+    );
+    let _ = sqlx::raw_sql(AssertSqlSafe(drop)).execute(&pool).await;
+    Ok(done)
+}
+
+/// `messages` rows of 100 bytes in queue `bench`, 1 000 a statement.
+async fn backlog(pool: &sqlx::PgPool, outbox: &Outbox, messages: usize) -> Result<(), BoxError> {
+    let payload = vec![b'x'; 100];
+    let items: Vec<BatchItem<'_>> = (0..1000).map(|_| BatchItem::new(&payload)).collect();
+    let mut conn = pool.acquire().await?;
+    let mut left = messages;
+    while left > 0 {
+        let n = left.min(items.len());
+        outbox
+            .publish_batch(&mut conn, "bench", &items[..n], Duration::ZERO)
+            .await?;
+        left -= n;
+    }
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn measure(
     pool: &sqlx::PgPool,
@@ -95,19 +193,8 @@ async fn measure(
     rate: u64,
     seconds: u64,
 ) -> Result<bool, BoxError> {
-    // The backlog.
+    backlog(pool, outbox, messages).await?;
     let payload = vec![b'x'; 100];
-    let items: Vec<BatchItem<'_>> = (0..1000).map(|_| BatchItem::new(&payload)).collect();
-    let mut conn = pool.acquire().await?;
-    let mut left = messages;
-    while left > 0 {
-        let n = left.min(items.len());
-        outbox
-            .publish_batch(&mut conn, "bench", &items[..n], Duration::ZERO)
-            .await?;
-        left -= n;
-    }
-    drop(conn);
     let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
         .concurrency(concurrency)
         .fetch_batch_size(concurrency.min(1000))

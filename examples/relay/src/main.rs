@@ -63,6 +63,11 @@ enum Command {
         /// Seconds of the latency phase.
         #[arg(long, default_value_t = 10)]
         seconds: u64,
+        /// Measure the backlog into RabbitMQ (`AMQP_URL`, default
+        /// `amqp://guest:guest@127.0.0.1:5672/%2f`) instead, with publisher confirms: no
+        /// latency phase.
+        #[arg(long)]
+        amqp: bool,
     },
 }
 
@@ -93,7 +98,14 @@ async fn main() -> ExitCode {
             concurrency,
             rate,
             seconds,
+            amqp: false,
         } => bench::run(messages, concurrency, rate, seconds).await,
+        Command::Bench {
+            messages,
+            concurrency,
+            amqp: true,
+            ..
+        } => bench::run_amqp(messages, concurrency).await,
     };
     match done {
         Ok(true) => ExitCode::SUCCESS,
