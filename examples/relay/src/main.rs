@@ -17,7 +17,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use clap::{Parser, Subcommand};
 use futures::StreamExt;
 use outbox::message::Headers;
-use outbox::relay::{self, Subject};
+use outbox::relay::{self, Relay, Subject};
 use outbox::{Message, Outbox, PgStore, Worker};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::AssertSqlSafe;
@@ -39,10 +39,9 @@ enum Command {
         /// How many keys (each message has one, in the header `key`; order is checked per key).
         #[arg(long, default_value_t = 10)]
         keys: usize,
-        /// The relay's publishes in flight (the worker's concurrency). Order per key is
-        /// promised only with 1: the relay does not yet hold back a key's later messages
-        /// while an earlier one is in flight.
-        #[arg(long, default_value_t = 1)]
+        /// The relay's publishes in flight (the worker's concurrency); the relay is ordered by
+        /// the header `key`, so each key has one message in flight at a time.
+        #[arg(long, default_value_t = 64)]
         concurrency: usize,
         /// Give up when the stream does not hold every message after this many seconds.
         #[arg(long, default_value_t = 120)]
@@ -252,7 +251,11 @@ async fn run(
         .fetch_batch_size(100)
         .relay(
             ["orders.created"],
-            relay::nats(js.clone(), Subject::from_queue(format!("{subject}."))),
+            Relay::new(relay::nats(
+                js.clone(),
+                Subject::from_queue(format!("{subject}.")),
+            ))
+            .ordered_by_header("key"),
         )
         .build()?
         .start();

@@ -308,6 +308,15 @@ fn periodic_unsupported() -> Error {
     }
 }
 
+/// The refusal of a store that cannot claim in order per key (the trait's default).
+pub(crate) fn in_order_unsupported() -> Error {
+    Error::InvalidConfig {
+        knob: "relay",
+        reason: "this store cannot claim in order per key: ordering needs a PgStore over an outbox that is not distributed"
+            .to_owned(),
+    }
+}
+
 /// Retry delays longer than [`crate::message::MAX_DELAY`] are rejected before any SQL: the deadline
 /// would leave the range chrono and Postgres share.
 pub(crate) fn check_retry_delay(delay: Duration) -> Result<()> {
@@ -631,6 +640,32 @@ pub trait Store: sealed::Sealed + Clone + Send + Sync + 'static {
         &self,
         request: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Delivery>>> + Send;
+
+    /// Claims up to `request.limit` due rows of `request.queues` **in order per key**: in
+    /// id order, leaving out every row of a queue whose header `key_header` has the value of
+    /// a row with a lower id still in the table (pending, leased or waiting for a retry),
+    /// so a key's rows are claimed one at a time in id order and the next only once the one
+    /// before is gone (acked or dead-lettered). Rows without the header are not held back.
+    /// `queue_limits`, `only` and `resume_after` of the request do not apply. How a relay
+    /// with [`Relay::ordered_by_header`](crate::relay::Relay::ordered_by_header) claims.
+    ///
+    /// The default refuses with [`Error::InvalidConfig`] (`knob` `"relay"`): only
+    /// [`PgStore`](crate::PgStore) over an outbox that is not distributed claims in order
+    /// ([`Store::claims_in_order`]).
+    fn claim_in_order(
+        &self,
+        request: ClaimRequest<'_>,
+        key_header: &str,
+    ) -> impl Future<Output = Result<Vec<Delivery>>> + Send {
+        let _ = (request, key_header);
+        async { Err(in_order_unsupported()) }
+    }
+
+    /// Whether [`Store::claim_in_order`] works on this store (`false`, the default: a
+    /// worker's `build()` then refuses an ordered relay).
+    fn claims_in_order(&self) -> bool {
+        false
+    }
 
     /// Success: deletes the row, or applies its queued rearm (see the table above). On
     /// Postgres one `DELETE … AND rearm_at IS NULL` in the common case; only when it matches

@@ -111,6 +111,9 @@ pub(crate) struct Route {
     pub schedules: HashMap<String, Recurrence>,
     /// A relay's circuit: claims paused while its sink is down, rows given back.
     pub circuit: Option<Arc<Circuit>>,
+    /// A relay ordered per key: the header whose value is the key. Its rows are claimed by
+    /// `Store::claim_in_order`, never by the worker's common claim.
+    pub ordered_by: Option<String>,
 }
 
 impl Route {
@@ -134,6 +137,7 @@ impl Route {
             max_concurrency: options.max_concurrency,
             schedules: HashMap::new(),
             circuit: None,
+            ordered_by: None,
         }
     }
 
@@ -157,6 +161,7 @@ impl Route {
             max_concurrency: options.max_concurrency,
             schedules: HashMap::new(),
             circuit: None,
+            ordered_by: None,
         }
     }
 }

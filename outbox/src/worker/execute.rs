@@ -203,6 +203,11 @@ pub(crate) async fn execute<S: Store>(
         return Executed::Nothing;
     };
     shared.held.remove(lease);
+    // An ordered relay's row ended (acked, retried or dead-lettered): the claim loop looks
+    // again for the next row of its key.
+    if route.ordered_by.is_some() {
+        shared.wake_at_local(Instant::now());
+    }
     match (writes.failed(), done) {
         (Some(e), _) => Executed::Failed(e),
         (None, Some(completion)) => Executed::Done(Dispatched {

@@ -474,3 +474,126 @@ async fn bad_relay_settings_are_refused_by_build_before_any_broker_call() {
     );
     f.cleanup().await;
 }
+
+/// Injects broker errors around a real publish: every 11th call finds the broker
+/// unavailable before publishing, every 13th publishes and then loses the confirm (the
+/// stream has it; the row is given back and published again with the same id), every 7th
+/// is rejected before publishing.
+struct Flaky {
+    inner: relay::NatsSink,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Sink for Flaky {
+    fn publish(&self, message: BrokerMessage) -> BoxFuture<'static, Result<(), SinkError>> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        let publish = self.inner.publish(message);
+        Box::pin(async move {
+            if n.is_multiple_of(11) {
+                return Err(SinkError::Unavailable(
+                    "injected: connection refused".into(),
+                ));
+            }
+            if n.is_multiple_of(7) {
+                return Err(SinkError::Rejected("injected: refused".into()));
+            }
+            publish.await?;
+            if n.is_multiple_of(13) {
+                return Err(SinkError::Unavailable("injected: confirm lost".into()));
+            }
+            Ok(())
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_of_one_key_reach_the_stream_in_commit_order_under_four_relays_and_errors() {
+    const KEYS: usize = 5;
+    const PER_KEY: usize = 30;
+    let f = Fixture::new().await;
+    let js = jetstream().await;
+    let (name, subject) = stream(&js, |_| {}).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let relays: Vec<_> = (0..4)
+        .map(|_| {
+            let sink = Flaky {
+                inner: relay::nats(js.clone(), Subject::fixed(format!("{subject}.orders"))),
+                calls: calls.clone(),
+            };
+            worker(f.store.clone())
+                .concurrency(8)
+                .relay(
+                    ["orders"],
+                    Relay::new(sink)
+                        .ordered_by_header("key")
+                        .retry(RetryStrategy::constant(Duration::from_millis(20)).max_attempts(50)),
+                )
+                .build()
+                .unwrap()
+                .start()
+        })
+        .collect();
+    // One transaction per message while the relays run: per key, commit order is the
+    // order of `seq`.
+    let mut conn = f.pool.acquire().await.unwrap();
+    for seq in 0..PER_KEY {
+        for k in 0..KEYS {
+            let h = headers(&[("key", &format!("k{k}")), ("seq", &seq.to_string())]);
+            f.outbox
+                .publish(&mut conn, outbox::Message::new("orders", b"x").headers(&h))
+                .await
+                .unwrap();
+        }
+    }
+    drop(conn);
+    eventually(60, "every message relayed", || async {
+        f.rows("orders").await.is_empty()
+    })
+    .await;
+    for r in relays {
+        r.shutdown().await;
+    }
+    assert!(
+        calls.load(Ordering::SeqCst) > KEYS * PER_KEY,
+        "errors were injected and retried"
+    );
+    let got = read_all(&js, &name).await;
+    assert_eq!(got.len(), KEYS * PER_KEY, "once each in the stream");
+    let mut per_key: std::collections::BTreeMap<String, Vec<usize>> = Default::default();
+    for m in &got {
+        let key = m.headers.get("key").unwrap().as_str().to_owned();
+        let seq: usize = m.headers.get("seq").unwrap().as_str().parse().unwrap();
+        per_key.entry(key).or_default().push(seq);
+    }
+    assert_eq!(per_key.len(), KEYS);
+    for (key, seqs) in &per_key {
+        assert_eq!(
+            *seqs,
+            (0..PER_KEY).collect::<Vec<_>>(),
+            "key {key} reached the stream out of commit order"
+        );
+    }
+    cleanup(&js, &name, f).await;
+}
+
+#[tokio::test]
+async fn an_ordered_relay_needs_a_store_that_claims_in_order() {
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect("127.0.0.1:1")
+        .await
+        .unwrap();
+    let js = jetstream::new(client);
+    let e = outbox::Worker::builder(outbox::testing::MemoryStore::new())
+        .relay(
+            ["q"],
+            Relay::new(relay::nats(js, Subject::fixed("x"))).ordered_by_header("key"),
+        )
+        .build()
+        .map(drop)
+        .expect_err("MemoryStore does not claim in order");
+    assert!(
+        matches!(&e, outbox::Error::InvalidConfig { knob: "relay", reason } if reason.contains("in order")),
+        "{e:?}"
+    );
+}
