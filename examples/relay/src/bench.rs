@@ -19,7 +19,8 @@ use outbox::{Message, Outbox, PgStore, Worker};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::AssertSqlSafe;
 
-use super::BoxError;
+/// Any error of the demo or the bench, for its message.
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 fn now_us() -> i64 {
     let d = std::time::SystemTime::now()

@@ -118,7 +118,7 @@ async fn main() -> ExitCode {
 
 mod bench;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use bench::BoxError;
 
 /// What the consumer saw: per row id the number of copies, per key the sequence numbers in
 /// stream order.
