@@ -9,7 +9,7 @@
 //!
 //! | group | methods | rule |
 //! |---|---|---|
-//! | claiming | [`Store::claim`], [`Store::register_schedule`] | due rows and rows whose lease expired, `FOR UPDATE SKIP LOCKED`, one new lease token per claim; a schedule's row written once per key |
+//! | claiming | [`Store::claim`], [`Store::register_schedule`], [`Store::claim_in_order`] | due rows and rows whose lease expired, `FOR UPDATE SKIP LOCKED`, one new lease token per claim; a schedule's row written once per key; an ordered relay's rows one per key, in id order |
 //! | completing | [`Store::arm_next`], [`Store::ack`], [`Store::ack_batch`], [`Store::retry`], [`Store::fail`] | every write matches the row id **and** the lease token; a queued rearm is applied by the same write |
 //! | waking up | [`Store::next_wakeup`], [`Store::wakeups`] | sleep until the earliest deadline or a notification, never poll in a loop |
 //! | clock and settings | [`Store::now`], [`Store::dead_letter_enabled`], [`Store::autovacuum_off`] | deadlines and lease ages come from the store's clock |
