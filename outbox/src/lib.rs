@@ -199,6 +199,7 @@ pub mod admin;
 pub mod dlq;
 pub mod message;
 pub mod periodic;
+pub mod relay;
 pub mod schema;
 pub mod stats;
 pub mod store;
@@ -257,3 +258,6 @@ struct GuideReliabilityDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/guide/testing.md")]
 struct GuideTestingDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/relay.md")]
+struct GuideRelayDoctests;

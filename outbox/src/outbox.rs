@@ -222,7 +222,6 @@ impl Outbox {
         self.inner.scope
     }
 
-    #[cfg(feature = "testing")]
     pub(crate) fn names(&self) -> &Names {
         &self.inner.names
     }

@@ -5,7 +5,7 @@
 use sqlx::SqlStr;
 
 use super::text::{in_bucket, query};
-use crate::names::Names;
+use crate::names::{quote_literal, Names};
 
 /// The columns a claim returns, in the order `store/rows.rs` decodes a delivery from.
 pub(crate) const DELIVERY_COLUMNS: &str = "t.id, t.acquired_token, t.queue, t.payload, t.headers, \
@@ -171,6 +171,45 @@ SELECT bucket, queue::text, sum(n)::bigint FROM (
     GROUP BY bucket, queue) w
 GROUP BY bucket, queue ORDER BY min(due), bucket, queue"#
     )
+}
+
+/// The claim of a relay ordered by the header `header`: up to `$2` due rows of the queues
+/// `$1` (`$3` lease TTL, `$4` ids never to claim, `$5` the new token) **in id order**,
+/// leaving out every row that has a row of the same queue and the same value of `header`
+/// with a lower id still in the table (pending, leased or waiting for a retry): a key's
+/// rows are claimed one at a time, in id order. A row without the header is not held back.
+/// Rows of paused queues, and reclaimed rows a cancel reached, are left out. Rendered per
+/// relay (the header is a literal, so an expression index on
+/// `(queue, (headers ->> 'header'), id) WHERE headers ? 'header'` serves the probe).
+/// Not for a distributed outbox.
+pub(crate) fn ordered_claim(n: &Names, header: &str) -> SqlStr {
+    let (t, p) = (&n.qtable, &n.qpaused);
+    let h = quote_literal(header);
+    query(format!(
+        r#"
+WITH due AS (
+    SELECT c.id, c.deliveries_count FROM {t} c
+    WHERE c.queue = ANY($1::text[]) AND c.next_attempt_at <= now()
+      AND (c.acquired_token IS NULL
+           OR (c.acquired_at < now() - $3::interval
+               AND NOT (c.cancelled_at IS NOT NULL AND c.rearm_at IS NULL)))
+      AND c.id <> ALL($4::bigint[])
+      AND NOT EXISTS (SELECT 1 FROM {p} p WHERE p.queue = c.queue)
+      AND NOT (c.headers ? {h} AND EXISTS (
+          SELECT 1 FROM {t} e
+          WHERE e.queue = c.queue AND e.headers ? {h}
+            AND e.headers ->> {h} = c.headers ->> {h} AND e.id < c.id
+            -- A row cancelled while it ran, whose lease then expired, is never relayed:
+            -- it does not hold its key's later rows back.
+            AND NOT (e.cancelled_at IS NOT NULL AND e.rearm_at IS NULL
+                     AND e.acquired_at < now() - $3::interval)))
+    ORDER BY c.id LIMIT $2 FOR UPDATE SKIP LOCKED)
+UPDATE {t} t SET acquired_token = $5, acquired_at = now(),
+                 deliveries_count = due.deliveries_count + 1
+FROM due
+WHERE t.id = ANY(ARRAY(SELECT id FROM due)) AND t.id = due.id
+RETURNING {DELIVERY_COLUMNS}"#
+    ))
 }
 
 impl Claim {

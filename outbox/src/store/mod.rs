@@ -9,7 +9,7 @@
 //!
 //! | group | methods | rule |
 //! |---|---|---|
-//! | claiming | [`Store::claim`], [`Store::register_schedule`] | due rows and rows whose lease expired, `FOR UPDATE SKIP LOCKED`, one new lease token per claim; a schedule's row written once per key |
+//! | claiming | [`Store::claim`], [`Store::register_schedule`], [`Store::claim_in_order`] | due rows and rows whose lease expired, `FOR UPDATE SKIP LOCKED`, one new lease token per claim; a schedule's row written once per key; an ordered relay's rows one per key, in id order |
 //! | completing | [`Store::arm_next`], [`Store::ack`], [`Store::ack_batch`], [`Store::retry`], [`Store::fail`] | every write matches the row id **and** the lease token; a queued rearm is applied by the same write |
 //! | waking up | [`Store::next_wakeup`], [`Store::wakeups`] | sleep until the earliest deadline or a notification, never poll in a loop |
 //! | clock and settings | [`Store::now`], [`Store::dead_letter_enabled`], [`Store::autovacuum_off`] | deadlines and lease ages come from the store's clock |
@@ -308,6 +308,15 @@ fn periodic_unsupported() -> Error {
     Error::InvalidConfig {
         knob: "store",
         reason: "this store does not support periodic timers (`arm_next`, `register_schedule`)"
+            .to_owned(),
+    }
+}
+
+/// The refusal of a store that cannot claim in order per key (the trait's default).
+pub(crate) fn in_order_unsupported() -> Error {
+    Error::InvalidConfig {
+        knob: "relay",
+        reason: "this store cannot claim in order per key: ordering needs a PgStore over an outbox that is not distributed"
             .to_owned(),
     }
 }
@@ -636,6 +645,32 @@ pub trait Store: sealed::Sealed + Clone + Send + Sync + 'static {
         request: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Delivery>>> + Send;
 
+    /// Claims up to `request.limit` due rows of `request.queues` **in order per key**: in
+    /// id order, leaving out every row of a queue whose header `key_header` has the value of
+    /// a row with a lower id still in the table (pending, leased or waiting for a retry),
+    /// so a key's rows are claimed one at a time in id order and the next only once the one
+    /// before is gone (acked or dead-lettered). Rows without the header are not held back.
+    /// `queue_limits`, `only` and `resume_after` of the request do not apply. How a relay
+    /// with [`Relay::ordered_by_header`](crate::relay::Relay::ordered_by_header) claims.
+    ///
+    /// The default refuses with [`Error::InvalidConfig`] (`knob` `"relay"`): only
+    /// [`PgStore`](crate::PgStore) over an outbox that is not distributed claims in order
+    /// ([`Store::claims_in_order`]).
+    fn claim_in_order(
+        &self,
+        request: ClaimRequest<'_>,
+        key_header: &str,
+    ) -> impl Future<Output = Result<Vec<Delivery>>> + Send {
+        let _ = (request, key_header);
+        async { Err(in_order_unsupported()) }
+    }
+
+    /// Whether [`Store::claim_in_order`] works on this store (`false`, the default: a
+    /// worker's `build()` then refuses an ordered relay).
+    fn claims_in_order(&self) -> bool {
+        false
+    }
+
     /// Success: deletes the row, or applies its queued rearm (see the table above). On
     /// Postgres one `DELETE … AND rearm_at IS NULL` in the common case; only when it matches
     /// nothing does a second statement apply the rearm or find the lease lost.
@@ -801,6 +836,14 @@ pub trait Store: sealed::Sealed + Clone + Send + Sync + 'static {
     /// `build()` checks it against the connections the worker needs.
     fn max_connections(&self) -> Option<u32> {
         None
+    }
+
+    /// The name of the store's queue table, unquoted and schema-qualified when a schema is
+    /// configured (`outbox`, `app.outbox`): a relay's message ids start with it, so two
+    /// tables relaying to one broker never share an id. The in-memory store answers
+    /// `memory` (the default).
+    fn queue_table_name(&self) -> String {
+        "memory".to_owned()
     }
 
     /// Whether the store reaches Postgres through a transaction-mode pooler

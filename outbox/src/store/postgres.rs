@@ -571,6 +571,57 @@ impl Store for PgStore {
         Ok(claimed)
     }
 
+    async fn claim_in_order(
+        &self,
+        request: ClaimRequest<'_>,
+        key_header: &str,
+    ) -> Result<Vec<Delivery>> {
+        if !self.claims_in_order() {
+            return Err(super::in_order_unsupported());
+        }
+        for q in request.queues {
+            validate_queue(q)?;
+        }
+        let ttl = interval(micros(request.lease_ttl, "lease_ttl")?);
+        if request.queues.is_empty() || request.limit == 0 {
+            return Ok(Vec::new());
+        }
+        let sql = crate::sql::claim::ordered_claim(self.outbox.names(), key_header);
+        let mut conn = match self.pool_db().await {
+            Ok(c) => c,
+            Err(e) => return Err(explain(&self.pool, e).await),
+        };
+        let rows = self
+            .scope()
+            .query(sql)
+            .bind(request.queues)
+            .bind(i64::try_from(request.limit).unwrap_or(i64::MAX))
+            .bind(ttl)
+            .bind(request.exclude)
+            .bind(Uuid::new_v4())
+            .fetch_all(&mut *conn)
+            .await
+            .outbox_sql();
+        let rows = match rows {
+            Ok(rows) => rows,
+            Err(e) => {
+                drop(conn);
+                return Err(self.unmigrated_or(e).await);
+            }
+        };
+        conn.done().await?;
+        let mut claimed = rows
+            .iter()
+            .map(delivery_from_row)
+            .collect::<Result<Vec<_>>>()?;
+        claimed.sort_by_key(|d| d.lease.id);
+        Ok(claimed)
+    }
+
+    fn claims_in_order(&self) -> bool {
+        self.outbox.buckets().is_none()
+    }
+
     async fn ack(&self, lease: Lease) -> Result<Completion> {
         let (sql, scope) = (self.sql(), self.scope());
         self.single(|db| ack_on(sql, scope, db, lease)).await
@@ -901,6 +952,10 @@ impl Store for PgStore {
 
     fn transaction_pooler(&self) -> bool {
         self.outbox.transaction_pooler()
+    }
+
+    fn queue_table_name(&self) -> String {
+        self.outbox.table().replace('"', "")
     }
 }
 

@@ -100,4 +100,13 @@ async fn flush<S: Store>(shared: &Shared<S>, batch: Vec<PendingAck>) {
             .in_scope(|| settled(shared, &pending.span, &pending.queue, Phase::Ack, done));
         shared.held.remove(pending.lease);
     }
+    // A row of an ordered relay is gone: the next row of its key may be claimed now.
+    if batch.iter().any(|p| {
+        shared
+            .routes
+            .get(&p.queue)
+            .is_some_and(|r| r.ordered_by.is_some())
+    }) {
+        shared.wake_at_local(Instant::now());
+    }
 }

@@ -134,6 +134,21 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
         self
     }
 
+    /// Registers a route built elsewhere in the crate (a relay's, `relay.rs`), with the
+    /// builder's state; an error found while building it is reported by `build()`.
+    pub(crate) fn push_route(
+        mut self,
+        make: impl FnOnce(&S, Arc<St>) -> Result<Vec<Route>>,
+    ) -> Self {
+        match make(&self.store, self.state.clone()) {
+            Ok(routes) => self.routes.extend(routes),
+            Err(e) => {
+                self.invalid_queue.get_or_insert(e);
+            }
+        }
+        self
+    }
+
     /// Runs the `#[timer]` type `T` on a schedule: the timer `schedule:<name>` of `T`'s queue,
     /// carrying `payload` (stored as JSON, as a published `T` is), due at every instant of
     /// `recurrence` ([`Recurrence`](crate::periodic::Recurrence): a fixed interval or a cron
@@ -454,16 +469,23 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
             schedules.push(schedule);
         }
         if let Some(has) = self.store.max_connections() {
-            let needs = self.config.connections_needed();
+            // A relay's run holds no connection: only other handlers count per slot.
+            let relays_only = routes.values().all(|r| r.circuit.is_some());
+            let needs = if relays_only {
+                self.config.connections_with_slots(1)
+            } else {
+                self.config.connections_needed()
+            };
             if has < needs {
                 return Err(Error::config(
                     "max_connections",
                     format!(
                         "the store's pool holds {has} connection(s); a worker with concurrency {c} needs {needs}: \
-                         {c} for the handler slots (each handler's own transaction while it runs, or its completion after), \
+                         {slots} for the handler slots (each handler's own transaction while it runs, or its completion after), \
                          1 for claims, 1 for the batched acks and the lease renewal{gauge} \
                          (LISTEN uses a connection of its own, outside the pool)",
                         c = self.config.concurrency,
+                        slots = needs - 2 - u32::from(self.config.queue_depth.is_some()),
                         gauge = if self.config.queue_depth.is_some() {
                             ", 1 for the queue-depth gauge's read"
                         } else {

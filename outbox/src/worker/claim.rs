@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::circuit::Gate;
 use super::execute::{execute, Dispatched, Executed, Mode};
 use super::poison::claim_isolating;
 use super::shared::{backoff, Claimed, Shared};
@@ -88,6 +89,32 @@ async fn receive<S: Store>(
     }
     .instrument(span.clone())
     .await;
+    held(shared, span, claimed)
+}
+
+/// An ordered relay's claim (`Store::claim_in_order`) in its `receive` span, registered as
+/// `receive` registers a claim.
+async fn receive_in_order<S: Store>(
+    shared: &Shared<S>,
+    queues: &[String],
+    header: &str,
+    request: ClaimRequest<'_>,
+) -> Result<Vec<Claimed>> {
+    let span = telemetry::receive_span(queues);
+    let claimed = shared
+        .store
+        .claim_in_order(request, header)
+        .instrument(span.clone())
+        .await;
+    held(shared, span, claimed)
+}
+
+/// A claim's result: its metrics, and every row registered as held from now.
+fn held<S: Store>(
+    shared: &Shared<S>,
+    span: tracing::Span,
+    claimed: Result<Vec<crate::store::Delivery>>,
+) -> Result<Vec<Claimed>> {
     let batch = match claimed {
         Ok(batch) => batch,
         Err(e) => {
@@ -215,6 +242,7 @@ pub(crate) async fn claim_loop<S: Store>(
     // True while the LISTEN connection is down: poll at least every second (SPEC §7.3).
     let mut degraded = false;
     let mut rotation = Rotation::default();
+    let in_order = ordered_queues(shared, queues);
     loop {
         if *stopped.borrow() {
             return;
@@ -241,7 +269,30 @@ pub(crate) async fn claim_loop<S: Store>(
         // ours, and dropping the future then would strand them until their lease expires.
         // The claim is one short statement; shutdown releases what it returns. (Shutdown
         // gives up on it only at its deadline, when the database does not answer.)
-        let batch = match receive(shared, queues, request, OnRowFault::Isolate).await {
+        let claimed = match receive(shared, queues, request, OnRowFault::Isolate).await {
+            Ok(mut b) => {
+                // Ordered relays claim their own queues, in order per key, with what is left.
+                for (header, ordered) in &in_order {
+                    let left = limit.saturating_sub(b.len());
+                    let (open, cap) = ordered_gate(shared, ordered, left);
+                    if open.is_empty() || cap == 0 {
+                        continue;
+                    }
+                    let request =
+                        ClaimRequest::new(&open, cap, config.lease_ttl).excluding(&exclude);
+                    match receive_in_order(shared, &open, header, request).await {
+                        Ok(more) => b.extend(more),
+                        Err(e) => {
+                            failures += 1;
+                            throttle.failed("claim in order", &e, failures);
+                        }
+                    }
+                }
+                Ok(b)
+            }
+            Err(e) => Err(e),
+        };
+        let batch = match claimed {
             Ok(b) => b,
             Err(e) => {
                 failures += 1;
@@ -280,7 +331,7 @@ pub(crate) async fn claim_loop<S: Store>(
         // Queues at their max_concurrency are left out: their due rows cannot be taken now,
         // and the run that frees a slot wakes us (see `execute.rs`).
         let exclude = shared.exclude();
-        let open: Vec<String> = match &limits {
+        let mut open: Vec<String> = match &limits {
             None => queues.to_vec(),
             Some(l) => queues
                 .iter()
@@ -289,6 +340,11 @@ pub(crate) async fn claim_loop<S: Store>(
                 .map(|(q, _)| q.clone())
                 .collect(),
         };
+        // An ordered relay's queues wake the loop too (a key's next row is due while the
+        // one before it is in flight: the contention back-off below looks again).
+        for (_, ordered) in &in_order {
+            open.extend(ordered_gate(shared, ordered, limit).0);
+        }
         let request = ClaimRequest::new(&open, limit, config.lease_ttl).excluding(&exclude);
         let next = tokio::select! {
             r = shared.store.next_wakeup(request) => r,
@@ -336,6 +392,10 @@ pub(crate) async fn claim_loop<S: Store>(
         if let Some(until) = shared.quarantine.next_until(Instant::now()) {
             target = target.min(until);
         }
+        // A relay's circuit lets its probe through when its back-off ends.
+        if let Some(until) = circuit_reopens(shared, queues) {
+            target = target.min(until);
+        }
         loop {
             if let Some(h) = shared.take_hint() {
                 target = target.min(h);
@@ -379,23 +439,95 @@ fn queue_limits<S: Store>(
     queues: &[String],
     limit: usize,
 ) -> Option<Vec<usize>> {
-    if shared.routes.values().all(|r| r.max_concurrency.is_none()) {
+    if shared
+        .routes
+        .values()
+        .all(|r| r.max_concurrency.is_none() && r.circuit.is_none())
+    {
         return None;
     }
     let active = shared.held.active_by_queue();
+    let now = Instant::now();
     Some(
         queues
             .iter()
-            .map(
-                |q| match shared.routes.get(q).and_then(|r| r.max_concurrency) {
-                    Some(max) => max
-                        .saturating_sub(active.get(q).copied().unwrap_or(0))
-                        .min(limit),
+            .map(|q| {
+                let route = shared.routes.get(q);
+                // An ordered relay's queue is claimed by its own statement.
+                if route.is_some_and(|r| r.ordered_by.is_some()) {
+                    return 0;
+                }
+                let held = active.get(q).copied().unwrap_or(0);
+                let free = match route.and_then(|r| r.max_concurrency) {
+                    Some(max) => max.saturating_sub(held).min(limit),
                     None => limit,
-                },
-            )
+                };
+                // A relay whose sink is down: nothing while its circuit is open, then one
+                // row to probe it (none while the queue still holds rows: a run is on it).
+                match route.and_then(|r| r.circuit.as_ref()).map(|c| c.gate(now)) {
+                    Some(Gate::Open(_)) => 0,
+                    Some(Gate::Probe) => free.min(usize::from(held == 0)),
+                    Some(Gate::Closed) | None => free,
+                }
+            })
             .collect(),
     )
+}
+
+/// The ordered relays' queues among `queues`, by key header.
+fn ordered_queues<S: Store>(shared: &Shared<S>, queues: &[String]) -> Vec<(String, Vec<String>)> {
+    let mut by_header: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for q in queues {
+        if let Some(h) = shared.routes.get(q).and_then(|r| r.ordered_by.as_ref()) {
+            by_header.entry(h.clone()).or_default().push(q.clone());
+        }
+    }
+    by_header.into_iter().collect()
+}
+
+/// Which of an ordered relay's `queues` a claim may take now, and how many rows: none of a
+/// queue whose circuit is open, one (a probe) when a circuit is half open.
+fn ordered_gate<S: Store>(
+    shared: &Shared<S>,
+    queues: &[String],
+    left: usize,
+) -> (Vec<String>, usize) {
+    let now = Instant::now();
+    let active = shared.held.active_by_queue();
+    let mut cap = left;
+    let open = queues
+        .iter()
+        .filter(|q| {
+            match shared
+                .routes
+                .get(*q)
+                .and_then(|r| r.circuit.as_ref())
+                .map(|c| c.gate(now))
+            {
+                Some(Gate::Open(_)) => false,
+                Some(Gate::Probe) => {
+                    cap = cap.min(usize::from(active.get(*q).copied().unwrap_or(0) == 0));
+                    true
+                }
+                Some(Gate::Closed) | None => true,
+            }
+        })
+        .cloned()
+        .collect();
+    (open, cap)
+}
+
+/// The earliest instant a circuit of `queues` lets a probe through, if one is open.
+fn circuit_reopens<S: Store>(shared: &Shared<S>, queues: &[String]) -> Option<Instant> {
+    let now = Instant::now();
+    queues
+        .iter()
+        .filter_map(|q| shared.routes.get(q)?.circuit.as_ref())
+        .filter_map(|c| match c.gate(now) {
+            Gate::Open(until) => Some(until),
+            Gate::Probe | Gate::Closed => None,
+        })
+        .min()
 }
 
 /// Receives the next hint, or waits forever when there is no hint channel.

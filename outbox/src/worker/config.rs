@@ -81,7 +81,14 @@ impl Config {
     /// but any of them may take over, so each counts it). The claim loop and the lease
     /// release at shutdown take turns with them; LISTEN is outside the pool.
     pub(crate) fn connections_needed(&self) -> u32 {
-        u32::try_from(self.concurrency)
+        self.connections_with_slots(self.concurrency)
+    }
+
+    /// As [`Config::connections_needed`], counting `slots` handler slots: a worker whose
+    /// handlers are all relays counts one, since a relay's run holds no connection (no
+    /// transaction of its own) and its slot's completion takes one only for its statement.
+    pub(crate) fn connections_with_slots(&self, slots: usize) -> u32 {
+        u32::try_from(slots)
             .unwrap_or(u32::MAX)
             .saturating_add(2)
             .saturating_add(u32::from(self.queue_depth.is_some()))

@@ -14,6 +14,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use tokio::sync::watch;
 
+use super::circuit::Circuit;
 use super::handler::{
     CancelReason, Context, Handler, HandlerOptions, Outcome, DEFAULT_MAX_DELIVERIES,
 };
@@ -108,6 +109,11 @@ pub(crate) struct Route {
     pub max_concurrency: Option<usize>,
     /// The schedules of this queue the worker registered, by timer id (`schedule:<name>`).
     pub schedules: HashMap<String, Recurrence>,
+    /// A relay's circuit: claims paused while its sink is down, rows given back.
+    pub circuit: Option<Arc<Circuit>>,
+    /// A relay ordered per key: the header whose value is the key. Its rows are claimed by
+    /// `Store::claim_in_order`, never by the worker's common claim.
+    pub ordered_by: Option<String>,
 }
 
 impl Route {
@@ -130,6 +136,8 @@ impl Route {
             timeout: options.timeout,
             max_concurrency: options.max_concurrency,
             schedules: HashMap::new(),
+            circuit: None,
+            ordered_by: None,
         }
     }
 
@@ -152,6 +160,8 @@ impl Route {
             timeout: options.timeout,
             max_concurrency: options.max_concurrency,
             schedules: HashMap::new(),
+            circuit: None,
+            ordered_by: None,
         }
     }
 }

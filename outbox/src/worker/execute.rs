@@ -63,7 +63,8 @@ pub struct Dispatched {
 pub(crate) enum Executed {
     /// It ran and its completion was written.
     Done(Dispatched),
-    /// A schedule's row this worker cannot compute, given back untouched ([`hand_back`]).
+    /// Given back untouched: a schedule's row this worker cannot compute ([`hand_back`]), or
+    /// a relay's row whose broker was unavailable ([`give_back`]).
     GivenBack,
     /// Nothing to report: the row did not start, its success went to the completer, or
     /// (pipelined) its completion was not written.
@@ -168,6 +169,21 @@ pub(crate) async fn execute<S: Store>(
         .await;
     finish_run(run, &decided);
     telemetry::handler_duration(&d.queue, started.elapsed().as_secs_f64());
+    if let Some(circuit) = &route.circuit {
+        // The relay's sink answered again: the claim loop may take its queues at once.
+        if circuit.take_closed() {
+            shared.wake_at_local(Instant::now());
+        }
+        // The sink was unavailable: the row is not at fault. Given back untouched (pending
+        // as before, the delivery not counted); claims of the queue wait for the circuit.
+        if circuit.take_given_back(lease.id) {
+            let released = give_back(shared, lease).instrument(span.clone()).await;
+            return match (released, mode) {
+                (Err(e), Mode::Inline) => Executed::Failed(e),
+                _ => Executed::GivenBack,
+            };
+        }
+    }
     shared.held.completing(lease);
     // A queue at its max_concurrency is left out of claims; the slot this run frees makes
     // the idle claim loop look again at once (SPEC §6 v2).
@@ -187,6 +203,11 @@ pub(crate) async fn execute<S: Store>(
         return Executed::Nothing;
     };
     shared.held.remove(lease);
+    // An ordered relay's row ended (acked, retried or dead-lettered): the claim loop looks
+    // again for the next row of its key.
+    if route.ordered_by.is_some() {
+        shared.wake_at_local(Instant::now());
+    }
     match (writes.failed(), done) {
         (Some(e), _) => Executed::Failed(e),
         (None, Some(completion)) => Executed::Done(Dispatched {
@@ -241,6 +262,24 @@ async fn hand_back<S: Store>(shared: &Shared<S>, lease: Lease) -> Result<()> {
         shared.wake_at_local(shared.held.until(lease) + Duration::from_millis(10));
     }
     tracing::debug!(failures, "outbox: row set aside by this worker");
+    shared.held.remove(lease);
+    released
+}
+
+/// A relay's row whose sink was unavailable: given back as a row that never started
+/// (pending at its deadline, `deliveries_count − 1`, no attempt recorded), so an outage of
+/// the broker neither counts towards `max_deliveries` nor dead-letters anything. If the
+/// release fails the row waits for its lease to expire.
+async fn give_back<S: Store>(shared: &Shared<S>, lease: Lease) -> Result<()> {
+    let release = [Release {
+        lease,
+        started: false,
+    }];
+    let released = shared.store.release(&release).await.map(drop);
+    if let Err(e) = &released {
+        tracing::warn!(error = %e, "outbox: could not give the row back; it is claimed again once its lease expires");
+        shared.wake_at_local(shared.held.until(lease) + Duration::from_millis(10));
+    }
     shared.held.remove(lease);
     released
 }

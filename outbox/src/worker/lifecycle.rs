@@ -86,7 +86,9 @@ use crate::telemetry;
 /// one for the batched acks and the renewal), `concurrency + 3` with the queue-depth gauge
 /// ([`WorkerBuilder::queue_depth_gauge`](crate::WorkerBuilder::queue_depth_gauge): one for
 /// its read of the statistics), checked by
-/// [`WorkerBuilder::build`](crate::WorkerBuilder::build); the store opens a second pool
+/// [`WorkerBuilder::build`](crate::WorkerBuilder::build) (a worker whose handlers are all
+/// relays, [`WorkerBuilder::relay`](crate::WorkerBuilder::relay), needs 3: a relay's run
+/// holds no connection); the store opens a second pool
 /// of the same size for writes with a short lock timeout (see its docs), and LISTEN uses
 /// one connection of its own. Any number of workers, in any number of processes, may serve
 /// the same queues without coordination: the claim's `FOR UPDATE SKIP LOCKED` skips rows

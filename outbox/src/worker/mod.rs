@@ -21,15 +21,17 @@
 //   acks.rs       the completer (pipelined acks)    renewal.rs  lease renewal
 //   leases.rs     held leases and their phase       poison.rs   isolation, quarantine
 //   gauge.rs      the opt-in queue-depth gauge      shared.rs   what the tasks share
+//   circuit.rs    a relay's circuit: claims paused while its broker is down
 //
 // A claimed row's walk: claim.rs (claim, register as held) → execute.rs (arm a periodic
 // run, decide.rs, the completion) → complete.rs (write, report) or acks.rs (batched).
 mod acks;
 pub(crate) mod builder;
+pub(crate) mod circuit;
 mod claim;
 mod complete;
 mod config;
-mod decide;
+pub(crate) mod decide;
 mod execute;
 mod gauge;
 pub(crate) mod handler;

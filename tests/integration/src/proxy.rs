@@ -1,6 +1,7 @@
-//! A TCP proxy in front of Postgres that a test can cut and restore, to play "the database
-//! is down" for one test's connections without touching the server the other tests use.
-//! Cut, it closes every forwarded connection and refuses new ones (its port is closed).
+//! A TCP proxy in front of Postgres (or a broker, [`Proxy::start_to`]) that a test can cut
+//! and restore, to play "the server is down" for one test's connections without touching
+//! the server the other tests use. Cut, it closes every forwarded connection and refuses
+//! new ones (its port is closed).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -24,17 +25,27 @@ impl Proxy {
     /// Starts a proxy on a free local port.
     pub async fn start() -> Arc<Proxy> {
         let url: url_parts::Url = url_parts::Url::parse(&database_url());
+        Proxy::start_to(&format!("{}:{}", url.host, url.port)).await
+    }
+
+    /// Starts a proxy on a free local port to `upstream` (`host:port`).
+    pub async fn start_to(upstream: &str) -> Arc<Proxy> {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind a port");
         let addr = listener.local_addr().expect("local address");
         let (cut, _) = watch::channel(false);
         let proxy = Arc::new(Proxy {
             addr,
-            upstream: format!("{}:{}", url.host, url.port),
+            upstream: upstream.to_owned(),
             cut,
             accept: Mutex::new(None),
         });
         proxy.serve(listener);
         proxy
+    }
+
+    /// The proxy's `host:port`.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
     }
 
     /// `DATABASE_URL` with the proxy's address in place of the server's.

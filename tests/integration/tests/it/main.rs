@@ -38,6 +38,7 @@ mod docs;
 mod model;
 mod observe;
 mod postgres;
+mod relay;
 mod worker;
 
 /// Panics unless this test has its process to itself, as under `cargo nextest run`, which

@@ -97,7 +97,7 @@ fn the_crate_root_holds_the_quick_start_names_and_the_modules() {
     assert_eq!(
         exported, want,
         "the crate root's `pub use` names changed: a new name belongs in `message`, `schema`, \
-         `stats`, `store`, `dlq`, `admin`, `periodic`, `worker` or `testing` unless the quick start types it"
+         `stats`, `store`, `dlq`, `admin`, `periodic`, `relay`, `worker` or `testing` unless the quick start types it"
     );
     let modules: BTreeSet<&str> = lib
         .lines()
@@ -112,6 +112,7 @@ fn the_crate_root_holds_the_quick_start_names_and_the_modules() {
             "dlq",
             "message",
             "periodic",
+            "relay",
             "schema",
             "stats",
             "store",

@@ -1,0 +1,288 @@
+//! `relay bench`: the relay's throughput into JetStream from a backlog, and the latency
+//! from a publish's commit to the stream's store of its message at a steady rate.
+//!
+//! Throughput: `messages` rows are published first (in batches of 1 000, no relay
+//! running), then one relay worker starts; the figure is rows over the time until the
+//! stream holds them all. Latency: one autocommit publish per message at `rate` per second
+//! for `seconds`; each message carries the local time taken just before its publish
+//! (header `committed-us`; the publish's own statement and commit count in the latency),
+//! and the latency is the stream's own timestamp of the stored message minus it (one
+//! machine, one clock).
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer, stream};
+use futures::StreamExt;
+use outbox::message::{BatchItem, Headers};
+use outbox::relay::{self, Relay, Subject};
+use outbox::{Message, Outbox, PgStore, Worker};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::AssertSqlSafe;
+
+/// Any error of the demo or the bench, for its message.
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+fn now_us() -> i64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+async fn stream_count(js: &jetstream::Context, name: &str) -> Result<u64, BoxError> {
+    Ok(js.get_stream(name).await?.info().await?.state.messages)
+}
+
+pub(crate) async fn run(
+    messages: usize,
+    concurrency: usize,
+    rate: u64,
+    seconds: u64,
+) -> Result<bool, BoxError> {
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".to_owned());
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..10];
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&url)
+        .await?;
+    let outbox = Outbox::builder()
+        .table(format!("relay_bench_{suffix}"))
+        .build()?;
+    outbox.migrate(&pool).await?;
+    let js = jetstream::new(async_nats::connect(&nats_url).await?);
+    let name = format!("RELAY_BENCH_{}", suffix.to_uppercase());
+    let subject = format!("relay_bench_{suffix}");
+    js.create_stream(stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{subject}.>")],
+        ..Default::default()
+    })
+    .await?;
+    let result = measure(
+        &pool,
+        &outbox,
+        &js,
+        &name,
+        &subject,
+        messages,
+        concurrency,
+        rate,
+        seconds,
+    )
+    .await;
+    let _ = js.delete_stream(&name).await;
+    let drop = format!(
+        "DROP TABLE IF EXISTS {}, {}, {}, {}",
+        outbox.table(),
+        outbox.dead_letter_table(),
+        outbox.migrations_table(),
+        outbox.paused_table()
+    );
+    let _ = sqlx::raw_sql(AssertSqlSafe(drop)).execute(&pool).await;
+    result
+}
+
+/// The backlog into RabbitMQ: a fresh queue on the default exchange, the relay's routing
+/// key its name, publisher confirms; timed until the queue holds every message.
+pub(crate) async fn run_amqp(messages: usize, concurrency: usize) -> Result<bool, BoxError> {
+    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::types::FieldTable;
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let amqp_url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..10];
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&url)
+        .await?;
+    let outbox = Outbox::builder()
+        .table(format!("relay_bench_{suffix}"))
+        .build()?;
+    outbox.migrate(&pool).await?;
+    let conn =
+        lapin::Connection::connect(&amqp_url, lapin::ConnectionProperties::default()).await?;
+    let channel = conn.create_channel().await?;
+    let queue = format!("relay_bench_{suffix}");
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let count = || async {
+        let q = channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        Ok::<u32, BoxError>(q.message_count())
+    };
+    backlog(&pool, &outbox, messages).await?;
+    let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
+        .concurrency(concurrency)
+        .fetch_batch_size(concurrency.min(1000))
+        .relay(
+            ["bench"],
+            relay::amqp(amqp_url.clone(), "").routing_key(relay::RoutingKey::Fixed(queue.clone())),
+        )
+        .build()?
+        .start();
+    let started = Instant::now();
+    let mut done = true;
+    while (count().await? as usize) < messages {
+        if started.elapsed() > Duration::from_secs(600) {
+            done = false;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = started.elapsed();
+    worker.shutdown().await;
+    println!(
+        "backlog: {messages} rows relayed into RabbitMQ (persistent, mandatory, confirms) in {:.2} s: {:.0} msg/s (concurrency {concurrency})",
+        took.as_secs_f64(),
+        messages as f64 / took.as_secs_f64()
+    );
+    let _ = channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    let drop = format!(
+        "DROP TABLE IF EXISTS {}, {}, {}, {}",
+        outbox.table(),
+        outbox.dead_letter_table(),
+        outbox.migrations_table(),
+        outbox.paused_table()
+    );
+    let _ = sqlx::raw_sql(AssertSqlSafe(drop)).execute(&pool).await;
+    Ok(done)
+}
+
+/// `messages` rows of 100 bytes in queue `bench`, 1 000 a statement.
+async fn backlog(pool: &sqlx::PgPool, outbox: &Outbox, messages: usize) -> Result<(), BoxError> {
+    let payload = vec![b'x'; 100];
+    let items: Vec<BatchItem<'_>> = (0..1000).map(|_| BatchItem::new(&payload)).collect();
+    let mut conn = pool.acquire().await?;
+    let mut left = messages;
+    while left > 0 {
+        let n = left.min(items.len());
+        outbox
+            .publish_batch(&mut conn, "bench", &items[..n], Duration::ZERO)
+            .await?;
+        left -= n;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn measure(
+    pool: &sqlx::PgPool,
+    outbox: &Outbox,
+    js: &jetstream::Context,
+    name: &str,
+    subject: &str,
+    messages: usize,
+    concurrency: usize,
+    rate: u64,
+    seconds: u64,
+) -> Result<bool, BoxError> {
+    backlog(pool, outbox, messages).await?;
+    let payload = vec![b'x'; 100];
+    let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
+        .concurrency(concurrency)
+        .fetch_batch_size(concurrency.min(1000))
+        .relay(
+            ["bench"],
+            Relay::new(relay::nats(
+                js.clone(),
+                Subject::from_queue(format!("{subject}.")),
+            )),
+        )
+        .build()?
+        .start();
+    let started = Instant::now();
+    while stream_count(js, name).await? < messages as u64 {
+        if started.elapsed() > Duration::from_secs(600) {
+            return Err("the backlog was not relayed within 10 minutes".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let backlog = started.elapsed();
+    println!(
+        "backlog: {messages} rows relayed into JetStream in {:.2} s: {:.0} msg/s (concurrency {concurrency})",
+        backlog.as_secs_f64(),
+        messages as f64 / backlog.as_secs_f64()
+    );
+
+    // The steady rate, read back from the stream with the stream's timestamps.
+    let stream = js.get_stream(name).await?;
+    let consumer = stream
+        .create_consumer(consumer::pull::Config {
+            ack_policy: consumer::AckPolicy::None,
+            deliver_policy: consumer::DeliverPolicy::New,
+            ..Default::default()
+        })
+        .await?;
+    let mut incoming = consumer.messages().await?;
+    let total = usize::try_from(rate * seconds)?;
+    let reader = tokio::spawn(async move {
+        let mut latencies_us: Vec<i64> = Vec::with_capacity(total);
+        let end = tokio::time::Instant::now() + Duration::from_secs(seconds + 30);
+        while latencies_us.len() < total {
+            let Ok(Some(Ok(m))) = tokio::time::timeout_at(end, incoming.next()).await else {
+                break;
+            };
+            let sent = m
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("committed-us"))
+                .and_then(|v| v.as_str().parse::<i64>().ok());
+            let (Some(sent), Ok(info)) = (sent, m.info()) else {
+                continue;
+            };
+            let stored = i64::try_from(info.published.unix_timestamp_nanos() / 1000).unwrap_or(0);
+            latencies_us.push(stored - sent);
+        }
+        latencies_us
+    });
+    let period = Duration::from_micros(1_000_000 / rate.max(1));
+    let mut tick = tokio::time::interval(period);
+    let mut conn = pool.acquire().await?;
+    for _ in 0..total {
+        tick.tick().await;
+        // The time just before the publish (an autocommit statement): its statement and
+        // commit count in the latency.
+        let headers: Headers = [("committed-us".to_owned(), now_us().to_string())]
+            .into_iter()
+            .collect();
+        outbox
+            .publish(&mut conn, Message::new("bench", &payload).headers(&headers))
+            .await?;
+    }
+    let mut latencies = reader.await?;
+    worker.shutdown().await;
+    latencies.sort_unstable();
+    let pct = |p: f64| -> f64 {
+        if latencies.is_empty() {
+            return f64::NAN;
+        }
+        let i = ((latencies.len() as f64 - 1.0) * p).round() as usize;
+        latencies[i] as f64 / 1000.0
+    };
+    println!(
+        "steady: {rate} msg/s for {seconds} s (one autocommit publish each): {} of {total} read back; commit → stream p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        latencies.len(),
+        pct(0.5),
+        pct(0.99),
+        pct(1.0)
+    );
+    Ok(latencies.len() == total)
+}

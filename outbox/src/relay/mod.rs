@@ -1,0 +1,436 @@
+//! The relay: a worker forwards the messages of some queues to a message broker and
+//! completes each row only once the broker confirmed it.
+//!
+//! ```no_run
+//! # #[cfg(feature = "relay-nats")]
+//! # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use outbox::relay::{self, Subject};
+//! use outbox::{Outbox, PgStore, Worker};
+//!
+//! let nats = async_nats::connect("127.0.0.1:4222").await?;
+//! let jetstream = async_nats::jetstream::new(nats);
+//! let worker = Worker::builder(PgStore::new(pool, Outbox::default()))
+//!     .concurrency(64)
+//!     .relay(["orders"], relay::nats(jetstream, Subject::from_queue("outbox.")))
+//!     .build()?
+//!     .start();
+//! # drop(worker);
+//! # Ok(()) }
+//! ```
+//!
+//! # What a relayed message carries
+//!
+//! - the **payload** bytes as stored, unchanged;
+//! - the row's **headers** as broker headers (AMQP: message headers; NATS: message
+//!   headers), `traceparent` and `tracestate` among them when the publisher wrote them
+//!   (feature `opentelemetry`);
+//! - a **message id** stable across every redelivery of the same row
+//!   ([`BrokerMessage::message_id`]): `<table>:<id>` for a message,
+//!   `<table>:<id>:<deadline in µs since the epoch>` for a keyed timer (whose row is used
+//!   again for its next firing). JetStream receives it as `Nats-Msg-Id`, AMQP as the
+//!   `message_id` property.
+//!
+//! # When a row is completed
+//!
+//! A row is acknowledged (deleted, through the worker's batched acks) only after the
+//! broker confirmed its message: JetStream's publish ack, RabbitMQ's publisher confirm. Every
+//! handler slot of the worker ([`WorkerBuilder::concurrency`]) has one publish in flight,
+//! so `concurrency` publishes are pipelined on one connection and their confirms awaited
+//! together; nothing waits for one round trip per row.
+//!
+//! | the broker | the row |
+//! |---|---|
+//! | confirmed | acked (deleted) |
+//! | rejected the message itself ([`SinkError::Rejected`]: too large, no route with `mandatory`, a nack) | a failed run: retried per [`Relay::retry`], then dead-lettered (`retry_exhausted`, `last_error` the broker's reason) |
+//! | unavailable ([`SinkError::Unavailable`]: connection refused or lost, no stream, no confirm within [`Relay::publish_timeout`]) | given back untouched: pending at its deadline, its delivery not counted, nothing dead-lettered; the relay's **circuit** opens |
+//!
+//! While the circuit is open the worker claims nothing of the relay's queues (its other
+//! queues go on). After a back-off (100 ms, doubling per failed probe, at most 2 s) it
+//! claims one row to probe the broker; the probe's confirm closes the circuit and claims
+//! resume at once. So once the broker is back, messages flow again within the back-off plus
+//! the client's own reconnect delay.
+//!
+//! # Delivery guarantee
+//!
+//! At least once, always: a relay that crashes between the broker's confirm and the ack's
+//! commit leaves the row leased; once the lease expires it is published again with the
+//! **same message id**.
+//!
+//! - **JetStream**: the stream drops a message whose `Nats-Msg-Id` it has seen within its
+//!   duplicate window (`duplicate_window` of the stream, 2 min by default) and acks it as a
+//!   duplicate, so the stream holds each row's message **once**, provided the redelivery
+//!   comes within the window: set the window longer than the worker's `lease_ttl` plus the
+//!   longest outage you want covered. A consumer of the stream still sees a message twice
+//!   when its own acks are lost (JetStream's consumer redelivery): de-duplicate by
+//!   `Nats-Msg-Id` there if that matters.
+//! - **RabbitMQ** (no de-duplication in the broker): the same crash delivers the message
+//!   **at most once more** per crash, with the same `message_id`; consumers de-duplicate
+//!   by `message_id`.
+//!
+//! # Ordering
+//!
+//! Rows of one keyed timer are relayed in order by construction: a timer key has one live
+//! row, and its next firing (a rearm) is applied only by the ack of the current one. Other
+//! messages are relayed in parallel, in no promised order, unless the relay is ordered by a
+//! header ([`Relay::ordered_by_header`]): then the messages of one key reach the broker in
+//! commit order, one at a time, and different keys in parallel.
+// SPEC §14: the relay.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+use crate::error::{Error, Result};
+use crate::message::Headers;
+use crate::store::Store;
+use crate::worker::builder::WorkerBuilder;
+use crate::worker::circuit::Circuit;
+use crate::worker::decide::Route;
+use crate::worker::handler::{Context, HandlerOptions, Outcome};
+use crate::worker::retry::RetryStrategy;
+
+#[cfg(feature = "relay-amqp")]
+mod amqp;
+#[cfg(feature = "relay-nats")]
+mod nats;
+
+#[cfg(feature = "relay-amqp")]
+pub use self::amqp::{amqp, AmqpSink, RoutingKey};
+#[cfg(feature = "relay-nats")]
+pub use self::nats::{nats, NatsSink, Subject};
+
+/// How long a relay waits for the broker's confirm of one message unless set otherwise
+/// ([`Relay::publish_timeout`]): 10 s.
+pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One message as a [`Sink`] publishes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BrokerMessage {
+    /// The queue the row was published to.
+    pub queue: String,
+    /// The row id.
+    pub id: i64,
+    /// The timer key, for a keyed timer.
+    pub timer_id: Option<String>,
+    /// The id stable across redeliveries of this row (see the [module docs](self)).
+    pub message_id: String,
+    /// The stored payload, unchanged.
+    pub payload: Vec<u8>,
+    /// The stored headers (empty when the row has none).
+    pub headers: Headers,
+}
+
+impl BrokerMessage {
+    /// The message of the row `id` of `queue`, with its id built from `table` (the queue
+    /// table's name), the id, and for a keyed timer its `deadline`.
+    pub fn new(
+        table: &str,
+        queue: &str,
+        id: i64,
+        timer_id: Option<&str>,
+        deadline: chrono::DateTime<chrono::Utc>,
+        payload: Vec<u8>,
+        headers: Headers,
+    ) -> Self {
+        let message_id = match timer_id {
+            None => format!("{table}:{id}"),
+            Some(_) => format!("{table}:{id}:{}", deadline.timestamp_micros()),
+        };
+        BrokerMessage {
+            queue: queue.to_owned(),
+            id,
+            timer_id: timer_id.map(str::to_owned),
+            message_id,
+            payload,
+            headers,
+        }
+    }
+}
+
+/// Why a [`Sink`] did not publish a message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SinkError {
+    /// The broker is not reachable or not serving (connection refused or lost, no stream
+    /// for the subject, no confirm): not the message's fault. The row is given back without
+    /// counting a delivery and the relay's circuit opens.
+    #[error("broker unavailable: {0}")]
+    Unavailable(String),
+    /// The broker refused this message (too large, no route with `mandatory`, a nack): the
+    /// row is a failed run, retried per the relay's strategy and then dead-lettered with
+    /// this text.
+    #[error("broker rejected the message: {0}")]
+    Rejected(String),
+}
+
+/// Where a relay publishes: implemented by [`NatsSink`] (feature `relay-nats`) and
+/// [`AmqpSink`] (feature `relay-amqp`), and by your own type for another broker.
+pub trait Sink: Send + Sync + 'static {
+    /// Publishes `message`; the future completes once the broker **confirmed** it (or
+    /// refused it, or is found unavailable). Calls run concurrently, one per handler slot:
+    /// send at once and await the confirm in the future, so that publishes pipeline. The
+    /// relay bounds each call by [`Relay::publish_timeout`] (a call still pending then is
+    /// [`SinkError::Unavailable`]).
+    fn publish(&self, message: BrokerMessage) -> BoxFuture<'static, Result<(), SinkError>>;
+
+    /// Checks that the sink can publish the messages of `queue` (a subject or routing key
+    /// it derives from the queue name is valid), when the relay is registered: a refusal is
+    /// [`Error::InvalidConfig`] (knob `relay`) from the worker's `build()`, before any
+    /// broker call. The default accepts every queue.
+    ///
+    /// # Errors
+    /// The rule the queue name breaks, in words.
+    fn check_queue(&self, queue: &str) -> std::result::Result<(), String> {
+        let _ = queue;
+        Ok(())
+    }
+}
+
+/// A sink with the relay's settings: what [`WorkerBuilder::relay`] takes (every [`Sink`]
+/// converts into one with the defaults).
+#[derive(Clone)]
+#[must_use = "a Relay does nothing until given to `WorkerBuilder::relay`"]
+pub struct Relay {
+    sink: Arc<dyn Sink>,
+    publish_timeout: Duration,
+    retry: RetryStrategy,
+    max_deliveries: Option<u32>,
+    ordered_by: Option<String>,
+}
+
+impl fmt::Debug for Relay {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Relay")
+            .field("publish_timeout", &self.publish_timeout)
+            .field("retry", &self.retry)
+            .field("max_deliveries", &self.max_deliveries)
+            .field("ordered_by", &self.ordered_by)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: Sink> From<T> for Relay {
+    fn from(sink: T) -> Self {
+        Relay::new(sink)
+    }
+}
+
+impl Relay {
+    /// A relay to `sink` with the defaults: [`DEFAULT_PUBLISH_TIMEOUT`],
+    /// [`RetryStrategy::default`] for messages the broker rejects, `max_deliveries` of raw
+    /// queues ([`DEFAULT_MAX_DELIVERIES`](crate::worker::DEFAULT_MAX_DELIVERIES)).
+    pub fn new(sink: impl Sink) -> Self {
+        Relay {
+            sink: Arc::new(sink),
+            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
+            retry: RetryStrategy::default(),
+            max_deliveries: None,
+            ordered_by: None,
+        }
+    }
+
+    /// How long to wait for the broker's confirm of one message (default 10 s, range
+    /// 1 ms..=10 min, checked by the worker's `build()`). A confirm that does not come in
+    /// time counts as the broker being unavailable: the row is given back and the circuit
+    /// opens. A client's own publish-ack timeout (async-nats' context `timeout`) that is
+    /// shorter ends the wait first, with the same effect.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+
+    /// The retry strategy for messages the broker rejects (default
+    /// [`RetryStrategy::default`]); when it gives up the row is dead-lettered with the
+    /// broker's reason.
+    pub fn retry(mut self, retry: RetryStrategy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Claims allowed before a row is dead-lettered (`max_deliveries`, default
+    /// [`DEFAULT_MAX_DELIVERIES`](crate::worker::DEFAULT_MAX_DELIVERIES)). Rows given back
+    /// during an outage do not count; a relay that crashes with the row leased does.
+    pub fn max_deliveries(mut self, max: u32) -> Self {
+        self.max_deliveries = Some(max);
+        self
+    }
+
+    /// Relays the messages of one key in commit order: the key is the value of the message
+    /// header `header`, and a message is published only once no message of its queue with
+    /// the same key and a lower row id is left in the queue table (pending, in flight, or
+    /// waiting for a retry after a rejection). So a key's messages never overtake each other,
+    /// across retries, outages and any number of relay processes; different keys flow in
+    /// parallel, and messages without the header are not held back. Commit order is id
+    /// order for the transactions of one key that follow each other (a lower id still
+    /// uncommitted is invisible, and does not hold a later one back: transactions of one
+    /// key that commit concurrently have no order to keep).
+    ///
+    /// A key's messages go one at a time: the next is claimed after the ack of the one
+    /// before, so one key's rate is bounded by a publish and an ack round trip. A message
+    /// the broker rejects holds its key's later messages back until it is published or
+    /// dead-lettered. After a crash, a message already published may be published again
+    /// (same message id) after its successors were: JetStream drops it within its duplicate
+    /// window; on RabbitMQ a consumer that de-duplicates by `message_id` sees the order kept.
+    ///
+    /// Claims check each due row against the rows before it of the same key: on a large
+    /// backlog give the table an index for the header,
+    /// `CREATE INDEX CONCURRENTLY ON <table> (queue, (headers ->> 'header'), id) WHERE headers ? 'header'`.
+    /// Needs a [`PgStore`](crate::PgStore) over an outbox that is not distributed; `build()`
+    /// refuses it otherwise ([`Error::InvalidConfig`], knob `relay`), and for a header name
+    /// that is empty or longer than 255 bytes. [`Worker::run_due`](crate::Worker::run_due)
+    /// does not keep the order (it claims as for any queue).
+    pub fn ordered_by_header(mut self, header: impl Into<String>) -> Self {
+        self.ordered_by = Some(header.into());
+        self
+    }
+
+    fn check(&self) -> Result<()> {
+        let t = self.publish_timeout;
+        if t < Duration::from_millis(1) || t > Duration::from_secs(600) {
+            return Err(Error::config(
+                "relay",
+                format!("publish_timeout must be within 1ms..=10 min, got {t:?}"),
+            ));
+        }
+        if let Some(h) = &self.ordered_by {
+            if h.is_empty() || h.len() > 255 || h.contains('\0') {
+                return Err(Error::config(
+                    "relay",
+                    "ordered_by_header: the header name must be 1..=255 bytes without NUL",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One relay's runs: publish, classify, tell the circuit.
+struct Run {
+    sink: Arc<dyn Sink>,
+    table: String,
+    publish_timeout: Duration,
+    circuit: Arc<Circuit>,
+}
+
+impl Run {
+    async fn relay<St>(&self, payload: Vec<u8>, ctx: &Context<St>) -> Outcome {
+        let id = ctx.id();
+        if self.circuit.is_open() {
+            // Buffered before the circuit opened: back without a try.
+            self.circuit.unavailable(id, "the relay's circuit is open");
+            return Outcome::Retry("broker unavailable".to_owned());
+        }
+        let message = BrokerMessage::new(
+            &self.table,
+            ctx.queue(),
+            id,
+            ctx.timer_id(),
+            ctx.deadline(),
+            payload,
+            ctx.headers().cloned().unwrap_or_default(),
+        );
+        let published = tokio::time::timeout(self.publish_timeout, self.sink.publish(message));
+        match published.await {
+            Ok(Ok(())) => {
+                self.circuit.available();
+                Outcome::Ack
+            }
+            Ok(Err(SinkError::Rejected(reason))) => {
+                // The broker answered: it works, the message is at fault.
+                self.circuit.available();
+                Outcome::Retry(format!("broker rejected the message: {reason}"))
+            }
+            Ok(Err(SinkError::Unavailable(reason))) => {
+                self.circuit.unavailable(id, &reason);
+                Outcome::Retry(format!("broker unavailable: {reason}"))
+            }
+            Err(_) => {
+                let reason = format!(
+                    "no confirm within the publish timeout ({:?})",
+                    self.publish_timeout
+                );
+                self.circuit.unavailable(id, &reason);
+                Outcome::Retry(reason)
+            }
+        }
+    }
+}
+
+impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
+    /// Relays the messages of `queues` to a broker: each row is published to `relay`'s sink
+    /// and acked once the broker confirmed it (the [`relay`](crate::relay) module says what
+    /// the message carries, what a rejection and an outage do, and the guarantee per
+    /// broker). Give the worker a [`concurrency`](Self::concurrency) of 32 or more: each
+    /// handler slot keeps one publish in flight. The queues count as handled: another
+    /// handler (or relay) for one of them is [`Error::DuplicateHandler`] from `build()`.
+    ///
+    /// Checked by [`build`](Self::build): at least one queue
+    /// ([`Error::InvalidConfig`], knob `relay`), each a valid queue name
+    /// ([`Error::InvalidArgument`]) that the sink accepts ([`Sink::check_queue`]; knob
+    /// `relay`), and the relay's own settings (knob `relay`).
+    pub fn relay<Q: Into<String>>(
+        self,
+        queues: impl IntoIterator<Item = Q>,
+        relay: impl Into<Relay>,
+    ) -> Self {
+        let relay: Relay = relay.into();
+        let queues: Vec<String> = queues.into_iter().map(Into::into).collect();
+        self.push_route(move |store, state| {
+            relay.check()?;
+            if relay.ordered_by.is_some() && !store.claims_in_order() {
+                return Err(crate::store::in_order_unsupported());
+            }
+            if queues.is_empty() {
+                return Err(Error::config("relay", "give the relay at least one queue"));
+            }
+            let circuit = Arc::new(Circuit::default());
+            let run = Arc::new(Run {
+                sink: relay.sink.clone(),
+                table: store.queue_table_name(),
+                publish_timeout: relay.publish_timeout,
+                circuit: circuit.clone(),
+            });
+            let mut options = HandlerOptions::new()
+                .retry(relay.retry)
+                .timeout(relay.publish_timeout.saturating_mul(2) + Duration::from_secs(1));
+            if let Some(max) = relay.max_deliveries {
+                options = options.max_deliveries(max);
+            }
+            let mut routes = Vec::with_capacity(queues.len());
+            for queue in queues {
+                crate::message::validate_queue(&queue)?;
+                relay.sink.check_queue(&queue).map_err(|reason| {
+                    Error::config("relay", format!("queue `{queue}`: {reason}"))
+                })?;
+                let run = run.clone();
+                let handler = move |payload: Vec<u8>, ctx: Context<St>| {
+                    let run = run.clone();
+                    async move { run.relay(payload, &ctx).await }
+                };
+                let mut route = Route::raw(queue, handler, state.clone(), options);
+                route.name = "relay".to_owned();
+                route.circuit = Some(circuit.clone());
+                route.ordered_by.clone_from(&relay.ordered_by);
+                routes.push(route);
+            }
+            Ok(routes)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_ids_are_stable_per_row_and_per_firing_of_a_timer() {
+        let at = chrono::DateTime::from_timestamp_micros(1_700_000_000_123_456).unwrap();
+        let m = BrokerMessage::new("outbox", "q", 7, None, at, vec![1], Headers::new());
+        assert_eq!(m.message_id, "outbox:7");
+        let t = BrokerMessage::new("app.t", "q", 7, Some("k"), at, vec![], Headers::new());
+        assert_eq!(t.message_id, "app.t:7:1700000000123456");
+    }
+}
