@@ -1,0 +1,329 @@
+//! The dashboard's own statements (reads only: every write is the library's), rendered once
+//! per dashboard from the `Outbox`'s quoted table names, and the rows they return. Each one
+//! reaches the queue table through an index (`<table>_pending_idx`, `<table>_lease_idx`,
+//! the primary key or `<table>_timer_uq`); the tests below check their plans with
+//! `EXPLAIN` on a table whose statistics are stale.
+
+use chrono::{DateTime, Utc};
+use outbox::Outbox;
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, PgConnection, Row, SqlSafeStr, SqlStr};
+
+/// The columns of a row in a list: no payload, its size.
+const LIST: &str = "id, timer_id, next_attempt_at, acquired_at, attempts_count, \
+    deliveries_count, rearm_at, cancelled_at, octet_length(payload) AS payload_bytes";
+
+/// Which live rows a queue page lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StateFilter {
+    All,
+    Pending,
+    Due,
+    Leased,
+}
+
+impl StateFilter {
+    pub(crate) const EVERY: [StateFilter; 4] = [
+        StateFilter::All,
+        StateFilter::Pending,
+        StateFilter::Due,
+        StateFilter::Leased,
+    ];
+
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            StateFilter::All => "all",
+            StateFilter::Pending => "pending",
+            StateFilter::Due => "due",
+            StateFilter::Leased => "leased",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Option<Self> {
+        Self::EVERY.into_iter().find(|f| f.as_str() == s)
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Statements {
+    /// `$1` queue, `$2` after deadline, `$3` after id, `$4` limit: one statement per
+    /// [`StateFilter`], in the order of [`StateFilter::EVERY`].
+    pub list: [SqlStr; 4],
+    /// `$1` id: one live row, every column, and `now()`.
+    pub row: SqlStr,
+    /// `$1` queue, `$2` timer id: the live row's id.
+    pub by_timer: SqlStr,
+    /// `$1 text[]` queues, `$2` cap: due rows of each, counted up to the cap.
+    pub due: SqlStr,
+    /// `$1` queue table, `$2` dead-letter table (quoted names): their sizes in bytes, the
+    /// queue table's finished-rows counter, and `now()`.
+    pub sizes: SqlStr,
+    /// `$1` queue: whether the queue has a live row (the pause hint).
+    pub any: SqlStr,
+}
+
+fn statement(text: String) -> SqlStr {
+    // Safe: our own text and the identifiers `Outbox` quoted; every value is bound.
+    AssertSqlSafe(text).into_sql_str()
+}
+
+impl Statements {
+    pub(crate) fn render(outbox: &Outbox) -> Self {
+        let t = outbox.table();
+        let branch = |cond: &str| {
+            format!(
+                "SELECT {LIST} FROM {t} WHERE queue = $1 AND {cond} \
+                 AND (next_attempt_at, id) > ($2, $3) ORDER BY next_attempt_at, id LIMIT $4"
+            )
+        };
+        let pending = branch("acquired_token IS NULL");
+        let due = branch("acquired_token IS NULL AND next_attempt_at <= now()");
+        let leased = branch("acquired_token IS NOT NULL");
+        // Both partial indexes, each branch stopped at the limit, then merged.
+        let all = format!(
+            "SELECT * FROM (({pending}) UNION ALL ({leased})) AS r \
+             ORDER BY next_attempt_at, id LIMIT $4"
+        );
+        Statements {
+            list: [
+                statement(all),
+                statement(pending),
+                statement(due),
+                statement(leased),
+            ],
+            row: statement(format!(
+                "SELECT id, queue, payload, headers, attempts_count, deliveries_count, \
+                 created_at, next_attempt_at, first_attempt_at, last_attempt_at, acquired_at, \
+                 acquired_token, timer_id, rearm_at, rearm_payload, rearm_headers, \
+                 cancelled_at, now() AS now FROM {t} WHERE id = $1"
+            )),
+            by_timer: statement(format!(
+                "SELECT id FROM {t} WHERE queue = $1 AND timer_id = $2"
+            )),
+            due: statement(format!(
+                "SELECT q, (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE queue = q \
+                 AND acquired_token IS NULL AND next_attempt_at <= now() LIMIT $2) AS d) \
+                 FROM unnest($1::text[]) AS q"
+            )),
+            sizes: statement(
+                "SELECT coalesce(pg_total_relation_size(to_regclass($1)), 0), \
+                 coalesce(pg_total_relation_size(to_regclass($2)), 0), \
+                 coalesce((SELECT n_tup_del FROM pg_stat_user_tables \
+                           WHERE relid = to_regclass($1)), 0), now()"
+                    .to_owned(),
+            ),
+            // Scalar subqueries ordered as the partial indexes are, so each probe is one
+            // index entry whatever the planner thinks of the queue's size (an EXISTS would
+            // drop the ORDER BY and LIMIT, and a seq scan may then look cheaper).
+            any: statement(format!(
+                "SELECT (SELECT id FROM {t} WHERE queue = $1 AND acquired_token IS NULL \
+                 ORDER BY next_attempt_at LIMIT 1) IS NOT NULL \
+                 OR (SELECT id FROM {t} WHERE queue = $1 AND acquired_token IS NOT NULL \
+                 ORDER BY acquired_at LIMIT 1) IS NOT NULL"
+            )),
+        }
+    }
+}
+
+/// A live row as a queue page lists it.
+#[derive(Debug, Clone)]
+pub(crate) struct ListedRow {
+    pub id: i64,
+    pub timer_id: Option<String>,
+    pub next_attempt_at: DateTime<Utc>,
+    pub acquired_at: Option<DateTime<Utc>>,
+    pub attempts: i32,
+    pub deliveries: i32,
+    pub rearm_at: Option<DateTime<Utc>>,
+    pub cancelled_at: Option<DateTime<Utc>>,
+    pub payload_bytes: i32,
+}
+
+impl ListedRow {
+    fn from_row(r: &PgRow) -> sqlx::Result<Self> {
+        Ok(ListedRow {
+            id: r.try_get(0)?,
+            timer_id: r.try_get(1)?,
+            next_attempt_at: r.try_get(2)?,
+            acquired_at: r.try_get(3)?,
+            attempts: r.try_get(4)?,
+            deliveries: r.try_get(5)?,
+            rearm_at: r.try_get(6)?,
+            cancelled_at: r.try_get(7)?,
+            payload_bytes: r.try_get(8)?,
+        })
+    }
+}
+
+/// One live row, every column.
+#[derive(Debug, Clone)]
+pub(crate) struct FullRow {
+    pub id: i64,
+    pub queue: String,
+    pub payload: Vec<u8>,
+    pub headers: Option<serde_json::Value>,
+    pub attempts: i32,
+    pub deliveries: i32,
+    pub created_at: DateTime<Utc>,
+    pub next_attempt_at: DateTime<Utc>,
+    pub first_attempt_at: Option<DateTime<Utc>>,
+    pub last_attempt_at: Option<DateTime<Utc>>,
+    pub acquired_at: Option<DateTime<Utc>>,
+    pub acquired_token: Option<uuid::Uuid>,
+    pub timer_id: Option<String>,
+    pub rearm_at: Option<DateTime<Utc>>,
+    pub rearm_payload: Option<Vec<u8>>,
+    pub rearm_headers: Option<serde_json::Value>,
+    pub cancelled_at: Option<DateTime<Utc>>,
+    pub now: DateTime<Utc>,
+}
+
+fn persistent(outbox: &Outbox) -> bool {
+    // Through a pooler in transaction mode, statements go unnamed (as the library's do).
+    !outbox.transaction_pooler()
+}
+
+/// A page of `queue`'s live rows after `(after_at, after_id)` in deadline order.
+pub(crate) async fn list(
+    sql: &Statements,
+    outbox: &Outbox,
+    conn: &mut PgConnection,
+    filter: StateFilter,
+    queue: &str,
+    after: Option<(DateTime<Utc>, i64)>,
+    limit: i64,
+) -> sqlx::Result<Vec<ListedRow>> {
+    let index = StateFilter::EVERY
+        .iter()
+        .position(|f| *f == filter)
+        .unwrap_or(0);
+    // Before every deadline: 0001-01-01 UTC (Postgres takes no chrono minimum).
+    let start = DateTime::from_timestamp(-62_135_596_800, 0).unwrap_or_default();
+    let (at, id) = after.unwrap_or((start, 0));
+    let rows = sqlx::query(sql.list[index].clone())
+        .bind(queue)
+        .bind(at)
+        .bind(id)
+        .bind(limit)
+        .persistent(persistent(outbox))
+        .fetch_all(conn)
+        .await?;
+    rows.iter().map(ListedRow::from_row).collect()
+}
+
+/// Live row `id`, if there is one.
+pub(crate) async fn row(
+    sql: &Statements,
+    outbox: &Outbox,
+    conn: &mut PgConnection,
+    id: i64,
+) -> sqlx::Result<Option<FullRow>> {
+    let Some(r) = sqlx::query(sql.row.clone())
+        .bind(id)
+        .persistent(persistent(outbox))
+        .fetch_optional(conn)
+        .await?
+    else {
+        return Ok(None);
+    };
+    Ok(Some(FullRow {
+        id: r.try_get(0)?,
+        queue: r.try_get(1)?,
+        payload: r.try_get(2)?,
+        headers: r.try_get(3)?,
+        attempts: r.try_get(4)?,
+        deliveries: r.try_get(5)?,
+        created_at: r.try_get(6)?,
+        next_attempt_at: r.try_get(7)?,
+        first_attempt_at: r.try_get(8)?,
+        last_attempt_at: r.try_get(9)?,
+        acquired_at: r.try_get(10)?,
+        acquired_token: r.try_get(11)?,
+        timer_id: r.try_get(12)?,
+        rearm_at: r.try_get(13)?,
+        rearm_payload: r.try_get(14)?,
+        rearm_headers: r.try_get(15)?,
+        cancelled_at: r.try_get(16)?,
+        now: r.try_get(17)?,
+    }))
+}
+
+/// The id of the live row of `queue` keyed `timer_id`.
+pub(crate) async fn by_timer(
+    sql: &Statements,
+    outbox: &Outbox,
+    conn: &mut PgConnection,
+    queue: &str,
+    timer_id: &str,
+) -> sqlx::Result<Option<i64>> {
+    sqlx::query_scalar(sql.by_timer.clone())
+        .bind(queue)
+        .bind(timer_id)
+        .persistent(persistent(outbox))
+        .fetch_optional(conn)
+        .await
+}
+
+/// Due rows of each queue, counted up to `cap`.
+pub(crate) async fn due(
+    sql: &Statements,
+    outbox: &Outbox,
+    conn: &mut PgConnection,
+    queues: &[String],
+    cap: i64,
+) -> sqlx::Result<Vec<(String, i64)>> {
+    let rows = sqlx::query(sql.due.clone())
+        .bind(queues)
+        .bind(cap)
+        .persistent(persistent(outbox))
+        .fetch_all(conn)
+        .await?;
+    rows.iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .collect()
+}
+
+/// The tables' sizes and counter (see [`Statements::sizes`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sizes {
+    pub queue_bytes: i64,
+    pub dead_letter_bytes: i64,
+    pub finished: i64,
+    pub now: DateTime<Utc>,
+}
+
+pub(crate) async fn sizes(
+    sql: &Statements,
+    outbox: &Outbox,
+    conn: &mut PgConnection,
+) -> sqlx::Result<Sizes> {
+    let dlq = outbox
+        .dead_letter_enabled()
+        .then(|| outbox.dead_letter_table());
+    let r = sqlx::query(sql.sizes.clone())
+        .bind(outbox.table())
+        .bind(dlq)
+        .persistent(persistent(outbox))
+        .fetch_one(conn)
+        .await?;
+    Ok(Sizes {
+        queue_bytes: r.try_get(0)?,
+        dead_letter_bytes: r.try_get(1)?,
+        finished: r.try_get(2)?,
+        now: r.try_get(3)?,
+    })
+}
+
+/// Whether `queue` has a live row.
+pub(crate) async fn any(
+    sql: &Statements,
+    outbox: &Outbox,
+    conn: &mut PgConnection,
+    queue: &str,
+) -> sqlx::Result<bool> {
+    sqlx::query_scalar(sql.any.clone())
+        .bind(queue)
+        .persistent(persistent(outbox))
+        .fetch_one(conn)
+        .await
+}
