@@ -194,6 +194,11 @@ impl Dashboard {
     }
 }
 
+// The crate's README (crates.io's page): its Rust block is a doc test too.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 // The guide's dashboard page: its Rust blocks are doc tests of this crate (cfg(doctest)
 // only, so a packaged build never reads a file outside the crate).
 #[cfg(doctest)]

@@ -6,7 +6,7 @@
 pub const EXACT_STATS_MAX_BYTES: i64 = 16 * 1024 * 1024;
 
 /// The due rows of a queue are counted up to this many; above, the page shows "more than".
-pub const DUE_COUNT_CAP: i64 = 10_000;
+pub const DUE_COUNT_CAP: i64 = 1_000;
 
 /// The largest page of rows or dead letters
 /// [`Dashboard::page_size`](crate::Dashboard::page_size) accepts.

@@ -627,16 +627,16 @@ fn scans(plan: &Value, table: &str, out: &mut Vec<(String, bool)>) {
     }
 }
 
-/// A table of `rows` live rows over 8 queues (half due, one in 100 leased, one in 10 keyed)
-/// and `dead` dead letters, then ANALYZE.
-async fn fill(db: &Db, rows: i64, dead: i64) {
+/// A table of `rows` live rows over 8 queues (half due, one in `leased_every` leased, one in
+/// 10 keyed) and `dead` dead letters, then VACUUM ANALYZE.
+async fn fill(db: &Db, rows: i64, dead: i64, leased_every: i64) {
     let t = db.outbox.table();
     db.exec(format!(
         "INSERT INTO {t} (queue, payload, headers, next_attempt_at, timer_id, acquired_token, acquired_at) \
          SELECT 'q' || (i % 8), '\\x7b7d', '{{}}', now() + ((i % 2) * 2 - 1) * interval '1 hour' * random(), \
                 CASE WHEN i % 10 = 0 THEN 'timer-' || i END, \
-                CASE WHEN i % 100 = 1 THEN gen_random_uuid() END, \
-                CASE WHEN i % 100 = 1 THEN now() - interval '30 seconds' END \
+                CASE WHEN i % {leased_every} = 1 THEN gen_random_uuid() END, \
+                CASE WHEN i % {leased_every} = 1 THEN now() - interval '30 seconds' END \
          FROM generate_series(1, {rows}) AS i"
     ))
     .await;
@@ -656,7 +656,7 @@ async fn fill(db: &Db, rows: i64, dead: i64) {
 #[tokio::test]
 async fn every_statement_reaches_the_queue_table_through_an_index() {
     let db = Db::new().await;
-    fill(&db, 100_000, 10_000).await;
+    fill(&db, 100_000, 10_000, 100).await;
     let sql = Statements::render(&db.outbox);
     let table = db.outbox.table().trim_matches('"').to_owned();
     let after = chrono::Utc::now();
@@ -681,7 +681,7 @@ async fn every_statement_reaches_the_queue_table_through_an_index() {
     checked.push((
         "due".into(),
         sql.due.as_str().to_owned(),
-        vec!["{q0,q1,q2,q3,q4,q5,q6,q7}".into(), "10001".into()],
+        vec!["{q0,q1,q2,q3,q4,q5,q6,q7}".into(), "1001".into()],
     ));
     checked.push(("any".into(), sql.any.as_str().to_owned(), vec!["q1".into()]));
     for (name, text, params) in checked {
@@ -708,8 +708,9 @@ async fn every_statement_reaches_the_queue_table_through_an_index() {
     db.drop_tables().await;
 }
 
-/// Each page's time at scale: `OUTBOX_UI_ROWS` live rows (default 10⁶) and a tenth as many
-/// dead letters. Prints the median of 5 reads per page, after one warm-up read.
+/// Each page's time at scale: `OUTBOX_UI_ROWS` live rows (default 10⁶), one in
+/// `OUTBOX_UI_LEASED_EVERY` (default 1000) leased, and a tenth as many dead letters. Prints
+/// the median of 5 reads per page, after one warm-up read.
 /// `cargo test --release -p outbox-ui -- --ignored --nocapture page_times_at_scale`.
 #[tokio::test]
 #[ignore = "a measurement: builds 10^6 rows (docs/lab-notes/2026-12-05-ui.md)"]
@@ -718,9 +719,13 @@ async fn page_times_at_scale() {
         .ok()
         .and_then(|r| r.parse().ok())
         .unwrap_or(1_000_000);
+    let leased_every: i64 = std::env::var("OUTBOX_UI_LEASED_EVERY")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(1000);
     let db = Db::new().await;
     let started = Instant::now();
-    fill(&db, rows, rows / 10).await;
+    fill(&db, rows, rows / 10, leased_every).await;
     println!(
         "filled {rows} rows and {} dead letters in {:?}",
         rows / 10,
