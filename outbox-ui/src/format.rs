@@ -16,7 +16,8 @@ pub(crate) fn utc(t: DateTime<Utc>) -> String {
 /// `t` relative to `now`: "in 3 s", "12 min ago", "now".
 pub(crate) fn relative(t: DateTime<Utc>, now: DateTime<Utc>) -> String {
     let ms = (t - now).num_milliseconds();
-    let secs = ms.abs() / 1000;
+    // To the nearest second: a deadline 4 min away, read a few ms later, is "in 4 min".
+    let secs = (ms.abs() + 500) / 1000;
     if secs == 0 {
         return "now".to_owned();
     }

@@ -103,6 +103,7 @@ pub(crate) fn page(
     let nav = [
         ("queues", "/", "Queues"),
         ("dead-letters", "/dead-letters", "Dead letters"),
+        ("schedules", "/schedules", "Schedules"),
         ("schema", "/schema", "Schema"),
     ];
     html! {

@@ -22,6 +22,7 @@
 //! | `/queues/{queue}` | its live rows by deadline, 50 a page (keyset), filtered by state, searched by id or timer id |
 //! | `/rows/{id}` | one live row: payload (JSON when it decodes, bytes otherwise), headers, deadlines, counters, queued rearm, cancel mark, lease |
 //! | `/dead-letters` | dead letters by id, filtered by queue, reason and redrive state; redrive and purge |
+//! | `/schedules` | periodic schedules (keyed `schedule:<name>`): recurrence, next instant, last run |
 //! | `/schema` | the schema check and the migration steps not applied yet |
 //!
 //! # Safety
@@ -178,6 +179,7 @@ impl Dashboard {
             .route("/queues/{queue}", get(pages::queue::page))
             .route("/rows/{id}", get(pages::row::page))
             .route("/dead-letters", get(pages::dead_letters::page))
+            .route("/schedules", get(pages::schedules::page))
             .route("/schema", get(pages::schema::page))
             .route("/assets/app.css", get(layout::css))
             .route("/assets/app.js", get(layout::js))

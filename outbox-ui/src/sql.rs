@@ -60,6 +60,17 @@ pub(crate) struct Statements {
     pub sizes: SqlStr,
     /// `$1` queue: whether the queue has a live row (the pause hint).
     pub any: SqlStr,
+    /// Whether the database's default collation orders text byte by byte (`C`, `POSIX`,
+    /// `C.UTF-8`), so that a key prefix is one range of the timer key's index.
+    pub bytewise: SqlStr,
+    /// `$1` limit per queue: the periodic schedules' rows (timer key `schedule:<name>`) of
+    /// every queue with keyed timers, found by a skip scan of `<table>_timer_uq` (one probe
+    /// per queue), each queue's read as one index range of the prefix. For byte-ordered
+    /// collations only (see `bytewise`).
+    pub schedules_range: SqlStr,
+    /// As `schedules_range`, for other collations: each queue's keyed timers filtered by the
+    /// prefix (its cost grows with the queue's keyed timers).
+    pub schedules_filter: SqlStr,
 }
 
 fn statement(text: String) -> SqlStr {
@@ -84,7 +95,40 @@ impl Statements {
             "SELECT * FROM (({pending}) UNION ALL ({leased})) AS r \
              ORDER BY next_attempt_at, id LIMIT $4"
         );
+        let schedules = |range: &str| {
+            let header = outbox::store::SCHEDULE_HEADER;
+            let prefix = outbox::store::SCHEDULE_KEY_PREFIX;
+            format!(
+                "WITH RECURSIVE qs(queue) AS ( \
+                   (SELECT queue FROM {t} WHERE timer_id IS NOT NULL ORDER BY queue LIMIT 1) \
+                   UNION ALL \
+                   SELECT (SELECT n.queue FROM {t} AS n WHERE n.timer_id IS NOT NULL \
+                           AND n.queue > qs.queue ORDER BY n.queue LIMIT 1) \
+                   FROM qs WHERE qs.queue IS NOT NULL) \
+                 SELECT r.id, r.queue, r.timer_id, r.next_attempt_at, r.last_attempt_at, \
+                        r.acquired_at, r.rearm_at, r.cancelled_at, r.fingerprint, \
+                        r.attempts_count \
+                 FROM qs, LATERAL (SELECT id, queue, timer_id, next_attempt_at, \
+                        last_attempt_at, acquired_at, rearm_at, cancelled_at, \
+                        headers ->> '{header}' AS fingerprint, attempts_count FROM {t} \
+                        WHERE queue = qs.queue AND timer_id IS NOT NULL {range} \
+                        AND starts_with(timer_id, '{prefix}') ORDER BY timer_id LIMIT $1) AS r \
+                 WHERE qs.queue IS NOT NULL ORDER BY r.queue, r.timer_id"
+            )
+        };
+        // The prefix's range in byte order: from `schedule:` up to `schedule;`, the first
+        // text after every key with the prefix (its last byte plus one).
+        let prefix = outbox::store::SCHEDULE_KEY_PREFIX;
+        let mut upper = prefix.as_bytes().to_vec();
+        if let Some(last) = upper.last_mut() {
+            *last += 1;
+        }
+        let upper = String::from_utf8_lossy(&upper).into_owned();
+        let range = format!("AND timer_id >= '{prefix}' AND timer_id < '{upper}'");
         Statements {
+            bytewise: statement("SELECT 'B' < 'a' AND 'a;' > 'a:~' AND 'a:' < 'a:!'".to_owned()),
+            schedules_range: statement(schedules(&range)),
+            schedules_filter: statement(schedules("")),
             list: [
                 statement(all),
                 statement(pending),
@@ -326,4 +370,61 @@ pub(crate) async fn any(
         .persistent(persistent(outbox))
         .fetch_one(conn)
         .await
+}
+
+/// A periodic schedule's row.
+#[derive(Debug, Clone)]
+pub(crate) struct ScheduleRow {
+    pub id: i64,
+    pub queue: String,
+    pub timer_id: String,
+    pub next_attempt_at: DateTime<Utc>,
+    pub last_attempt_at: Option<DateTime<Utc>>,
+    pub acquired_at: Option<DateTime<Utc>>,
+    pub rearm_at: Option<DateTime<Utc>>,
+    pub cancelled_at: Option<DateTime<Utc>>,
+    pub fingerprint: Option<String>,
+    pub attempts: i32,
+}
+
+/// Every queue's schedules (at most `per_queue` each), and whether the read was one index
+/// range per queue (a byte-ordered collation) or a filter of each queue's keyed timers.
+pub(crate) async fn schedules(
+    sql: &Statements,
+    outbox: &Outbox,
+    conn: &mut PgConnection,
+    per_queue: i64,
+) -> sqlx::Result<(Vec<ScheduleRow>, bool)> {
+    let bytewise: bool = sqlx::query_scalar(sql.bytewise.clone())
+        .persistent(persistent(outbox))
+        .fetch_one(&mut *conn)
+        .await?;
+    let statement = if bytewise {
+        sql.schedules_range.clone()
+    } else {
+        sql.schedules_filter.clone()
+    };
+    let rows = sqlx::query(statement)
+        .bind(per_queue)
+        .persistent(persistent(outbox))
+        .fetch_all(conn)
+        .await?;
+    let rows = rows
+        .iter()
+        .map(|r| {
+            Ok(ScheduleRow {
+                id: r.try_get(0)?,
+                queue: r.try_get(1)?,
+                timer_id: r.try_get(2)?,
+                next_attempt_at: r.try_get(3)?,
+                last_attempt_at: r.try_get(4)?,
+                acquired_at: r.try_get(5)?,
+                rearm_at: r.try_get(6)?,
+                cancelled_at: r.try_get(7)?,
+                fingerprint: r.try_get(8)?,
+                attempts: r.try_get(9)?,
+            })
+        })
+        .collect::<sqlx::Result<Vec<_>>>()?;
+    Ok((rows, bytewise))
 }

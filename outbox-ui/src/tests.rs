@@ -608,14 +608,52 @@ async fn purge_asks_first_and_redrive_follows_the_cli_rules() {
     db.drop_tables().await;
 }
 
-/// Every scan of the queue table in `plan` has an index condition.
-fn scans(plan: &Value, table: &str, out: &mut Vec<(String, bool)>) {
+#[tokio::test]
+async fn the_schedules_page_lists_each_schedule_with_its_recurrence() {
+    let db = Db::new().await;
+    let t = db.outbox.table().to_owned();
+    db.exec(format!(
+        "INSERT INTO {t} (queue, payload, headers, timer_id, next_attempt_at, last_attempt_at) VALUES \
+         ('reports', '\\x7b7d', '{{\"outbox-schedule\": \"every:300s\"}}', 'schedule:nightly', now() + interval '4 minutes', now() - interval '1 minute'), \
+         ('reports', '\\x7b7d', '{{\"outbox-schedule\": \"cron:0 3 * * *@Europe/Paris\"}}', 'schedule:<b>x</b>', now() + interval '2 hours', NULL), \
+         ('reports', '\\x7b7d', NULL, 'schedulex', now(), NULL), \
+         ('mail', '\\x7b7d', NULL, 'plain-key', now(), NULL)"
+    ))
+    .await;
+    let r = db.router(false, 50);
+    let (status, page) = get(&r, "/outbox/schedules").await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert!(
+        page.contains(">nightly<") && page.contains("every 5m"),
+        "{page}"
+    );
+    assert!(page.contains("cron 0 3 * * * (Europe/Paris)"), "{page}");
+    assert!(
+        page.contains("&lt;b&gt;x&lt;/b&gt;") && !page.contains("<b>x</b>"),
+        "{page}"
+    );
+    assert!(
+        page.contains("(in 4 min)") && page.contains("(1 min ago)"),
+        "{page}"
+    );
+    assert!(
+        !page.contains("schedulex") && !page.contains("plain-key"),
+        "not schedules: {page}"
+    );
+    db.drop_tables().await;
+}
+
+/// Every scan of the queue table in `plan`, with whether it is bounded by the index: an
+/// index condition, or an index scan in its order under a `Limit` (the skip scan's first
+/// probe reads one entry of a partial index).
+fn scans(plan: &Value, parent: &str, table: &str, out: &mut Vec<(String, bool)>) {
     let kind = plan["Node Type"].as_str().unwrap_or("").to_owned();
     if plan.get("Relation Name").and_then(Value::as_str) == Some(table) && kind.ends_with("Scan") {
         let cond = ["Index Cond", "Recheck Cond"]
             .iter()
-            .any(|k| plan.get(*k).is_some());
-        out.push((kind, cond));
+            .any(|k| plan.get(*k).is_some())
+            || (kind.starts_with("Index") && parent == "Limit");
+        out.push((kind.clone(), cond));
     }
     for c in plan
         .get("Plans")
@@ -623,7 +661,7 @@ fn scans(plan: &Value, table: &str, out: &mut Vec<(String, bool)>) {
         .into_iter()
         .flatten()
     {
-        scans(c, table, out);
+        scans(c, &kind, table, out);
     }
 }
 
@@ -684,6 +722,16 @@ async fn every_statement_reaches_the_queue_table_through_an_index() {
         vec!["{q0,q1,q2,q3,q4,q5,q6,q7}".into(), "1001".into()],
     ));
     checked.push(("any".into(), sql.any.as_str().to_owned(), vec!["q1".into()]));
+    checked.push((
+        "schedules_range".into(),
+        sql.schedules_range.as_str().to_owned(),
+        vec!["500".into()],
+    ));
+    checked.push((
+        "schedules_filter".into(),
+        sql.schedules_filter.as_str().to_owned(),
+        vec!["500".into()],
+    ));
     for (name, text, params) in checked {
         // Parameters as text literals: the plan is that of the statement with its values.
         let mut s = text.clone();
@@ -695,7 +743,7 @@ async fn every_statement_reaches_the_queue_table_through_an_index() {
             .await
             .unwrap_or_else(|e| panic!("EXPLAIN {name}: {e}\n{s}"));
         let mut found = Vec::new();
-        scans(&plan[0]["Plan"], &table, &mut found);
+        scans(&plan[0]["Plan"], "", &table, &mut found);
         assert!(
             !found.is_empty(),
             "{name} does not read the queue table? {plan:#}"

@@ -5,4 +5,5 @@ pub(crate) mod dead_letters;
 pub(crate) mod queue;
 pub(crate) mod queues;
 pub(crate) mod row;
+pub(crate) mod schedules;
 pub(crate) mod schema;

@@ -246,6 +246,16 @@ async fn setup() -> Data {
     .fetch_one(&mut *conn)
     .await
     .unwrap();
+    // A periodic schedule's row, as a worker's registration writes it.
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {} (queue, payload, headers, timer_id, next_attempt_at, last_attempt_at) \
+         VALUES ('ui.reports', '\\x7b7d', '{{\"outbox-schedule\": \"every:3600s\"}}', \
+         'schedule:hourly-report', now() + interval '20 minutes', now() - interval '40 minutes')",
+        outbox.table()
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
     drop(conn);
     Data {
         keyed_id: id(keyed),
@@ -441,6 +451,17 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     if redriven.is_none() {
         return Err("the dead letter is not marked redriven".into());
     }
+
+    // The schedules page: the schedule, its recurrence, next instant and last run.
+    c.goto(&format!("{base}/schedules"))
+        .await
+        .map_err(|e| e.to_string())?;
+    let list = text_of(c, "main table").await;
+    if !list.contains("hourly-report") || !list.contains("every 1h") || !list.contains("40 min ago")
+    {
+        return Err(format!("schedules page: {list}"));
+    }
+    shot(c, "schedules").await;
 
     // The schema page.
     c.goto(&format!("{base}/schema"))
