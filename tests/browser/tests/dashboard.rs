@@ -324,6 +324,25 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     }
     shot(c, "queues").await;
 
+    // Live refresh: the script replaces <main> with a fresh read within one period (5 s).
+    let mut refreshed = json!(null);
+    for _ in 0..40 {
+        refreshed = c
+            .execute(
+                "return document.getElementById('main').dataset.refreshed || null;",
+                vec![],
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        if refreshed.is_string() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    if !refreshed.is_string() {
+        return Err("the queues page did not refresh itself within 10 s".into());
+    }
+
     // Pause and resume a queue: the notice, and the library sees it.
     click_button(c, "Pause ui.mail").await;
     let notice = text_of(c, ".notice.ok").await;
