@@ -106,7 +106,7 @@ pub(crate) async fn page(
         .flatten()
         .map(|c| format!("{here}?state={}&after={c}", filter.as_str()));
     let body = html! {
-        p {
+        div.bar {
             a href=(base.to("/")) { "All queues" } " · "
             (state(&s, &base, &queue, paused, now)) " · "
             a href=(base.to(&format!("/dead-letters?queue={}", encode(&queue)))) { "Dead letters of " (queue) }

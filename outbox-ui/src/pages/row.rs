@@ -87,7 +87,7 @@ pub(crate) async fn page(
             @if r.acquired_at.is_some() {
                 p { "A worker holds this row: no action until its run ends or its lease expires." }
             } @else {
-                p {
+                div.bar {
                     (layout::button(&s, &act("run-now"), &[], "Run now", ""))
                     (layout::button(&s, &act("delete"), &[], "Delete row", "danger"))
                     @if let Some(timer) = &r.timer_id {

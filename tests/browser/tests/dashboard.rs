@@ -146,13 +146,21 @@ async fn text_of(c: &Client, css: &str) -> String {
 }
 
 async fn click_button(c: &Client, label: &str) {
+    // The queues page replaces its <main> every 5 s: a button found just before a refresh is
+    // stale by the click, so find it again (a few times) rather than fail on the race.
     let xpath = format!("//button[normalize-space(.)='{label}']");
-    c.find(Locator::XPath(&xpath))
-        .await
-        .unwrap_or_else(|e| panic!("no button {label:?}: {e}"))
-        .click()
-        .await
-        .expect("click");
+    let mut last = String::new();
+    for _ in 0..3 {
+        match c.find(Locator::XPath(&xpath)).await {
+            Ok(button) => match button.click().await {
+                Ok(()) => return,
+                Err(e) => last = e.to_string(),
+            },
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("cannot click the button {label:?}: {last}");
 }
 
 struct Data {
