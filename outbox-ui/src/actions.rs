@@ -51,6 +51,10 @@ fn back(base: &Base, headers: &HeaderMap, fallback: &str, outcome: Outcome) -> R
         .and_then(|r| {
             let rest = r.split_once("://")?.1;
             let path = &rest[rest.find('/')?..];
+            // Never `//host…` (a protocol-relative URL, off this site) nor a backslash.
+            if path.starts_with("//") || path.contains('\\') {
+                return None;
+            }
             let under = path.starts_with(&format!("{}/", base.0))
                 || path == base.0
                 || path.starts_with(&format!("{}?", base.0));

@@ -227,6 +227,14 @@ fn persistent(outbox: &Outbox) -> bool {
     !outbox.transaction_pooler()
 }
 
+/// The database's clock (`now()`): what relative ages are measured against.
+pub(crate) async fn now(outbox: &Outbox, conn: &mut PgConnection) -> sqlx::Result<DateTime<Utc>> {
+    sqlx::query_scalar("SELECT now()")
+        .persistent(persistent(outbox))
+        .fetch_one(conn)
+        .await
+}
+
 /// A page of `queue`'s live rows after `(after_at, after_id)` in deadline order.
 pub(crate) async fn list(
     sql: &Statements,

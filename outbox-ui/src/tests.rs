@@ -301,6 +301,31 @@ async fn actions_need_the_token_the_same_origin_and_a_writable_dashboard() {
     assert_eq!(status, StatusCode::SEE_OTHER);
     assert!(location.contains("error="), "{location}");
 
+    // The redirect goes back to the form's page, never off the site.
+    for (referer, expected) in [
+        (
+            "http://dash.test/outbox/queues/mail?state=due&ok=old",
+            "/outbox/queues/mail?state=due&ok=",
+        ),
+        ("http://dash.test//evil.example/outbox/", "/outbox?ok="),
+        ("http://dash.test/elsewhere", "/outbox?ok="),
+    ] {
+        let response = r
+            .clone()
+            .oneshot(
+                Request::post("/outbox/queues/mail/resume")
+                    .header(header::HOST, HOST)
+                    .header(header::REFERER, referer)
+                    .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+                    .body(Body::from(format!("csrf={t}")))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        let location = response.headers()[header::LOCATION].to_str().unwrap();
+        assert!(location.starts_with(expected), "{referer} -> {location}");
+    }
+
     // Read-only: no form, every POST refused, even with a token.
     let ro = db.router(true, 50);
     for path in ["/outbox", "/outbox/queues/mail", "/outbox/dead-letters"] {

@@ -13,6 +13,7 @@ use crate::format;
 use crate::layout::{self, encode, Base, Notice};
 use crate::pages::queue::{valid_name, when};
 use crate::pages::row::{headers, payload};
+use crate::sql;
 use crate::state::State as Shared;
 
 /// Every reason a dead letter can have.
@@ -83,9 +84,7 @@ pub(crate) async fn page(
             .outbox
             .dead_letters(&mut conn, &f, after, s.page_size)
             .await?;
-        let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
-            .fetch_one(&mut *conn)
-            .await?;
+        let now = sql::now(&s.outbox, &mut conn).await?;
         Ok::<_, outbox::Error>((rows, now))
     };
     let (rows, now) = match read.await {

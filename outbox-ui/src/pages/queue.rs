@@ -92,10 +92,7 @@ pub(crate) async fn page(
             .map(|p| p.paused_at),
         Err(e) => return layout::failed(&base, &s, &e),
     };
-    let now: DateTime<Utc> = match sqlx::query_scalar("SELECT now()")
-        .fetch_one(&mut *conn)
-        .await
-    {
+    let now = match sql::now(&s.outbox, &mut conn).await {
         Ok(n) => n,
         Err(e) => return layout::failed(&base, &s, &e),
     };

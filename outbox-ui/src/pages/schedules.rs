@@ -23,9 +23,7 @@ pub(crate) async fn page(
     let read = async {
         let mut conn = s.pool.acquire().await?;
         let (rows, bytewise) = sql::schedules(&s.sql, &s.outbox, &mut conn, PER_QUEUE).await?;
-        let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
-            .fetch_one(&mut *conn)
-            .await?;
+        let now = sql::now(&s.outbox, &mut conn).await?;
         Ok::<_, sqlx::Error>((rows, bytewise, now))
     };
     let (rows, bytewise, now) = match read.await {
