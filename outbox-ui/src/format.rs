@@ -105,7 +105,13 @@ pub(crate) fn sparkline(values: &[Option<f64>], label: &str) -> Markup {
     for (i, v) in values.iter().enumerate() {
         if let Some(v) = v {
             let x = i as f64 * step;
-            let y = H - 2.0 - (v - min) / range * (H - 4.0);
+            // A flat series is drawn across the middle, not along the bottom (which reads
+            // as zero).
+            let y = if max > min {
+                H - 2.0 - (v - min) / range * (H - 4.0)
+            } else {
+                H / 2.0
+            };
             let _ = write!(points, "{x:.1},{y:.1} ");
         }
     }
@@ -160,6 +166,8 @@ mod tests {
         assert!(svg.contains(r#"points="0.0,22.0 120.0,2.0""#), "{svg}");
         assert!(svg.contains("&lt;q&gt;"), "{svg}");
         assert!(!svg.contains("<q>"), "{svg}");
+        let level = sparkline(&[Some(5.0), Some(5.0)], "q").into_string();
+        assert!(level.contains(r#"points="0.0,12.0 120.0,12.0""#), "{level}");
         let flat = sparkline(&[], "q").into_string();
         assert!(flat.contains("no samples yet"), "{flat}");
     }

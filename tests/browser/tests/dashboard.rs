@@ -330,7 +330,6 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     {
         return Err("no sparkline per queue".into());
     }
-    shot(c, "queues").await;
 
     // Live refresh: the script replaces <main> with a fresh read within one period (5 s).
     let mut refreshed = json!(null);
@@ -350,6 +349,8 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     if !refreshed.is_string() {
         return Err("the queues page did not refresh itself within 10 s".into());
     }
+    // After a refresh: two samples, so the sparklines and the throughput have data.
+    shot(c, "queues").await;
 
     // Pause and resume a queue: the notice, and the library sees it.
     click_button(c, "Pause ui.mail").await;
