@@ -128,6 +128,43 @@ pub enum Command {
     /// Dead letters: list, redrive, purge.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Serve the web dashboard (queues, rows, dead letters, schema; the actions of the other
+    /// commands) until interrupted. Binds to 127.0.0.1 unless --listen says otherwise.
+    Ui(UiArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct UiArgs {
+    /// The address and port to listen on; an address other than a loopback one exposes the
+    /// dashboard to the network (use --basic-auth, and TLS in front).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: std::net::SocketAddr,
+    /// Show only: no action is offered and every POST is refused.
+    #[arg(long)]
+    pub read_only: bool,
+    /// Require HTTP basic authentication with these credentials, written `user:password`.
+    #[arg(
+        long,
+        env = "OUTBOX_UI_BASIC_AUTH",
+        hide_env_values = true,
+        value_name = "USER:PASSWORD",
+        value_parser = credentials
+    )]
+    pub basic_auth: Option<(String, String)>,
+    /// The lease TTL your workers use (`WorkerBuilder::lease_ttl`, 60 s by default): a lease
+    /// older than this is shown as expired.
+    #[arg(long, value_parser = duration, default_value = "60s")]
+    pub lease_ttl: Duration,
+}
+
+/// `user:password`, both non-empty, the user without a colon.
+fn credentials(s: &str) -> Result<(String, String), String> {
+    match s.split_once(':') {
+        Some((user, password)) if !user.is_empty() && !password.is_empty() => {
+            Ok((user.to_owned(), password.to_owned()))
+        }
+        _ => Err("write the credentials as user:password (both non-empty)".to_owned()),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -300,6 +337,12 @@ mod tests {
         );
         assert!(timestamp("yesterday").unwrap_err().contains("RFC 3339"));
         assert_eq!(watch_interval("100ms"), Ok(Duration::from_millis(100)));
+        assert_eq!(
+            credentials("ops:s3:cret"),
+            Ok(("ops".to_owned(), "s3:cret".to_owned()))
+        );
+        assert!(credentials("ops").is_err());
+        assert!(credentials(":pw").is_err());
         assert!(watch_interval("10ms")
             .unwrap_err()
             .contains("at most every 100ms"));

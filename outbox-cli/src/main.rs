@@ -13,6 +13,7 @@ mod output;
 mod queues;
 mod schema;
 mod status;
+mod ui;
 
 use std::process::ExitCode;
 
@@ -127,5 +128,6 @@ async fn run(cli: Cli, target: &Target) -> Result<(), Failure> {
             queues::act(&outbox, &pool, id, queues::Action::Delete, json).await
         }
         Command::Dlq(cmd) => dlq::run(&outbox, &pool, cmd, json).await,
+        Command::Ui(args) => ui::run(outbox, pool, args).await,
     }
 }

@@ -974,3 +974,88 @@ async fn citus_commands_against_a_coordinator() {
     ))
     .await;
 }
+
+/// One HTTP/1.1 request over a plain socket; the whole response as text.
+fn http(addr: &str, request: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("the dashboard listens");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[tokio::test]
+async fn ui_serves_the_dashboard_behind_basic_auth_and_read_only() {
+    let t = Tables::new().await;
+    let mut conn = t.pool.acquire().await.unwrap();
+    t.outbox
+        .publish(&mut conn, Message::new("ui.<b>", b"{}"))
+        .await
+        .unwrap();
+    drop(conn);
+    let mut child = outbox_cmd()
+        .args([
+            "--table",
+            &t.name,
+            "--dead-letter",
+            "ui",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--read-only", "--basic-auth", "ops:s3:cret"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let addr = first
+        .strip_prefix("outbox ui: http://")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("the first line names the address: {first:?}"))
+        .to_owned();
+    assert!(first.contains("(read-only) (basic auth)"), "{first}");
+    assert!(addr.starts_with("127.0.0.1:"), "{addr}");
+
+    let denied = http(
+        &addr,
+        "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    assert!(denied.starts_with("HTTP/1.1 401"), "{denied}");
+    assert!(denied.contains("www-authenticate: Basic"), "{denied}");
+    // ops:s3:cret in base64.
+    let auth = "Authorization: Basic b3BzOnMzOmNyZXQ=\r\n";
+    let page = http(
+        &addr,
+        &format!("GET / HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"),
+    );
+    assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+    assert!(
+        page.contains("ui.&lt;b&gt;") && !page.contains("ui.<b>"),
+        "{page}"
+    );
+    assert!(
+        page.contains("read-only") && !page.contains(r#"method="post""#),
+        "{page}"
+    );
+    let post = http(
+        &addr,
+        &format!("POST /queues/x/pause HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 6\r\nConnection: close\r\n\r\ncsrf=x"),
+    );
+    assert!(post.starts_with("HTTP/1.1 403"), "{post}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let bad = t.run(&["ui", "--basic-auth", "ops"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
+    assert!(
+        text(&bad.stderr).contains("user:password"),
+        "{}",
+        text(&bad.stderr)
+    );
+    t.cleanup().await;
+}

@@ -294,6 +294,7 @@ fn every_link_into_the_repository_resolves() {
         "docs/performance.md".to_owned(),
         "outbox/docs/upgrading.md".to_owned(),
         "outbox-cli/README.md".to_owned(),
+        "outbox-ui/README.md".to_owned(),
         "examples/presence/README.md".to_owned(),
     ];
     for dir in ["docs/guide", "docs/lab-notes"] {
@@ -322,7 +323,7 @@ fn every_link_into_the_repository_resolves() {
             }
         }
     }
-    for dir in ["outbox/src", "outbox-cli/src"] {
+    for dir in ["outbox/src", "outbox-cli/src", "outbox-ui/src"] {
         for (file, text) in rust_files(dir) {
             for rest in text.split(REPO[0]).skip(1) {
                 let end = rest

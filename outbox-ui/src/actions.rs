@@ -1,0 +1,510 @@
+//! Every `POST`: the guard first (read-only, origin, CSRF token), then the library's own
+//! call, then a redirect (303) back to the page the form was on, with the outcome as a
+//! notice. The texts follow the `outbox` command's.
+
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::Form;
+use maud::html;
+use outbox::admin::RowAction;
+use outbox::dlq::{DeadLetterFilter, Redrive, RedriveResult};
+use outbox::Cancelled;
+use serde::Deserialize;
+
+use crate::guard;
+use crate::layout::{self, encode, Base, Notice};
+use crate::pages::dead_letters::{self, Params};
+use crate::pages::queue::valid_name;
+use crate::sql;
+use crate::state::State as Shared;
+
+/// The fields any action form may carry; each action reads its own.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct Fields {
+    #[serde(default)]
+    csrf: String,
+    timer_id: Option<String>,
+    #[serde(rename = "in")]
+    in_: Option<String>,
+    id: Option<String>,
+    queue: Option<String>,
+    reason: Option<String>,
+    older_than: Option<String>,
+    confirm: Option<String>,
+}
+
+/// The outcome of an action: a notice for the page it returns to.
+enum Outcome {
+    Ok(String),
+    Failed(String),
+}
+
+/// Where to go back to: the path (and query, without an earlier notice) of the `Referer`
+/// when it is under this dashboard, else `fallback`.
+fn back(base: &Base, headers: &HeaderMap, fallback: &str, outcome: Outcome) -> Response {
+    let referer = headers
+        .get(header::REFERER)
+        .and_then(|r| r.to_str().ok())
+        .and_then(|r| {
+            let rest = r.split_once("://")?.1;
+            let path = &rest[rest.find('/')?..];
+            // Never `//host…` (a protocol-relative URL, off this site) nor a backslash.
+            if path.starts_with("//") || path.contains('\\') {
+                return None;
+            }
+            let under = path.starts_with(&format!("{}/", base.0))
+                || path == base.0
+                || path.starts_with(&format!("{}?", base.0));
+            under.then(|| path.to_owned())
+        });
+    let target = referer.unwrap_or_else(|| fallback.to_owned());
+    let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+    let mut kept: Vec<&str> = query
+        .split('&')
+        .filter(|kv| !kv.is_empty() && !kv.starts_with("ok=") && !kv.starts_with("error="))
+        .collect();
+    let notice = match outcome {
+        Outcome::Ok(t) => format!("ok={}", encode(&t)),
+        Outcome::Failed(t) => format!("error={}", encode(&t)),
+    };
+    kept.push(&notice);
+    Redirect::to(&format!("{path}?{}", kept.join("&"))).into_response()
+}
+
+/// The guard: the refusal page (403) when the action may not run.
+fn refused(s: &Shared, base: &Base, headers: &HeaderMap, f: &Fields) -> Option<Response> {
+    guard::check(s.read_only, headers, &f.csrf, &s.csrf)
+        .err()
+        .map(|r| layout::error(base, s, StatusCode::FORBIDDEN, "Refused", r.text()))
+}
+
+fn queue_page(base: &Base, queue: &str) -> String {
+    base.to(&format!("/queues/{}", encode(queue)))
+}
+
+pub(crate) async fn pause(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Path(queue): Path<String>,
+    Form(f): Form<Fields>,
+) -> Response {
+    toggle(s, base, headers, queue, f, true).await
+}
+
+pub(crate) async fn resume(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Path(queue): Path<String>,
+    Form(f): Form<Fields>,
+) -> Response {
+    toggle(s, base, headers, queue, f, false).await
+}
+
+async fn toggle(
+    s: Shared,
+    base: Base,
+    headers: HeaderMap,
+    queue: String,
+    f: Fields,
+    on: bool,
+) -> Response {
+    if let Some(r) = refused(&s, &base, &headers, &f) {
+        return r;
+    }
+    let run = async {
+        let mut conn = s.pool.acquire().await?;
+        let changed = if on {
+            s.outbox.pause_queue(&mut conn, &queue).await?
+        } else {
+            s.outbox.resume_queue(&mut conn, &queue).await?
+        };
+        let empty = on && !sql::any(&s.sql, &s.outbox, &mut conn, &queue).await?;
+        Ok::<_, outbox::Error>((changed, empty))
+    };
+    let outcome = match run.await {
+        Ok((changed, empty)) => {
+            let hint = if empty {
+                " (no rows in it now: check the name)"
+            } else {
+                ""
+            };
+            match (on, changed) {
+                (true, true) => Outcome::Ok(format!("{queue}: paused{hint}")),
+                (true, false) => Outcome::Ok(format!("{queue}: already paused{hint}")),
+                (false, true) => Outcome::Ok(format!("{queue}: running")),
+                (false, false) => Outcome::Ok(format!("{queue} was not paused: nothing to resume")),
+            }
+        }
+        Err(e) => Outcome::Failed(e.to_string()),
+    };
+    back(&base, &headers, &base.to("/"), outcome)
+}
+
+/// A row action, as `outbox run-now | reschedule | delete`: in a transaction of its own;
+/// a row a worker holds is left alone ([`RowAction::Leased`]).
+#[derive(Debug, Clone, Copy)]
+enum RowOp {
+    RunNow,
+    In(Duration),
+    Delete,
+}
+
+async fn row_action(
+    s: Shared,
+    base: Base,
+    headers: HeaderMap,
+    id: String,
+    f: Fields,
+    op: Option<RowOp>,
+) -> Response {
+    if let Some(r) = refused(&s, &base, &headers, &f) {
+        return r;
+    }
+    let page = base.to(&format!("/rows/{id}"));
+    let Some(id) = id.parse::<i64>().ok().filter(|id| *id > 0) else {
+        return back(
+            &base,
+            &headers,
+            &base.to("/"),
+            Outcome::Failed(format!("bad row id {id:?}: row ids are positive integers")),
+        );
+    };
+    let op = match op {
+        Some(op) => op,
+        None => {
+            let text = f.in_.as_deref().unwrap_or("").trim();
+            match humantime::parse_duration(text) {
+                Ok(d) => RowOp::In(d),
+                Err(e) => {
+                    return back(
+                        &base,
+                        &headers,
+                        &page,
+                        Outcome::Failed(format!(
+                            "bad delay {text:?} ({e}): say how long from now, e.g. 30s, 5m or 2h"
+                        )),
+                    )
+                }
+            }
+        }
+    };
+    let run = async {
+        let mut tx = s.pool.begin().await?;
+        let result = match op {
+            RowOp::RunNow => s.outbox.run_now(&mut tx, id).await?,
+            RowOp::In(d) => s.outbox.reschedule(&mut tx, id, d).await?,
+            RowOp::Delete => s.outbox.delete_pending(&mut tx, id).await?,
+        };
+        tx.commit().await?;
+        Ok::<_, outbox::Error>(result)
+    };
+    let outcome = match run.await {
+        Ok(RowAction::Rescheduled { next_attempt_at }) => Outcome::Ok(format!(
+            "row {id}: due at {}",
+            crate::format::utc(next_attempt_at)
+        )),
+        Ok(RowAction::Deleted) => Outcome::Ok(format!("row {id}: deleted; it will not run")),
+        Ok(RowAction::Leased) => Outcome::Failed(format!(
+            "row {id} is leased: a worker holds it (its handler runs, or its lease has not expired yet), so nothing changed; try again later"
+        )),
+        Ok(RowAction::NotFound) => Outcome::Failed(format!(
+            "no live row has id {id}: it completed, was cancelled or deleted, or never existed"
+        )),
+        Ok(other) => Outcome::Failed(format!("row {id}: {other:?}")),
+        Err(e) => Outcome::Failed(e.to_string()),
+    };
+    // A deleted row has no page left: go back to its queue's (the referer's) page.
+    let fallback = if matches!(op, RowOp::Delete) {
+        base.to("/")
+    } else {
+        page.clone()
+    };
+    let referer_is_row = headers
+        .get(header::REFERER)
+        .and_then(|r| r.to_str().ok())
+        .is_some_and(|r| r.contains(&format!("/rows/{id}")));
+    if matches!(op, RowOp::Delete) && referer_is_row && matches!(outcome, Outcome::Ok(_)) {
+        return back(&base, &HeaderMap::new(), &fallback, outcome);
+    }
+    back(&base, &headers, &fallback, outcome)
+}
+
+pub(crate) async fn run_now(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Form(f): Form<Fields>,
+) -> Response {
+    row_action(s, base, headers, id, f, Some(RowOp::RunNow)).await
+}
+
+pub(crate) async fn reschedule(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Form(f): Form<Fields>,
+) -> Response {
+    row_action(s, base, headers, id, f, None).await
+}
+
+pub(crate) async fn delete(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Form(f): Form<Fields>,
+) -> Response {
+    row_action(s, base, headers, id, f, Some(RowOp::Delete)).await
+}
+
+/// Cancels the timer keyed `timer_id` of the queue, unless a worker holds its row.
+pub(crate) async fn cancel(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Path(queue): Path<String>,
+    Form(f): Form<Fields>,
+) -> Response {
+    if let Some(r) = refused(&s, &base, &headers, &f) {
+        return r;
+    }
+    let timer = f.timer_id.as_deref().unwrap_or("").trim().to_owned();
+    if let Err(reason) = valid_name(&timer) {
+        return back(
+            &base,
+            &headers,
+            &queue_page(&base, &queue),
+            Outcome::Failed(format!("bad timer id: {reason}")),
+        );
+    }
+    let run = async {
+        let mut tx = s.pool.begin().await?;
+        // Lock the keyed row first, as the library's cancel does, so no claim lands between
+        // the look and the cancel.
+        let held = match sql::by_timer(&s.sql, &s.outbox, &mut tx, &queue, &timer).await? {
+            Some(id) => sql::row(&s.sql, &s.outbox, &mut tx, id)
+                .await?
+                .is_some_and(|r| r.acquired_at.is_some()),
+            None => false,
+        };
+        if held {
+            return Ok::<_, outbox::Error>(None);
+        }
+        let c = s.outbox.cancel(&mut tx, &queue, &timer).await?;
+        tx.commit().await?;
+        Ok(Some(c))
+    };
+    let outcome = match run.await {
+        Ok(None) => Outcome::Failed(format!(
+            "timer {timer:?} of {queue}: a worker holds its row (its handler runs): nothing changed; the dashboard acts only on rows no worker holds"
+        )),
+        Ok(Some(Cancelled::Deleted { id })) => Outcome::Ok(format!("timer {timer:?} of {queue} cancelled: row {id} deleted")),
+        Ok(Some(Cancelled::NotFound)) => Outcome::Failed(format!("no live row of {queue} holds the timer key {timer:?}")),
+        Ok(Some(other)) => Outcome::Ok(format!("timer {timer:?} of {queue}: {other:?}")),
+        Err(e) => Outcome::Failed(e.to_string()),
+    };
+    let to_queue = matches!(outcome, Outcome::Ok(_));
+    if to_queue {
+        // The row's page is gone: back to the queue.
+        return back(
+            &base,
+            &HeaderMap::new(),
+            &queue_page(&base, &queue),
+            outcome,
+        );
+    }
+    back(&base, &headers, &queue_page(&base, &queue), outcome)
+}
+
+/// Redrives one dead letter (`id`) or every match of the filter fields (at most a page),
+/// as `outbox dlq redrive`.
+pub(crate) async fn redrive(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Form(f): Form<Fields>,
+) -> Response {
+    if let Some(r) = refused(&s, &base, &headers, &f) {
+        return r;
+    }
+    let fallback = base.to("/dead-letters");
+    let selection = match f.id.as_deref().filter(|i| !i.is_empty()) {
+        Some(id) => match id.parse::<i64>() {
+            Ok(id) => Redrive::id(id),
+            Err(_) => {
+                return back(
+                    &base,
+                    &headers,
+                    &fallback,
+                    Outcome::Failed(format!("bad dead-letter id {id:?}")),
+                )
+            }
+        },
+        None => {
+            let params = Params {
+                queue: f.queue.clone(),
+                reason: f.reason.clone(),
+                redriven: None,
+                after: None,
+            };
+            match dead_letters::filter(&params) {
+                Ok(filter) => Redrive::matching(filter, s.page_size),
+                Err(e) => return back(&base, &headers, &fallback, Outcome::Failed(e)),
+            }
+        }
+    };
+    let run = async {
+        let mut tx = s.pool.begin().await?;
+        let outcomes = s.outbox.redrive_dead_letters(&mut tx, &selection).await?;
+        tx.commit().await?;
+        Ok::<_, outbox::Error>(outcomes)
+    };
+    let outcome = match run.await {
+        Err(e) => Outcome::Failed(e.to_string()),
+        Ok(list) if list.is_empty() => {
+            Outcome::Ok("no dead letter matched: nothing redriven".to_owned())
+        }
+        Ok(list) => {
+            let done = list
+                .iter()
+                .filter(|o| matches!(o.result, RedriveResult::Redriven { .. }))
+                .count();
+            let undone: Vec<String> = list
+                .iter()
+                .filter(|o| {
+                    !matches!(
+                        o.result,
+                        RedriveResult::Redriven { .. } | RedriveResult::AlreadyRedriven { .. }
+                    )
+                })
+                .map(|o| format!("{}: {}", o.dead_letter_id, describe(o.result)))
+                .collect();
+            let text = list
+                .iter()
+                .map(|o| format!("dead letter {}: {}", o.dead_letter_id, describe(o.result)))
+                .take(5)
+                .collect::<Vec<_>>()
+                .join("; ");
+            if undone.is_empty() {
+                Outcome::Ok(format!("redriven {done} of {}: {text}", list.len()))
+            } else {
+                Outcome::Failed(format!(
+                    "redriven {done} of {}; not redriven: {}",
+                    list.len(),
+                    undone.join("; ")
+                ))
+            }
+        }
+    };
+    back(&base, &headers, &fallback, outcome)
+}
+
+fn describe(r: RedriveResult) -> String {
+    match r {
+        RedriveResult::Redriven { id } => format!("redriven as row {id}"),
+        RedriveResult::AlreadyRedriven {
+            redriven_id: Some(id),
+        } => format!("already redriven (row {id})"),
+        RedriveResult::AlreadyRedriven { redriven_id: None } => "already redriven".to_owned(),
+        RedriveResult::NotFound => "no such dead letter".to_owned(),
+        RedriveResult::TimerKeyHeld => {
+            "kept: a live row holds its timer key (cancel or wait for it, then redrive)".to_owned()
+        }
+        RedriveResult::HeadersNotAMap => "kept: its stored headers are not a string map".to_owned(),
+        RedriveResult::HeadersTooLarge { bytes } => format!(
+            "kept: its headers with the redrive header would be {bytes} bytes, over the limit"
+        ),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Purges dead letters older than `older_than` (of `queue`, or all), as `outbox dlq purge`:
+/// the first `POST` answers a confirmation page; the one it sends (`confirm=yes`) deletes.
+pub(crate) async fn purge(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Form(f): Form<Fields>,
+) -> Response {
+    if let Some(r) = refused(&s, &base, &headers, &f) {
+        return r;
+    }
+    let fallback = base.to("/dead-letters");
+    let text = f.older_than.as_deref().unwrap_or("").trim().to_owned();
+    let age = match humantime::parse_duration(&text) {
+        Ok(d) => d,
+        Err(e) => {
+            return back(
+                &base,
+                &headers,
+                &fallback,
+                Outcome::Failed(format!("bad age {text:?} ({e}): e.g. 7d or 12h")),
+            )
+        }
+    };
+    let queue = f
+        .queue
+        .as_deref()
+        .map(str::trim)
+        .filter(|q| !q.is_empty())
+        .map(str::to_owned);
+    if let Some(q) = &queue {
+        if let Err(reason) = valid_name(q) {
+            return back(
+                &base,
+                &headers,
+                &fallback,
+                Outcome::Failed(format!("bad queue name: {reason}")),
+            );
+        }
+    }
+    let scope = match &queue {
+        Some(q) => format!("of queue {q}"),
+        None => "of every queue".to_owned(),
+    };
+    if f.confirm.as_deref() != Some("yes") {
+        let body = html! {
+            p { "Delete every dead letter " (scope) " that failed more than " (humantime::format_duration(age)) " ago, redriven or not? This cannot be undone." }
+            form.inline method="post" action=(base.to("/dead-letters/purge")) {
+                input type="hidden" name="csrf" value=(s.csrf);
+                input type="hidden" name="older_than" value=(text);
+                input type="hidden" name="queue" value=(queue.as_deref().unwrap_or(""));
+                input type="hidden" name="confirm" value="yes";
+                button.danger type="submit" { "Yes, purge" }
+            }
+            " "
+            a href=(fallback) { "No, go back" }
+        };
+        return layout::page(
+            &base,
+            &s,
+            "Purge dead letters?",
+            "dead-letters",
+            &Notice::default(),
+            false,
+            body,
+        )
+        .into_response();
+    }
+    let mut filter = DeadLetterFilter::new()
+        .older_than(age)
+        .include_redriven(true);
+    if let Some(q) = &queue {
+        filter = filter.queue(q);
+    }
+    let outcome = match s.outbox.purge_dead_letters(&s.pool, &filter, 1000).await {
+        Ok(n) => Outcome::Ok(format!(
+            "deleted {n} dead letter(s) {scope} older than {}",
+            humantime::format_duration(age)
+        )),
+        Err(e) => Outcome::Failed(e.to_string()),
+    };
+    back(&base, &HeaderMap::new(), &fallback, outcome)
+}

@@ -1,0 +1,174 @@
+//! How values are shown: times in UTC with a relative age, durations, counts, payloads and
+//! the sparkline. Pure functions; every string they return is escaped by the page that
+//! shows it.
+
+use std::fmt::Write as _;
+
+use chrono::{DateTime, Utc};
+use maud::{html, Markup};
+use outbox::stats::Count;
+
+/// `2026-12-05 02:03:04 UTC`.
+pub(crate) fn utc(t: DateTime<Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
+}
+
+/// `t` relative to `now`: "in 3 s", "12 min ago", "now".
+pub(crate) fn relative(t: DateTime<Utc>, now: DateTime<Utc>) -> String {
+    let ms = (t - now).num_milliseconds();
+    // To the nearest second: a deadline 4 min away, read a few ms later, is "in 4 min".
+    let secs = (ms.abs() + 500) / 1000;
+    if secs == 0 {
+        return "now".to_owned();
+    }
+    let span = span(secs);
+    if ms > 0 {
+        format!("in {span}")
+    } else {
+        format!("{span} ago")
+    }
+}
+
+/// A number of seconds in its largest whole unit: "3 s", "12 min", "5 h", "2 d".
+pub(crate) fn span(secs: i64) -> String {
+    match secs {
+        s if s < 60 => format!("{s} s"),
+        s if s < 3600 => format!("{} min", s / 60),
+        s if s < 86_400 => format!("{} h", s / 3600),
+        s => format!("{} d", s / 86_400),
+    }
+}
+
+/// Seconds with a unit fit for lateness: "0.25 s", "12 s", "3 min".
+pub(crate) fn seconds(s: f64) -> String {
+    if s < 10.0 {
+        format!("{s:.2} s")
+    } else {
+        span(s as i64)
+    }
+}
+
+/// A statistic: exact, "≈" estimated, or "–" unavailable.
+pub(crate) fn count(c: Count) -> String {
+    match (c.value(), c.is_exact()) {
+        (Some(v), true) => v.to_string(),
+        (Some(v), false) => format!("≈{v}"),
+        (None, _) => "–".to_owned(),
+    }
+}
+
+/// A payload as shown: pretty JSON when the bytes decode as JSON, else `None`.
+pub(crate) fn json(bytes: &[u8]) -> Option<String> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+    serde_json::to_string_pretty(&value).ok()
+}
+
+/// Bytes as a hex dump: 16 a line, offset, hex, printable ASCII.
+pub(crate) fn hex_dump(bytes: &[u8]) -> String {
+    let mut out = String::new();
+    for (i, chunk) in bytes.chunks(16).enumerate() {
+        let _ = write!(out, "{:08x}  ", i * 16);
+        for b in chunk {
+            let _ = write!(out, "{b:02x} ");
+        }
+        for _ in chunk.len()..16 {
+            out.push_str("   ");
+        }
+        out.push(' ');
+        out.extend(chunk.iter().map(|&b| {
+            if b.is_ascii_graphic() || b == b' ' {
+                char::from(b)
+            } else {
+                '.'
+            }
+        }));
+        out.push('\n');
+    }
+    out
+}
+
+/// A sparkline of `values` (oldest first) as inline SVG, `width`×`height` pixels, with a
+/// text alternative; `None` values are gaps. Fewer than two values draw a flat line.
+pub(crate) fn sparkline(values: &[Option<f64>], label: &str) -> Markup {
+    const W: f64 = 120.0;
+    const H: f64 = 24.0;
+    let known: Vec<f64> = values.iter().flatten().copied().collect();
+    let max = known.iter().copied().fold(0.0_f64, f64::max);
+    let min = known.iter().copied().fold(max, f64::min);
+    let range = if max > min { max - min } else { 1.0 };
+    let step = if values.len() > 1 {
+        W / (values.len() - 1) as f64
+    } else {
+        W
+    };
+    let mut points = String::new();
+    for (i, v) in values.iter().enumerate() {
+        if let Some(v) = v {
+            let x = i as f64 * step;
+            // A flat series is drawn across the middle, not along the bottom (which reads
+            // as zero).
+            let y = if max > min {
+                H - 2.0 - (v - min) / range * (H - 4.0)
+            } else {
+                H / 2.0
+            };
+            let _ = write!(points, "{x:.1},{y:.1} ");
+        }
+    }
+    if known.len() < 2 {
+        points = format!("0,{m:.1} {W:.1},{m:.1}", m = H / 2.0);
+    }
+    let alt = match known.last() {
+        Some(last) => format!("{label}: {} samples, last {last}, max {max}", known.len()),
+        None => format!("{label}: no samples yet"),
+    };
+    html! {
+        svg class="spark" width="120" height="24" viewBox="0 0 120 24" role="img" aria-label=(alt) {
+            title { (alt) }
+            polyline fill="none" stroke="currentColor" stroke-width="1.5" points=(points.trim_end()) {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(secs: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_800_000_000 + secs, 0).unwrap()
+    }
+
+    #[test]
+    fn relative_ages() {
+        assert_eq!(relative(t(3), t(0)), "in 3 s");
+        assert_eq!(relative(t(0), t(720)), "12 min ago");
+        assert_eq!(relative(t(0), t(0)), "now");
+        assert_eq!(relative(t(7200), t(0)), "in 2 h");
+        assert_eq!(relative(t(0), t(3 * 86_400)), "3 d ago");
+        assert_eq!(utc(t(0)), "2027-01-15 08:00:00 UTC");
+    }
+
+    #[test]
+    fn payloads_and_counts() {
+        assert_eq!(json(br#"{"a":1}"#).as_deref(), Some("{\n  \"a\": 1\n}"));
+        assert_eq!(json(b"\xff\x00"), None);
+        assert_eq!(
+            hex_dump(b"ab\x00"),
+            "00000000  61 62 00                                         ab.\n"
+        );
+        assert_eq!(count(Count::Exact(3)), "3");
+        assert_eq!(count(Count::Unavailable), "–");
+    }
+
+    #[test]
+    fn sparkline_scales_into_its_box_and_escapes_its_label() {
+        let svg = sparkline(&[Some(0.0), None, Some(10.0)], "<q>").into_string();
+        assert!(svg.contains(r#"points="0.0,22.0 120.0,2.0""#), "{svg}");
+        assert!(svg.contains("&lt;q&gt;"), "{svg}");
+        assert!(!svg.contains("<q>"), "{svg}");
+        let level = sparkline(&[Some(5.0), Some(5.0)], "q").into_string();
+        assert!(level.contains(r#"points="0.0,12.0 120.0,12.0""#), "{level}");
+        let flat = sparkline(&[], "q").into_string();
+        assert!(flat.contains("no samples yet"), "{flat}");
+    }
+}

@@ -1,0 +1,174 @@
+//! The dashboard's guards: the CSRF token and `Origin` check of every action, the security
+//! headers of every response, and the basic-auth layer of `outbox ui`.
+
+use axum::extract::Request;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use base64::Engine as _;
+
+/// Why an action was refused before it ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    ReadOnly,
+    Token,
+    Origin,
+}
+
+impl Refused {
+    pub(crate) fn text(self) -> &'static str {
+        match self {
+            Refused::ReadOnly => "this dashboard is read-only: actions are turned off",
+            Refused::Token => {
+                "the form's CSRF token is missing or stale: reload the page and try again"
+            }
+            Refused::Origin => "the request comes from another site (its Origin or Referer names another host than this dashboard)",
+        }
+    }
+}
+
+/// Checks an action: not read-only, the token equals `expected` (in constant time), and the
+/// `Origin` header (or, without one, the `Referer`) names the `Host` the request was sent to.
+pub(crate) fn check(
+    read_only: bool,
+    headers: &HeaderMap,
+    token: &str,
+    expected: &str,
+) -> Result<(), Refused> {
+    if read_only {
+        return Err(Refused::ReadOnly);
+    }
+    if !same_origin(headers) {
+        return Err(Refused::Origin);
+    }
+    if !constant_time_eq(token.as_bytes(), expected.as_bytes()) {
+        return Err(Refused::Token);
+    }
+    Ok(())
+}
+
+/// True when the `Origin` (or `Referer`) header, if any, has the request's `Host` as its
+/// authority. Browsers send `Origin` with every cross-origin `POST`; a request without both
+/// (a script, `curl`) is judged by its token alone. `Origin: null` (a sandboxed or
+/// privacy-redirected page) is refused.
+fn same_origin(headers: &HeaderMap) -> bool {
+    let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+    let source = headers
+        .get(header::ORIGIN)
+        .or_else(|| headers.get(header::REFERER));
+    let Some(source) = source else {
+        return true;
+    };
+    let (Some(host), Ok(source)) = (host, source.to_str()) else {
+        return false;
+    };
+    let authority = source
+        .strip_prefix("http://")
+        .or_else(|| source.strip_prefix("https://"))
+        .map(|rest| rest.split('/').next().unwrap_or(""));
+    authority.is_some_and(|a| a.eq_ignore_ascii_case(host))
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Headers on every response: a content security policy that allows only the dashboard's
+/// own script and style, no framing, no sniffing, no referrer to other sites, no caching.
+pub(crate) async fn headers(request: Request, next: Next) -> Response {
+    let mut response = next.run(request).await;
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
+             connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("same-origin"),
+    );
+    h.entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-store"));
+    response
+}
+
+/// `router` behind HTTP basic authentication: a request without the `Authorization:
+/// Basic` header of `user` and `password` is answered `401 Unauthorized` (with a
+/// `WWW-Authenticate` challenge, so a browser asks). The comparison takes the same time
+/// wherever the credentials differ. Basic auth sends the password with every request:
+/// serve it over TLS (a reverse proxy) anywhere but on the loopback interface.
+pub fn basic_auth(router: Router, user: &str, password: &str) -> Router {
+    let expected = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+    );
+    router.layer(axum::middleware::from_fn(
+        move |request: Request, next: Next| {
+            let expected = expected.clone();
+            async move {
+                let given = request
+                    .headers()
+                    .get(header::AUTHORIZATION)
+                    .map(HeaderValue::as_bytes)
+                    .unwrap_or_default();
+                if constant_time_eq(given, expected.as_bytes()) {
+                    next.run(request).await
+                } else {
+                    (
+                        StatusCode::UNAUTHORIZED,
+                        [(
+                            header::WWW_AUTHENTICATE,
+                            "Basic realm=\"outbox\", charset=\"UTF-8\"",
+                        )],
+                        "authentication required\n",
+                    )
+                        .into_response()
+                }
+            }
+        },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(header::HeaderName, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(k, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn an_action_needs_the_token_and_the_same_origin() {
+        let host = (header::HOST, "127.0.0.1:8080");
+        let ok = headers(&[host.clone(), (header::ORIGIN, "http://127.0.0.1:8080")]);
+        assert_eq!(check(false, &ok, "t0k", "t0k"), Ok(()));
+        assert_eq!(check(true, &ok, "t0k", "t0k"), Err(Refused::ReadOnly));
+        assert_eq!(check(false, &ok, "t0x", "t0k"), Err(Refused::Token));
+        assert_eq!(check(false, &ok, "", "t0k"), Err(Refused::Token));
+        let evil = headers(&[host.clone(), (header::ORIGIN, "http://evil.example")]);
+        assert_eq!(check(false, &evil, "t0k", "t0k"), Err(Refused::Origin));
+        let null = headers(&[host.clone(), (header::ORIGIN, "null")]);
+        assert_eq!(check(false, &null, "t0k", "t0k"), Err(Refused::Origin));
+        let prefix = headers(&[host.clone(), (header::ORIGIN, "http://127.0.0.1:80800")]);
+        assert_eq!(check(false, &prefix, "t0k", "t0k"), Err(Refused::Origin));
+        let referer = headers(&[
+            host.clone(),
+            (header::REFERER, "https://127.0.0.1:8080/outbox/"),
+        ]);
+        assert_eq!(check(false, &referer, "t0k", "t0k"), Ok(()));
+        let none = headers(&[host]);
+        assert_eq!(check(false, &none, "t0k", "t0k"), Ok(()));
+    }
+}

@@ -1,0 +1,209 @@
+//! The page shell (navigation, notices, the embedded style and script), the request's
+//! mount point, and the pieces every page uses: forms with the CSRF token, error pages.
+
+use axum::extract::{FromRequestParts, OriginalUri};
+use axum::http::request::Parts;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use maud::{html, Markup, DOCTYPE};
+use serde::Deserialize;
+
+use crate::state::Inner;
+
+const CSS: &str = include_str!("../assets/app.css");
+const JS: &str = include_str!("../assets/app.js");
+
+pub(crate) async fn css() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/css; charset=utf-8"),
+            (header::CACHE_CONTROL, "max-age=3600"),
+        ],
+        CSS,
+    )
+        .into_response()
+}
+
+pub(crate) async fn js() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/javascript; charset=utf-8"),
+            (header::CACHE_CONTROL, "max-age=3600"),
+        ],
+        JS,
+    )
+        .into_response()
+}
+
+/// Where the router is mounted (`/outbox`, or empty at the root), from the request's
+/// original path and the path the router saw.
+#[derive(Debug, Clone)]
+pub(crate) struct Base(pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for Base {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        let inner = parts.uri.path().to_owned();
+        let original = parts
+            .extensions
+            .get::<OriginalUri>()
+            .map_or_else(|| inner.clone(), |o| o.path().to_owned());
+        let base = match original.strip_suffix(inner.as_str()) {
+            Some(b) => b.to_owned(),
+            None => original.trim_end_matches('/').to_owned(),
+        };
+        Ok(Base(base.trim_end_matches('/').to_owned()))
+    }
+}
+
+impl Base {
+    /// `path` (starting with `/`) under the mount point. The root under a mount is the
+    /// mount itself (`/outbox`): a router nested by axum answers there, not at `/outbox/`.
+    pub(crate) fn to(&self, path: &str) -> String {
+        match (self.0.is_empty(), path) {
+            (false, "/") => self.0.clone(),
+            _ => format!("{}{path}", self.0),
+        }
+    }
+}
+
+/// A notice carried by the redirect after an action (`?ok=` or `?error=`): text only,
+/// escaped like every value.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct Notice {
+    pub ok: Option<String>,
+    pub error: Option<String>,
+}
+
+/// Percent-encodes `s` for a query value or a path segment.
+pub(crate) fn encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The page around `body`: the navigation (the current section marked), the notices, the
+/// style and the script. `refresh` asks the script to reload `main` every 5 s.
+pub(crate) fn page(
+    base: &Base,
+    inner: &Inner,
+    title: &str,
+    section: &str,
+    notice: &Notice,
+    refresh: bool,
+    body: Markup,
+) -> Markup {
+    let nav = [
+        ("queues", "/", "Queues"),
+        ("dead-letters", "/dead-letters", "Dead letters"),
+        ("schedules", "/schedules", "Schedules"),
+        ("schema", "/schema", "Schema"),
+    ];
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { (title) " · outbox" }
+                link rel="stylesheet" href=(base.to("/assets/app.css"));
+                script src=(base.to("/assets/app.js")) defer {}
+            }
+            body {
+                a.skip href="#main" { "Skip to content" }
+                header {
+                    nav aria-label="Sections" {
+                        span.brand { "outbox" }
+                        ul {
+                            @for (id, path, label) in nav {
+                                li {
+                                    @if id == section {
+                                        a href=(base.to(path)) aria-current="page" { (label) }
+                                    } @else {
+                                        a href=(base.to(path)) { (label) }
+                                    }
+                                }
+                            }
+                        }
+                        @if inner.read_only {
+                            span.badge title="Actions are turned off" { "read-only" }
+                        }
+                    }
+                }
+                main id="main" tabindex="-1" data-refresh=[refresh.then_some("5000")] {
+                    h1 { (title) }
+                    div role="status" aria-live="polite" {
+                        @if let Some(ok) = &notice.ok {
+                            p.notice.ok { (ok) }
+                        }
+                        @if let Some(error) = &notice.error {
+                            p.notice.error { (error) }
+                        }
+                    }
+                    (body)
+                }
+            }
+        }
+    }
+}
+
+/// A `POST` form to `action` with the CSRF token, `fields` as hidden inputs and one
+/// button; nothing in read-only mode. `confirm` adds the `data-confirm` text the script
+/// asks about (without script the action runs as a plain form).
+pub(crate) fn button(
+    inner: &Inner,
+    action: &str,
+    fields: &[(&str, &str)],
+    label: &str,
+    class: &str,
+) -> Markup {
+    if inner.read_only {
+        return html! {};
+    }
+    html! {
+        form.inline method="post" action=(action) {
+            input type="hidden" name="csrf" value=(inner.csrf);
+            @for (name, value) in fields {
+                input type="hidden" name=(name) value=(value);
+            }
+            button type="submit" class=(class) { (label) }
+        }
+    }
+}
+
+/// An error page: `status`, a title and the reason, escaped.
+pub(crate) fn error(
+    base: &Base,
+    inner: &Inner,
+    status: StatusCode,
+    title: &str,
+    reason: &str,
+) -> Response {
+    let body = html! {
+        p.notice.error { (reason) }
+        p { a href=(base.to("/")) { "Back to the queues" } }
+    };
+    (
+        status,
+        page(base, inner, title, "", &Notice::default(), false, body),
+    )
+        .into_response()
+}
+
+/// The page for a failed database read or library call.
+pub(crate) fn failed(base: &Base, inner: &Inner, e: &dyn std::fmt::Display) -> Response {
+    error(
+        base,
+        inner,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "Error",
+        &e.to_string(),
+    )
+}

@@ -1,0 +1,208 @@
+//! A web dashboard for [`outbox`] queues: server-rendered pages for operators, as an axum
+//! [`Router`] that an application nests under a path of its own, and served
+//! by `outbox ui` (the `outbox-cli` crate).
+//!
+//! ```no_run
+//! # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! let outbox = outbox::Outbox::builder().dead_letter(true).build()?;
+//! let dashboard = outbox_ui::Dashboard::new(outbox, pool)?;
+//! let app: axum::Router = axum::Router::new()
+//!     // .route("/", …) the application's own routes
+//!     .nest("/outbox", dashboard.router());
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! axum::serve(listener, app).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Pages
+//!
+//! | path (under the mount) | what |
+//! |---|---|
+//! | `/` | every queue: pending, due, leased, expired leases, lateness, rearms, paused, dead letters, a sparkline; refreshed every 5 s by a small script |
+//! | `/queues/{queue}` | its live rows by deadline, 50 a page (keyset), filtered by state, searched by id or timer id |
+//! | `/rows/{id}` | one live row: payload (JSON when it decodes, bytes otherwise), headers, deadlines, counters, queued rearm, cancel mark, lease |
+//! | `/dead-letters` | dead letters by id, filtered by queue, reason and redrive state; redrive and purge |
+//! | `/schedules` | periodic schedules (keyed `schedule:<name>`): recurrence, next instant, last run |
+//! | `/schema` | the schema check and the migration steps not applied yet |
+//!
+//! # Safety
+//!
+//! Every value read from the database is escaped (the pages are built with [`maud`], which
+//! escapes every interpolated value). A state-changing request is a `POST` that carries the
+//! dashboard's CSRF token (a random value made by [`Dashboard::new`], embedded in its
+//! forms) and, when the browser sends an `Origin` (or else a `Referer`) header, comes from
+//! the same host as the `Host` header; anything else is answered `403 Forbidden` and
+//! changes nothing. Actions on one row use the library's own statements, which never move
+//! or delete a row a worker holds ([`outbox::admin::RowAction::Leased`]); the dashboard
+//! offers no action on a leased row at all. [`Dashboard::read_only`] removes every action:
+//! no form is rendered and every `POST` is refused.
+//!
+//! The router authenticates nobody: nest it behind the application's own authentication
+//! (a middleware on the nested router, see the guide's dashboard page), or use
+//! [`basic_auth`] (what `outbox ui --basic-auth` does).
+//!
+//! # Cost
+//!
+//! Every statement reaches its table through an index. The queue statistics use
+//! [`StatsMode::Exact`](outbox::stats::StatsMode::Exact) while the queue and dead-letter
+//! tables are small (under [`EXACT_STATS_MAX_BYTES`] each) and
+//! [`StatsMode::Estimate`](outbox::stats::StatsMode::Estimate) above; the due count is
+//! exact up to [`DUE_COUNT_CAP`] and shown as "more than" beyond.
+
+#![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod actions;
+mod format;
+mod guard;
+mod history;
+mod layout;
+mod limits;
+mod pages;
+mod sql;
+mod state;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::{get, post};
+use axum::Router;
+use outbox::Outbox;
+use sqlx::PgPool;
+
+pub use crate::guard::basic_auth;
+pub use crate::limits::{DUE_COUNT_CAP, EXACT_STATS_MAX_BYTES, MAX_PAGE_SIZE};
+use crate::state::{Inner, State};
+
+/// Why a [`Dashboard`] could not be built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum UiError {
+    /// The `Outbox` is distributed (`OutboxBuilder::distributed`): its indexes lead with the
+    /// bucket, and the dashboard's statements are written for a single node.
+    #[error("the dashboard does not support a distributed outbox (Citus) yet")]
+    Distributed,
+    /// A setting is out of its range.
+    #[error("invalid dashboard setting {field}: {reason}")]
+    InvalidSetting {
+        /// The setting.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The dashboard: an [`Outbox`] and the pool it reads with, and its settings. Build it
+/// with [`Dashboard::new`], then [`Dashboard::router`].
+#[derive(Debug)]
+pub struct Dashboard {
+    outbox: Outbox,
+    pool: PgPool,
+    read_only: bool,
+    lease_ttl: Duration,
+    page_size: usize,
+}
+
+impl Dashboard {
+    /// A dashboard over `outbox`'s tables, read and written through `pool` (the
+    /// application's pool; the dashboard holds one connection per request while it runs).
+    /// Actions are on; the lease TTL used to call a lease expired is 60 s (the worker's
+    /// default); 50 rows a page.
+    ///
+    /// # Errors
+    /// [`UiError::Distributed`] for a distributed `Outbox`.
+    pub fn new(outbox: Outbox, pool: PgPool) -> Result<Self, UiError> {
+        if outbox.buckets().is_some() {
+            return Err(UiError::Distributed);
+        }
+        Ok(Dashboard {
+            outbox,
+            pool,
+            read_only: false,
+            lease_ttl: Duration::from_secs(60),
+            page_size: 50,
+        })
+    }
+
+    /// Read-only: no action is rendered and every `POST` is answered `403 Forbidden`.
+    pub fn read_only(mut self, on: bool) -> Self {
+        self.read_only = on;
+        self
+    }
+
+    /// The lease TTL of the workers (their `WorkerBuilder::lease_ttl`): a leased row older
+    /// than this is shown as an expired lease.
+    ///
+    /// # Errors
+    /// [`UiError::InvalidSetting`] for a zero duration.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Result<Self, UiError> {
+        if ttl.is_zero() {
+            return Err(UiError::InvalidSetting {
+                field: "lease_ttl",
+                reason: "must be more than zero".to_owned(),
+            });
+        }
+        self.lease_ttl = ttl;
+        Ok(self)
+    }
+
+    /// Rows (or dead letters) per page, 1 to [`MAX_PAGE_SIZE`].
+    ///
+    /// # Errors
+    /// [`UiError::InvalidSetting`] outside that range.
+    pub fn page_size(mut self, rows: usize) -> Result<Self, UiError> {
+        if !(1..=MAX_PAGE_SIZE).contains(&rows) {
+            return Err(UiError::InvalidSetting {
+                field: "page_size",
+                reason: format!("must be 1 to {MAX_PAGE_SIZE}, not {rows}"),
+            });
+        }
+        self.page_size = rows;
+        Ok(self)
+    }
+
+    /// The router: every page, action and embedded asset, with paths relative to where it
+    /// is nested (links are built from the request's original path, so `nest("/outbox",
+    /// …)` and serving it at `/` both work).
+    pub fn router(self) -> Router {
+        let state: State = Arc::new(Inner::new(
+            self.outbox,
+            self.pool,
+            self.read_only,
+            self.lease_ttl,
+            self.page_size,
+        ));
+        Router::new()
+            .route("/", get(pages::queues::page))
+            .route("/queues/{queue}", get(pages::queue::page))
+            .route("/rows/{id}", get(pages::row::page))
+            .route("/dead-letters", get(pages::dead_letters::page))
+            .route("/schedules", get(pages::schedules::page))
+            .route("/schema", get(pages::schema::page))
+            .route("/assets/app.css", get(layout::css))
+            .route("/assets/app.js", get(layout::js))
+            .route("/queues/{queue}/pause", post(actions::pause))
+            .route("/queues/{queue}/resume", post(actions::resume))
+            .route("/queues/{queue}/cancel", post(actions::cancel))
+            .route("/rows/{id}/run-now", post(actions::run_now))
+            .route("/rows/{id}/reschedule", post(actions::reschedule))
+            .route("/rows/{id}/delete", post(actions::delete))
+            .route("/dead-letters/redrive", post(actions::redrive))
+            .route("/dead-letters/purge", post(actions::purge))
+            .layer(axum::middleware::from_fn(guard::headers))
+            .with_state(state)
+    }
+}
+
+// The crate's README (crates.io's page): its Rust block is a doc test too.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
+// The guide's dashboard page: its Rust blocks are doc tests of this crate (cfg(doctest)
+// only, so a packaged build never reads a file outside the crate).
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/dashboard.md")]
+struct GuideDashboardDoctests;

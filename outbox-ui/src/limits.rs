@@ -1,0 +1,13 @@
+//! The dashboard's fixed bounds, public through the crate root. A leaf.
+
+/// A queue or dead-letter table smaller than this (bytes, `pg_total_relation_size`) is
+/// counted exactly on the queues page; a larger one is estimated from the planner's
+/// statistics, so the page does not scan a large backlog.
+pub const EXACT_STATS_MAX_BYTES: i64 = 16 * 1024 * 1024;
+
+/// The due rows of a queue are counted up to this many; above, the page shows "more than".
+pub const DUE_COUNT_CAP: i64 = 1_000;
+
+/// The largest page of rows or dead letters
+/// [`Dashboard::page_size`](crate::Dashboard::page_size) accepts.
+pub const MAX_PAGE_SIZE: usize = 500;

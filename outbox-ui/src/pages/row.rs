@@ -1,0 +1,156 @@
+//! `/rows/{id}`: one live row, every column, and the actions a pending row allows.
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use maud::{html, Markup};
+
+use crate::format;
+use crate::layout::{self, encode, Base, Notice};
+use crate::pages::queue::when;
+use crate::sql;
+use crate::state::State as Shared;
+
+pub(crate) async fn page(
+    State(s): State<Shared>,
+    base: Base,
+    Path(id): Path<String>,
+    Query(notice): Query<Notice>,
+) -> Response {
+    let Some(id) = id.parse::<i64>().ok().filter(|id| *id > 0) else {
+        return layout::error(
+            &base,
+            &s,
+            StatusCode::BAD_REQUEST,
+            "Bad request",
+            &format!("bad row id {id:?}: row ids are positive integers"),
+        );
+    };
+    let row = match s.pool.acquire().await {
+        Ok(mut conn) => sql::row(&s.sql, &s.outbox, &mut conn, id).await,
+        Err(e) => Err(e),
+    };
+    let r = match row {
+        Ok(Some(r)) => r,
+        Ok(None) => {
+            let mut n = notice;
+            n.error.get_or_insert_with(|| {
+                format!("no live row has id {id}: it completed, was cancelled, deleted or dead-lettered, or never existed")
+            });
+            let body = html! { p { a href=(base.to("/")) { "Back to the queues" } } };
+            return (
+                StatusCode::NOT_FOUND,
+                layout::page(&base, &s, &format!("Row {id}"), "queues", &n, false, body),
+            )
+                .into_response();
+        }
+        Err(e) => return layout::failed(&base, &s, &e),
+    };
+    let now = r.now;
+    let queue_url = base.to(&format!("/queues/{}", encode(&r.queue)));
+    let act = |what: &str| base.to(&format!("/rows/{id}/{what}"));
+    let body = html! {
+        p { a href=(queue_url) { "Queue " (r.queue) } }
+        dl.facts {
+            dt { "Queue" } dd { (r.queue) }
+            dt { "Timer id" } dd { (r.timer_id.as_deref().unwrap_or("– (not keyed)")) }
+            dt { "State" } dd {
+                @match (&r.acquired_at, &r.acquired_token) {
+                    (Some(at), Some(token)) => {
+                        "leased by lease token " code { (token) } ", claimed " (when(*at, now))
+                        " (lease age " (format::span((now - *at).num_seconds())) ")"
+                    }
+                    _ => @if r.next_attempt_at <= now { "due (pending)" } @else { "pending" },
+                }
+            }
+            dt { "Deadline" } dd { (when(r.next_attempt_at, now)) }
+            dt { "Created" } dd { (when(r.created_at, now)) }
+            dt { "First attempt" } dd { (opt(r.first_attempt_at, now)) }
+            dt { "Last attempt" } dd { (opt(r.last_attempt_at, now)) }
+            dt { "Attempts" } dd { (r.attempts) }
+            dt { "Deliveries" } dd { (r.deliveries) }
+            dt { "Queued rearm" } dd { (opt(r.rearm_at, now)) }
+            dt { "Cancel mark" } dd { (opt(r.cancelled_at, now)) }
+        }
+        h2 { "Payload (" (r.payload.len()) " bytes)" }
+        (payload(&r.payload))
+        h2 { "Headers" }
+        (headers(r.headers.as_ref()))
+        @if r.rearm_at.is_some() {
+            h2 { "Queued rearm's payload" }
+            @match &r.rearm_payload { Some(p) => (payload(p)), None => p { "– (the row's own)" } }
+            h2 { "Queued rearm's headers" }
+            (headers(r.rearm_headers.as_ref()))
+        }
+        @if !s.read_only {
+            h2 { "Actions" }
+            @if r.acquired_at.is_some() {
+                p { "A worker holds this row: no action until its run ends or its lease expires." }
+            } @else {
+                div.bar {
+                    (layout::button(&s, &act("run-now"), &[], "Run now", ""))
+                    (layout::button(&s, &act("delete"), &[], "Delete row", "danger"))
+                    @if let Some(timer) = &r.timer_id {
+                        (layout::button(&s, &base.to(&format!("/queues/{}/cancel", encode(&r.queue))), &[("timer_id", timer)], "Cancel timer", "danger"))
+                    }
+                }
+                form.filters method="post" action=(act("reschedule")) {
+                    input type="hidden" name="csrf" value=(s.csrf);
+                    label { "Due in (e.g. 30s, 5m, 2h)" input type="text" name="in" required; }
+                    button type="submit" { "Reschedule" }
+                }
+            }
+        }
+    };
+    layout::page(
+        &base,
+        &s,
+        &format!("Row {}", r.id),
+        "queues",
+        &notice,
+        false,
+        body,
+    )
+    .into_response()
+}
+
+fn opt(t: Option<chrono::DateTime<chrono::Utc>>, now: chrono::DateTime<chrono::Utc>) -> Markup {
+    match t {
+        Some(t) => when(t, now),
+        None => html! { "–" },
+    }
+}
+
+/// JSON when the bytes decode as JSON, else a hex dump; escaped either way.
+pub(crate) fn payload(bytes: &[u8]) -> Markup {
+    match format::json(bytes) {
+        Some(text) => html! { pre.payload data-format="json" { (text) } },
+        None => html! {
+            p.muted { "Not JSON: the raw bytes." }
+            pre.payload data-format="bytes" { (format::hex_dump(bytes)) }
+        },
+    }
+}
+
+pub(crate) fn headers(h: Option<&serde_json::Value>) -> Markup {
+    match h.and_then(|v| v.as_object()) {
+        Some(map) if !map.is_empty() => html! {
+            table.headers {
+                thead { tr { th scope="col" { "Name" } th scope="col" { "Value" } } }
+                tbody {
+                    @for (k, v) in map {
+                        tr {
+                            th scope="row" { code { (k) } }
+                            td { code { (v.as_str().map_or_else(|| v.to_string(), str::to_owned)) } }
+                        }
+                    }
+                }
+            }
+        },
+        Some(_) => html! { p { "None." } },
+        None => match h {
+            None | Some(serde_json::Value::Null) => html! { p { "None." } },
+            Some(other) => html! { pre { (other.to_string()) } },
+        },
+    }
+}
