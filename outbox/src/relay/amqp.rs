@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind};
 use tokio::sync::Mutex;
 
 use super::{BrokerMessage, Sink, SinkError};
@@ -66,9 +67,12 @@ impl std::fmt::Debug for AmqpSink {
 /// `rustls` or `native-tls` feature, enabled on your own `lapin` dependency.
 ///
 /// What counts as the message's fault ([`SinkError::Rejected`]): a `basic.return` (no
-/// queue bound for its routing key, with `mandatory`), a nack, a routing header missing.
-/// A connection that cannot be opened or is lost, a closed channel (the exchange does not
-/// exist) and a confirm that does not come are [`SinkError::Unavailable`].
+/// queue bound for its routing key, with `mandatory`), a nack, a routing header missing,
+/// and a channel the broker closes because of the message (406 `PRECONDITION_FAILED`, as
+/// for a message larger than its `max_message_size`, or 311 `CONTENT_TOO_LARGE`). A
+/// connection that cannot be opened or is lost, a channel closed for another reason (the
+/// exchange does not exist) and a confirm that does not come are
+/// [`SinkError::Unavailable`].
 pub fn amqp(uri: impl Into<String>, exchange: impl Into<String>) -> AmqpSink {
     AmqpSink {
         uri: uri.into(),
@@ -156,6 +160,20 @@ impl AmqpSink {
     }
 }
 
+/// Whether the broker closed the channel because of the message just published: 406
+/// `PRECONDITION_FAILED` (RabbitMQ's answer to a message above `max_message_size`) or 311
+/// `CONTENT_TOO_LARGE`. Counted as an outage, such a message was given back and tried again
+/// forever, and its queue relayed nothing else (found by a fresh user).
+fn refused_message(e: &lapin::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::ProtocolError(amqp) if matches!(
+            amqp.kind(),
+            AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED | AMQPSoftError::CONTENTTOOLARGE)
+        )
+    )
+}
+
 impl Sink for AmqpSink {
     fn publish(&self, message: BrokerMessage) -> BoxFuture<'static, Result<(), SinkError>> {
         let me = self.clone();
@@ -204,6 +222,9 @@ impl Sink for AmqpSink {
                 Ok(confirm) => confirm,
                 Err(e) => {
                     me.discard(&channel).await;
+                    if refused_message(&e) {
+                        return Err(SinkError::Rejected(format!("refused by the broker: {e}")));
+                    }
                     return Err(SinkError::Unavailable(format!("basic.publish failed: {e}")));
                 }
             };
@@ -226,6 +247,9 @@ impl Sink for AmqpSink {
                 }
                 Err(e) => {
                     me.discard(&channel).await;
+                    if refused_message(&e) {
+                        return Err(SinkError::Rejected(format!("refused by the broker: {e}")));
+                    }
                     Err(SinkError::Unavailable(format!("no confirm: {e}")))
                 }
             }

@@ -119,8 +119,9 @@ pub struct NatsSink {
 ///
 /// What counts as the message's fault ([`SinkError::Rejected`]): a message larger than
 /// the server's `max_payload`, one the stream refuses for its size (`max_msg_size`), a
-/// failed expectation on the last message, a header name NATS cannot carry, a subject
-/// header missing. Everything else (no stream, a timeout, a lost connection, a stream
+/// failed expectation on the last message, a header name NATS cannot carry, a header value
+/// with a line break, a row header in JetStream's own `Nats-*` namespace, a subject header
+/// missing. Everything else (no stream, a timeout, a lost connection, a stream
 /// that does not match [`NatsSink::expected_stream`]) is [`SinkError::Unavailable`].
 pub fn nats(jetstream: async_nats::jetstream::Context, subject: Subject) -> NatsSink {
     NatsSink {
@@ -178,6 +179,20 @@ impl Sink for NatsSink {
             let subject = subject.map_err(SinkError::Rejected)?;
             let mut headers = HeaderMap::new();
             for (name, value) in &message.headers {
+                // JetStream reads `Nats-*` headers as instructions (expected stream, last
+                // sequence, rollup, TTL …): a row must not steer the stream, and such a
+                // header's failure would look like an outage and hold the row for ever.
+                if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") {
+                    return Err(SinkError::Rejected(format!(
+                        "header `{name}` is a JetStream control header (`Nats-*`); the relay sets `Nats-Msg-Id` itself"
+                    )));
+                }
+                // async-nats would turn a line break into a space: refuse rather than alter.
+                if value.contains(['\r', '\n']) {
+                    return Err(SinkError::Rejected(format!(
+                        "header `{name}` holds a line break, which a NATS header cannot carry"
+                    )));
+                }
                 let name: async_nats::HeaderName = name.parse().map_err(|_| {
                     SinkError::Rejected(format!("header name `{name}` cannot be a NATS header"))
                 })?;

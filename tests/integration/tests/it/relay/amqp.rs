@@ -172,6 +172,56 @@ async fn an_unroutable_message_with_mandatory_is_retried_then_dead_lettered() {
     teardown(&channel, &exchange, &queue, f).await;
 }
 
+/// A message above RabbitMQ's `max_message_size` (128 MiB by default) makes the broker close
+/// the channel with 406 PRECONDITION_FAILED. That is the message's fault: it is retried and
+/// dead-lettered, and the queue's other rows flow. (Found by a fresh user: it counted as an
+/// outage, the row went back untouched for ever and the queue relayed nothing else.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_above_the_brokers_size_limit_is_dead_lettered_and_the_queue_flows() {
+    let f = Fixture::new().await;
+    let (_conn, channel, exchange, queue) = setup("orders").await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {} (queue, payload) VALUES ('orders', convert_to(repeat('y', 134217729 + 1024), 'UTF8'))",
+        f.outbox.table()
+    )))
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    publish(&f, "orders", 3, &headers(&[])).await;
+    let running = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(relay::amqp(amqp_url(), exchange.clone()).routing_key(RoutingKey::Queue))
+                .retry(RetryStrategy::constant(Duration::from_millis(50)).max_attempts(2)),
+        )
+        .build()
+        .unwrap()
+        .start();
+    eventually(60, "every row done", || async {
+        f.rows("orders").await.is_empty()
+    })
+    .await;
+    running.shutdown().await;
+    let dead = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("orders"), None, 10)
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 1, "the big one only");
+    assert_eq!(dead[0].failure_reason, "retry_exhausted");
+    let reason = dead[0].last_error.as_deref().unwrap_or_default();
+    assert!(
+        reason.contains("PRECONDITION"),
+        "the broker's reason: {reason}"
+    );
+    assert_eq!(
+        drain(&channel, &queue).await.len(),
+        3,
+        "the small ones arrived"
+    );
+    teardown(&channel, &exchange, &queue, f).await;
+}
+
 /// Publishes through AMQP, counts the confirms, and then never returns: a relay that
 /// "dies" after the confirm and before its ack.
 struct DiesAfterConfirm {

@@ -415,6 +415,65 @@ async fn a_message_the_stream_refuses_is_retried_then_dead_lettered_with_the_rea
     cleanup(&js, &name, f).await;
 }
 
+/// A row's headers cannot steer JetStream (`Nats-*`) nor lose a line break on the way: such
+/// a message is the row's fault, dead-lettered with the reason, and the others flow. (Found
+/// by a fresh user: a row header `Nats-Expected-Stream` failed every publish as an outage,
+/// and `a\nb` arrived as `a b`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_headers_and_line_breaks_in_a_rows_headers_are_refused() {
+    let f = Fixture::new().await;
+    let js = jetstream().await;
+    let (name, subject) = stream(&js, |_| {}).await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    for (payload, hs) in [
+        (&b"steer"[..], headers(&[("Nats-Expected-Stream", "NOPE")])),
+        (&b"lines"[..], headers(&[("multi", "line1\nline2")])),
+        (&b"fine"[..], headers(&[("k", "v")])),
+    ] {
+        f.outbox
+            .publish(
+                &mut conn,
+                outbox::Message::new("orders", payload).headers(&hs),
+            )
+            .await
+            .unwrap();
+    }
+    drop(conn);
+    let running = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(relay::nats(
+                js.clone(),
+                Subject::fixed(format!("{subject}.orders")),
+            ))
+            .retry(RetryStrategy::constant(Duration::from_millis(50)).max_attempts(2)),
+        )
+        .build()
+        .unwrap()
+        .start();
+    eventually(15, "every row done", || async {
+        f.rows("orders").await.is_empty()
+    })
+    .await;
+    running.shutdown().await;
+    let mut dead = f
+        .store
+        .dead_letters(&DeadLetterFilter::new().queue("orders"), None, 10)
+        .await
+        .unwrap();
+    dead.sort_by(|a, b| a.payload.cmp(&b.payload));
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    let reason = |i: usize| dead[i].last_error.clone().unwrap_or_default();
+    assert_eq!(dead[0].payload, b"lines");
+    assert!(reason(0).contains("line break"), "{}", reason(0));
+    assert_eq!(dead[1].payload, b"steer");
+    assert!(reason(1).contains("control header"), "{}", reason(1));
+    let got = read_all(&js, &name).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].payload.as_ref(), b"fine");
+    cleanup(&js, &name, f).await;
+}
+
 #[tokio::test]
 async fn bad_relay_settings_are_refused_by_build_before_any_broker_call() {
     let f = Fixture::new().await;
