@@ -365,6 +365,25 @@ pub(crate) async fn run(
 /// over a single-node table failed on its first index (`column "bucket" does not exist`),
 /// and a single-node one over a distributed table said it was up to date.
 async fn refuse_other_layout(n: &Names, pool: &PgPool, facts: &Facts) -> Result<()> {
+    if let (Some(b), None) = (n.buckets, facts.queue.oid) {
+        // Distributed mode on a database without Citus: said before anything is created
+        // (it used to fail on `pg_dist_partition` with a "not migrated" error, leaving the
+        // table of applied steps behind).
+        let mut conn = acquire(pool).await?;
+        let citus: bool = sqlx::query_scalar(catalog::CITUS_INSTALLED)
+            .fetch_one(&mut *conn)
+            .await
+            .outbox_sql()?;
+        if !citus {
+            return Err(Error::InvalidConfig {
+                knob: "distributed",
+                reason: format!(
+                    "distributed({}) needs the Citus extension in this database (CREATE EXTENSION citus, on the coordinator of a Citus cluster); build the outbox without `distributed` for a single Postgres",
+                    b.count()
+                ),
+            });
+        }
+    }
     if facts.queue.oid.is_none() {
         return Ok(());
     }
