@@ -974,6 +974,57 @@ async fn citus_commands_against_a_coordinator() {
     ))
     .await;
 }
+/// Without basic auth, a loopback dashboard answers only requests addressed to a loopback
+/// name: a page of another site that points its own name at 127.0.0.1 (DNS rebinding)
+/// gets `421`, not the page and its form token. (Found by a fresh user: `Host: evil.com`
+/// was served, and a POST with `Origin: http://evil.com` paused a queue.)
+#[tokio::test]
+async fn ui_on_loopback_without_auth_refuses_other_host_names() {
+    let t = Tables::new().await;
+    let mut child = outbox_cmd()
+        .args(["--table", &t.name, "ui", "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let addr = first
+        .strip_prefix("outbox ui: http://")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("the first line names the address: {first:?}"))
+        .to_owned();
+    let port = addr.rsplit(':').next().unwrap().to_owned();
+    let get = |host: &str| {
+        http(
+            &addr,
+            &format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"),
+        )
+    };
+    for host in [format!("evil.example:{port}"), "evil.example".to_owned()] {
+        let refused = get(&host);
+        assert!(refused.starts_with("HTTP/1.1 421"), "{host}: {refused}");
+        assert!(!refused.contains("csrf"), "{refused}");
+    }
+    for host in [
+        format!("127.0.0.1:{port}"),
+        format!("localhost:{port}"),
+        format!("LOCALHOST:{port}"),
+    ] {
+        let page = get(&host);
+        assert!(page.starts_with("HTTP/1.1 200"), "{host}: {page}");
+    }
+    let post = http(
+        &addr,
+        &format!("POST /queues/x/pause HTTP/1.1\r\nHost: evil.example:{port}\r\nOrigin: http://evil.example:{port}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 6\r\nConnection: close\r\n\r\ncsrf=x"),
+    );
+    assert!(post.starts_with("HTTP/1.1 421"), "{post}");
+    child.kill().unwrap();
+    let _ = child.wait();
+    t.cleanup().await;
+}
 
 /// One HTTP/1.1 request over a plain socket; the whole response as text.
 fn http(addr: &str, request: &str) -> String {
