@@ -68,8 +68,8 @@ impl std::fmt::Debug for AmqpSink {
 ///
 /// What counts as the message's fault ([`SinkError::Rejected`]): a `basic.return` (no
 /// queue bound for its routing key, with `mandatory`), a nack, a routing header missing,
-/// and a channel the broker closes because of the message (406 `PRECONDITION_FAILED`, as
-/// for a message larger than its `max_message_size`, or 311 `CONTENT_TOO_LARGE`). A
+/// and a channel the broker closes because of the message (406 `PRECONDITION_FAILED` for
+/// a message larger than its `max_message_size`, naming this message's size). A
 /// connection that cannot be opened or is lost, a channel closed for another reason (the
 /// exchange does not exist) and a confirm that does not come are
 /// [`SinkError::Unavailable`].
@@ -160,18 +160,24 @@ impl AmqpSink {
     }
 }
 
-/// Whether the broker closed the channel because of the message just published: 406
-/// `PRECONDITION_FAILED` (RabbitMQ's answer to a message above `max_message_size`) or 311
-/// `CONTENT_TOO_LARGE`. Counted as an outage, such a message was given back and tried again
-/// forever, and its queue relayed nothing else (found by a fresh user).
-fn refused_message(e: &lapin::Error) -> bool {
+/// Whether the broker closed the channel because of this message: 406
+/// `PRECONDITION_FAILED` "message size N is larger than configured max size M" with N this
+/// message's body size (RabbitMQ's answer to a message above `max_message_size`). Counted
+/// as an outage, such a message was given back and tried again forever, and its queue
+/// relayed nothing else (found by a fresh user). The other messages in flight on the
+/// channel fail with the same close, naming another size: for them it stays an outage
+/// (given back uncounted, sent again on a new channel).
+fn refused_message(e: &lapin::Error, body: usize) -> bool {
+    let ErrorKind::ProtocolError(amqp) = e.kind() else {
+        return false;
+    };
     matches!(
-        e.kind(),
-        ErrorKind::ProtocolError(amqp) if matches!(
-            amqp.kind(),
-            AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED | AMQPSoftError::CONTENTTOOLARGE)
-        )
-    )
+        amqp.kind(),
+        AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)
+    ) && amqp
+        .get_message()
+        .as_str()
+        .contains(&format!("message size {body} "))
 }
 
 impl Sink for AmqpSink {
@@ -179,6 +185,7 @@ impl Sink for AmqpSink {
         let me = self.clone();
         Box::pin(async move {
             let key = me.key(&message).map_err(SinkError::Rejected)?;
+            let body = message.payload.len();
             if key.len() > 255 {
                 return Err(SinkError::Rejected(format!(
                     "the routing key is {} bytes; AMQP allows 255",
@@ -222,7 +229,7 @@ impl Sink for AmqpSink {
                 Ok(confirm) => confirm,
                 Err(e) => {
                     me.discard(&channel).await;
-                    if refused_message(&e) {
+                    if refused_message(&e, body) {
                         return Err(SinkError::Rejected(format!("refused by the broker: {e}")));
                     }
                     return Err(SinkError::Unavailable(format!("basic.publish failed: {e}")));
@@ -247,7 +254,7 @@ impl Sink for AmqpSink {
                 }
                 Err(e) => {
                     me.discard(&channel).await;
-                    if refused_message(&e) {
+                    if refused_message(&e, body) {
                         return Err(SinkError::Rejected(format!("refused by the broker: {e}")));
                     }
                     Err(SinkError::Unavailable(format!("no confirm: {e}")))
