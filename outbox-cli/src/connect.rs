@@ -86,10 +86,13 @@ pub struct Target {
     pub dead_letter_table: Option<String>,
     /// The command ran with the dead-letter table on (`--dead-letter`, or a `dlq` command).
     pub dead_letter: bool,
+    /// `--distributed`, when given: advice without it would run on the single-node layout
+    /// and be refused.
+    pub distributed: Option<u16>,
 }
 
 impl Target {
-    /// `outbox [--schema S] [--table T] [--dead-letter-table D] <sub>[ --dead-letter]`.
+    /// `outbox [--schema S] [--table T] [--dead-letter-table D] [--distributed N] <sub>[ --dead-letter]`.
     pub fn command(&self, sub: &str) -> String {
         let mut c = "outbox".to_owned();
         for (flag, value) in [
@@ -100,6 +103,9 @@ impl Target {
             if let Some(v) = value {
                 let _ = write!(c, " {flag} {}", shell_word(v));
             }
+        }
+        if let Some(n) = self.distributed {
+            let _ = write!(c, " --distributed {n}");
         }
         let _ = write!(c, " {sub}");
         if self.dead_letter {
@@ -362,10 +368,19 @@ mod tests {
             table: Some("t".into()),
             dead_letter_table: None,
             dead_letter: true,
+            distributed: None,
         };
         assert_eq!(
             t.migrate(),
             "outbox --schema s --table t migrate --dead-letter"
+        );
+        let citus = Target {
+            distributed: Some(32),
+            ..t.clone()
+        };
+        assert_eq!(
+            citus.migrate(),
+            "outbox --schema s --table t --distributed 32 migrate --dead-letter"
         );
         let e = Error::UpgradeRequired {
             detail: "column \"redriven_at\" does not exist".into(),

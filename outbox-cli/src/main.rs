@@ -69,6 +69,7 @@ fn target(cli: &Cli) -> Target {
         table: (g.table != "outbox").then(|| g.table.clone()),
         dead_letter_table: g.dead_letter_table.clone(),
         dead_letter: dead_letter(cli),
+        distributed: g.distributed,
     }
 }
 
