@@ -99,7 +99,7 @@ async fn problems(
     db: &mut PgConnection,
 ) -> Result<Vec<SchemaProblem>> {
     let mut problems = Vec::new();
-    let table_exists = check_columns(
+    let queue_columns = check_columns(
         &mut *db,
         scope,
         &n.qtable,
@@ -109,9 +109,18 @@ async fn problems(
         &mut problems,
     )
     .await?;
-    if table_exists {
+    if let Some(columns) = queue_columns {
         if let Some(buckets) = n.buckets {
             check_distribution(&mut *db, scope, n, buckets.count(), &mut problems).await?;
+        } else if columns.iter().any(|c| c == "bucket") {
+            // §13 (v3): a single-node outbox over the distributed layout. Every statement
+            // would fail on the key (or on Citus's rules) with a raw error; say what to build.
+            problems.push(problem(
+                &n.table_name,
+                "is a distributed (Citus) outbox table (it has a `bucket` column): build the \
+                 outbox with `distributed(buckets)`, the table's bucket count",
+                false,
+            ));
         }
         check_queue_indexes(&mut *db, scope, n, &mut problems).await?;
         check_queue_constraints(&mut *db, scope, n, &mut problems).await?;
@@ -139,7 +148,7 @@ async fn problems(
             &mut problems,
         )
         .await?;
-        if dlq_exists {
+        if dlq_exists.is_some() {
             let live = shape::live_indexes(&mut *db, scope, &n.qdlq).await?;
             for want in shape::dlq_indexes(n) {
                 check_index(&n.dlq_name, &want, &live, &mut problems);
@@ -304,7 +313,7 @@ async fn check_columns(
     wanted: &[(&str, &str, bool, bool)],
     added_by_upgrade: bool,
     problems: &mut Vec<SchemaProblem>,
-) -> Result<bool> {
+) -> Result<Option<Vec<String>>> {
     let oid: Option<i64> = scope
         .query_scalar(catalog::TABLE_OID)
         .bind(qualified)
@@ -319,7 +328,7 @@ async fn check_columns(
             "table is missing; run the migrations"
         };
         problems.push(problem(table, message, added_by_upgrade));
-        return Ok(false);
+        return Ok(None);
     };
     let rows = scope
         .query(catalog::COLUMNS)
@@ -353,7 +362,7 @@ async fn check_columns(
             }
         }
     }
-    Ok(true)
+    Ok(Some(live.into_keys().collect()))
 }
 
 /// Looks for a valid index with the wanted key columns and reports the closest miss. An

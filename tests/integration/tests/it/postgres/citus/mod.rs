@@ -107,6 +107,18 @@ async fn migrate_refuses_a_queue_table_of_the_other_layout_before_any_ddl() {
         }
         other => panic!("{other:?}"),
     }
+    // validate_schema says the same rather than "index missing" (§13 v3).
+    match plain.validate_schema(&f.pool).await.unwrap_err() {
+        Error::SchemaMismatch { problems } => {
+            assert!(
+                problems.iter().any(|p| p.object == dtable
+                    && p.message.contains("distributed (Citus) outbox table")
+                    && p.message.contains("distributed(buckets)")),
+                "{problems:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
     for o in [&single, &d] {
         sqlx::raw_sql(AssertSqlSafe(format!(
             "DROP TABLE IF EXISTS {}, {}, {}, {}",
