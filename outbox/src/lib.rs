@@ -139,8 +139,9 @@
 //!   [`Outbox::global`] (the defaults unless [`Outbox::set_global`] was called); to use
 //!   another outbox, pass `outbox.on(&mut *tx)` ([`Outbox::on`]).
 //! - **Sizes**: a payload holds at most 64 MiB ([`message::MAX_PAYLOAD_BYTES`]) and a
-//!   message's headers 64 KiB in all ([`message::MAX_HEADERS_BYTES`]): far below Postgres'
-//!   own 1 GiB field limit, which a statement cannot carry without resetting the connection.
+//!   message's headers 64 KiB in all ([`message::MAX_HEADERS_BYTES`]), a batch 256 MiB in
+//!   all ([`message::MAX_BATCH_BYTES`]): far below Postgres' own 1 GiB limit, which a
+//!   statement cannot carry without resetting the connection.
 //! - **Lease renewal** runs every third of `lease_ttl`; a row locked by another transaction
 //!   at that moment is reported [`store::Renewal::Busy`] and tried again next time, never
 //!   declared lost on that ground.

@@ -31,6 +31,15 @@ pub type Headers = BTreeMap<String, String>;
 /// SQL runs; store bigger objects elsewhere and publish a reference to them.
 pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024 * 1024;
 
+/// Largest total size of one [`publish_batch`](crate::Outbox::publish_batch), in bytes:
+/// 256 MiB, counting every payload and every header key and value of the batch.
+///
+/// A batch is one statement: its payloads travel as one array value, and Postgres resets the
+/// connection (losing the caller's whole transaction) when a statement's values approach
+/// 1 GiB. A larger batch is [`Error::InvalidArgument`] (`field = "items"`) before any SQL
+/// runs; split it into several batches in the same transaction.
+pub const MAX_BATCH_BYTES: usize = 256 * 1024 * 1024;
+
 /// Largest total size of a message's headers, in bytes: 64 KiB, counting every key and
 /// value (UTF-8 bytes; the JSON quoting around them is not counted). More is
 /// [`Error::InvalidArgument`] (`field = "headers"`) before any SQL runs.
@@ -169,11 +178,26 @@ pub(crate) fn validate_batch(
 ) -> Result<Resolved> {
     validate_queue(queue)?;
     let resolved = schedule.resolve()?;
+    let mut total = 0usize;
     for item in items {
         validate_payload(item.payload)?;
+        total = total.saturating_add(item.payload.len());
         if let Some(h) = item.headers {
             validate_headers(h)?;
+            total = h
+                .iter()
+                .fold(total, |t, (k, v)| t.saturating_add(k.len() + v.len()));
         }
+    }
+    if total > MAX_BATCH_BYTES {
+        return Err(Error::invalid(
+            "items",
+            format!(
+                "the batch holds {total} bytes of payloads and headers; at most \
+                 {MAX_BATCH_BYTES} bytes (256 MiB) are allowed in one batch: split it into \
+                 several batches (in one transaction they still commit together)"
+            ),
+        ));
     }
     Ok(resolved)
 }

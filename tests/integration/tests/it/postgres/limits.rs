@@ -2,7 +2,8 @@
 //! headers of exactly `MAX_HEADERS_BYTES` (64 KiB) travel every path — publish, extend and
 //! the rearm it queues, claim, the rearm applied by an ack, the dead-letter archive,
 //! `pending`, a batch — on Postgres and in memory; one byte more is `InvalidArgument` before
-//! any SQL runs, and nothing is written. A publish against a database that was never
+//! any SQL runs, and nothing is written. A batch holds at most `MAX_BATCH_BYTES` (256 MiB)
+//! in all, with the same rule. A publish against a database that was never
 //! migrated says to run `migrate()`.
 
 use std::time::Duration;
@@ -10,7 +11,9 @@ use std::time::Duration;
 use outbox::dlq::DeadLetterFilter;
 use outbox::testing::MemoryStore;
 use outbox::{
-    message::{BatchItem, Headers, OnConflict, MAX_HEADERS_BYTES, MAX_PAYLOAD_BYTES},
+    message::{
+        BatchItem, Headers, OnConflict, MAX_BATCH_BYTES, MAX_HEADERS_BYTES, MAX_PAYLOAD_BYTES,
+    },
     store::{ClaimRequest, Completion, Failure, FailureReason, Store},
     Error, Message, Outbox, Published, Publisher,
 };
@@ -206,6 +209,31 @@ async fn limits_hold_on_every_path<S: Big>(s: &S) {
     assert_eq!(ids.len(), 1);
     let live = s.live().await;
     assert_eq!(live[0].payload.len(), MAX_PAYLOAD_BYTES);
+
+    // A whole batch: its payloads and headers travel as one statement's values, which
+    // Postgres cannot take near 1 GiB (17 items of 64 MiB reset the connection and lost
+    // the caller's transaction). One byte over MAX_BATCH_BYTES is refused before any SQL;
+    // exactly at it, the batch is written.
+    let quarter = MAX_BATCH_BYTES / 4;
+    let big = &payload[..quarter.min(MAX_PAYLOAD_BYTES)];
+    assert_eq!(big.len() * 4, MAX_BATCH_BYTES, "four payloads fill a batch");
+    let at_limit = [
+        BatchItem::new(big),
+        BatchItem::new(big),
+        BatchItem::new(big),
+        BatchItem::new(big),
+    ];
+    let mut over = at_limit.to_vec();
+    over.push(BatchItem::new(b"x"));
+    let e = s.batch(&over).await.unwrap_err();
+    assert_eq!(field(e), "items");
+    assert_eq!(
+        s.live().await.len(),
+        1,
+        "nothing of the refused batch was written"
+    );
+    let ids = s.batch(&at_limit).await.unwrap();
+    assert_eq!(ids.len(), 4);
 }
 
 #[tokio::test]
