@@ -15,7 +15,7 @@ use outbox::Cancelled;
 use serde::Deserialize;
 
 use crate::guard;
-use crate::layout::{self, encode, Base, Notice};
+use crate::layout::{self, encode, Base, Kind, Notice};
 use crate::pages::dead_letters::{self, Params};
 use crate::pages::queue::valid_name;
 use crate::sql;
@@ -44,7 +44,13 @@ enum Outcome {
 
 /// Where to go back to: the path (and query, without an earlier notice) of the `Referer`
 /// when it is under this dashboard, else `fallback`.
-fn back(base: &Base, headers: &HeaderMap, fallback: &str, outcome: Outcome) -> Response {
+fn back(
+    s: &Shared,
+    base: &Base,
+    headers: &HeaderMap,
+    fallback: &str,
+    outcome: Outcome,
+) -> Response {
     let referer = headers
         .get(header::REFERER)
         .and_then(|r| r.to_str().ok())
@@ -64,12 +70,25 @@ fn back(base: &Base, headers: &HeaderMap, fallback: &str, outcome: Outcome) -> R
     let (path, query) = target.split_once('?').unwrap_or((&target, ""));
     let mut kept: Vec<&str> = query
         .split('&')
-        .filter(|kv| !kv.is_empty() && !kv.starts_with("ok=") && !kv.starts_with("error="))
+        .filter(|kv| {
+            !kv.is_empty()
+                && !kv.starts_with("ok=")
+                && !kv.starts_with("error=")
+                && !kv.starts_with("sig=")
+        })
         .collect();
-    let notice = match outcome {
-        Outcome::Ok(t) => format!("ok={}", encode(&t)),
-        Outcome::Failed(t) => format!("error={}", encode(&t)),
+    let (kind, text) = match outcome {
+        Outcome::Ok(t) => (Kind::Ok, t),
+        Outcome::Failed(t) => (Kind::Error, t),
     };
+    let sig = s
+        .notice_key
+        .sign(kind, chrono::Utc::now().timestamp(), &text);
+    let notice = format!(
+        "{}={}&sig={sig}",
+        if kind == Kind::Ok { "ok" } else { "error" },
+        encode(&text)
+    );
     kept.push(&notice);
     Redirect::to(&format!("{path}?{}", kept.join("&"))).into_response()
 }
@@ -142,7 +161,7 @@ async fn toggle(
         }
         Err(e) => Outcome::Failed(e.to_string()),
     };
-    back(&base, &headers, &base.to("/"), outcome)
+    back(&s, &base, &headers, &base.to("/"), outcome)
 }
 
 /// A row action, as `outbox run-now | reschedule | delete`: in a transaction of its own;
@@ -168,6 +187,7 @@ async fn row_action(
     let page = base.to(&format!("/rows/{id}"));
     let Some(id) = id.parse::<i64>().ok().filter(|id| *id > 0) else {
         return back(
+            &s,
             &base,
             &headers,
             &base.to("/"),
@@ -182,6 +202,7 @@ async fn row_action(
                 Ok(d) => RowOp::In(d),
                 Err(e) => {
                     return back(
+                        &s,
                         &base,
                         &headers,
                         &page,
@@ -229,9 +250,9 @@ async fn row_action(
         .and_then(|r| r.to_str().ok())
         .is_some_and(|r| r.contains(&format!("/rows/{id}")));
     if matches!(op, RowOp::Delete) && referer_is_row && matches!(outcome, Outcome::Ok(_)) {
-        return back(&base, &HeaderMap::new(), &fallback, outcome);
+        return back(&s, &base, &HeaderMap::new(), &fallback, outcome);
     }
-    back(&base, &headers, &fallback, outcome)
+    back(&s, &base, &headers, &fallback, outcome)
 }
 
 pub(crate) async fn run_now(
@@ -278,6 +299,7 @@ pub(crate) async fn cancel(
     let timer = f.timer_id.as_deref().unwrap_or("").trim().to_owned();
     if let Err(reason) = valid_name(&timer) {
         return back(
+            &s,
             &base,
             &headers,
             &queue_page(&base, &queue),
@@ -314,13 +336,14 @@ pub(crate) async fn cancel(
     if to_queue {
         // The row's page is gone: back to the queue.
         return back(
+            &s,
             &base,
             &HeaderMap::new(),
             &queue_page(&base, &queue),
             outcome,
         );
     }
-    back(&base, &headers, &queue_page(&base, &queue), outcome)
+    back(&s, &base, &headers, &queue_page(&base, &queue), outcome)
 }
 
 /// Redrives one dead letter (`id`) or every match of the filter fields (at most a page),
@@ -340,6 +363,7 @@ pub(crate) async fn redrive(
             Ok(id) => Redrive::id(id),
             Err(_) => {
                 return back(
+                    &s,
                     &base,
                     &headers,
                     &fallback,
@@ -356,7 +380,7 @@ pub(crate) async fn redrive(
             };
             match dead_letters::filter(&params) {
                 Ok(filter) => Redrive::matching(filter, s.page_size),
-                Err(e) => return back(&base, &headers, &fallback, Outcome::Failed(e)),
+                Err(e) => return back(&s, &base, &headers, &fallback, Outcome::Failed(e)),
             }
         }
     };
@@ -403,7 +427,7 @@ pub(crate) async fn redrive(
             }
         }
     };
-    back(&base, &headers, &fallback, outcome)
+    back(&s, &base, &headers, &fallback, outcome)
 }
 
 fn describe(r: RedriveResult) -> String {
@@ -442,6 +466,7 @@ pub(crate) async fn purge(
         Ok(d) => d,
         Err(e) => {
             return back(
+                &s,
                 &base,
                 &headers,
                 &fallback,
@@ -458,6 +483,7 @@ pub(crate) async fn purge(
     if let Some(q) = &queue {
         if let Err(reason) = valid_name(q) {
             return back(
+                &s,
                 &base,
                 &headers,
                 &fallback,
@@ -506,5 +532,5 @@ pub(crate) async fn purge(
         )),
         Err(e) => Outcome::Failed(e.to_string()),
     };
-    back(&base, &HeaderMap::new(), &fallback, outcome)
+    back(&s, &base, &HeaderMap::new(), &fallback, outcome)
 }

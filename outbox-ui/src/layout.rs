@@ -6,7 +6,6 @@ use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use maud::{html, Markup, DOCTYPE};
-use serde::Deserialize;
 
 use crate::state::Inner;
 
@@ -68,13 +67,7 @@ impl Base {
     }
 }
 
-/// A notice carried by the redirect after an action (`?ok=` or `?error=`): text only,
-/// escaped like every value.
-#[derive(Debug, Default, Deserialize)]
-pub(crate) struct Notice {
-    pub ok: Option<String>,
-    pub error: Option<String>,
-}
+pub(crate) use crate::notice::{Kind, Notice};
 
 /// Percent-encodes `s` for a query value or a path segment.
 pub(crate) fn encode(s: &str) -> String {
@@ -140,11 +133,10 @@ pub(crate) fn page(
                 main id="main" tabindex="-1" data-refresh=[refresh.then_some("5000")] {
                     h1 { (title) }
                     div role="status" aria-live="polite" {
-                        @if let Some(ok) = &notice.ok {
-                            p.notice.ok { (ok) }
-                        }
-                        @if let Some(error) = &notice.error {
-                            p.notice.error { (error) }
+                        @match notice.shown(&inner.notice_key, chrono::Utc::now().timestamp()) {
+                            Some((Kind::Ok, text)) => p.notice.ok { (text) },
+                            Some((Kind::Error, text)) => p.notice.error { (text) },
+                            None => {}
                         }
                     }
                     (body)

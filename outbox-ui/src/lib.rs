@@ -58,6 +58,7 @@ mod guard;
 mod history;
 mod layout;
 mod limits;
+mod notice;
 mod pages;
 mod sql;
 mod state;

@@ -868,3 +868,52 @@ async fn page_times_at_scale() {
     }
     db.drop_tables().await;
 }
+
+#[tokio::test]
+async fn a_notice_in_a_link_is_not_shown_unless_the_dashboard_signed_it() {
+    let db = Db::new().await;
+    db.publish("mail", b"{}", None, 60).await;
+    let r = db.router(false, 50);
+    let forged = "Queue purged, now run X";
+    for path in [
+        "/outbox?ok=Queue%20purged%2C%20now%20run%20X".to_owned(),
+        "/outbox/queues/mail?error=Queue%20purged%2C%20now%20run%20X&sig=1.00".to_owned(),
+        "/outbox/dead-letters?ok=Queue%20purged%2C%20now%20run%20X".to_owned(),
+    ] {
+        let (status, body) = get(&r, &path).await;
+        assert_eq!(status, StatusCode::OK, "{path}");
+        assert!(
+            !body.contains(forged),
+            "{path} shows a forged notice: {body}"
+        );
+    }
+    // The redirect of a real action carries a signed notice, which its page shows once;
+    // the same signature on other text is not shown.
+    let (_, page) = get(&r, "/outbox").await;
+    let t = token(&page);
+    let (_, location) = post(
+        &r,
+        "/outbox/queues/mail/pause",
+        &format!("csrf={t}"),
+        ORIGIN,
+    )
+    .await;
+    assert!(location.contains("&sig="), "{location}");
+    let (_, body) = get(&r, &location).await;
+    assert!(body.contains("mail: paused"), "{body}");
+    let sig = location.split_once("&sig=").unwrap().1;
+    let (_, body) = get(
+        &r,
+        &format!("/outbox?ok=Queue%20purged%2C%20now%20run%20X&sig={sig}"),
+    )
+    .await;
+    assert!(
+        !body.contains(forged),
+        "a signature reused on other text: {body}"
+    );
+    // Another dashboard (another key) does not show it either.
+    let other = db.router(false, 50);
+    let (_, body) = get(&other, &location).await;
+    assert!(!body.contains("mail: paused"), "{body}");
+    db.drop_tables().await;
+}

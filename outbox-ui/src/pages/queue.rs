@@ -9,7 +9,7 @@ use maud::html;
 use serde::Deserialize;
 
 use crate::format;
-use crate::layout::{self, encode, Base, Notice};
+use crate::layout::{self, encode, Base, Kind, Notice};
 use crate::pages::queues::state;
 use crate::sql::{self, ListedRow, StateFilter};
 use crate::state::State as Shared;
@@ -73,7 +73,7 @@ pub(crate) async fn page(
         match search(&s, &mut conn, &queue, q).await {
             Ok(Some(id)) => return Redirect::to(&base.to(&format!("/rows/{id}"))).into_response(),
             Ok(None) => {
-                notice.error = Some(format!(
+                notice = Notice::local(Kind::Error, format!(
                     "no live row of {queue} has the id or timer id {q:?} (it may have completed, been cancelled or dead-lettered)"
                 ))
             }

@@ -6,7 +6,7 @@ use axum::response::{IntoResponse, Response};
 use maud::{html, Markup};
 
 use crate::format;
-use crate::layout::{self, encode, Base, Notice};
+use crate::layout::{self, encode, Base, Kind, Notice};
 use crate::pages::queue::when;
 use crate::sql;
 use crate::state::State as Shared;
@@ -33,10 +33,16 @@ pub(crate) async fn page(
     let r = match row {
         Ok(Some(r)) => r,
         Ok(None) => {
-            let mut n = notice;
-            n.error.get_or_insert_with(|| {
-                format!("no live row has id {id}: it completed, was cancelled, deleted or dead-lettered, or never existed")
-            });
+            // The action's own notice when it signed one (a delete says so), else why the
+            // page is empty.
+            let n = if notice
+                .shown(&s.notice_key, chrono::Utc::now().timestamp())
+                .is_some()
+            {
+                notice
+            } else {
+                Notice::local(Kind::Error, format!("no live row has id {id}: it completed, was cancelled, deleted or dead-lettered, or never existed"))
+            };
             let body = html! { p { a href=(base.to("/")) { "Back to the queues" } } };
             return (
                 StatusCode::NOT_FOUND,
