@@ -64,6 +64,7 @@ mod sql;
 mod state;
 #[cfg(test)]
 mod tests;
+mod throughput;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -85,6 +86,10 @@ pub enum UiError {
     /// bucket, and the dashboard's statements are written for a single node.
     #[error("the dashboard does not support a distributed outbox (Citus) yet")]
     Distributed,
+    /// A statement of [`Dashboard::install_throughput_counter`] or
+    /// [`Dashboard::remove_throughput_counter`] failed.
+    #[error("the throughput counter: {0}")]
+    Database(#[from] sqlx::Error),
     /// A setting is out of its range.
     #[error("invalid dashboard setting {field}: {reason}")]
     InvalidSetting {
@@ -162,6 +167,31 @@ impl Dashboard {
         }
         self.page_size = rows;
         Ok(self)
+    }
+
+    /// Installs the per-queue throughput counter: a table `<table>_finished` beside the
+    /// queue table and a statement-level `AFTER DELETE` trigger on it that counts, per
+    /// queue, the rows each statement deletes (acks, cancels, deletes, dead-lettering);
+    /// the queues page then shows rows finished per second of each queue over the last 5
+    /// minutes. Idempotent. The dashboard never installs it by itself: it adds one small
+    /// upsert per queue to each statement that deletes queue rows (one counter row per
+    /// queue, backend and minute, so completers never wait on each other), which is the
+    /// operator's call. Needs the right to create tables and triggers on the queue table;
+    /// the trigger's lock on the queue table is waited for at most 5 s.
+    ///
+    /// # Errors
+    /// [`UiError::Database`] when a statement fails (rights, lock timeout).
+    pub async fn install_throughput_counter(&self) -> Result<(), UiError> {
+        Ok(throughput::install(&self.outbox, &self.pool).await?)
+    }
+
+    /// Removes what [`Dashboard::install_throughput_counter`] made (trigger, function,
+    /// counter table); the queues page then shows the table-wide figure only.
+    ///
+    /// # Errors
+    /// [`UiError::Database`] when a statement fails.
+    pub async fn remove_throughput_counter(&self) -> Result<(), UiError> {
+        Ok(throughput::remove(&self.outbox, &self.pool).await?)
     }
 
     /// The router: every page, action and embedded asset, with paths relative to where it

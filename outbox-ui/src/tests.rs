@@ -917,3 +917,149 @@ async fn a_notice_in_a_link_is_not_shown_unless_the_dashboard_signed_it() {
     assert!(!body.contains("mail: paused"), "{body}");
     db.drop_tables().await;
 }
+
+/// The figure in the "Finished/s" cell of `queue`'s row on the queues page.
+fn finished_per_second(page: &str, queue: &str) -> Option<f64> {
+    let row = page.find(&format!(">{queue}</a></th>"))?;
+    let cell = row + page[row..].find(r#"class="num throughput">"#)? + 23;
+    let end = cell + page[cell..].find(|c: char| c != '.' && !c.is_ascii_digit())?;
+    page[cell..end].parse().ok()
+}
+
+#[tokio::test]
+async fn the_throughput_counter_counts_each_queues_acks_of_a_real_worker() {
+    let db = Db::new().await;
+    let r = db.router(false, 50);
+    // Off until installed: the page says how to turn it on.
+    let (_, page) = get(&r, "/outbox").await;
+    assert!(page.contains("--throughput-counter"), "{page}");
+    let dashboard = Dashboard::new(db.outbox.clone(), db.pool.clone()).unwrap();
+    dashboard.install_throughput_counter().await.unwrap();
+    dashboard
+        .install_throughput_counter()
+        .await
+        .expect("idempotent");
+
+    const N: usize = 30;
+    for _ in 0..N {
+        db.publish("tp_a", b"{}", None, 0).await;
+    }
+    for _ in 0..3 {
+        db.publish("tp_b", b"{}", None, 3600).await;
+    }
+    let worker = outbox::Worker::builder(outbox::PgStore::new(db.pool.clone(), db.outbox.clone()))
+        .queue("tp_a", |_: Vec<u8>, _: outbox::Context| async {})
+        .queue("tp_b", |_: Vec<u8>, _: outbox::Context| async {})
+        .build()
+        .unwrap()
+        .start();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {} WHERE queue = 'tp_a'",
+            db.outbox.table()
+        )))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if left == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker left {left} rows of tp_a"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = worker.shutdown().await;
+
+    let counted: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT queue, sum(finished)::bigint FROM {} GROUP BY queue ORDER BY queue",
+        crate::throughput::Names::of(&db.outbox).table
+    )))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(counted, vec![("tp_a".to_owned(), N as i64)]);
+
+    // tp_a has no live row left and still has its row, with its rate; tp_b's is 0.
+    let (_, page) = get(&r, "/outbox").await;
+    let a = finished_per_second(&page, "tp_a").expect("tp_a's figure");
+    let b = finished_per_second(&page, "tp_b").expect("tp_b's figure");
+    assert!(a > 0.0, "tp_a: {a}\n{page}");
+    assert_eq!(b, 0.0, "tp_b: {b}");
+    assert!(!page.contains("--throughput-counter"), "still off: {page}");
+
+    dashboard.remove_throughput_counter().await.unwrap();
+    let (_, page) = get(&r, "/outbox").await;
+    assert!(page.contains("--throughput-counter"), "{page}");
+    db.drop_tables().await;
+}
+
+#[tokio::test]
+#[ignore = "a measurement: WAL and time per ack batch with and without the throughput counter (docs/lab-notes/2026-12-05-ui.md)"]
+async fn throughput_counter_cost() {
+    let db = Db::new().await;
+    let dashboard = Dashboard::new(db.outbox.clone(), db.pool.clone()).unwrap();
+    let t = db.outbox.table().to_owned();
+    const BATCHES: i64 = 200;
+    for (counter, batch) in [
+        (false, 100),
+        (true, 100),
+        (false, 100),
+        (true, 100),
+        (false, 1),
+        (true, 1),
+    ] {
+        let batch: i64 = batch;
+        if counter {
+            dashboard.install_throughput_counter().await.unwrap();
+        } else {
+            dashboard.remove_throughput_counter().await.unwrap();
+        }
+        db.exec(format!(
+            "INSERT INTO {t} (queue, payload, next_attempt_at, acquired_token, acquired_at) \
+             SELECT 'q' || (i % 4), '\\x7b7d', now(), gen_random_uuid(), now() \
+             FROM generate_series(1, {}) AS i",
+            batch * BATCHES
+        ))
+        .await;
+        db.exec(format!("VACUUM ANALYZE {t}")).await;
+        let ids: Vec<i64> =
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT id FROM {t} ORDER BY id")))
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        let mut conn = db.pool.acquire().await.unwrap();
+        let before = wal_lsn(&mut conn).await;
+        let started = Instant::now();
+        for chunk in ids.chunks(batch as usize) {
+            // The shape of the library's batched ack: one DELETE by ids, in its own
+            // transaction.
+            sqlx::query(AssertSqlSafe(format!(
+                "DELETE FROM {t} WHERE id = ANY($1) AND acquired_token IS NOT NULL"
+            )))
+            .bind(chunk)
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        }
+        let elapsed = started.elapsed();
+        let wal = wal_lsn(&mut conn).await - before;
+        println!(
+            "counter {counter}: {BATCHES} batches of {batch} rows over 4 queues: \
+             {:.0} WAL bytes per batch, {:.2} ms per batch",
+            wal as f64 / BATCHES as f64,
+            elapsed.as_secs_f64() * 1000.0 / BATCHES as f64
+        );
+    }
+    dashboard.remove_throughput_counter().await.unwrap();
+    db.drop_tables().await;
+}
+
+async fn wal_lsn(c: &mut sqlx::PgConnection) -> i64 {
+    sqlx::query_scalar("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
+        .fetch_one(c)
+        .await
+        .unwrap()
+}
