@@ -311,9 +311,16 @@ pub(crate) async fn cancel(
         // Lock the keyed row first, as the library's cancel does, so no claim lands between
         // the look and the cancel.
         let held = match sql::by_timer(&s.sql, &s.outbox, &mut tx, &queue, &timer).await? {
+            // A lease that expired is no worker's any more: its cancel marks the row,
+            // which the next claim then deletes (the library's rule for a cancelled row
+            // whose lease expired).
             Some(id) => sql::row(&s.sql, &s.outbox, &mut tx, id)
                 .await?
-                .is_some_and(|r| r.acquired_at.is_some()),
+                .is_some_and(|r| {
+                    r.acquired_at.is_some_and(|at| {
+                        crate::pages::queue::lease_expired_for(at, r.now, s.lease_ttl).is_none()
+                    })
+                }),
             None => false,
         };
         if held {
@@ -329,6 +336,7 @@ pub(crate) async fn cancel(
         )),
         Ok(Some(Cancelled::Deleted { id })) => Outcome::Ok(format!("timer {timer:?} of {queue} cancelled: row {id} deleted")),
         Ok(Some(Cancelled::NotFound)) => Outcome::Failed(format!("no live row of {queue} holds the timer key {timer:?}")),
+        Ok(Some(Cancelled::Running { id } | Cancelled::RearmDropped { id })) => Outcome::Ok(format!("timer {timer:?} of {queue} cancelled: row {id}'s lease expired, so it is marked cancelled; the next claim deletes it instead of running it")),
         Ok(Some(other)) => Outcome::Ok(format!("timer {timer:?} of {queue}: {other:?}")),
         Err(e) => Outcome::Failed(e.to_string()),
     };

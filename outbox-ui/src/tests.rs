@@ -1063,3 +1063,90 @@ async fn wal_lsn(c: &mut sqlx::PgConnection) -> i64 {
         .await
         .unwrap()
 }
+
+#[tokio::test]
+async fn an_expired_lease_is_shown_as_claimable_again_and_its_timer_can_be_cancelled() {
+    let db = Db::new().await;
+    let keyed = db.publish("exp", b"{}", Some("k-exp"), 0).await;
+    let plain = db.publish("exp", b"{}", None, 0).await;
+    let fresh = db.publish("exp", b"{}", Some("k-fresh"), 0).await;
+    // Leases of 5 min ago (the dashboard's lease TTL is 60 s) and of now.
+    db.exec(format!(
+        "UPDATE {} SET acquired_token = gen_random_uuid(), acquired_at = now() - interval '5 minutes' \
+         WHERE id IN ({keyed}, {plain})",
+        db.outbox.table()
+    ))
+    .await;
+    db.exec(format!(
+        "UPDATE {} SET acquired_token = gen_random_uuid(), acquired_at = now() WHERE id = {fresh}",
+        db.outbox.table()
+    ))
+    .await;
+    let r = db.router(false, 50);
+    let (_, page) = get(&r, "/outbox/queues/exp").await;
+    assert_eq!(
+        page.matches("lease expired 4 min ago: claimable again")
+            .count(),
+        2,
+        "{page}"
+    );
+    assert_eq!(page.matches("held by a worker").count(), 1, "{page}");
+    assert!(
+        !page.contains("Run now"),
+        "the library refuses a leased row: {page}"
+    );
+    let (_, page) = get(&r, &format!("/outbox/rows/{plain}")).await;
+    assert!(page.contains("lease expired 4 min ago"), "{page}");
+    assert!(
+        page.contains("the next claim of its queue takes it again"),
+        "{page}"
+    );
+    assert!(!page.contains("A worker holds this row"), "{page}");
+    assert!(
+        !page.contains("Run now") && !page.contains("Cancel timer"),
+        "{page}"
+    );
+    let (_, page) = get(&r, &format!("/outbox/rows/{keyed}")).await;
+    assert!(page.contains("Cancel timer"), "{page}");
+    let t = token(&page);
+    // run-now is refused by the library on any leased row, expired or not.
+    let (_, location) = post(
+        &r,
+        &format!("/outbox/rows/{keyed}/run-now"),
+        &format!("csrf={t}"),
+        ORIGIN,
+    )
+    .await;
+    assert!(notice(&location).contains("is leased"), "{location}");
+    let (_, location) = post(
+        &r,
+        "/outbox/queues/exp/cancel",
+        &format!("csrf={t}&timer_id=k-exp"),
+        ORIGIN,
+    )
+    .await;
+    assert!(
+        notice(&location).contains("marked cancelled; the next claim deletes it"),
+        "{location}"
+    );
+    let (_, location) = post(
+        &r,
+        "/outbox/queues/exp/cancel",
+        &format!("csrf={t}&timer_id=k-fresh"),
+        ORIGIN,
+    )
+    .await;
+    assert!(
+        notice(&location).contains("a worker holds its row"),
+        "{location}"
+    );
+    let marks: Vec<(i64, bool)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT id, cancelled_at IS NOT NULL FROM {} WHERE id IN ({keyed}, {fresh}) ORDER BY id",
+        db.outbox.table()
+    )))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(marks, vec![(keyed, true), (fresh, false)]);
+    db.drop_tables().await;
+}

@@ -147,7 +147,7 @@ pub(crate) async fn page(
                         tr {
                             th scope="row" { a href=(base.to(&format!("/rows/{}", r.id))) { (r.id) } }
                             td { (r.timer_id.as_deref().unwrap_or("–")) }
-                            td { (row_state(r, now)) }
+                            td { (row_state(r, now, s.lease_ttl)) }
                             td { (when(r.next_attempt_at, now)) }
                             td.num { (r.attempts) }
                             td.num { (r.deliveries) }
@@ -157,6 +157,11 @@ pub(crate) async fn page(
                                 @if r.acquired_at.is_none() {
                                     (layout::button(&s, &base.to(&format!("/rows/{}/run-now", r.id)), &[], "Run now", ""))
                                     (layout::button(&s, &base.to(&format!("/rows/{}/delete", r.id)), &[], "Delete", "danger"))
+                                } @else if let Some(ago) = r.acquired_at.and_then(|at| lease_expired_for(at, now, s.lease_ttl)) {
+                                    span.expired { "lease expired " (format::span(ago.num_seconds())) " ago: claimable again" }
+                                    @if let Some(timer) = &r.timer_id {
+                                        " " (layout::button(&s, &format!("{here}/cancel"), &[("timer_id", timer)], "Cancel timer", "danger"))
+                                    }
                                 } @else {
                                     span.muted { "held by a worker" }
                                 }
@@ -214,13 +219,35 @@ async fn search(
     sql::by_timer(&s.sql, &s.outbox, conn, queue, q).await
 }
 
-pub(crate) fn row_state(r: &ListedRow, now: DateTime<Utc>) -> &'static str {
-    match (r.acquired_at.is_some(), r.cancelled_at.is_some()) {
-        (true, true) => "leased, cancelled",
-        (true, false) => "leased",
-        (false, _) if r.next_attempt_at <= now => "due",
-        (false, _) => "pending",
+pub(crate) fn row_state(
+    r: &ListedRow,
+    now: DateTime<Utc>,
+    ttl: std::time::Duration,
+) -> &'static str {
+    let expired = r
+        .acquired_at
+        .is_some_and(|at| lease_expired_for(at, now, ttl).is_some());
+    match (r.acquired_at.is_some(), expired, r.cancelled_at.is_some()) {
+        (true, true, true) => "lease expired, cancelled",
+        (true, true, false) => "lease expired",
+        (true, false, true) => "leased, cancelled",
+        (true, false, false) => "leased",
+        (false, _, _) if r.next_attempt_at <= now => "due",
+        (false, _, _) => "pending",
     }
+}
+
+/// How long ago a lease taken at `acquired_at` expired (the workers' lease TTL after it),
+/// or `None` while it holds. An expired lease is claimable again: the next claim of its
+/// queue takes the row (or deletes it, when it was cancelled while it ran).
+pub(crate) fn lease_expired_for(
+    acquired_at: DateTime<Utc>,
+    now: DateTime<Utc>,
+    ttl: std::time::Duration,
+) -> Option<chrono::Duration> {
+    let ttl = chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::MAX);
+    let end = acquired_at.checked_add_signed(ttl)?;
+    (end < now).then(|| now - end)
 }
 
 /// A time in UTC with its relative age.

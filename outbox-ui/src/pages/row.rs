@@ -7,7 +7,7 @@ use maud::{html, Markup};
 
 use crate::format;
 use crate::layout::{self, encode, Base, Kind, Notice};
-use crate::pages::queue::when;
+use crate::pages::queue::{lease_expired_for, when};
 use crate::sql;
 use crate::state::State as Shared;
 
@@ -53,6 +53,9 @@ pub(crate) async fn page(
         Err(e) => return layout::failed(&base, &s, &e),
     };
     let now = r.now;
+    let expired = r
+        .acquired_at
+        .and_then(|at| lease_expired_for(at, now, s.lease_ttl));
     let queue_url = base.to(&format!("/queues/{}", encode(&r.queue)));
     let act = |what: &str| base.to(&format!("/rows/{id}/{what}"));
     let body = html! {
@@ -63,8 +66,15 @@ pub(crate) async fn page(
             dt { "State" } dd {
                 @match (&r.acquired_at, &r.acquired_token) {
                     (Some(at), Some(token)) => {
-                        "leased by lease token " code { (token) } ", claimed " (when(*at, now))
-                        " (lease age " (format::span((now - *at).num_seconds())) ")"
+                        @if let Some(ago) = expired {
+                            strong { "lease expired " (format::span(ago.num_seconds())) " ago" }
+                            " (lease TTL " (format::span(i64::try_from(s.lease_ttl.as_secs()).unwrap_or(i64::MAX))) "): no worker holds it now; the next claim of its queue takes it again"
+                            @if r.cancelled_at.is_some() && r.rearm_at.is_none() { " (or deletes it: it was cancelled while it ran)" }
+                            ". Lease token " code { (token) } ", claimed " (when(*at, now)) "."
+                        } @else {
+                            "leased by lease token " code { (token) } ", claimed " (when(*at, now))
+                            " (lease age " (format::span((now - *at).num_seconds())) ")"
+                        }
                     }
                     _ => @if r.next_attempt_at <= now { "due (pending)" } @else { "pending" },
                 }
@@ -90,7 +100,15 @@ pub(crate) async fn page(
         }
         @if !s.read_only {
             h2 { "Actions" }
-            @if r.acquired_at.is_some() {
+            @if expired.is_some() {
+                p { "Its lease expired, but the row is still leased: run now, reschedule and delete leave a leased row alone (the library's rule) until a worker claims it again and its run ends." }
+                @if let Some(timer) = &r.timer_id {
+                    p { "Cancelling its timer marks the row: the next claim deletes it instead of running it." }
+                    div.bar {
+                        (layout::button(&s, &base.to(&format!("/queues/{}/cancel", encode(&r.queue))), &[("timer_id", timer)], "Cancel timer", "danger"))
+                    }
+                }
+            } @else if r.acquired_at.is_some() {
                 p { "A worker holds this row: no action until its run ends or its lease expires." }
             } @else {
                 div.bar {
