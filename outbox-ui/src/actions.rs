@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
@@ -15,7 +15,7 @@ use outbox::Cancelled;
 use serde::Deserialize;
 
 use crate::guard;
-use crate::layout::{self, encode, Base, Kind, Notice};
+use crate::layout::{self, encode, Base, Kind, Named, Notice};
 use crate::pages::dead_letters::{self, Params};
 use crate::pages::queue::valid_name;
 use crate::sql;
@@ -101,7 +101,52 @@ fn refused(s: &Shared, base: &Base, headers: &HeaderMap, f: &Fields) -> Option<R
 }
 
 fn queue_page(base: &Base, queue: &str) -> String {
-    base.to(&format!("/queues/{}", encode(queue)))
+    base.to(&layout::queue_path(queue, None))
+}
+
+/// The name of a queue action, from `?name=` (every name) or the older path.
+fn named(n: Named) -> Result<String, Outcome> {
+    n.name
+        .ok_or_else(|| Outcome::Failed("which queue? the address needs ?name=<queue>".to_owned()))
+}
+
+pub(crate) async fn pause_named(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Query(n): Query<Named>,
+    Form(f): Form<Fields>,
+) -> Response {
+    match named(n) {
+        Ok(queue) => toggle(s, base, headers, queue, f, true).await,
+        Err(o) => back(&s, &base, &headers, &base.to("/"), o),
+    }
+}
+
+pub(crate) async fn resume_named(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Query(n): Query<Named>,
+    Form(f): Form<Fields>,
+) -> Response {
+    match named(n) {
+        Ok(queue) => toggle(s, base, headers, queue, f, false).await,
+        Err(o) => back(&s, &base, &headers, &base.to("/"), o),
+    }
+}
+
+pub(crate) async fn cancel_named(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Query(n): Query<Named>,
+    Form(f): Form<Fields>,
+) -> Response {
+    match named(n) {
+        Ok(queue) => cancel_in(s, base, headers, queue, f).await,
+        Err(o) => back(&s, &base, &headers, &base.to("/"), o),
+    }
 }
 
 pub(crate) async fn pause(
@@ -292,6 +337,16 @@ pub(crate) async fn cancel(
     headers: HeaderMap,
     Path(queue): Path<String>,
     Form(f): Form<Fields>,
+) -> Response {
+    cancel_in(s, base, headers, queue, f).await
+}
+
+async fn cancel_in(
+    s: Shared,
+    base: Base,
+    headers: HeaderMap,
+    queue: String,
+    f: Fields,
 ) -> Response {
     if let Some(r) = refused(&s, &base, &headers, &f) {
         return r;

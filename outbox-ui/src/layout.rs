@@ -69,6 +69,23 @@ impl Base {
 
 pub(crate) use crate::notice::{Kind, Notice};
 
+/// The page of `queue` (`what` None) or one of its actions (`pause`, `resume`, `cancel`),
+/// relative to the mount: the name travels in the query (`/queue?name=…`), never in the
+/// path, so every name the library accepts works, `.` and `..` (which browsers resolve
+/// away in a path, even percent-encoded) and names with `/`, `?`, `#` or `%` included.
+pub(crate) fn queue_path(queue: &str, what: Option<&str>) -> String {
+    match what {
+        None => format!("/queue?name={}", encode(queue)),
+        Some(w) => format!("/queue/{w}?name={}", encode(queue)),
+    }
+}
+
+/// The query of a queue's page or action: its name.
+#[derive(Debug, Default, serde::Deserialize)]
+pub(crate) struct Named {
+    pub name: Option<String>,
+}
+
 /// Percent-encodes `s` for a query value or a path segment.
 pub(crate) fn encode(s: &str) -> String {
     let mut out = String::with_capacity(s.len());

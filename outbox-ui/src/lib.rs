@@ -207,6 +207,10 @@ impl Dashboard {
         ));
         Router::new()
             .route("/", get(pages::queues::page))
+            .route("/queue", get(pages::queue::by_name))
+            .route("/queue/pause", post(actions::pause_named))
+            .route("/queue/resume", post(actions::resume_named))
+            .route("/queue/cancel", post(actions::cancel_named))
             .route("/queues/{queue}", get(pages::queue::page))
             .route("/rows/{id}", get(pages::row::page))
             .route("/dead-letters", get(pages::dead_letters::page))

@@ -1150,3 +1150,63 @@ async fn an_expired_lease_is_shown_as_claimable_again_and_its_timer_can_be_cance
     assert_eq!(marks, vec![(keyed, true), (fresh, false)]);
     db.drop_tables().await;
 }
+
+/// The `href` of the link whose text is `text` (HTML-escaped as the page writes it).
+fn href_of(page: &str, text: &str) -> Option<String> {
+    let end = page.find(&format!("\">{text}</a>"))?;
+    let start = page[..end].rfind("href=\"")? + 6;
+    Some(page[start..end].replace("&amp;", "&"))
+}
+
+#[tokio::test]
+async fn every_queue_name_the_library_accepts_has_working_links() {
+    let db = Db::new().await;
+    let names = [
+        ".", "..", "a/b", "../x", "q?x=1", "h#1", "50%", "sp ace", "a&b",
+    ];
+    for name in names {
+        db.publish(name, b"{}", Some("k"), 3600).await;
+    }
+    let r = db.router(false, 50);
+    let (_, page) = get(&r, "/outbox").await;
+    let t = token(&page);
+    for name in names {
+        let escaped = maud::html! { (name) }.into_string();
+        let href = href_of(&page, &escaped).unwrap_or_else(|| panic!("no link for {name:?}"));
+        // What a browser does to a path: `.` and `..` segments are resolved away, also
+        // percent-encoded ones. A link that survives is left as it is.
+        assert!(href.starts_with("/outbox/queue?name="), "{name:?}: {href}");
+        let (status, body) = get(&r, &href).await;
+        assert_eq!(status, StatusCode::OK, "{name:?}: {href}");
+        assert!(
+            body.contains(&format!("<h1>Queue {escaped}</h1>")),
+            "{name:?}: {href}: {body}"
+        );
+        assert!(body.contains(">k</td>"), "{name:?}'s row is listed: {body}");
+        // Its actions carry the name the same way.
+        let pause = format!("/outbox/queue/pause?{}", href.split_once('?').unwrap().1);
+        assert!(
+            body.contains(&format!("action=\"{}\"", pause.replace('&', "&amp;"))),
+            "{name:?}: no form to {pause}: {body}"
+        );
+        let (status, location) = post(&r, &pause, &format!("csrf={t}"), ORIGIN).await;
+        assert_eq!(status, StatusCode::SEE_OTHER, "{name:?}");
+        assert_eq!(notice(&location), format!("{name}: paused"), "{name:?}");
+    }
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut paused: Vec<String> = db
+        .outbox
+        .paused_queues(&mut conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.queue)
+        .collect();
+    paused.sort();
+    let mut expected: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    expected.sort();
+    assert_eq!(paused, expected);
+    let (status, _) = get(&r, "/outbox/queue").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    db.drop_tables().await;
+}

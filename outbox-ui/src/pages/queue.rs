@@ -9,7 +9,7 @@ use maud::html;
 use serde::Deserialize;
 
 use crate::format;
-use crate::layout::{self, encode, Base, Kind, Notice};
+use crate::layout::{self, encode, Base, Kind, Named, Notice};
 use crate::pages::queues::state;
 use crate::sql::{self, ListedRow, StateFilter};
 use crate::state::State as Shared;
@@ -34,6 +34,27 @@ fn parse_cursor(s: &str) -> Option<(DateTime<Utc>, i64)> {
     Some((at, id.parse().ok()?))
 }
 
+/// `/queue?name=…`: the page of any queue name.
+pub(crate) async fn by_name(
+    State(s): State<Shared>,
+    base: Base,
+    Query(n): Query<Named>,
+    Query(p): Query<Params>,
+    Query(notice): Query<Notice>,
+) -> Response {
+    match n.name {
+        Some(queue) => show(s, base, queue, p, notice).await,
+        None => layout::error(
+            &base,
+            &s,
+            StatusCode::BAD_REQUEST,
+            "Bad request",
+            "which queue? the address needs ?name=<queue>",
+        ),
+    }
+}
+
+/// `/queues/{queue}`: the older address, for names a path can carry.
 pub(crate) async fn page(
     State(s): State<Shared>,
     base: Base,
@@ -41,6 +62,10 @@ pub(crate) async fn page(
     Query(p): Query<Params>,
     Query(notice): Query<Notice>,
 ) -> Response {
+    show(s, base, queue, p, notice).await
+}
+
+async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -> Response {
     let bad =
         |reason: String| layout::error(&base, &s, StatusCode::BAD_REQUEST, "Bad request", &reason);
     if let Err(reason) = valid_name(&queue) {
@@ -97,18 +122,19 @@ pub(crate) async fn page(
         Err(e) => return layout::failed(&base, &s, &e),
     };
     drop(conn);
-    let here = base.to(&format!("/queues/{}", encode(&queue)));
+    let here = base.to(&layout::queue_path(&queue, None));
     let next = (rows.len() == s.page_size)
         .then(|| rows.last().map(cursor))
         .flatten()
-        .map(|c| format!("{here}?state={}&after={c}", filter.as_str()));
+        .map(|c| format!("{here}&state={}&after={c}", filter.as_str()));
     let body = html! {
         div.bar {
             a href=(base.to("/")) { "All queues" } " · "
             (state(&s, &base, &queue, paused, now)) " · "
             a href=(base.to(&format!("/dead-letters?queue={}", encode(&queue)))) { "Dead letters of " (queue) }
         }
-        form.filters method="get" action=(here) role="search" {
+        form.filters method="get" action=(base.to("/queue")) role="search" {
+            input type="hidden" name="name" value=(queue);
             label { "Id or timer id" input type="search" name="q" value=(p.q.as_deref().unwrap_or("")); }
             label { "State"
                 select name="state" {
@@ -120,7 +146,7 @@ pub(crate) async fn page(
             button type="submit" { "Show" }
         }
         @if !s.read_only {
-            form.filters method="post" action=(format!("{here}/cancel")) {
+            form.filters method="post" action=(base.to(&layout::queue_path(&queue, Some("cancel")))) {
                 input type="hidden" name="csrf" value=(s.csrf);
                 label { "Cancel the timer keyed" input type="text" name="timer_id" required; }
                 button.danger type="submit" { "Cancel timer" }
@@ -160,7 +186,7 @@ pub(crate) async fn page(
                                 } @else if let Some(ago) = r.acquired_at.and_then(|at| lease_expired_for(at, now, s.lease_ttl)) {
                                     span.expired { "lease expired " (format::span(ago.num_seconds())) " ago: claimable again" }
                                     @if let Some(timer) = &r.timer_id {
-                                        " " (layout::button(&s, &format!("{here}/cancel"), &[("timer_id", timer)], "Cancel timer", "danger"))
+                                        " " (layout::button(&s, &base.to(&layout::queue_path(&queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
                                     }
                                 } @else {
                                     span.muted { "held by a worker" }
@@ -172,7 +198,7 @@ pub(crate) async fn page(
             }
         }
         p.pager {
-            @if after.is_some() { a href=(format!("{here}?state={}", filter.as_str())) { "First page" } " " }
+            @if after.is_some() { a href=(format!("{here}&state={}", filter.as_str())) { "First page" } " " }
             @if let Some(next) = next { a href=(next) rel="next" { "Next page" } }
         }
     };

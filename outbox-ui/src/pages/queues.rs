@@ -168,7 +168,7 @@ fn render(s: &Shared, base: &Base, notice: &Notice, view: View) -> maud::Markup 
                         @let samples = view.history.get(&q.queue).cloned().unwrap_or_default();
                         @let late: Vec<f64> = samples.iter().map(|x| x.lateness).collect();
                         @let series: Vec<Option<f64>> = samples.iter().map(|x| x.live.map(|v| v as f64)).collect();
-                        @let url = base.to(&format!("/queues/{}", encode(&q.queue)));
+                        @let url = base.to(&layout::queue_path(&q.queue, None));
                         tr {
                             th scope="row" { a href=(url) { (q.queue) } }
                             td.num { (format::count(q.pending)) }
@@ -207,7 +207,7 @@ fn render(s: &Shared, base: &Base, notice: &Notice, view: View) -> maud::Markup 
                     }
                     @for queue in &quiet {
                         tr {
-                            th scope="row" { a href=(base.to(&format!("/queues/{}", encode(queue)))) { (queue) } }
+                            th scope="row" { a href=(base.to(&layout::queue_path(queue, None))) { (queue) } }
                             td.num colspan="8" { span.muted { "no live row, no dead letter" } }
                             td.num.throughput {
                                 @if let Some(r) = &view.rates {
@@ -233,7 +233,7 @@ pub(crate) fn state(
     paused_at: Option<chrono::DateTime<chrono::Utc>>,
     now: chrono::DateTime<chrono::Utc>,
 ) -> maud::Markup {
-    let path = |what: &str| base.to(&format!("/queues/{}/{what}", encode(queue)));
+    let path = |what: &str| base.to(&layout::queue_path(queue, Some(what)));
     html! {
         @match paused_at {
             Some(at) => {

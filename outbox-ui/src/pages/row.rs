@@ -6,7 +6,7 @@ use axum::response::{IntoResponse, Response};
 use maud::{html, Markup};
 
 use crate::format;
-use crate::layout::{self, encode, Base, Kind, Notice};
+use crate::layout::{self, Base, Kind, Notice};
 use crate::pages::queue::{lease_expired_for, when};
 use crate::sql;
 use crate::state::State as Shared;
@@ -56,7 +56,7 @@ pub(crate) async fn page(
     let expired = r
         .acquired_at
         .and_then(|at| lease_expired_for(at, now, s.lease_ttl));
-    let queue_url = base.to(&format!("/queues/{}", encode(&r.queue)));
+    let queue_url = base.to(&layout::queue_path(&r.queue, None));
     let act = |what: &str| base.to(&format!("/rows/{id}/{what}"));
     let body = html! {
         p { a href=(queue_url) { "Queue " (r.queue) } }
@@ -105,7 +105,7 @@ pub(crate) async fn page(
                 @if let Some(timer) = &r.timer_id {
                     p { "Cancelling its timer marks the row: the next claim deletes it instead of running it." }
                     div.bar {
-                        (layout::button(&s, &base.to(&format!("/queues/{}/cancel", encode(&r.queue))), &[("timer_id", timer)], "Cancel timer", "danger"))
+                        (layout::button(&s, &base.to(&layout::queue_path(&r.queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
                     }
                 }
             } @else if r.acquired_at.is_some() {
@@ -115,7 +115,7 @@ pub(crate) async fn page(
                     (layout::button(&s, &act("run-now"), &[], "Run now", ""))
                     (layout::button(&s, &act("delete"), &[], "Delete row", "danger"))
                     @if let Some(timer) = &r.timer_id {
-                        (layout::button(&s, &base.to(&format!("/queues/{}/cancel", encode(&r.queue))), &[("timer_id", timer)], "Cancel timer", "danger"))
+                        (layout::button(&s, &base.to(&layout::queue_path(&r.queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
                     }
                 }
                 form.filters method="post" action=(act("reschedule")) {
