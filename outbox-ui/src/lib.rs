@@ -53,6 +53,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod actions;
+mod download;
 mod format;
 mod guard;
 mod history;
@@ -75,7 +76,9 @@ use outbox::Outbox;
 use sqlx::PgPool;
 
 pub use crate::guard::basic_auth;
-pub use crate::limits::{DUE_COUNT_CAP, EXACT_STATS_MAX_BYTES, MAX_PAGE_SIZE};
+pub use crate::limits::{
+    DUE_COUNT_CAP, EXACT_STATS_MAX_BYTES, LIST_SHOWN_BYTES, MAX_PAGE_SIZE, MAX_SHOWN_BYTES,
+};
 use crate::state::{Inner, State};
 
 /// Why a [`Dashboard`] could not be built.
@@ -213,7 +216,12 @@ impl Dashboard {
             .route("/queue/cancel", post(actions::cancel_named))
             .route("/queues/{queue}", get(pages::queue::page))
             .route("/rows/{id}", get(pages::row::page))
+            .route("/rows/{id}/download/{what}", get(download::row))
             .route("/dead-letters", get(pages::dead_letters::page))
+            .route(
+                "/dead-letters/{id}/download/{what}",
+                get(download::dead_letter),
+            )
             .route("/schedules", get(pages::schedules::page))
             .route("/schema", get(pages::schema::page))
             .route("/assets/app.css", get(layout::css))

@@ -1210,3 +1210,102 @@ async fn every_queue_name_the_library_accepts_has_working_links() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     db.drop_tables().await;
 }
+
+async fn download(router: &Router, path: &str) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
+    let r = router
+        .clone()
+        .oneshot(
+            Request::get(path)
+                .header(header::HOST, HOST)
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = r.status();
+    let headers = r.headers().clone();
+    let body = axum::body::to_bytes(r.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, headers, body.to_vec())
+}
+
+#[tokio::test]
+async fn a_large_payload_is_shown_in_part_and_downloaded_whole() {
+    let db = Db::new().await;
+    // 5 MB of JSON, and 1 MB of bytes that are not JSON.
+    let json = format!("{{\"blob\":\"{}\"}}", "x".repeat(5 * 1024 * 1024));
+    let id = db.publish("big", json.as_bytes(), None, 600).await;
+    let big_header = "h".repeat(200 * 1024);
+    db.exec(format!(
+        "UPDATE {} SET headers = jsonb_build_object('a', '{big_header}', 'b', 'c') WHERE id = {id}",
+        db.outbox.table()
+    ))
+    .await;
+    let bytes: Vec<u8> = (0..1024 * 1024).map(|i| (i % 251) as u8 | 0x80).collect();
+    db.exec(format!(
+        "INSERT INTO {} (original_id, queue, payload, headers, attempts_count, deliveries_count, \
+         created_at, failure_reason, last_error) VALUES (1, 'big', '\\x{}', \
+         jsonb_build_object('k', '{big_header}'), 1, 1, now(), 'rejected', '{}')",
+        db.outbox.dead_letter_table(),
+        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+        "e".repeat(100_000),
+    ))
+    .await;
+    let r = db.router(false, 50);
+
+    let (status, page) = get(&r, &format!("/outbox/rows/{id}")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        page.len() < 200 * 1024,
+        "the row page is {} bytes",
+        page.len()
+    );
+    assert!(
+        page.contains(&format!("Showing {} of ", crate::MAX_SHOWN_BYTES)),
+        "{}",
+        &page[..2000]
+    );
+    assert!(page.contains("Showing 1 of 2 headers"), "headers cut");
+    let (status, h, body) = download(&r, &format!("/outbox/rows/{id}/download/payload")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(h[header::CONTENT_TYPE], "application/octet-stream");
+    assert_eq!(
+        h[header::CONTENT_DISPOSITION],
+        format!("attachment; filename=\"row-{id}-payload.bin\"").as_str()
+    );
+    assert_eq!(body, json.as_bytes(), "the raw payload, whole");
+    let (_, _, body) = download(&r, &format!("/outbox/rows/{id}/download/headers")).await;
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["a"].as_str().map(str::len), Some(big_header.len()));
+    let (status, _) = get(&r, &format!("/outbox/rows/{id}/download/nope")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    let (status, page) = get(&r, "/outbox/dead-letters").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        page.len() < 64 * 1024,
+        "the dead-letter page is {} bytes",
+        page.len()
+    );
+    assert!(page.contains("Not JSON: showing the first"), "payload cut");
+    let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT id FROM {}",
+        db.outbox.dead_letter_table()
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let (status, h, body) =
+        download(&r, &format!("/outbox/dead-letters/{dead}/download/payload")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(h[header::CONTENT_TYPE], "application/octet-stream");
+    assert_eq!(body, bytes);
+    let (status, _) = get(
+        &r,
+        &format!("/outbox/dead-letters/{}/download/payload", dead + 1),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    db.drop_tables().await;
+}
