@@ -1,7 +1,12 @@
 //! The dashboard in a real browser (SPEC §15): Debian's headless Chromium, driven through
 //! chromedriver (WebDriver), against real Postgres. Loads every page, pauses and resumes a
 //! queue, searches a timer, redrives a dead letter, shows a `<script>` payload as text,
-//! and checks read-only mode; writes a screenshot of each page to `docs/img/`.
+//! and checks read-only mode; writes a screenshot of each page.
+//!
+//! Screenshots go to `<target>/tmp/screenshots/` (`CARGO_TARGET_TMPDIR`), so a run leaves
+//! the checkout clean; with `OUTBOX_UPDATE_SCREENSHOTS=1` they replace the checked-in ones
+//! in `docs/img/` (do that when the pages change, and commit them):
+//! `OUTBOX_UPDATE_SCREENSHOTS=1 cargo nextest run -p outbox-ui-browser-tests --run-ignored all`.
 //!
 //! Ignored by the workspace's test command (a machine without Chromium can run the rest);
 //! `.ci/run` installs `chromium` and `chromium-driver` and runs it with `--run-ignored all`.
@@ -119,8 +124,14 @@ async fn serve(outbox: Outbox, pool: PgPool, read_only: bool) -> SocketAddr {
     addr
 }
 
+/// `docs/img/` with `OUTBOX_UPDATE_SCREENSHOTS=1`, else a directory of the target dir.
 fn screenshots() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/img")
+    if std::env::var("OUTBOX_UPDATE_SCREENSHOTS").is_ok_and(|v| v == "1") {
+        return PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/img");
+    }
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("screenshots");
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+    dir
 }
 
 async fn shot(c: &Client, name: &str) {
