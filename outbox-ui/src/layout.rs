@@ -216,3 +216,56 @@ pub(crate) fn failed(base: &Base, inner: &Inner, e: &dyn std::fmt::Display) -> R
         &e.to_string(),
     )
 }
+
+/// Replaces the plain-text bodies of axum's own refusals (a path or query that does not
+/// parse, a form that is not a form, no such route, a wrong method) with the dashboard's
+/// error page, saying what was wrong. Responses the dashboard rendered itself (HTML) and
+/// downloads pass unchanged.
+pub(crate) async fn plain_errors(
+    axum::extract::State(s): axum::extract::State<crate::state::State>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (mut parts, body) = request.into_parts();
+    let Ok(base) = Base::from_request_parts(&mut parts, &()).await;
+    let response = next
+        .run(axum::extract::Request::from_parts(parts, body))
+        .await;
+    let status = response.status();
+    let html = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|c| c.to_str().ok())
+        .is_some_and(|c| c.starts_with("text/html"));
+    if !status.is_client_error() || html {
+        return response;
+    }
+    let text = axum::body::to_bytes(response.into_body(), 16 * 1024)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
+        .unwrap_or_default();
+    let (title, reason) = match status {
+        StatusCode::NOT_FOUND => (
+            "Not found",
+            "the dashboard has no page at this address".to_owned(),
+        ),
+        StatusCode::METHOD_NOT_ALLOWED => (
+            "Method not allowed",
+            "this address does not take that method (an action is a POST of its page's form)"
+                .to_owned(),
+        ),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => (
+            "Bad request",
+            format!("the action was not sent as a form ({text})"),
+        ),
+        _ => (
+            "Bad request",
+            if text.is_empty() {
+                "the request could not be read".to_owned()
+            } else {
+                format!("the address or form could not be read: {text}")
+            },
+        ),
+    };
+    error(&base, &s, status, title, &reason)
+}

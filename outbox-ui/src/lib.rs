@@ -197,6 +197,38 @@ impl Dashboard {
         Ok(throughput::remove(&self.outbox, &self.pool).await?)
     }
 
+    /// The router nested at `path` (`"/outbox"`), ready to [`merge`](Router::merge) into the
+    /// application's: as `Router::new().nest(path, self.router())`, plus `path/` (with its
+    /// trailing slash, which axum's `nest` does not answer) redirecting to `path`.
+    ///
+    /// ```no_run
+    /// # async fn f(pool: sqlx::PgPool, outbox: outbox::Outbox) -> Result<(), outbox_ui::UiError> {
+    /// let app: axum::Router = axum::Router::new()
+    ///     // .route("/", …) the application's own routes
+    ///     .merge(outbox_ui::Dashboard::new(outbox, pool)?.router_at("/outbox")?);
+    /// # let _ = app;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`UiError::InvalidSetting`] when `path` does not start with `/`, ends with `/` or is
+    /// `/` itself (serve [`Dashboard::router`] at the root instead).
+    pub fn router_at(self, path: &str) -> Result<Router, UiError> {
+        if !path.starts_with('/') || path.ends_with('/') || path.contains(['{', '}', '*']) {
+            return Err(UiError::InvalidSetting {
+                field: "router_at",
+                reason: format!(
+                    "the mount {path:?} must start with / and not end with one (not / itself), without {{, }} or *"
+                ),
+            });
+        }
+        let to = path.to_owned();
+        Ok(Router::new().nest(path, self.router()).route(
+            &format!("{path}/"),
+            get(move || async move { axum::response::Redirect::permanent(&to) }),
+        ))
+    }
+
     /// The router: every page, action and embedded asset, with paths relative to where it
     /// is nested (links are built from the request's original path, so `nest("/outbox",
     /// …)` and serving it at `/` both work).
@@ -234,6 +266,11 @@ impl Dashboard {
             .route("/rows/{id}/delete", post(actions::delete))
             .route("/dead-letters/redrive", post(actions::redrive))
             .route("/dead-letters/purge", post(actions::purge))
+            .fallback(|| async { axum::http::StatusCode::NOT_FOUND })
+            .layer(axum::middleware::from_fn_with_state(
+                state.clone(),
+                layout::plain_errors,
+            ))
             .layer(axum::middleware::from_fn(guard::headers))
             .with_state(state)
     }

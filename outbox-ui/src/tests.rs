@@ -1309,3 +1309,88 @@ async fn a_large_payload_is_shown_in_part_and_downloaded_whole() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     db.drop_tables().await;
 }
+
+#[tokio::test]
+async fn the_mount_answers_with_and_without_its_slash_and_bad_requests_get_the_page() {
+    let db = Db::new().await;
+    let r = Dashboard::new(db.outbox.clone(), db.pool.clone())
+        .unwrap()
+        .router_at("/outbox")
+        .unwrap();
+    let (status, body) = get(&r, "/outbox").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("<h1>Queues</h1>"), "{body}");
+    assert!(body.contains(r#"href="/outbox/assets/app.css""#), "{body}");
+    let response = r
+        .clone()
+        .oneshot(
+            Request::get("/outbox/")
+                .header(header::HOST, HOST)
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::PERMANENT_REDIRECT);
+    assert_eq!(response.headers()[header::LOCATION], "/outbox");
+    let (status, _) = get(&r, "/outbox/queues/x").await;
+    assert_eq!(status, StatusCode::OK);
+    // axum's own refusals come back as the dashboard's page, saying what was wrong.
+    for (path, status, says) in [
+        (
+            "/outbox/nowhere",
+            StatusCode::NOT_FOUND,
+            "no page at this address",
+        ),
+        (
+            "/outbox/queues/%FF",
+            StatusCode::BAD_REQUEST,
+            "the address or form could not be read",
+        ),
+        (
+            "/outbox/rows/1/pause",
+            StatusCode::NOT_FOUND,
+            "no page at this address",
+        ),
+        (
+            "/outbox/rows/1/run-now",
+            StatusCode::METHOD_NOT_ALLOWED,
+            "an action is a POST",
+        ),
+    ] {
+        let (got, body) = get(&r, path).await;
+        assert_eq!(got, status, "{path}: {body}");
+        assert!(
+            body.contains("<h1>") && body.contains(says),
+            "{path}: {body}"
+        );
+        assert!(body.contains("Back to the queues"), "{path}: {body}");
+    }
+    let response = r
+        .clone()
+        .oneshot(
+            Request::post("/outbox/queue/pause?name=x")
+                .header(header::HOST, HOST)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from("{}"))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&body).contains("not sent as a form"),
+        "{body:?}"
+    );
+    for bad in ["outbox", "/outbox/", "/", "/{x}"] {
+        let d = Dashboard::new(db.outbox.clone(), db.pool.clone()).unwrap();
+        assert!(
+            matches!(d.router_at(bad), Err(crate::UiError::InvalidSetting { .. })),
+            "{bad:?}"
+        );
+    }
+    db.drop_tables().await;
+}
