@@ -34,6 +34,70 @@ pub(crate) struct Fields {
     reason: Option<String>,
     older_than: Option<String>,
     confirm: Option<String>,
+    /// The page the first `POST` of a confirmed action came from (its `Referer`), carried
+    /// by the confirmation page so the outcome goes back there.
+    back: Option<String>,
+}
+
+/// The confirmation page of a destructive action (delete, redrive, purge): `question`, and
+/// a form that posts `fields` again to `action` with `confirm=yes`; works without script.
+struct Confirm<'a> {
+    title: &'a str,
+    question: &'a str,
+    action: &'a str,
+    fields: &'a [(&'a str, &'a str)],
+    yes: &'a str,
+    /// Where "No, go back" leads.
+    no: &'a str,
+}
+
+fn confirm_page(s: &Shared, base: &Base, headers: &HeaderMap, c: Confirm<'_>) -> Response {
+    let Confirm {
+        title,
+        question,
+        action,
+        fields,
+        yes,
+        no,
+    } = c;
+    let from = headers
+        .get(header::REFERER)
+        .and_then(|r| r.to_str().ok())
+        .unwrap_or("");
+    let body = html! {
+        p { (question) }
+        form.inline method="post" action=(action) {
+            input type="hidden" name="csrf" value=(s.csrf);
+            @for (name, value) in fields {
+                input type="hidden" name=(name) value=(value);
+            }
+            input type="hidden" name="back" value=(from);
+            input type="hidden" name="confirm" value="yes";
+            button.danger type="submit" { (yes) }
+        }
+        " "
+        a href=(no) { "No, go back" }
+    };
+    layout::page(base, s, title, "", &Notice::default(), false, body).into_response()
+}
+
+/// The headers to go back by: the confirmed form's `back` field as the `Referer` (checked
+/// by [`back`] like any `Referer`), else the request's own.
+fn return_headers(headers: &HeaderMap, f: &Fields) -> HeaderMap {
+    match f
+        .back
+        .as_deref()
+        .filter(|b| !b.is_empty())
+        .and_then(|b| axum::http::HeaderValue::from_str(b).ok())
+    {
+        Some(v) => {
+            let mut h = HeaderMap::new();
+            h.insert(header::REFERER, v);
+            h
+        }
+        None if f.confirm.is_some() => HeaderMap::new(),
+        None => headers.clone(),
+    }
 }
 
 /// The outcome of an action: a notice for the page it returns to.
@@ -259,6 +323,17 @@ async fn row_action(
             }
         }
     };
+    if matches!(op, RowOp::Delete) && f.confirm.as_deref() != Some("yes") {
+        return confirm_page(&s, &base, &headers, Confirm {
+            title: &format!("Delete row {id}?"),
+            question: &format!("Delete row {id}? It will not run, and this cannot be undone (a worker that claims it first keeps it: the delete then changes nothing)."),
+            action: &base.to(&format!("/rows/{id}/delete")),
+            fields: &[],
+            yes: "Yes, delete it",
+            no: &page,
+        });
+    }
+    let headers = return_headers(&headers, &f);
     let run = async {
         let mut tx = s.pool.begin().await?;
         let result = match op {
@@ -447,6 +522,35 @@ pub(crate) async fn redrive(
             }
         }
     };
+    if f.confirm.as_deref() != Some("yes") {
+        let id = f.id.clone().unwrap_or_default();
+        let queue = f.queue.clone().unwrap_or_default();
+        let reason = f.reason.clone().unwrap_or_default();
+        let question = if id.is_empty() {
+            format!(
+                "Redrive up to {} dead letters not yet redriven{}{}, oldest first? Each is published again as a new row of its queue.",
+                s.page_size,
+                if queue.is_empty() { String::new() } else { format!(" of queue {queue}") },
+                if reason.is_empty() { String::new() } else { format!(" that failed with {reason}") },
+            )
+        } else {
+            format!("Redrive dead letter {id}? It is published again as a new row of its queue.")
+        };
+        return confirm_page(
+            &s,
+            &base,
+            &headers,
+            Confirm {
+                title: "Redrive dead letters?",
+                question: &question,
+                action: &base.to("/dead-letters/redrive"),
+                fields: &[("id", &id), ("queue", &queue), ("reason", &reason)],
+                yes: "Yes, redrive",
+                no: &fallback,
+            },
+        );
+    }
+    let headers = return_headers(&headers, &f);
     let run = async {
         let mut tx = s.pool.begin().await?;
         let outcomes = s.outbox.redrive_dead_letters(&mut tx, &selection).await?;

@@ -429,10 +429,26 @@ async fn row_actions_follow_the_library_and_never_touch_a_held_row() {
         notice(&location).starts_with(&format!("row {pending}: due at ")),
         "{location}"
     );
-    let (_, location) = post(
+    // Delete asks first (a page whose form confirms); the question changes nothing.
+    let (status, page) = post(
         &r,
         &format!("/outbox/rows/{pending}/delete"),
         &format!("csrf={t}"),
+        ORIGIN,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        page.contains(&format!("Delete row {pending}?"))
+            && page.contains(r#"name="confirm" value="yes""#),
+        "{page}"
+    );
+    let (status, _) = get(&r, &format!("/outbox/rows/{pending}")).await;
+    assert_eq!(status, StatusCode::OK, "the question deleted the row");
+    let (_, location) = post(
+        &r,
+        &format!("/outbox/rows/{pending}/delete"),
+        &format!("csrf={t}&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -443,7 +459,7 @@ async fn row_actions_follow_the_library_and_never_touch_a_held_row() {
     let (_, location) = post(
         &r,
         &format!("/outbox/rows/{pending}/delete"),
-        &format!("csrf={t}"),
+        &format!("csrf={t}&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -617,11 +633,24 @@ async fn purge_asks_first_and_redrive_follows_the_cli_rules() {
     .await;
     assert!(notice(&location).starts_with("bad age"), "{location}");
 
-    // The one left holds a timer key a live row has: kept, as the CLI reports it.
-    let (_, location) = post(
+    // The one left holds a timer key a live row has: kept, as the CLI reports it. Redrive
+    // asks first.
+    let (status, page) = post(
         &r,
         "/outbox/dead-letters/redrive",
         &format!("csrf={t}&queue=a&reason="),
+        ORIGIN,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        page.contains("Redrive up to 50 dead letters not yet redriven of queue a"),
+        "{page}"
+    );
+    let (_, location) = post(
+        &r,
+        "/outbox/dead-letters/redrive",
+        &format!("csrf={t}&queue=a&reason=&confirm=yes"),
         ORIGIN,
     )
     .await;
