@@ -141,19 +141,44 @@ async fn shot(c: &Client, name: &str) {
 }
 
 async fn text_of(c: &Client, css: &str) -> String {
-    let url = c
-        .current_url()
-        .await
-        .map(|u| u.to_string())
-        .unwrap_or_default();
-    c.wait()
-        .at_most(Duration::from_secs(10))
-        .for_element(Locator::Css(css))
-        .await
-        .unwrap_or_else(|e| panic!("no element {css} on {url}: {e}"))
-        .text()
-        .await
-        .expect("text")
+    // The queues page replaces its <main> every 5 s, and a click may still be loading the
+    // next page: an element found just before either is stale, so find it again.
+    let mut last = String::new();
+    for _ in 0..5 {
+        let url = c
+            .current_url()
+            .await
+            .map(|u| u.to_string())
+            .unwrap_or_default();
+        let element = c
+            .wait()
+            .at_most(Duration::from_secs(10))
+            .for_element(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no element {css} on {url}: {e}"));
+        match element.text().await {
+            Ok(text) => return text,
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("the text of {css}: {last}")
+}
+
+/// Clicks the link whose text is `text` (again after a refresh of the queues page).
+async fn click_link(c: &Client, text: &str) {
+    let mut last = String::new();
+    for _ in 0..3 {
+        match c.find(Locator::LinkText(text)).await {
+            Ok(link) => match link.click().await {
+                Ok(()) => return,
+                Err(e) => last = e.to_string(),
+            },
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("cannot click the link {text:?}: {last}");
 }
 
 async fn click_button(c: &Client, label: &str) {
@@ -237,6 +262,14 @@ async fn setup() -> Data {
         .unwrap();
     let bytes = outbox
         .publish(&mut conn, publish("ui.timers", XSS_BYTES))
+        .await
+        .unwrap();
+    // A queue named `..`: its link must survive the browser's path normalisation.
+    outbox
+        .publish(
+            &mut conn,
+            publish("..", b"{}").schedule(Duration::from_secs(3600)),
+        )
         .await
         .unwrap();
     let leased = outbox
@@ -393,8 +426,36 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
         return Err("the queue is still paused".into());
     }
 
+    // A notice in a link is not the dashboard's: not shown.
+    c.goto(&format!("{base}?ok=Queue%20purged%2C%20now%20run%20X"))
+        .await
+        .map_err(|e| e.to_string())?;
+    text_of(c, "h1").await;
+    if !c
+        .find_all(Locator::Css(".notice"))
+        .await
+        .map_err(|e| e.to_string())?
+        .is_empty()
+    {
+        return Err("a notice from a link's query is shown".into());
+    }
+
+    // The queue named `..`: its link leads to its page, not to the application's root.
+    click_link(c, "..").await;
+    for _ in 0..50 {
+        let url = c.current_url().await.map_err(|e| e.to_string())?;
+        if url.path().ends_with("/queue") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let title = text_of(c, "h1").await;
+    if title != "Queue .." {
+        return Err(format!("the link of the queue `..` leads to {title:?}"));
+    }
+
     // A queue page: rows by deadline; the leased row has no action.
-    c.goto(&format!("{base}/queues/ui.mail"))
+    c.goto(&format!("{base}/queue?name=ui.mail"))
         .await
         .map_err(|e| e.to_string())?;
     let rows = text_of(c, "main table tbody").await;
@@ -404,7 +465,7 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     shot(c, "queue").await;
 
     // Search a timer by its id: the row's page.
-    c.goto(&format!("{base}/queues/ui.timers"))
+    c.goto(&format!("{base}/queue?name=ui.timers"))
         .await
         .map_err(|e| e.to_string())?;
     let search = c
@@ -472,6 +533,8 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     }
     shot(c, "dead-letters").await;
     click_button(c, "Redrive").await;
+    // It asks first.
+    click_button(c, "Yes, redrive").await;
     let notice = text_of(c, ".notice.ok").await;
     if !notice.contains(&format!(
         "dead letter {}: redriven as row",
@@ -531,7 +594,7 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
         .execute(
             "return fetch(arguments[0], {method: 'POST', headers: {'Content-Type': \
              'application/x-www-form-urlencoded'}, body: 'csrf=forged'}).then(r => r.status);",
-            vec![json!(format!("{base}/queues/ui.mail/pause"))],
+            vec![json!(format!("{base}/queue/pause?name=ui.mail"))],
         )
         .await
         .map_err(|e| e.to_string())?;
@@ -553,7 +616,7 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     let ro_base = format!("http://{ro}/outbox");
     for page in [
         "",
-        "/queues/ui.mail",
+        "/queue?name=ui.mail",
         &format!("/rows/{}", d.keyed_id),
         "/dead-letters",
     ] {
@@ -578,7 +641,7 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     let status = c
         .execute(
             "return fetch(arguments[0], {method: 'POST', body: new URLSearchParams({csrf: 'x'})}).then(r => r.status);",
-            vec![json!(format!("{ro_base}/queues/ui.mail/pause"))],
+            vec![json!(format!("{ro_base}/queue/pause?name=ui.mail"))],
         )
         .await
         .map_err(|e| e.to_string())?;
