@@ -128,7 +128,7 @@ fn render(s: &Shared, base: &Base, notice: &Notice, view: View) -> maud::Markup 
             @match &view.rates {
                 Some(_) => {
                     "Finished per second: each queue's rows acked, failed, cancelled or deleted over the last "
-                    (crate::throughput::WINDOW_MINUTES) " minutes (the counter " code { "_finished" } "). "
+                    (crate::throughput::WINDOW_MINUTES) " minutes (the counter table " code { (crate::throughput::Names::of(&s.outbox).table) } "). "
                 }
                 None => {
                     "Rows finished: "

@@ -333,8 +333,15 @@ async fn the_dashboard_in_a_real_browser() {
     let driver = start_driver().await;
     let profile = tempfile::tempdir().unwrap();
     let c = browser(&driver, &profile).await;
+    // The per-queue throughput counter, so the queues page (and its screenshot) has it.
+    let counter = outbox_ui::Dashboard::new(d.outbox.clone(), d.pool.clone()).expect("dashboard");
+    counter
+        .install_throughput_counter()
+        .await
+        .expect("install the throughput counter");
     let result = run(&c, &d).await;
     let _ = c.close().await;
+    let _ = counter.remove_throughput_counter().await;
     let t = d.outbox.table().to_owned();
     let dl = d.outbox.dead_letter_table().to_owned();
     for table in [t, dl] {
@@ -361,6 +368,9 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     // The queues page: every queue, its figures, a sparkline; the refresh script loads.
     c.goto(&base.clone()).await.map_err(|e| e.to_string())?;
     let table = text_of(c, "main table").await;
+    if !table.contains("Finished/s") {
+        return Err(format!("no throughput column: {table}"));
+    }
     for q in ["ui.mail", "ui.timers"] {
         if !table.contains(q) {
             return Err(format!("the queues page does not list {q}: {table}"));
