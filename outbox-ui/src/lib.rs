@@ -99,6 +99,13 @@ pub enum UiError {
     /// [`Dashboard::remove_throughput_counter`] failed.
     #[error("the throughput counter: {0}")]
     Database(#[from] sqlx::Error),
+    /// [`Dashboard::install_throughput_counter`]: the queue table does not exist (run the
+    /// outbox's migrations first).
+    #[error("the queue table {table} does not exist: migrate first")]
+    NoQueueTable {
+        /// The queue table, as the `Outbox` names it.
+        table: String,
+    },
     /// A setting is out of its range.
     #[error("invalid dashboard setting {field}: {reason}")]
     InvalidSetting {
@@ -188,10 +195,17 @@ impl Dashboard {
     /// operator's call. Needs the right to create tables and triggers on the queue table;
     /// the trigger's lock on the queue table is waited for at most 5 s.
     ///
+    /// The trigger's function is `SECURITY DEFINER` (with a fixed `search_path`): it writes
+    /// the counter as the role that installed it, so the roles that delete queue rows (the
+    /// workers') need no right on the counter table. Remove it with
+    /// [`Dashboard::remove_throughput_counter`], never by dropping the table alone (the
+    /// trigger would then fail every statement that deletes queue rows).
+    ///
     /// # Errors
-    /// [`UiError::Database`] when a statement fails (rights, lock timeout).
+    /// [`UiError::NoQueueTable`] before the outbox's migrations; [`UiError::Database`] when
+    /// a statement fails (rights, lock timeout).
     pub async fn install_throughput_counter(&self) -> Result<(), UiError> {
-        Ok(throughput::install(&self.outbox, &self.pool).await?)
+        throughput::install(&self.outbox, &self.pool).await
     }
 
     /// Removes what [`Dashboard::install_throughput_counter`] made (trigger, function,

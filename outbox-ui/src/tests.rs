@@ -1019,9 +1019,51 @@ async fn the_throughput_counter_counts_each_queues_acks_of_a_real_worker() {
     assert_eq!(b, 0.0, "tp_b: {b}");
     assert!(!page.contains("--throughput-counter"), "still off: {page}");
 
+    // A role that may delete queue rows but has no right on the counter table still
+    // deletes (the trigger's function writes as its owner), and is counted.
+    let role = format!("{}_role", db.outbox.table().trim_matches('"'));
+    db.exec(format!("CREATE ROLE {role} NOLOGIN")).await;
+    db.exec(format!(
+        "GRANT SELECT, DELETE ON {} TO {role}",
+        db.outbox.table()
+    ))
+    .await;
+    let victim = db.publish("tp_b", b"{}", None, 3600).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!("SET LOCAL ROLE {role}")))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let deleted = sqlx::query(AssertSqlSafe(format!(
+        "DELETE FROM {} WHERE id = {victim}",
+        db.outbox.table()
+    )))
+    .execute(&mut *tx)
+    .await
+    .expect("a role without rights on the counter deletes");
+    assert_eq!(deleted.rows_affected(), 1);
+    tx.commit().await.unwrap();
+    let b: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT coalesce(sum(finished), 0)::bigint FROM {} WHERE queue = 'tp_b'",
+        crate::throughput::Names::of(&db.outbox).table
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(b, 1);
+    db.exec(format!("REVOKE ALL ON {} FROM {role}", db.outbox.table()))
+        .await;
+    db.exec(format!("DROP ROLE {role}")).await;
+
     dashboard.remove_throughput_counter().await.unwrap();
     let (_, page) = get(&r, "/outbox").await;
     assert!(page.contains("--throughput-counter"), "{page}");
+    let missing = Outbox::builder().table("ui_no_such_table").build().unwrap();
+    let d = Dashboard::new(missing, db.pool.clone()).unwrap();
+    assert!(matches!(
+        d.install_throughput_counter().await,
+        Err(crate::UiError::NoQueueTable { .. })
+    ));
     db.drop_tables().await;
 }
 

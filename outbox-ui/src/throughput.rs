@@ -58,13 +58,20 @@ impl Names {
     }
 }
 
-fn install_statements(outbox: &Outbox, n: &Names) -> Vec<String> {
+/// `schema`: the queue table's schema, quoted: the function names its table with it, since
+/// it runs with a fixed `search_path`.
+fn install_statements(outbox: &Outbox, n: &Names, schema: &str) -> Vec<String> {
     let t = outbox.table();
     let Names {
         table: c,
         function: f,
         trigger: g,
     } = n;
+    let bare = match c.rfind(".\"") {
+        Some(i) => &c[i + 1..],
+        None => c.as_str(),
+    };
+    let qc = format!("{schema}.{bare}");
     vec![
         // Waiting long for the queue table's lock would stall every worker queued behind it.
         "SET LOCAL lock_timeout = '5s'".to_owned(),
@@ -74,21 +81,26 @@ fn install_statements(outbox: &Outbox, n: &Names) -> Vec<String> {
              PRIMARY KEY (queue, minute, backend))"
         ),
         format!(
-            r#"CREATE OR REPLACE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+            // SECURITY DEFINER: the function writes the counter as its owner (who installed
+            // it), so a role that may delete queue rows (a worker's) needs no right on the
+            // counter table, and an ack never fails for want of one. Its search_path is
+            // fixed, as such a function's must be.
+            r#"CREATE OR REPLACE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
 DECLARE
     fresh boolean;
 BEGIN
     -- One row per (queue, backend, minute): no other backend ever waits on it.
     WITH up AS (
-        INSERT INTO {c} AS c (queue, backend, minute, finished)
+        INSERT INTO {qc} AS c (queue, backend, minute, finished)
         SELECT queue::text, pg_backend_pid(), date_trunc('minute', now()), count(*)
         FROM done GROUP BY queue ORDER BY queue
         ON CONFLICT (queue, minute, backend) DO UPDATE SET finished = c.finished + excluded.finished
         RETURNING xmax = 0 AS inserted)
     SELECT coalesce(bool_or(inserted), false) INTO fresh FROM up;
     IF fresh THEN
-        DELETE FROM {c} WHERE ctid IN (
-            SELECT ctid FROM {c} WHERE minute < date_trunc('minute', now()) - interval '{KEEP_MINUTES} minutes'
+        DELETE FROM {qc} WHERE ctid IN (
+            SELECT ctid FROM {qc} WHERE minute < date_trunc('minute', now()) - interval '{KEEP_MINUTES} minutes'
             FOR UPDATE SKIP LOCKED);
     END IF;
     RETURN NULL;
@@ -104,13 +116,25 @@ $fn$"#
 
 /// Creates (or replaces) the counter table, its function and the trigger, in one
 /// transaction.
-pub(crate) async fn install(outbox: &Outbox, pool: &PgPool) -> sqlx::Result<()> {
+pub(crate) async fn install(outbox: &Outbox, pool: &PgPool) -> Result<(), crate::UiError> {
     let n = Names::of(outbox);
     let mut tx = pool.begin().await?;
-    for s in install_statements(outbox, &n) {
+    let schema: Option<String> = sqlx::query_scalar(
+        "SELECT quote_ident(n.nspname) FROM pg_class c \
+         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)",
+    )
+    .bind(outbox.table())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(schema) = schema else {
+        return Err(crate::UiError::NoQueueTable {
+            table: outbox.table().to_owned(),
+        });
+    };
+    for s in install_statements(outbox, &n, &schema) {
         sqlx::raw_sql(AssertSqlSafe(s)).execute(&mut *tx).await?;
     }
-    tx.commit().await
+    Ok(tx.commit().await?)
 }
 
 /// Drops the trigger, its function and the counter table.
