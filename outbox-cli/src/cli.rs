@@ -135,10 +135,12 @@ pub enum Command {
 
 #[derive(Debug, Args)]
 pub struct UiArgs {
-    /// The address and port to listen on; an address other than a loopback one exposes the
-    /// dashboard to the network (use --basic-auth, and TLS in front).
-    #[arg(long, default_value = "127.0.0.1:8080")]
-    pub listen: std::net::SocketAddr,
+    /// The address and port to listen on (`127.0.0.1:8080`, `[::1]:8080`, or a host name
+    /// such as `localhost:8080`, resolved, its first address taken); an address other than
+    /// a loopback one exposes the dashboard to the network (use --basic-auth, and TLS in
+    /// front).
+    #[arg(long, default_value = "127.0.0.1:8080", value_name = "HOST:PORT")]
+    pub listen: String,
     /// Show only: no action is offered and every POST is refused.
     #[arg(long)]
     pub read_only: bool,
@@ -155,6 +157,14 @@ pub struct UiArgs {
     /// older than this is shown as expired.
     #[arg(long, value_parser = duration, default_value = "60s")]
     pub lease_ttl: Duration,
+    /// Install the per-queue throughput counter before serving (a table `<table>_finished`
+    /// and an AFTER DELETE trigger on the queue table that counts each queue's finished
+    /// rows; one small upsert per queue per deleting statement). Idempotent.
+    #[arg(long, conflicts_with = "remove_throughput_counter")]
+    pub throughput_counter: bool,
+    /// Remove the throughput counter (trigger, function, table) before serving.
+    #[arg(long)]
+    pub remove_throughput_counter: bool,
 }
 
 /// `user:password`, both non-empty, the user without a colon.

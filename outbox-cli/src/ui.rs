@@ -18,7 +18,21 @@ pub async fn run(outbox: Outbox, pool: PgPool, args: UiArgs) -> Result<(), Failu
         .and_then(|d| d.lease_ttl(args.lease_ttl))
         .map_err(|e| Failure::usage(e.to_string()))?
         .read_only(args.read_only);
-    let listener = tokio::net::TcpListener::bind(args.listen)
+    if args.throughput_counter {
+        dashboard
+            .install_throughput_counter()
+            .await
+            .map_err(|e| Failure::failed(e.to_string()))?;
+        eprintln!("outbox ui: the throughput counter is installed (remove it with --remove-throughput-counter)");
+    } else if args.remove_throughput_counter {
+        dashboard
+            .remove_throughput_counter()
+            .await
+            .map_err(|e| Failure::failed(e.to_string()))?;
+        eprintln!("outbox ui: the throughput counter is removed");
+    }
+    let listen = resolve(&args.listen).await?;
+    let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| Failure::failed(format!("cannot listen on {}: {e}", args.listen)))?;
     let addr = listener
@@ -55,6 +69,34 @@ pub async fn run(outbox: Outbox, pool: PgPool, args: UiArgs) -> Result<(), Failu
         .with_graceful_shutdown(shutdown())
         .await
         .map_err(|e| Failure::failed(format!("the dashboard's server failed: {e}")))
+}
+
+/// `--listen`: an address and port, or a host name and port (`localhost:8080`), resolved;
+/// the first address is taken.
+async fn resolve(listen: &str) -> Result<std::net::SocketAddr, Failure> {
+    if let Ok(addr) = listen.parse() {
+        return Ok(addr);
+    }
+    let bad = |why: String| {
+        Failure::usage(format!(
+            "bad --listen {listen:?}: {why}; write HOST:PORT, e.g. 127.0.0.1:8080, [::1]:8080 or localhost:8080"
+        ))
+    };
+    let Some((host, port)) = listen.rsplit_once(':') else {
+        return Err(bad("no port".to_owned()));
+    };
+    if host.is_empty() {
+        return Err(bad("no host".to_owned()));
+    }
+    if port.parse::<u16>().is_err() {
+        return Err(bad(format!("{port:?} is not a port (0 to 65535)")));
+    }
+    let mut addrs = tokio::net::lookup_host(listen)
+        .await
+        .map_err(|e| bad(format!("cannot resolve {host:?}: {e}")))?;
+    addrs
+        .next()
+        .ok_or_else(|| bad(format!("{host:?} resolves to no address")))
 }
 
 /// A loopback dashboard without basic auth answers only requests addressed to a loopback

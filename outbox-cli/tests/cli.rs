@@ -1026,6 +1026,48 @@ async fn ui_on_loopback_without_auth_refuses_other_host_names() {
     t.cleanup().await;
 }
 
+/// `--listen localhost:0` resolves the name and keeps the loopback-only Host check.
+#[tokio::test]
+async fn ui_listens_on_a_host_name() {
+    let t = Tables::new().await;
+    let mut child = outbox_cmd()
+        .args(["--table", &t.name, "ui", "--listen", "localhost:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let addr = first
+        .strip_prefix("outbox ui: http://")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("the first line names the address: {first:?}"))
+        .to_owned();
+    let port = addr.rsplit(':').next().unwrap().to_owned();
+    let page = http(
+        &addr,
+        &format!("GET / HTTP/1.1\r\nHost: localhost:{port}\r\nConnection: close\r\n\r\n"),
+    );
+    assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+    let refused = http(
+        &addr,
+        &format!("GET / HTTP/1.1\r\nHost: evil.example:{port}\r\nConnection: close\r\n\r\n"),
+    );
+    assert!(refused.starts_with("HTTP/1.1 421"), "{refused}");
+    child.kill().unwrap();
+    let _ = child.wait();
+    let bad = outbox_cmd()
+        .args(["--table", &t.name, "ui", "--listen", "localhost"])
+        .output()
+        .expect("the binary runs");
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("bad --listen \"localhost\": no port"), "{err}");
+    t.cleanup().await;
+}
+
 /// One HTTP/1.1 request over a plain socket; the whole response as text.
 fn http(addr: &str, request: &str) -> String {
     use std::io::{Read, Write};
@@ -1085,6 +1127,12 @@ async fn ui_serves_the_dashboard_behind_basic_auth_and_read_only() {
         &format!("GET / HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"),
     );
     assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+    // RFC 7235: the scheme is case-insensitive.
+    let lower = http(
+        &addr,
+        "GET / HTTP/1.1\r\nHost: x\r\nauthorization: basic b3BzOnMzOmNyZXQ=\r\nConnection: close\r\n\r\n",
+    );
+    assert!(lower.starts_with("HTTP/1.1 200"), "{lower}");
     assert!(
         page.contains("ui.&lt;b&gt;") && !page.contains("ui.<b>"),
         "{page}"

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
@@ -15,7 +15,7 @@ use outbox::Cancelled;
 use serde::Deserialize;
 
 use crate::guard;
-use crate::layout::{self, encode, Base, Notice};
+use crate::layout::{self, encode, Base, Kind, Named, Notice};
 use crate::pages::dead_letters::{self, Params};
 use crate::pages::queue::valid_name;
 use crate::sql;
@@ -34,6 +34,70 @@ pub(crate) struct Fields {
     reason: Option<String>,
     older_than: Option<String>,
     confirm: Option<String>,
+    /// The page the first `POST` of a confirmed action came from (its `Referer`), carried
+    /// by the confirmation page so the outcome goes back there.
+    back: Option<String>,
+}
+
+/// The confirmation page of a destructive action (delete, redrive, purge): `question`, and
+/// a form that posts `fields` again to `action` with `confirm=yes`; works without script.
+struct Confirm<'a> {
+    title: &'a str,
+    question: &'a str,
+    action: &'a str,
+    fields: &'a [(&'a str, &'a str)],
+    yes: &'a str,
+    /// Where "No, go back" leads.
+    no: &'a str,
+}
+
+fn confirm_page(s: &Shared, base: &Base, headers: &HeaderMap, c: Confirm<'_>) -> Response {
+    let Confirm {
+        title,
+        question,
+        action,
+        fields,
+        yes,
+        no,
+    } = c;
+    let from = headers
+        .get(header::REFERER)
+        .and_then(|r| r.to_str().ok())
+        .unwrap_or("");
+    let body = html! {
+        p { (question) }
+        form.inline method="post" action=(action) {
+            input type="hidden" name="csrf" value=(s.csrf);
+            @for (name, value) in fields {
+                input type="hidden" name=(name) value=(value);
+            }
+            input type="hidden" name="back" value=(from);
+            input type="hidden" name="confirm" value="yes";
+            button.danger type="submit" { (yes) }
+        }
+        " "
+        a href=(no) { "No, go back" }
+    };
+    layout::page(base, s, title, "", &Notice::default(), false, body).into_response()
+}
+
+/// The headers to go back by: the confirmed form's `back` field as the `Referer` (checked
+/// by [`back`] like any `Referer`), else the request's own.
+fn return_headers(headers: &HeaderMap, f: &Fields) -> HeaderMap {
+    match f
+        .back
+        .as_deref()
+        .filter(|b| !b.is_empty())
+        .and_then(|b| axum::http::HeaderValue::from_str(b).ok())
+    {
+        Some(v) => {
+            let mut h = HeaderMap::new();
+            h.insert(header::REFERER, v);
+            h
+        }
+        None if f.confirm.is_some() => HeaderMap::new(),
+        None => headers.clone(),
+    }
 }
 
 /// The outcome of an action: a notice for the page it returns to.
@@ -44,7 +108,13 @@ enum Outcome {
 
 /// Where to go back to: the path (and query, without an earlier notice) of the `Referer`
 /// when it is under this dashboard, else `fallback`.
-fn back(base: &Base, headers: &HeaderMap, fallback: &str, outcome: Outcome) -> Response {
+fn back(
+    s: &Shared,
+    base: &Base,
+    headers: &HeaderMap,
+    fallback: &str,
+    outcome: Outcome,
+) -> Response {
     let referer = headers
         .get(header::REFERER)
         .and_then(|r| r.to_str().ok())
@@ -64,12 +134,25 @@ fn back(base: &Base, headers: &HeaderMap, fallback: &str, outcome: Outcome) -> R
     let (path, query) = target.split_once('?').unwrap_or((&target, ""));
     let mut kept: Vec<&str> = query
         .split('&')
-        .filter(|kv| !kv.is_empty() && !kv.starts_with("ok=") && !kv.starts_with("error="))
+        .filter(|kv| {
+            !kv.is_empty()
+                && !kv.starts_with("ok=")
+                && !kv.starts_with("error=")
+                && !kv.starts_with("sig=")
+        })
         .collect();
-    let notice = match outcome {
-        Outcome::Ok(t) => format!("ok={}", encode(&t)),
-        Outcome::Failed(t) => format!("error={}", encode(&t)),
+    let (kind, text) = match outcome {
+        Outcome::Ok(t) => (Kind::Ok, t),
+        Outcome::Failed(t) => (Kind::Error, t),
     };
+    let sig = s
+        .notice_key
+        .sign(kind, chrono::Utc::now().timestamp(), &text);
+    let notice = format!(
+        "{}={}&sig={sig}",
+        if kind == Kind::Ok { "ok" } else { "error" },
+        encode(&text)
+    );
     kept.push(&notice);
     Redirect::to(&format!("{path}?{}", kept.join("&"))).into_response()
 }
@@ -82,7 +165,52 @@ fn refused(s: &Shared, base: &Base, headers: &HeaderMap, f: &Fields) -> Option<R
 }
 
 fn queue_page(base: &Base, queue: &str) -> String {
-    base.to(&format!("/queues/{}", encode(queue)))
+    base.to(&layout::queue_path(queue, None))
+}
+
+/// The name of a queue action, from `?name=` (every name) or the older path.
+fn named(n: Named) -> Result<String, Outcome> {
+    n.name
+        .ok_or_else(|| Outcome::Failed("which queue? the address needs ?name=<queue>".to_owned()))
+}
+
+pub(crate) async fn pause_named(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Query(n): Query<Named>,
+    Form(f): Form<Fields>,
+) -> Response {
+    match named(n) {
+        Ok(queue) => toggle(s, base, headers, queue, f, true).await,
+        Err(o) => back(&s, &base, &headers, &base.to("/"), o),
+    }
+}
+
+pub(crate) async fn resume_named(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Query(n): Query<Named>,
+    Form(f): Form<Fields>,
+) -> Response {
+    match named(n) {
+        Ok(queue) => toggle(s, base, headers, queue, f, false).await,
+        Err(o) => back(&s, &base, &headers, &base.to("/"), o),
+    }
+}
+
+pub(crate) async fn cancel_named(
+    State(s): State<Shared>,
+    base: Base,
+    headers: HeaderMap,
+    Query(n): Query<Named>,
+    Form(f): Form<Fields>,
+) -> Response {
+    match named(n) {
+        Ok(queue) => cancel_in(s, base, headers, queue, f).await,
+        Err(o) => back(&s, &base, &headers, &base.to("/"), o),
+    }
 }
 
 pub(crate) async fn pause(
@@ -142,7 +270,7 @@ async fn toggle(
         }
         Err(e) => Outcome::Failed(e.to_string()),
     };
-    back(&base, &headers, &base.to("/"), outcome)
+    back(&s, &base, &headers, &base.to("/"), outcome)
 }
 
 /// A row action, as `outbox run-now | reschedule | delete`: in a transaction of its own;
@@ -168,6 +296,7 @@ async fn row_action(
     let page = base.to(&format!("/rows/{id}"));
     let Some(id) = id.parse::<i64>().ok().filter(|id| *id > 0) else {
         return back(
+            &s,
             &base,
             &headers,
             &base.to("/"),
@@ -182,6 +311,7 @@ async fn row_action(
                 Ok(d) => RowOp::In(d),
                 Err(e) => {
                     return back(
+                        &s,
                         &base,
                         &headers,
                         &page,
@@ -193,6 +323,17 @@ async fn row_action(
             }
         }
     };
+    if matches!(op, RowOp::Delete) && f.confirm.as_deref() != Some("yes") {
+        return confirm_page(&s, &base, &headers, Confirm {
+            title: &format!("Delete row {id}?"),
+            question: &format!("Delete row {id}? It will not run, and this cannot be undone (a worker that claims it first keeps it: the delete then changes nothing)."),
+            action: &base.to(&format!("/rows/{id}/delete")),
+            fields: &[],
+            yes: "Yes, delete it",
+            no: &page,
+        });
+    }
+    let headers = return_headers(&headers, &f);
     let run = async {
         let mut tx = s.pool.begin().await?;
         let result = match op {
@@ -229,9 +370,9 @@ async fn row_action(
         .and_then(|r| r.to_str().ok())
         .is_some_and(|r| r.contains(&format!("/rows/{id}")));
     if matches!(op, RowOp::Delete) && referer_is_row && matches!(outcome, Outcome::Ok(_)) {
-        return back(&base, &HeaderMap::new(), &fallback, outcome);
+        return back(&s, &base, &HeaderMap::new(), &fallback, outcome);
     }
-    back(&base, &headers, &fallback, outcome)
+    back(&s, &base, &headers, &fallback, outcome)
 }
 
 pub(crate) async fn run_now(
@@ -272,12 +413,23 @@ pub(crate) async fn cancel(
     Path(queue): Path<String>,
     Form(f): Form<Fields>,
 ) -> Response {
+    cancel_in(s, base, headers, queue, f).await
+}
+
+async fn cancel_in(
+    s: Shared,
+    base: Base,
+    headers: HeaderMap,
+    queue: String,
+    f: Fields,
+) -> Response {
     if let Some(r) = refused(&s, &base, &headers, &f) {
         return r;
     }
     let timer = f.timer_id.as_deref().unwrap_or("").trim().to_owned();
     if let Err(reason) = valid_name(&timer) {
         return back(
+            &s,
             &base,
             &headers,
             &queue_page(&base, &queue),
@@ -289,9 +441,16 @@ pub(crate) async fn cancel(
         // Lock the keyed row first, as the library's cancel does, so no claim lands between
         // the look and the cancel.
         let held = match sql::by_timer(&s.sql, &s.outbox, &mut tx, &queue, &timer).await? {
+            // A lease that expired is no worker's any more: its cancel marks the row,
+            // which the next claim then deletes (the library's rule for a cancelled row
+            // whose lease expired).
             Some(id) => sql::row(&s.sql, &s.outbox, &mut tx, id)
                 .await?
-                .is_some_and(|r| r.acquired_at.is_some()),
+                .is_some_and(|r| {
+                    r.acquired_at.is_some_and(|at| {
+                        crate::pages::queue::lease_expired_for(at, r.now, s.lease_ttl).is_none()
+                    })
+                }),
             None => false,
         };
         if held {
@@ -307,6 +466,7 @@ pub(crate) async fn cancel(
         )),
         Ok(Some(Cancelled::Deleted { id })) => Outcome::Ok(format!("timer {timer:?} of {queue} cancelled: row {id} deleted")),
         Ok(Some(Cancelled::NotFound)) => Outcome::Failed(format!("no live row of {queue} holds the timer key {timer:?}")),
+        Ok(Some(Cancelled::Running { id } | Cancelled::RearmDropped { id })) => Outcome::Ok(format!("timer {timer:?} of {queue} cancelled: row {id}'s lease expired, so it is marked cancelled; the next claim deletes it instead of running it")),
         Ok(Some(other)) => Outcome::Ok(format!("timer {timer:?} of {queue}: {other:?}")),
         Err(e) => Outcome::Failed(e.to_string()),
     };
@@ -314,13 +474,14 @@ pub(crate) async fn cancel(
     if to_queue {
         // The row's page is gone: back to the queue.
         return back(
+            &s,
             &base,
             &HeaderMap::new(),
             &queue_page(&base, &queue),
             outcome,
         );
     }
-    back(&base, &headers, &queue_page(&base, &queue), outcome)
+    back(&s, &base, &headers, &queue_page(&base, &queue), outcome)
 }
 
 /// Redrives one dead letter (`id`) or every match of the filter fields (at most a page),
@@ -340,6 +501,7 @@ pub(crate) async fn redrive(
             Ok(id) => Redrive::id(id),
             Err(_) => {
                 return back(
+                    &s,
                     &base,
                     &headers,
                     &fallback,
@@ -356,10 +518,39 @@ pub(crate) async fn redrive(
             };
             match dead_letters::filter(&params) {
                 Ok(filter) => Redrive::matching(filter, s.page_size),
-                Err(e) => return back(&base, &headers, &fallback, Outcome::Failed(e)),
+                Err(e) => return back(&s, &base, &headers, &fallback, Outcome::Failed(e)),
             }
         }
     };
+    if f.confirm.as_deref() != Some("yes") {
+        let id = f.id.clone().unwrap_or_default();
+        let queue = f.queue.clone().unwrap_or_default();
+        let reason = f.reason.clone().unwrap_or_default();
+        let question = if id.is_empty() {
+            format!(
+                "Redrive up to {} dead letters not yet redriven{}{}, oldest first? Each is published again as a new row of its queue.",
+                s.page_size,
+                if queue.is_empty() { String::new() } else { format!(" of queue {queue}") },
+                if reason.is_empty() { String::new() } else { format!(" that failed with {reason}") },
+            )
+        } else {
+            format!("Redrive dead letter {id}? It is published again as a new row of its queue.")
+        };
+        return confirm_page(
+            &s,
+            &base,
+            &headers,
+            Confirm {
+                title: "Redrive dead letters?",
+                question: &question,
+                action: &base.to("/dead-letters/redrive"),
+                fields: &[("id", &id), ("queue", &queue), ("reason", &reason)],
+                yes: "Yes, redrive",
+                no: &fallback,
+            },
+        );
+    }
+    let headers = return_headers(&headers, &f);
     let run = async {
         let mut tx = s.pool.begin().await?;
         let outcomes = s.outbox.redrive_dead_letters(&mut tx, &selection).await?;
@@ -403,7 +594,7 @@ pub(crate) async fn redrive(
             }
         }
     };
-    back(&base, &headers, &fallback, outcome)
+    back(&s, &base, &headers, &fallback, outcome)
 }
 
 fn describe(r: RedriveResult) -> String {
@@ -442,6 +633,7 @@ pub(crate) async fn purge(
         Ok(d) => d,
         Err(e) => {
             return back(
+                &s,
                 &base,
                 &headers,
                 &fallback,
@@ -458,6 +650,7 @@ pub(crate) async fn purge(
     if let Some(q) = &queue {
         if let Err(reason) = valid_name(q) {
             return back(
+                &s,
                 &base,
                 &headers,
                 &fallback,
@@ -506,5 +699,5 @@ pub(crate) async fn purge(
         )),
         Err(e) => Outcome::Failed(e.to_string()),
     };
-    back(&base, &HeaderMap::new(), &fallback, outcome)
+    back(&s, &base, &HeaderMap::new(), &fallback, outcome)
 }

@@ -63,6 +63,63 @@ pub(crate) fn json(bytes: &[u8]) -> Option<String> {
     serde_json::to_string_pretty(&value).ok()
 }
 
+/// What a page shows of a payload: text (pretty JSON, or a hex dump of bytes that are not
+/// JSON) cut to a cap, and how much that is of the whole.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Shown {
+    pub text: String,
+    pub json: bool,
+    /// Bytes of the payload shown (for JSON: of its pretty-printed text).
+    pub shown: usize,
+    /// Bytes in all (for JSON: of its pretty-printed text).
+    pub total: usize,
+}
+
+impl Shown {
+    pub(crate) fn cut(&self) -> bool {
+        self.shown < self.total
+    }
+}
+
+/// `bytes` as shown within `cap` bytes of text: pretty JSON cut at a character boundary,
+/// else a hex dump of as many bytes as fit (a dump line of 16 bytes is 78 characters).
+pub(crate) fn shown(bytes: &[u8], cap: usize) -> Shown {
+    if let Some(text) = json(bytes) {
+        let total = text.len();
+        let mut end = total.min(cap);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let mut text = text;
+        text.truncate(end);
+        return Shown {
+            text,
+            json: true,
+            shown: end,
+            total,
+        };
+    }
+    let fit = (cap / 78 * 16).min(bytes.len());
+    Shown {
+        text: hex_dump(&bytes[..fit]),
+        json: false,
+        shown: fit,
+        total: bytes.len(),
+    }
+}
+
+/// `text` cut to at most `cap` bytes at a character boundary, with "…" when cut.
+pub(crate) fn clip(text: &str, cap: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= cap {
+        return text.into();
+    }
+    let mut end = cap;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} of {} bytes shown)", &text[..end], end, text.len()).into()
+}
+
 /// Bytes as a hex dump: 16 a line, offset, hex, printable ASCII.
 pub(crate) fn hex_dump(bytes: &[u8]) -> String {
     let mut out = String::new();
@@ -158,6 +215,25 @@ mod tests {
         );
         assert_eq!(count(Count::Exact(3)), "3");
         assert_eq!(count(Count::Unavailable), "–");
+    }
+
+    #[test]
+    fn a_large_payload_is_cut_to_the_cap() {
+        let big = format!("{{\"a\":\"{}\"}}", "é".repeat(100_000));
+        let s = shown(big.as_bytes(), 1000);
+        assert!(
+            s.json && s.cut() && s.shown <= 1000 && s.text.len() == s.shown,
+            "{s:?}"
+        );
+        assert!(s.total > 200_000);
+        let bytes = vec![0xffu8; 100_000];
+        let s = shown(&bytes, 78 * 10);
+        assert!(!s.json && s.shown == 160 && s.total == 100_000, "{s:?}");
+        assert_eq!(s.text.lines().count(), 10);
+        let small = shown(br#"{"a":1}"#, 1000);
+        assert!(!small.cut());
+        assert_eq!(clip("abc", 3), "abc");
+        assert_eq!(clip("aéb", 2), "a… (1 of 4 bytes shown)");
     }
 
     #[test]

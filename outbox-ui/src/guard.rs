@@ -106,10 +106,7 @@ pub(crate) async fn headers(request: Request, next: Next) -> Response {
 /// wherever the credentials differ. Basic auth sends the password with every request:
 /// serve it over TLS (a reverse proxy) anywhere but on the loopback interface.
 pub fn basic_auth(router: Router, user: &str, password: &str) -> Router {
-    let expected = format!(
-        "Basic {}",
-        base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
-    );
+    let expected = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
     router.layer(axum::middleware::from_fn(
         move |request: Request, next: Next| {
             let expected = expected.clone();
@@ -119,7 +116,9 @@ pub fn basic_auth(router: Router, user: &str, password: &str) -> Router {
                     .get(header::AUTHORIZATION)
                     .map(HeaderValue::as_bytes)
                     .unwrap_or_default();
-                if constant_time_eq(given, expected.as_bytes()) {
+                if basic_credentials(given)
+                    .is_some_and(|c| constant_time_eq(c, expected.as_bytes()))
+                {
                     next.run(request).await
                 } else {
                     (
@@ -137,6 +136,17 @@ pub fn basic_auth(router: Router, user: &str, password: &str) -> Router {
     ))
 }
 
+/// The credentials of an `Authorization: Basic <credentials>` header: the scheme is
+/// matched without regard to case (RFC 7235, 2.1), spaces around the credentials ignored.
+fn basic_credentials(header: &[u8]) -> Option<&[u8]> {
+    let space = header.iter().position(|&b| b == b' ')?;
+    let (scheme, rest) = header.split_at(space);
+    if !scheme.eq_ignore_ascii_case(b"basic") {
+        return None;
+    }
+    Some(rest.trim_ascii())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,6 +157,15 @@ mod tests {
             h.insert(k, HeaderValue::from_str(v).unwrap());
         }
         h
+    }
+
+    #[test]
+    fn the_basic_scheme_is_case_insensitive() {
+        assert_eq!(basic_credentials(b"Basic b3Bz"), Some(&b"b3Bz"[..]));
+        assert_eq!(basic_credentials(b"basic b3Bz"), Some(&b"b3Bz"[..]));
+        assert_eq!(basic_credentials(b"BASIC   b3Bz "), Some(&b"b3Bz"[..]));
+        assert_eq!(basic_credentials(b"Bearer b3Bz"), None);
+        assert_eq!(basic_credentials(b"Basicb3Bz"), None);
     }
 
     #[test]

@@ -6,7 +6,6 @@ use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use maud::{html, Markup, DOCTYPE};
-use serde::Deserialize;
 
 use crate::state::Inner;
 
@@ -68,12 +67,23 @@ impl Base {
     }
 }
 
-/// A notice carried by the redirect after an action (`?ok=` or `?error=`): text only,
-/// escaped like every value.
-#[derive(Debug, Default, Deserialize)]
-pub(crate) struct Notice {
-    pub ok: Option<String>,
-    pub error: Option<String>,
+pub(crate) use crate::notice::{Kind, Notice};
+
+/// The page of `queue` (`what` None) or one of its actions (`pause`, `resume`, `cancel`),
+/// relative to the mount: the name travels in the query (`/queue?name=…`), never in the
+/// path, so every name the library accepts works, `.` and `..` (which browsers resolve
+/// away in a path, even percent-encoded) and names with `/`, `?`, `#` or `%` included.
+pub(crate) fn queue_path(queue: &str, what: Option<&str>) -> String {
+    match what {
+        None => format!("/queue?name={}", encode(queue)),
+        Some(w) => format!("/queue/{w}?name={}", encode(queue)),
+    }
+}
+
+/// The query of a queue's page or action: its name.
+#[derive(Debug, Default, serde::Deserialize)]
+pub(crate) struct Named {
+    pub name: Option<String>,
 }
 
 /// Percent-encodes `s` for a query value or a path segment.
@@ -140,11 +150,10 @@ pub(crate) fn page(
                 main id="main" tabindex="-1" data-refresh=[refresh.then_some("5000")] {
                     h1 { (title) }
                     div role="status" aria-live="polite" {
-                        @if let Some(ok) = &notice.ok {
-                            p.notice.ok { (ok) }
-                        }
-                        @if let Some(error) = &notice.error {
-                            p.notice.error { (error) }
+                        @match notice.shown(&inner.notice_key, chrono::Utc::now().timestamp()) {
+                            Some((Kind::Ok, text)) => p.notice.ok { (text) },
+                            Some((Kind::Error, text)) => p.notice.error { (text) },
+                            None => {}
                         }
                     }
                     (body)
@@ -206,4 +215,57 @@ pub(crate) fn failed(base: &Base, inner: &Inner, e: &dyn std::fmt::Display) -> R
         "Error",
         &e.to_string(),
     )
+}
+
+/// Replaces the plain-text bodies of axum's own refusals (a path or query that does not
+/// parse, a form that is not a form, no such route, a wrong method) with the dashboard's
+/// error page, saying what was wrong. Responses the dashboard rendered itself (HTML) and
+/// downloads pass unchanged.
+pub(crate) async fn plain_errors(
+    axum::extract::State(s): axum::extract::State<crate::state::State>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (mut parts, body) = request.into_parts();
+    let Ok(base) = Base::from_request_parts(&mut parts, &()).await;
+    let response = next
+        .run(axum::extract::Request::from_parts(parts, body))
+        .await;
+    let status = response.status();
+    let html = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|c| c.to_str().ok())
+        .is_some_and(|c| c.starts_with("text/html"));
+    if !status.is_client_error() || html {
+        return response;
+    }
+    let text = axum::body::to_bytes(response.into_body(), 16 * 1024)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
+        .unwrap_or_default();
+    let (title, reason) = match status {
+        StatusCode::NOT_FOUND => (
+            "Not found",
+            "the dashboard has no page at this address".to_owned(),
+        ),
+        StatusCode::METHOD_NOT_ALLOWED => (
+            "Method not allowed",
+            "this address does not take that method (an action is a POST of its page's form)"
+                .to_owned(),
+        ),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => (
+            "Bad request",
+            format!("the action was not sent as a form ({text})"),
+        ),
+        _ => (
+            "Bad request",
+            if text.is_empty() {
+                "the request could not be read".to_owned()
+            } else {
+                format!("the address or form could not be read: {text}")
+            },
+        ),
+    };
+    error(&base, &s, status, title, &reason)
 }

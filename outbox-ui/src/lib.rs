@@ -18,10 +18,12 @@
 //!
 //! | path (under the mount) | what |
 //! |---|---|
-//! | `/` | every queue: pending, due, leased, expired leases, lateness, rearms, paused, dead letters, a sparkline; refreshed every 5 s by a small script |
-//! | `/queues/{queue}` | its live rows by deadline, 50 a page (keyset), filtered by state, searched by id or timer id |
-//! | `/rows/{id}` | one live row: payload (JSON when it decodes, bytes otherwise), headers, deadlines, counters, queued rearm, cancel mark, lease |
-//! | `/dead-letters` | dead letters by id, filtered by queue, reason and redrive state; redrive and purge |
+//! | `/` | every queue: pending, due, leased, expired leases, lateness, rearms, paused, dead letters, rows finished per second (with [`Dashboard::install_throughput_counter`]), a sparkline; refreshed every 5 s by a small script |
+//! | `/queue?name={queue}` | its live rows by deadline, 50 a page (keyset), filtered by state, searched by id or timer id (the name in the query, so `.`, `..` and names with `/` work; `/queues/{queue}` is served too) |
+//! | `/rows/{id}` | one live row: payload (JSON when it decodes, bytes otherwise; at most [`MAX_SHOWN_BYTES`]), headers, deadlines, counters, queued rearm, cancel mark, lease (held, or expired and claimable again) |
+//! | `/rows/{id}/download/{part}` | `payload`, `headers`, `rearm-payload`, `rearm-headers`: the stored bytes whole, as an `application/octet-stream` attachment |
+//! | `/dead-letters` | dead letters by id, filtered by queue, reason and redrive state; redrive and purge (each asks first) |
+//! | `/dead-letters/{id}/download/{part}` | `payload`, `headers`, as above |
 //! | `/schedules` | periodic schedules (keyed `schedule:<name>`): recurrence, next instant, last run |
 //! | `/schema` | the schema check and the migration steps not applied yet |
 //!
@@ -34,7 +36,11 @@
 //! the same host as the `Host` header; anything else is answered `403 Forbidden` and
 //! changes nothing. Actions on one row use the library's own statements, which never move
 //! or delete a row a worker holds ([`outbox::admin::RowAction::Leased`]); the dashboard
-//! offers no action on a leased row at all. [`Dashboard::read_only`] removes every action:
+//! offers no action on a leased row but cancelling the timer of a row whose lease expired.
+//! The notice an action's redirect carries is signed with a key of the dashboard (HMAC-SHA256)
+//! and shown for 10 minutes: a link with `?ok=` or `?error=` text of its own shows nothing.
+//! Pages render at most [`MAX_SHOWN_BYTES`] of a payload or of headers; the rest is a
+//! download. [`Dashboard::read_only`] removes every action:
 //! no form is rendered and every `POST` is refused.
 //!
 //! The router authenticates nobody: nest it behind the application's own authentication
@@ -53,16 +59,19 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod actions;
+mod download;
 mod format;
 mod guard;
 mod history;
 mod layout;
 mod limits;
+mod notice;
 mod pages;
 mod sql;
 mod state;
 #[cfg(test)]
 mod tests;
+mod throughput;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,7 +82,9 @@ use outbox::Outbox;
 use sqlx::PgPool;
 
 pub use crate::guard::basic_auth;
-pub use crate::limits::{DUE_COUNT_CAP, EXACT_STATS_MAX_BYTES, MAX_PAGE_SIZE};
+pub use crate::limits::{
+    DUE_COUNT_CAP, EXACT_STATS_MAX_BYTES, LIST_SHOWN_BYTES, MAX_PAGE_SIZE, MAX_SHOWN_BYTES,
+};
 use crate::state::{Inner, State};
 
 /// Why a [`Dashboard`] could not be built.
@@ -84,6 +95,17 @@ pub enum UiError {
     /// bucket, and the dashboard's statements are written for a single node.
     #[error("the dashboard does not support a distributed outbox (Citus) yet")]
     Distributed,
+    /// A statement of [`Dashboard::install_throughput_counter`] or
+    /// [`Dashboard::remove_throughput_counter`] failed.
+    #[error("the throughput counter: {0}")]
+    Database(#[from] sqlx::Error),
+    /// [`Dashboard::install_throughput_counter`]: the queue table does not exist (run the
+    /// outbox's migrations first).
+    #[error("the queue table {table} does not exist: migrate first")]
+    NoQueueTable {
+        /// The queue table, as the `Outbox` names it.
+        table: String,
+    },
     /// A setting is out of its range.
     #[error("invalid dashboard setting {field}: {reason}")]
     InvalidSetting {
@@ -163,6 +185,70 @@ impl Dashboard {
         Ok(self)
     }
 
+    /// Installs the per-queue throughput counter: a table `<table>_finished` beside the
+    /// queue table and a statement-level `AFTER DELETE` trigger on it that counts, per
+    /// queue, the rows each statement deletes (acks, cancels, deletes, dead-lettering);
+    /// the queues page then shows rows finished per second of each queue over the last 5
+    /// minutes. Idempotent. The dashboard never installs it by itself: it adds one small
+    /// upsert per queue to each statement that deletes queue rows (one counter row per
+    /// queue, backend and minute, so completers never wait on each other), which is the
+    /// operator's call. Needs the right to create tables and triggers on the queue table;
+    /// the trigger's lock on the queue table is waited for at most 5 s.
+    ///
+    /// The trigger's function is `SECURITY DEFINER` (with a fixed `search_path`): it writes
+    /// the counter as the role that installed it, so the roles that delete queue rows (the
+    /// workers') need no right on the counter table. Remove it with
+    /// [`Dashboard::remove_throughput_counter`], never by dropping the table alone (the
+    /// trigger would then fail every statement that deletes queue rows).
+    ///
+    /// # Errors
+    /// [`UiError::NoQueueTable`] before the outbox's migrations; [`UiError::Database`] when
+    /// a statement fails (rights, lock timeout).
+    pub async fn install_throughput_counter(&self) -> Result<(), UiError> {
+        throughput::install(&self.outbox, &self.pool).await
+    }
+
+    /// Removes what [`Dashboard::install_throughput_counter`] made (trigger, function,
+    /// counter table); the queues page then shows the table-wide figure only.
+    ///
+    /// # Errors
+    /// [`UiError::Database`] when a statement fails.
+    pub async fn remove_throughput_counter(&self) -> Result<(), UiError> {
+        Ok(throughput::remove(&self.outbox, &self.pool).await?)
+    }
+
+    /// The router nested at `path` (`"/outbox"`), ready to [`merge`](Router::merge) into the
+    /// application's: as `Router::new().nest(path, self.router())`, plus `path/` (with its
+    /// trailing slash, which axum's `nest` does not answer) redirecting to `path`.
+    ///
+    /// ```no_run
+    /// # async fn f(pool: sqlx::PgPool, outbox: outbox::Outbox) -> Result<(), outbox_ui::UiError> {
+    /// let app: axum::Router = axum::Router::new()
+    ///     // .route("/", …) the application's own routes
+    ///     .merge(outbox_ui::Dashboard::new(outbox, pool)?.router_at("/outbox")?);
+    /// # let _ = app;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`UiError::InvalidSetting`] when `path` does not start with `/`, ends with `/` or is
+    /// `/` itself (serve [`Dashboard::router`] at the root instead).
+    pub fn router_at(self, path: &str) -> Result<Router, UiError> {
+        if !path.starts_with('/') || path.ends_with('/') || path.contains(['{', '}', '*']) {
+            return Err(UiError::InvalidSetting {
+                field: "router_at",
+                reason: format!(
+                    "the mount {path:?} must start with / and not end with one (not / itself), without {{, }} or *"
+                ),
+            });
+        }
+        let to = path.to_owned();
+        Ok(Router::new().nest(path, self.router()).route(
+            &format!("{path}/"),
+            get(move || async move { axum::response::Redirect::permanent(&to) }),
+        ))
+    }
+
     /// The router: every page, action and embedded asset, with paths relative to where it
     /// is nested (links are built from the request's original path, so `nest("/outbox",
     /// …)` and serving it at `/` both work).
@@ -176,9 +262,18 @@ impl Dashboard {
         ));
         Router::new()
             .route("/", get(pages::queues::page))
+            .route("/queue", get(pages::queue::by_name))
+            .route("/queue/pause", post(actions::pause_named))
+            .route("/queue/resume", post(actions::resume_named))
+            .route("/queue/cancel", post(actions::cancel_named))
             .route("/queues/{queue}", get(pages::queue::page))
             .route("/rows/{id}", get(pages::row::page))
+            .route("/rows/{id}/download/{what}", get(download::row))
             .route("/dead-letters", get(pages::dead_letters::page))
+            .route(
+                "/dead-letters/{id}/download/{what}",
+                get(download::dead_letter),
+            )
             .route("/schedules", get(pages::schedules::page))
             .route("/schema", get(pages::schema::page))
             .route("/assets/app.css", get(layout::css))
@@ -191,6 +286,11 @@ impl Dashboard {
             .route("/rows/{id}/delete", post(actions::delete))
             .route("/dead-letters/redrive", post(actions::redrive))
             .route("/dead-letters/purge", post(actions::purge))
+            .fallback(|| async { axum::http::StatusCode::NOT_FOUND })
+            .layer(axum::middleware::from_fn_with_state(
+                state.clone(),
+                layout::plain_errors,
+            ))
             .layer(axum::middleware::from_fn(guard::headers))
             .with_state(state)
     }

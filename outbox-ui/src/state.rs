@@ -8,6 +8,7 @@ use outbox::Outbox;
 use sqlx::PgPool;
 
 use crate::history::History;
+use crate::notice::NoticeKey;
 use crate::sql::Statements;
 
 pub(crate) type State = Arc<Inner>;
@@ -22,6 +23,8 @@ pub(crate) struct Inner {
     /// The synchronizer token every form carries: 256 random bits (two v4 UUIDs), made once
     /// per dashboard; a cross-site page cannot read it.
     pub csrf: String,
+    /// The key that signs the notices of action redirects (see `notice`).
+    pub notice_key: NoticeKey,
     pub sql: Statements,
     pub history: Mutex<History>,
 }
@@ -47,6 +50,7 @@ impl Inner {
             lease_ttl,
             page_size,
             csrf,
+            notice_key: NoticeKey::random(),
             sql,
             history: Mutex::new(History::default()),
         }

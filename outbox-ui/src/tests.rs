@@ -429,10 +429,26 @@ async fn row_actions_follow_the_library_and_never_touch_a_held_row() {
         notice(&location).starts_with(&format!("row {pending}: due at ")),
         "{location}"
     );
-    let (_, location) = post(
+    // Delete asks first (a page whose form confirms); the question changes nothing.
+    let (status, page) = post(
         &r,
         &format!("/outbox/rows/{pending}/delete"),
         &format!("csrf={t}"),
+        ORIGIN,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        page.contains(&format!("Delete row {pending}?"))
+            && page.contains(r#"name="confirm" value="yes""#),
+        "{page}"
+    );
+    let (status, _) = get(&r, &format!("/outbox/rows/{pending}")).await;
+    assert_eq!(status, StatusCode::OK, "the question deleted the row");
+    let (_, location) = post(
+        &r,
+        &format!("/outbox/rows/{pending}/delete"),
+        &format!("csrf={t}&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -443,7 +459,7 @@ async fn row_actions_follow_the_library_and_never_touch_a_held_row() {
     let (_, location) = post(
         &r,
         &format!("/outbox/rows/{pending}/delete"),
-        &format!("csrf={t}"),
+        &format!("csrf={t}&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -617,11 +633,24 @@ async fn purge_asks_first_and_redrive_follows_the_cli_rules() {
     .await;
     assert!(notice(&location).starts_with("bad age"), "{location}");
 
-    // The one left holds a timer key a live row has: kept, as the CLI reports it.
-    let (_, location) = post(
+    // The one left holds a timer key a live row has: kept, as the CLI reports it. Redrive
+    // asks first.
+    let (status, page) = post(
         &r,
         "/outbox/dead-letters/redrive",
         &format!("csrf={t}&queue=a&reason="),
+        ORIGIN,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        page.contains("Redrive up to 50 dead letters not yet redriven of queue a"),
+        "{page}"
+    );
+    let (_, location) = post(
+        &r,
+        "/outbox/dead-letters/redrive",
+        &format!("csrf={t}&queue=a&reason=&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -865,6 +894,574 @@ async fn page_times_at_scale() {
         }
         times.sort_by(f64::total_cmp);
         println!("| `{p}` | {:.1} | {:.1} |", times[2], times[4]);
+    }
+    db.drop_tables().await;
+}
+
+#[tokio::test]
+async fn a_notice_in_a_link_is_not_shown_unless_the_dashboard_signed_it() {
+    let db = Db::new().await;
+    db.publish("mail", b"{}", None, 60).await;
+    let r = db.router(false, 50);
+    let forged = "Queue purged, now run X";
+    for path in [
+        "/outbox?ok=Queue%20purged%2C%20now%20run%20X".to_owned(),
+        "/outbox/queues/mail?error=Queue%20purged%2C%20now%20run%20X&sig=1.00".to_owned(),
+        "/outbox/dead-letters?ok=Queue%20purged%2C%20now%20run%20X".to_owned(),
+    ] {
+        let (status, body) = get(&r, &path).await;
+        assert_eq!(status, StatusCode::OK, "{path}");
+        assert!(
+            !body.contains(forged),
+            "{path} shows a forged notice: {body}"
+        );
+    }
+    // The redirect of a real action carries a signed notice, which its page shows once;
+    // the same signature on other text is not shown.
+    let (_, page) = get(&r, "/outbox").await;
+    let t = token(&page);
+    let (_, location) = post(
+        &r,
+        "/outbox/queues/mail/pause",
+        &format!("csrf={t}"),
+        ORIGIN,
+    )
+    .await;
+    assert!(location.contains("&sig="), "{location}");
+    let (_, body) = get(&r, &location).await;
+    assert!(body.contains("mail: paused"), "{body}");
+    let sig = location.split_once("&sig=").unwrap().1;
+    let (_, body) = get(
+        &r,
+        &format!("/outbox?ok=Queue%20purged%2C%20now%20run%20X&sig={sig}"),
+    )
+    .await;
+    assert!(
+        !body.contains(forged),
+        "a signature reused on other text: {body}"
+    );
+    // Another dashboard (another key) does not show it either.
+    let other = db.router(false, 50);
+    let (_, body) = get(&other, &location).await;
+    assert!(!body.contains("mail: paused"), "{body}");
+    db.drop_tables().await;
+}
+
+/// The figure in the "Finished/s" cell of `queue`'s row on the queues page.
+fn finished_per_second(page: &str, queue: &str) -> Option<f64> {
+    let row = page.find(&format!(">{queue}</a></th>"))?;
+    let cell = row + page[row..].find(r#"class="num throughput">"#)? + 23;
+    let end = cell + page[cell..].find(|c: char| c != '.' && !c.is_ascii_digit())?;
+    page[cell..end].parse().ok()
+}
+
+#[tokio::test]
+async fn the_throughput_counter_counts_each_queues_acks_of_a_real_worker() {
+    let db = Db::new().await;
+    let r = db.router(false, 50);
+    // Off until installed: the page says how to turn it on.
+    let (_, page) = get(&r, "/outbox").await;
+    assert!(page.contains("--throughput-counter"), "{page}");
+    let dashboard = Dashboard::new(db.outbox.clone(), db.pool.clone()).unwrap();
+    dashboard.install_throughput_counter().await.unwrap();
+    dashboard
+        .install_throughput_counter()
+        .await
+        .expect("idempotent");
+
+    const N: usize = 30;
+    for _ in 0..N {
+        db.publish("tp_a", b"{}", None, 0).await;
+    }
+    for _ in 0..3 {
+        db.publish("tp_b", b"{}", None, 3600).await;
+    }
+    let worker = outbox::Worker::builder(outbox::PgStore::new(db.pool.clone(), db.outbox.clone()))
+        .queue("tp_a", |_: Vec<u8>, _: outbox::Context| async {})
+        .queue("tp_b", |_: Vec<u8>, _: outbox::Context| async {})
+        .build()
+        .unwrap()
+        .start();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {} WHERE queue = 'tp_a'",
+            db.outbox.table()
+        )))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if left == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker left {left} rows of tp_a"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = worker.shutdown().await;
+
+    let counted: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT queue, sum(finished)::bigint FROM {} GROUP BY queue ORDER BY queue",
+        crate::throughput::Names::of(&db.outbox).table
+    )))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(counted, vec![("tp_a".to_owned(), N as i64)]);
+
+    // tp_a has no live row left and still has its row, with its rate; tp_b's is 0.
+    let (_, page) = get(&r, "/outbox").await;
+    let a = finished_per_second(&page, "tp_a").expect("tp_a's figure");
+    let b = finished_per_second(&page, "tp_b").expect("tp_b's figure");
+    assert!(a > 0.0, "tp_a: {a}\n{page}");
+    assert_eq!(b, 0.0, "tp_b: {b}");
+    assert!(!page.contains("--throughput-counter"), "still off: {page}");
+
+    // A role that may delete queue rows but has no right on the counter table still
+    // deletes (the trigger's function writes as its owner), and is counted.
+    let role = format!("{}_role", db.outbox.table().trim_matches('"'));
+    db.exec(format!("CREATE ROLE {role} NOLOGIN")).await;
+    db.exec(format!(
+        "GRANT SELECT, DELETE ON {} TO {role}",
+        db.outbox.table()
+    ))
+    .await;
+    let victim = db.publish("tp_b", b"{}", None, 3600).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!("SET LOCAL ROLE {role}")))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let deleted = sqlx::query(AssertSqlSafe(format!(
+        "DELETE FROM {} WHERE id = {victim}",
+        db.outbox.table()
+    )))
+    .execute(&mut *tx)
+    .await
+    .expect("a role without rights on the counter deletes");
+    assert_eq!(deleted.rows_affected(), 1);
+    tx.commit().await.unwrap();
+    let b: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT coalesce(sum(finished), 0)::bigint FROM {} WHERE queue = 'tp_b'",
+        crate::throughput::Names::of(&db.outbox).table
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(b, 1);
+    db.exec(format!("REVOKE ALL ON {} FROM {role}", db.outbox.table()))
+        .await;
+    db.exec(format!("DROP ROLE {role}")).await;
+
+    dashboard.remove_throughput_counter().await.unwrap();
+    let (_, page) = get(&r, "/outbox").await;
+    assert!(page.contains("--throughput-counter"), "{page}");
+    let missing = Outbox::builder().table("ui_no_such_table").build().unwrap();
+    let d = Dashboard::new(missing, db.pool.clone()).unwrap();
+    assert!(matches!(
+        d.install_throughput_counter().await,
+        Err(crate::UiError::NoQueueTable { .. })
+    ));
+    db.drop_tables().await;
+}
+
+#[tokio::test]
+#[ignore = "a measurement: WAL and time per ack batch with and without the throughput counter (docs/lab-notes/2026-12-05-ui.md)"]
+async fn throughput_counter_cost() {
+    let db = Db::new().await;
+    let dashboard = Dashboard::new(db.outbox.clone(), db.pool.clone()).unwrap();
+    let t = db.outbox.table().to_owned();
+    const BATCHES: i64 = 200;
+    for (counter, batch) in [
+        (false, 100),
+        (true, 100),
+        (false, 100),
+        (true, 100),
+        (false, 1),
+        (true, 1),
+    ] {
+        let batch: i64 = batch;
+        if counter {
+            dashboard.install_throughput_counter().await.unwrap();
+        } else {
+            dashboard.remove_throughput_counter().await.unwrap();
+        }
+        db.exec(format!(
+            "INSERT INTO {t} (queue, payload, next_attempt_at, acquired_token, acquired_at) \
+             SELECT 'q' || (i % 4), '\\x7b7d', now(), gen_random_uuid(), now() \
+             FROM generate_series(1, {}) AS i",
+            batch * BATCHES
+        ))
+        .await;
+        db.exec(format!("VACUUM ANALYZE {t}")).await;
+        let ids: Vec<i64> =
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT id FROM {t} ORDER BY id")))
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        let mut conn = db.pool.acquire().await.unwrap();
+        let before = wal_lsn(&mut conn).await;
+        let started = Instant::now();
+        for chunk in ids.chunks(batch as usize) {
+            // The shape of the library's batched ack: one DELETE by ids, in its own
+            // transaction.
+            sqlx::query(AssertSqlSafe(format!(
+                "DELETE FROM {t} WHERE id = ANY($1) AND acquired_token IS NOT NULL"
+            )))
+            .bind(chunk)
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        }
+        let elapsed = started.elapsed();
+        let wal = wal_lsn(&mut conn).await - before;
+        println!(
+            "counter {counter}: {BATCHES} batches of {batch} rows over 4 queues: \
+             {:.0} WAL bytes per batch, {:.2} ms per batch",
+            wal as f64 / BATCHES as f64,
+            elapsed.as_secs_f64() * 1000.0 / BATCHES as f64
+        );
+    }
+    dashboard.remove_throughput_counter().await.unwrap();
+    db.drop_tables().await;
+}
+
+async fn wal_lsn(c: &mut sqlx::PgConnection) -> i64 {
+    sqlx::query_scalar("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
+        .fetch_one(c)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_expired_lease_is_shown_as_claimable_again_and_its_timer_can_be_cancelled() {
+    let db = Db::new().await;
+    let keyed = db.publish("exp", b"{}", Some("k-exp"), 0).await;
+    let plain = db.publish("exp", b"{}", None, 0).await;
+    let fresh = db.publish("exp", b"{}", Some("k-fresh"), 0).await;
+    // Leases of 5 min ago (the dashboard's lease TTL is 60 s) and of now.
+    db.exec(format!(
+        "UPDATE {} SET acquired_token = gen_random_uuid(), acquired_at = now() - interval '5 minutes' \
+         WHERE id IN ({keyed}, {plain})",
+        db.outbox.table()
+    ))
+    .await;
+    db.exec(format!(
+        "UPDATE {} SET acquired_token = gen_random_uuid(), acquired_at = now() WHERE id = {fresh}",
+        db.outbox.table()
+    ))
+    .await;
+    let r = db.router(false, 50);
+    let (_, page) = get(&r, "/outbox/queues/exp").await;
+    assert_eq!(
+        page.matches("lease expired 4 min ago: claimable again")
+            .count(),
+        2,
+        "{page}"
+    );
+    assert_eq!(page.matches("held by a worker").count(), 1, "{page}");
+    assert!(
+        !page.contains("Run now"),
+        "the library refuses a leased row: {page}"
+    );
+    let (_, page) = get(&r, &format!("/outbox/rows/{plain}")).await;
+    assert!(page.contains("lease expired 4 min ago"), "{page}");
+    assert!(
+        page.contains("the next claim of its queue takes it again"),
+        "{page}"
+    );
+    assert!(!page.contains("A worker holds this row"), "{page}");
+    assert!(
+        !page.contains("Run now") && !page.contains("Cancel timer"),
+        "{page}"
+    );
+    let (_, page) = get(&r, &format!("/outbox/rows/{keyed}")).await;
+    assert!(page.contains("Cancel timer"), "{page}");
+    let t = token(&page);
+    // run-now is refused by the library on any leased row, expired or not.
+    let (_, location) = post(
+        &r,
+        &format!("/outbox/rows/{keyed}/run-now"),
+        &format!("csrf={t}"),
+        ORIGIN,
+    )
+    .await;
+    assert!(notice(&location).contains("is leased"), "{location}");
+    let (_, location) = post(
+        &r,
+        "/outbox/queues/exp/cancel",
+        &format!("csrf={t}&timer_id=k-exp"),
+        ORIGIN,
+    )
+    .await;
+    assert!(
+        notice(&location).contains("marked cancelled; the next claim deletes it"),
+        "{location}"
+    );
+    let (_, location) = post(
+        &r,
+        "/outbox/queues/exp/cancel",
+        &format!("csrf={t}&timer_id=k-fresh"),
+        ORIGIN,
+    )
+    .await;
+    assert!(
+        notice(&location).contains("a worker holds its row"),
+        "{location}"
+    );
+    let marks: Vec<(i64, bool)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT id, cancelled_at IS NOT NULL FROM {} WHERE id IN ({keyed}, {fresh}) ORDER BY id",
+        db.outbox.table()
+    )))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(marks, vec![(keyed, true), (fresh, false)]);
+    db.drop_tables().await;
+}
+
+/// The `href` of the link whose text is `text` (HTML-escaped as the page writes it).
+fn href_of(page: &str, text: &str) -> Option<String> {
+    let end = page.find(&format!("\">{text}</a>"))?;
+    let start = page[..end].rfind("href=\"")? + 6;
+    Some(page[start..end].replace("&amp;", "&"))
+}
+
+#[tokio::test]
+async fn every_queue_name_the_library_accepts_has_working_links() {
+    let db = Db::new().await;
+    let names = [
+        ".", "..", "a/b", "../x", "q?x=1", "h#1", "50%", "sp ace", "a&b",
+    ];
+    for name in names {
+        db.publish(name, b"{}", Some("k"), 3600).await;
+    }
+    let r = db.router(false, 50);
+    let (_, page) = get(&r, "/outbox").await;
+    let t = token(&page);
+    for name in names {
+        let escaped = maud::html! { (name) }.into_string();
+        let href = href_of(&page, &escaped).unwrap_or_else(|| panic!("no link for {name:?}"));
+        // What a browser does to a path: `.` and `..` segments are resolved away, also
+        // percent-encoded ones. A link that survives is left as it is.
+        assert!(href.starts_with("/outbox/queue?name="), "{name:?}: {href}");
+        let (status, body) = get(&r, &href).await;
+        assert_eq!(status, StatusCode::OK, "{name:?}: {href}");
+        assert!(
+            body.contains(&format!("<h1>Queue {escaped}</h1>")),
+            "{name:?}: {href}: {body}"
+        );
+        assert!(body.contains(">k</td>"), "{name:?}'s row is listed: {body}");
+        // Its actions carry the name the same way.
+        let pause = format!("/outbox/queue/pause?{}", href.split_once('?').unwrap().1);
+        assert!(
+            body.contains(&format!("action=\"{}\"", pause.replace('&', "&amp;"))),
+            "{name:?}: no form to {pause}: {body}"
+        );
+        let (status, location) = post(&r, &pause, &format!("csrf={t}"), ORIGIN).await;
+        assert_eq!(status, StatusCode::SEE_OTHER, "{name:?}");
+        assert_eq!(notice(&location), format!("{name}: paused"), "{name:?}");
+    }
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut paused: Vec<String> = db
+        .outbox
+        .paused_queues(&mut conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.queue)
+        .collect();
+    paused.sort();
+    let mut expected: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    expected.sort();
+    assert_eq!(paused, expected);
+    let (status, _) = get(&r, "/outbox/queue").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    db.drop_tables().await;
+}
+
+async fn download(router: &Router, path: &str) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
+    let r = router
+        .clone()
+        .oneshot(
+            Request::get(path)
+                .header(header::HOST, HOST)
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = r.status();
+    let headers = r.headers().clone();
+    let body = axum::body::to_bytes(r.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, headers, body.to_vec())
+}
+
+#[tokio::test]
+async fn a_large_payload_is_shown_in_part_and_downloaded_whole() {
+    let db = Db::new().await;
+    // 5 MB of JSON, and 1 MB of bytes that are not JSON.
+    let json = format!("{{\"blob\":\"{}\"}}", "x".repeat(5 * 1024 * 1024));
+    let id = db.publish("big", json.as_bytes(), None, 600).await;
+    let big_header = "h".repeat(200 * 1024);
+    db.exec(format!(
+        "UPDATE {} SET headers = jsonb_build_object('a', '{big_header}', 'b', 'c') WHERE id = {id}",
+        db.outbox.table()
+    ))
+    .await;
+    let bytes: Vec<u8> = (0..1024 * 1024).map(|i| (i % 251) as u8 | 0x80).collect();
+    db.exec(format!(
+        "INSERT INTO {} (original_id, queue, payload, headers, attempts_count, deliveries_count, \
+         created_at, failure_reason, last_error) VALUES (1, 'big', '\\x{}', \
+         jsonb_build_object('k', '{big_header}'), 1, 1, now(), 'rejected', '{}')",
+        db.outbox.dead_letter_table(),
+        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+        "e".repeat(100_000),
+    ))
+    .await;
+    let r = db.router(false, 50);
+
+    let (status, page) = get(&r, &format!("/outbox/rows/{id}")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        page.len() < 200 * 1024,
+        "the row page is {} bytes",
+        page.len()
+    );
+    assert!(
+        page.contains(&format!("Showing {} of ", crate::MAX_SHOWN_BYTES)),
+        "{}",
+        &page[..2000]
+    );
+    assert!(page.contains("Showing 1 of 2 headers"), "headers cut");
+    let (status, h, body) = download(&r, &format!("/outbox/rows/{id}/download/payload")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(h[header::CONTENT_TYPE], "application/octet-stream");
+    assert_eq!(
+        h[header::CONTENT_DISPOSITION],
+        format!("attachment; filename=\"row-{id}-payload.bin\"").as_str()
+    );
+    assert_eq!(body, json.as_bytes(), "the raw payload, whole");
+    let (_, _, body) = download(&r, &format!("/outbox/rows/{id}/download/headers")).await;
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["a"].as_str().map(str::len), Some(big_header.len()));
+    let (status, _) = get(&r, &format!("/outbox/rows/{id}/download/nope")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    let (status, page) = get(&r, "/outbox/dead-letters").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        page.len() < 64 * 1024,
+        "the dead-letter page is {} bytes",
+        page.len()
+    );
+    assert!(page.contains("Not JSON: showing the first"), "payload cut");
+    let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT id FROM {}",
+        db.outbox.dead_letter_table()
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let (status, h, body) =
+        download(&r, &format!("/outbox/dead-letters/{dead}/download/payload")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(h[header::CONTENT_TYPE], "application/octet-stream");
+    assert_eq!(body, bytes);
+    let (status, _) = get(
+        &r,
+        &format!("/outbox/dead-letters/{}/download/payload", dead + 1),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    db.drop_tables().await;
+}
+
+#[tokio::test]
+async fn the_mount_answers_with_and_without_its_slash_and_bad_requests_get_the_page() {
+    let db = Db::new().await;
+    let r = Dashboard::new(db.outbox.clone(), db.pool.clone())
+        .unwrap()
+        .router_at("/outbox")
+        .unwrap();
+    let (status, body) = get(&r, "/outbox").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("<h1>Queues</h1>"), "{body}");
+    assert!(body.contains(r#"href="/outbox/assets/app.css""#), "{body}");
+    let response = r
+        .clone()
+        .oneshot(
+            Request::get("/outbox/")
+                .header(header::HOST, HOST)
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::PERMANENT_REDIRECT);
+    assert_eq!(response.headers()[header::LOCATION], "/outbox");
+    let (status, _) = get(&r, "/outbox/queues/x").await;
+    assert_eq!(status, StatusCode::OK);
+    // axum's own refusals come back as the dashboard's page, saying what was wrong.
+    for (path, status, says) in [
+        (
+            "/outbox/nowhere",
+            StatusCode::NOT_FOUND,
+            "no page at this address",
+        ),
+        (
+            "/outbox/queues/%FF",
+            StatusCode::BAD_REQUEST,
+            "the address or form could not be read",
+        ),
+        (
+            "/outbox/rows/1/pause",
+            StatusCode::NOT_FOUND,
+            "no page at this address",
+        ),
+        (
+            "/outbox/rows/1/run-now",
+            StatusCode::METHOD_NOT_ALLOWED,
+            "an action is a POST",
+        ),
+    ] {
+        let (got, body) = get(&r, path).await;
+        assert_eq!(got, status, "{path}: {body}");
+        assert!(
+            body.contains("<h1>") && body.contains(says),
+            "{path}: {body}"
+        );
+        assert!(body.contains("Back to the queues"), "{path}: {body}");
+    }
+    let response = r
+        .clone()
+        .oneshot(
+            Request::post("/outbox/queue/pause?name=x")
+                .header(header::HOST, HOST)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from("{}"))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&body).contains("not sent as a form"),
+        "{body:?}"
+    );
+    for bad in ["outbox", "/outbox/", "/", "/{x}"] {
+        let d = Dashboard::new(db.outbox.clone(), db.pool.clone()).unwrap();
+        assert!(
+            matches!(d.router_at(bad), Err(crate::UiError::InvalidSetting { .. })),
+            "{bad:?}"
+        );
     }
     db.drop_tables().await;
 }

@@ -11,8 +11,9 @@ use serde::Deserialize;
 
 use crate::format;
 use crate::layout::{self, encode, Base, Notice};
+use crate::limits::LIST_SHOWN_BYTES;
 use crate::pages::queue::{valid_name, when};
-use crate::pages::row::{headers, payload};
+use crate::pages::row::{headers, payload, raw_headers};
 use crate::sql;
 use crate::state::State as Shared;
 
@@ -146,13 +147,14 @@ pub(crate) async fn page(
                             td { (d.failure_reason) }
                             td { (when(d.failed_at, now)) }
                             td.num { (d.attempts_count) }
-                            td { @match &d.last_error { Some(e) => pre.error { (e) }, None => "–" } }
+                            td { @match &d.last_error { Some(e) => pre.error { (format::clip(e, LIST_SHOWN_BYTES)) }, None => "–" } }
                             td {
                                 details {
                                     summary { (d.payload.len()) " bytes" }
-                                    (payload(&d.payload))
+                                    @let dl = |what: &str| base.to(&format!("/dead-letters/{}/download/{what}", d.id));
+                                    (payload(&d.payload, LIST_SHOWN_BYTES, &dl("payload")))
                                     @let h = d.headers.as_ref().map(|h| serde_json::json!(h));
-                                    @if let Some(raw) = &d.raw_headers { pre { (raw) } } @else { (headers(h.as_ref())) }
+                                    @if let Some(raw) = &d.raw_headers { (raw_headers(raw, LIST_SHOWN_BYTES, &dl("headers"))) } @else { (headers(h.as_ref(), LIST_SHOWN_BYTES, &dl("headers"))) }
                                 }
                             }
                             td {

@@ -9,7 +9,7 @@ use maud::html;
 use serde::Deserialize;
 
 use crate::format;
-use crate::layout::{self, encode, Base, Notice};
+use crate::layout::{self, encode, Base, Kind, Named, Notice};
 use crate::pages::queues::state;
 use crate::sql::{self, ListedRow, StateFilter};
 use crate::state::State as Shared;
@@ -34,6 +34,27 @@ fn parse_cursor(s: &str) -> Option<(DateTime<Utc>, i64)> {
     Some((at, id.parse().ok()?))
 }
 
+/// `/queue?name=…`: the page of any queue name.
+pub(crate) async fn by_name(
+    State(s): State<Shared>,
+    base: Base,
+    Query(n): Query<Named>,
+    Query(p): Query<Params>,
+    Query(notice): Query<Notice>,
+) -> Response {
+    match n.name {
+        Some(queue) => show(s, base, queue, p, notice).await,
+        None => layout::error(
+            &base,
+            &s,
+            StatusCode::BAD_REQUEST,
+            "Bad request",
+            "which queue? the address needs ?name=<queue>",
+        ),
+    }
+}
+
+/// `/queues/{queue}`: the older address, for names a path can carry.
 pub(crate) async fn page(
     State(s): State<Shared>,
     base: Base,
@@ -41,6 +62,10 @@ pub(crate) async fn page(
     Query(p): Query<Params>,
     Query(notice): Query<Notice>,
 ) -> Response {
+    show(s, base, queue, p, notice).await
+}
+
+async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -> Response {
     let bad =
         |reason: String| layout::error(&base, &s, StatusCode::BAD_REQUEST, "Bad request", &reason);
     if let Err(reason) = valid_name(&queue) {
@@ -73,7 +98,7 @@ pub(crate) async fn page(
         match search(&s, &mut conn, &queue, q).await {
             Ok(Some(id)) => return Redirect::to(&base.to(&format!("/rows/{id}"))).into_response(),
             Ok(None) => {
-                notice.error = Some(format!(
+                notice = Notice::local(Kind::Error, format!(
                     "no live row of {queue} has the id or timer id {q:?} (it may have completed, been cancelled or dead-lettered)"
                 ))
             }
@@ -97,18 +122,19 @@ pub(crate) async fn page(
         Err(e) => return layout::failed(&base, &s, &e),
     };
     drop(conn);
-    let here = base.to(&format!("/queues/{}", encode(&queue)));
+    let here = base.to(&layout::queue_path(&queue, None));
     let next = (rows.len() == s.page_size)
         .then(|| rows.last().map(cursor))
         .flatten()
-        .map(|c| format!("{here}?state={}&after={c}", filter.as_str()));
+        .map(|c| format!("{here}&state={}&after={c}", filter.as_str()));
     let body = html! {
         div.bar {
             a href=(base.to("/")) { "All queues" } " · "
             (state(&s, &base, &queue, paused, now)) " · "
             a href=(base.to(&format!("/dead-letters?queue={}", encode(&queue)))) { "Dead letters of " (queue) }
         }
-        form.filters method="get" action=(here) role="search" {
+        form.filters method="get" action=(base.to("/queue")) role="search" {
+            input type="hidden" name="name" value=(queue);
             label { "Id or timer id" input type="search" name="q" value=(p.q.as_deref().unwrap_or("")); }
             label { "State"
                 select name="state" {
@@ -120,7 +146,7 @@ pub(crate) async fn page(
             button type="submit" { "Show" }
         }
         @if !s.read_only {
-            form.filters method="post" action=(format!("{here}/cancel")) {
+            form.filters method="post" action=(base.to(&layout::queue_path(&queue, Some("cancel")))) {
                 input type="hidden" name="csrf" value=(s.csrf);
                 label { "Cancel the timer keyed" input type="text" name="timer_id" required; }
                 button.danger type="submit" { "Cancel timer" }
@@ -147,7 +173,7 @@ pub(crate) async fn page(
                         tr {
                             th scope="row" { a href=(base.to(&format!("/rows/{}", r.id))) { (r.id) } }
                             td { (r.timer_id.as_deref().unwrap_or("–")) }
-                            td { (row_state(r, now)) }
+                            td { (row_state(r, now, s.lease_ttl)) }
                             td { (when(r.next_attempt_at, now)) }
                             td.num { (r.attempts) }
                             td.num { (r.deliveries) }
@@ -157,6 +183,11 @@ pub(crate) async fn page(
                                 @if r.acquired_at.is_none() {
                                     (layout::button(&s, &base.to(&format!("/rows/{}/run-now", r.id)), &[], "Run now", ""))
                                     (layout::button(&s, &base.to(&format!("/rows/{}/delete", r.id)), &[], "Delete", "danger"))
+                                } @else if let Some(ago) = r.acquired_at.and_then(|at| lease_expired_for(at, now, s.lease_ttl)) {
+                                    span.expired { "lease expired " (format::span(ago.num_seconds())) " ago: claimable again" }
+                                    @if let Some(timer) = &r.timer_id {
+                                        " " (layout::button(&s, &base.to(&layout::queue_path(&queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
+                                    }
                                 } @else {
                                     span.muted { "held by a worker" }
                                 }
@@ -167,7 +198,7 @@ pub(crate) async fn page(
             }
         }
         p.pager {
-            @if after.is_some() { a href=(format!("{here}?state={}", filter.as_str())) { "First page" } " " }
+            @if after.is_some() { a href=(format!("{here}&state={}", filter.as_str())) { "First page" } " " }
             @if let Some(next) = next { a href=(next) rel="next" { "Next page" } }
         }
     };
@@ -214,13 +245,35 @@ async fn search(
     sql::by_timer(&s.sql, &s.outbox, conn, queue, q).await
 }
 
-pub(crate) fn row_state(r: &ListedRow, now: DateTime<Utc>) -> &'static str {
-    match (r.acquired_at.is_some(), r.cancelled_at.is_some()) {
-        (true, true) => "leased, cancelled",
-        (true, false) => "leased",
-        (false, _) if r.next_attempt_at <= now => "due",
-        (false, _) => "pending",
+pub(crate) fn row_state(
+    r: &ListedRow,
+    now: DateTime<Utc>,
+    ttl: std::time::Duration,
+) -> &'static str {
+    let expired = r
+        .acquired_at
+        .is_some_and(|at| lease_expired_for(at, now, ttl).is_some());
+    match (r.acquired_at.is_some(), expired, r.cancelled_at.is_some()) {
+        (true, true, true) => "lease expired, cancelled",
+        (true, true, false) => "lease expired",
+        (true, false, true) => "leased, cancelled",
+        (true, false, false) => "leased",
+        (false, _, _) if r.next_attempt_at <= now => "due",
+        (false, _, _) => "pending",
     }
+}
+
+/// How long ago a lease taken at `acquired_at` expired (the workers' lease TTL after it),
+/// or `None` while it holds. An expired lease is claimable again: the next claim of its
+/// queue takes the row (or deletes it, when it was cancelled while it ran).
+pub(crate) fn lease_expired_for(
+    acquired_at: DateTime<Utc>,
+    now: DateTime<Utc>,
+    ttl: std::time::Duration,
+) -> Option<chrono::Duration> {
+    let ttl = chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::MAX);
+    let end = acquired_at.checked_add_signed(ttl)?;
+    (end < now).then(|| now - end)
 }
 
 /// A time in UTC with its relative age.

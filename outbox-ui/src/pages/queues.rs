@@ -32,6 +32,8 @@ struct View {
     mode: StatsMode,
     now: chrono::DateTime<chrono::Utc>,
     throughput: Option<f64>,
+    /// Per queue, from the counter, when it is installed.
+    rates: Option<crate::throughput::Rates>,
     history: BTreeMap<String, Vec<Sample>>,
 }
 
@@ -54,6 +56,7 @@ async fn read(s: &Shared) -> Result<View, outbox::Error> {
         .into_iter()
         .map(|p| (p.queue, p.paused_at))
         .collect();
+    let rates = crate::throughput::read(&s.outbox, &mut conn).await?;
     let names: Vec<String> = stats.iter().map(|q| q.queue.clone()).collect();
     // Exact mode counts due rows itself; the estimate cannot, so count them up to the cap.
     let due = if mode == StatsMode::Estimate && !names.is_empty() {
@@ -94,6 +97,7 @@ async fn read(s: &Shared) -> Result<View, outbox::Error> {
         mode,
         now: sizes.now,
         throughput,
+        rates,
         history,
     })
 }
@@ -107,11 +111,13 @@ fn due(view: &View, q: &QueueStats) -> String {
 }
 
 fn render(s: &Shared, base: &Base, notice: &Notice, view: View) -> maud::Markup {
-    let paused_only: Vec<_> = view
-        .paused
-        .iter()
-        .filter(|(q, _)| !view.stats.iter().any(|st| &st.queue == *q))
-        .collect();
+    // Queues without a live row or a dead letter that are paused, or finished rows in
+    // the counter's window: shown too (a queue whose rows were all acked has a rate).
+    let mut quiet: std::collections::BTreeSet<&String> = view.paused.keys().collect();
+    if let Some(r) = &view.rates {
+        quiet.extend(r.per_minute.keys());
+    }
+    quiet.retain(|q| !view.stats.iter().any(|st| &st.queue == *q));
     let body = html! {
         p.muted {
             "As of " time datetime=(view.now.to_rfc3339()) { (format::utc(view.now)) } ". "
@@ -119,15 +125,24 @@ fn render(s: &Shared, base: &Base, notice: &Notice, view: View) -> maud::Markup 
                 StatsMode::Exact => "Counts are exact. ",
                 _ => "Pending rows and dead letters are estimates (≈) from the planner's statistics: the tables are large. ",
             }
-            "Rows finished: "
-            @match view.throughput {
-                Some(t) => { (format!("{t:.1}")) "/s" }
-                None => "– (needs two samples)",
+            @match &view.rates {
+                Some(_) => {
+                    "Finished per second: each queue's rows acked, failed, cancelled or deleted over the last "
+                    (crate::throughput::WINDOW_MINUTES) " minutes (the counter table " code { (crate::throughput::Names::of(&s.outbox).table) } "). "
+                }
+                None => {
+                    "Rows finished: "
+                    @match view.throughput {
+                        Some(t) => { (format!("{t:.1}")) "/s" }
+                        None => "– (needs two samples)",
+                    }
+                    " (all queues, over the samples of the last 10 min; per queue needs the throughput counter: "
+                    code { "outbox ui --throughput-counter" } " or " code { "Dashboard::install_throughput_counter" } "). "
+                }
             }
-            " (all queues, over the samples of the last 10 min). "
             noscript { a href=(base.to("/")) { "Refresh" } }
         }
-        @if view.stats.is_empty() && paused_only.is_empty() {
+        @if view.stats.is_empty() && quiet.is_empty() {
             p { "No queue has a live row or a dead letter." }
         } @else {
             table {
@@ -143,6 +158,7 @@ fn render(s: &Shared, base: &Base, notice: &Notice, view: View) -> maud::Markup 
                         th.num scope="col" { "p50 / p99" }
                         th.num scope="col" { "Rearms" }
                         th.num scope="col" { "Dead letters" }
+                        th.num scope="col" { "Finished/s" }
                         th scope="col" { "Trend" }
                         th scope="col" { "State" }
                     }
@@ -152,7 +168,7 @@ fn render(s: &Shared, base: &Base, notice: &Notice, view: View) -> maud::Markup 
                         @let samples = view.history.get(&q.queue).cloned().unwrap_or_default();
                         @let late: Vec<f64> = samples.iter().map(|x| x.lateness).collect();
                         @let series: Vec<Option<f64>> = samples.iter().map(|x| x.live.map(|v| v as f64)).collect();
-                        @let url = base.to(&format!("/queues/{}", encode(&q.queue)));
+                        @let url = base.to(&layout::queue_path(&q.queue, None));
                         tr {
                             th scope="row" { a href=(url) { (q.queue) } }
                             td.num { (format::count(q.pending)) }
@@ -173,15 +189,33 @@ fn render(s: &Shared, base: &Base, notice: &Notice, view: View) -> maud::Markup 
                                     a href=(base.to(&format!("/dead-letters?queue={}", encode(&q.queue)))) { (format::count(q.dead_letters)) }
                                 }
                             }
+                            td.num.throughput {
+                                @match &view.rates {
+                                    Some(r) => {
+                                        (format!("{:.2}", r.per_second.get(&q.queue).copied().unwrap_or(0.0)))
+                                        @let minutes: Vec<Option<f64>> = r.per_minute.get(&q.queue).map_or_else(
+                                            || vec![Some(0.0); crate::throughput::WINDOW_MINUTES as usize],
+                                            |m| m.iter().map(|&v| Some(v as f64)).collect());
+                                        " " (format::sparkline(&minutes, &format!("rows of {} finished per minute", q.queue)))
+                                    }
+                                    None => "–",
+                                }
+                            }
                             td { (format::sparkline(&series, &format!("live rows of {}", q.queue))) }
                             td { (state(s, base, &q.queue, view.paused.get(&q.queue).copied(), view.now)) }
                         }
                     }
-                    @for (queue, at) in &paused_only {
+                    @for queue in &quiet {
                         tr {
-                            th scope="row" { a href=(base.to(&format!("/queues/{}", encode(queue)))) { (queue) } }
-                            td.num colspan="9" { span.muted { "no live row, no dead letter" } }
-                            td { (state(s, base, queue, Some(**at), view.now)) }
+                            th scope="row" { a href=(base.to(&layout::queue_path(queue, None))) { (queue) } }
+                            td.num colspan="8" { span.muted { "no live row, no dead letter" } }
+                            td.num.throughput {
+                                @if let Some(r) = &view.rates {
+                                    (format!("{:.2}", r.per_second.get(*queue).copied().unwrap_or(0.0)))
+                                }
+                            }
+                            td {}
+                            td { (state(s, base, queue, view.paused.get(*queue).copied(), view.now)) }
                         }
                     }
                 }
@@ -199,7 +233,7 @@ pub(crate) fn state(
     paused_at: Option<chrono::DateTime<chrono::Utc>>,
     now: chrono::DateTime<chrono::Utc>,
 ) -> maud::Markup {
-    let path = |what: &str| base.to(&format!("/queues/{}/{what}", encode(queue)));
+    let path = |what: &str| base.to(&layout::queue_path(queue, Some(what)));
     html! {
         @match paused_at {
             Some(at) => {

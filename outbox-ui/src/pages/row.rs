@@ -6,8 +6,9 @@ use axum::response::{IntoResponse, Response};
 use maud::{html, Markup};
 
 use crate::format;
-use crate::layout::{self, encode, Base, Notice};
-use crate::pages::queue::when;
+use crate::layout::{self, Base, Kind, Notice};
+use crate::limits::MAX_SHOWN_BYTES;
+use crate::pages::queue::{lease_expired_for, when};
 use crate::sql;
 use crate::state::State as Shared;
 
@@ -33,10 +34,16 @@ pub(crate) async fn page(
     let r = match row {
         Ok(Some(r)) => r,
         Ok(None) => {
-            let mut n = notice;
-            n.error.get_or_insert_with(|| {
-                format!("no live row has id {id}: it completed, was cancelled, deleted or dead-lettered, or never existed")
-            });
+            // The action's own notice when it signed one (a delete says so), else why the
+            // page is empty.
+            let n = if notice
+                .shown(&s.notice_key, chrono::Utc::now().timestamp())
+                .is_some()
+            {
+                notice
+            } else {
+                Notice::local(Kind::Error, format!("no live row has id {id}: it completed, was cancelled, deleted or dead-lettered, or never existed"))
+            };
             let body = html! { p { a href=(base.to("/")) { "Back to the queues" } } };
             return (
                 StatusCode::NOT_FOUND,
@@ -47,8 +54,12 @@ pub(crate) async fn page(
         Err(e) => return layout::failed(&base, &s, &e),
     };
     let now = r.now;
-    let queue_url = base.to(&format!("/queues/{}", encode(&r.queue)));
+    let expired = r
+        .acquired_at
+        .and_then(|at| lease_expired_for(at, now, s.lease_ttl));
+    let queue_url = base.to(&layout::queue_path(&r.queue, None));
     let act = |what: &str| base.to(&format!("/rows/{id}/{what}"));
+    let dl = |what: &str| base.to(&format!("/rows/{id}/download/{what}"));
     let body = html! {
         p { a href=(queue_url) { "Queue " (r.queue) } }
         dl.facts {
@@ -57,8 +68,15 @@ pub(crate) async fn page(
             dt { "State" } dd {
                 @match (&r.acquired_at, &r.acquired_token) {
                     (Some(at), Some(token)) => {
-                        "leased by lease token " code { (token) } ", claimed " (when(*at, now))
-                        " (lease age " (format::span((now - *at).num_seconds())) ")"
+                        @if let Some(ago) = expired {
+                            strong { "lease expired " (format::span(ago.num_seconds())) " ago" }
+                            " (lease TTL " (format::span(i64::try_from(s.lease_ttl.as_secs()).unwrap_or(i64::MAX))) "): no worker holds it now; the next claim of its queue takes it again"
+                            @if r.cancelled_at.is_some() && r.rearm_at.is_none() { " (or deletes it: it was cancelled while it ran)" }
+                            ". Lease token " code { (token) } ", claimed " (when(*at, now)) "."
+                        } @else {
+                            "leased by lease token " code { (token) } ", claimed " (when(*at, now))
+                            " (lease age " (format::span((now - *at).num_seconds())) ")"
+                        }
                     }
                     _ => @if r.next_attempt_at <= now { "due (pending)" } @else { "pending" },
                 }
@@ -73,25 +91,33 @@ pub(crate) async fn page(
             dt { "Cancel mark" } dd { (opt(r.cancelled_at, now)) }
         }
         h2 { "Payload (" (r.payload.len()) " bytes)" }
-        (payload(&r.payload))
+        (payload(&r.payload, MAX_SHOWN_BYTES, &dl("payload")))
         h2 { "Headers" }
-        (headers(r.headers.as_ref()))
+        (headers(r.headers.as_ref(), MAX_SHOWN_BYTES, &dl("headers")))
         @if r.rearm_at.is_some() {
             h2 { "Queued rearm's payload" }
-            @match &r.rearm_payload { Some(p) => (payload(p)), None => p { "– (the row's own)" } }
+            @match &r.rearm_payload { Some(p) => (payload(p, MAX_SHOWN_BYTES, &dl("rearm-payload"))), None => p { "– (the row's own)" } }
             h2 { "Queued rearm's headers" }
-            (headers(r.rearm_headers.as_ref()))
+            (headers(r.rearm_headers.as_ref(), MAX_SHOWN_BYTES, &dl("rearm-headers")))
         }
         @if !s.read_only {
             h2 { "Actions" }
-            @if r.acquired_at.is_some() {
+            @if expired.is_some() {
+                p { "Its lease expired, but the row is still leased: run now, reschedule and delete leave a leased row alone (the library's rule) until a worker claims it again and its run ends." }
+                @if let Some(timer) = &r.timer_id {
+                    p { "Cancelling its timer marks the row: the next claim deletes it instead of running it." }
+                    div.bar {
+                        (layout::button(&s, &base.to(&layout::queue_path(&r.queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
+                    }
+                }
+            } @else if r.acquired_at.is_some() {
                 p { "A worker holds this row: no action until its run ends or its lease expires." }
             } @else {
                 div.bar {
                     (layout::button(&s, &act("run-now"), &[], "Run now", ""))
                     (layout::button(&s, &act("delete"), &[], "Delete row", "danger"))
                     @if let Some(timer) = &r.timer_id {
-                        (layout::button(&s, &base.to(&format!("/queues/{}/cancel", encode(&r.queue))), &[("timer_id", timer)], "Cancel timer", "danger"))
+                        (layout::button(&s, &base.to(&layout::queue_path(&r.queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
                     }
                 }
                 form.filters method="post" action=(act("reschedule")) {
@@ -121,36 +147,83 @@ fn opt(t: Option<chrono::DateTime<chrono::Utc>>, now: chrono::DateTime<chrono::U
     }
 }
 
-/// JSON when the bytes decode as JSON, else a hex dump; escaped either way.
-pub(crate) fn payload(bytes: &[u8]) -> Markup {
-    match format::json(bytes) {
-        Some(text) => html! { pre.payload data-format="json" { (text) } },
-        None => html! {
-            p.muted { "Not JSON: the raw bytes." }
-            pre.payload data-format="bytes" { (format::hex_dump(bytes)) }
+/// JSON when the bytes decode as JSON, else a hex dump; escaped either way; at most `cap`
+/// bytes of it, with how much that is and the link to `download` the raw bytes.
+pub(crate) fn payload(bytes: &[u8], cap: usize, download: &str) -> Markup {
+    let shown = format::shown(bytes, cap);
+    html! {
+        @if shown.cut() {
+            p.muted.cut {
+                @if shown.json {
+                    "Showing " (shown.shown) " of " (shown.total) " bytes of the pretty-printed JSON (" (bytes.len()) " bytes stored). "
+                } @else {
+                    "Not JSON: showing the first " (shown.shown) " of " (shown.total) " bytes. "
+                }
+                a href=(download) download { "Download the raw payload" }
+            }
+        } @else if !shown.json {
+            p.muted { "Not JSON: the raw bytes. " a href=(download) download { "Download" } }
+        }
+        pre.payload data-format=(if shown.json { "json" } else { "bytes" }) { (shown.text) }
+    }
+}
+
+/// The headers as a table, at most `cap` bytes of names and values (each value cut where
+/// the budget ends), with the link to `download` them whole when cut.
+pub(crate) fn headers(h: Option<&serde_json::Value>, cap: usize, download: &str) -> Markup {
+    match h.and_then(|v| v.as_object()) {
+        Some(map) if !map.is_empty() => {
+            let mut budget = cap;
+            let mut rows = Vec::new();
+            for (k, v) in map {
+                if budget == 0 {
+                    break;
+                }
+                let value = v.as_str().map_or_else(|| v.to_string(), str::to_owned);
+                let name = format::clip(k, budget).into_owned();
+                budget = budget.saturating_sub(k.len());
+                let shown = format::clip(&value, budget.max(1)).into_owned();
+                budget = budget.saturating_sub(value.len());
+                rows.push((name, shown));
+            }
+            let total: usize = map
+                .iter()
+                .map(|(k, v)| k.len() + v.as_str().map_or_else(|| v.to_string().len(), str::len))
+                .sum();
+            html! {
+                table.headers {
+                    thead { tr { th scope="col" { "Name" } th scope="col" { "Value" } } }
+                    tbody {
+                        @for (k, v) in &rows {
+                            tr {
+                                th scope="row" { code { (k) } }
+                                td { code { (v) } }
+                            }
+                        }
+                    }
+                }
+                @if total > cap {
+                    p.muted.cut {
+                        "Showing " (rows.len()) " of " (map.len()) " headers, " (cap) " of their " (total) " bytes. "
+                        a href=(download) download { "Download the headers" }
+                    }
+                }
+            }
+        }
+        Some(_) => html! { p { "None." } },
+        None => match h {
+            None | Some(serde_json::Value::Null) => html! { p { "None." } },
+            Some(other) => raw_headers(&other.to_string(), cap, download),
         },
     }
 }
 
-pub(crate) fn headers(h: Option<&serde_json::Value>) -> Markup {
-    match h.and_then(|v| v.as_object()) {
-        Some(map) if !map.is_empty() => html! {
-            table.headers {
-                thead { tr { th scope="col" { "Name" } th scope="col" { "Value" } } }
-                tbody {
-                    @for (k, v) in map {
-                        tr {
-                            th scope="row" { code { (k) } }
-                            td { code { (v.as_str().map_or_else(|| v.to_string(), str::to_owned)) } }
-                        }
-                    }
-                }
-            }
-        },
-        Some(_) => html! { p { "None." } },
-        None => match h {
-            None | Some(serde_json::Value::Null) => html! { p { "None." } },
-            Some(other) => html! { pre { (other.to_string()) } },
-        },
+/// Headers stored as something other than a string map, as text, cut at `cap` bytes.
+pub(crate) fn raw_headers(text: &str, cap: usize, download: &str) -> Markup {
+    html! {
+        pre { (format::clip(text, cap)) }
+        @if text.len() > cap {
+            p.muted.cut { a href=(download) download { "Download the headers" } }
+        }
     }
 }

@@ -7,7 +7,7 @@ use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use maud::html;
 
-use crate::layout::{self, encode, Base, Notice};
+use crate::layout::{self, Base, Notice};
 use crate::pages::queue::when;
 use crate::sql::{self, ScheduleRow};
 use crate::state::State as Shared;
@@ -59,7 +59,7 @@ pub(crate) async fn page(
                                     (r.timer_id.strip_prefix(outbox::store::SCHEDULE_KEY_PREFIX).unwrap_or(&r.timer_id))
                                 }
                             }
-                            td { a href=(base.to(&format!("/queues/{}", encode(&r.queue)))) { (r.queue) } }
+                            td { a href=(base.to(&layout::queue_path(&r.queue, None))) { (r.queue) } }
                             td { (recurrence(r.fingerprint.as_deref())) }
                             td { @match next(r) { Some(t) => (when(t, now)), None => "–" } }
                             td { @match r.last_attempt_at { Some(t) => (when(t, now)), None => "never" } }

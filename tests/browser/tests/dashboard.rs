@@ -1,7 +1,12 @@
 //! The dashboard in a real browser (SPEC §15): Debian's headless Chromium, driven through
 //! chromedriver (WebDriver), against real Postgres. Loads every page, pauses and resumes a
 //! queue, searches a timer, redrives a dead letter, shows a `<script>` payload as text,
-//! and checks read-only mode; writes a screenshot of each page to `docs/img/`.
+//! and checks read-only mode; writes a screenshot of each page.
+//!
+//! Screenshots go to `<target>/tmp/screenshots/` (`CARGO_TARGET_TMPDIR`), so a run leaves
+//! the checkout clean; with `OUTBOX_UPDATE_SCREENSHOTS=1` they replace the checked-in ones
+//! in `docs/img/` (do that when the pages change, and commit them):
+//! `OUTBOX_UPDATE_SCREENSHOTS=1 cargo nextest run -p outbox-ui-browser-tests --run-ignored all`.
 //!
 //! Ignored by the workspace's test command (a machine without Chromium can run the rest);
 //! `.ci/run` installs `chromium` and `chromium-driver` and runs it with `--run-ignored all`.
@@ -119,8 +124,14 @@ async fn serve(outbox: Outbox, pool: PgPool, read_only: bool) -> SocketAddr {
     addr
 }
 
+/// `docs/img/` with `OUTBOX_UPDATE_SCREENSHOTS=1`, else a directory of the target dir.
 fn screenshots() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/img")
+    if std::env::var("OUTBOX_UPDATE_SCREENSHOTS").is_ok_and(|v| v == "1") {
+        return PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/img");
+    }
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("screenshots");
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+    dir
 }
 
 async fn shot(c: &Client, name: &str) {
@@ -130,19 +141,44 @@ async fn shot(c: &Client, name: &str) {
 }
 
 async fn text_of(c: &Client, css: &str) -> String {
-    let url = c
-        .current_url()
-        .await
-        .map(|u| u.to_string())
-        .unwrap_or_default();
-    c.wait()
-        .at_most(Duration::from_secs(10))
-        .for_element(Locator::Css(css))
-        .await
-        .unwrap_or_else(|e| panic!("no element {css} on {url}: {e}"))
-        .text()
-        .await
-        .expect("text")
+    // The queues page replaces its <main> every 5 s, and a click may still be loading the
+    // next page: an element found just before either is stale, so find it again.
+    let mut last = String::new();
+    for _ in 0..5 {
+        let url = c
+            .current_url()
+            .await
+            .map(|u| u.to_string())
+            .unwrap_or_default();
+        let element = c
+            .wait()
+            .at_most(Duration::from_secs(10))
+            .for_element(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no element {css} on {url}: {e}"));
+        match element.text().await {
+            Ok(text) => return text,
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("the text of {css}: {last}")
+}
+
+/// Clicks the link whose text is `text` (again after a refresh of the queues page).
+async fn click_link(c: &Client, text: &str) {
+    let mut last = String::new();
+    for _ in 0..3 {
+        match c.find(Locator::LinkText(text)).await {
+            Ok(link) => match link.click().await {
+                Ok(()) => return,
+                Err(e) => last = e.to_string(),
+            },
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("cannot click the link {text:?}: {last}");
 }
 
 async fn click_button(c: &Client, label: &str) {
@@ -228,6 +264,14 @@ async fn setup() -> Data {
         .publish(&mut conn, publish("ui.timers", XSS_BYTES))
         .await
         .unwrap();
+    // A queue named `..`: its link must survive the browser's path normalisation.
+    outbox
+        .publish(
+            &mut conn,
+            publish("..", b"{}").schedule(Duration::from_secs(3600)),
+        )
+        .await
+        .unwrap();
     let leased = outbox
         .publish(&mut conn, publish("ui.mail", br#"{"mail":"running"}"#))
         .await
@@ -289,8 +333,15 @@ async fn the_dashboard_in_a_real_browser() {
     let driver = start_driver().await;
     let profile = tempfile::tempdir().unwrap();
     let c = browser(&driver, &profile).await;
+    // The per-queue throughput counter, so the queues page (and its screenshot) has it.
+    let counter = outbox_ui::Dashboard::new(d.outbox.clone(), d.pool.clone()).expect("dashboard");
+    counter
+        .install_throughput_counter()
+        .await
+        .expect("install the throughput counter");
     let result = run(&c, &d).await;
     let _ = c.close().await;
+    let _ = counter.remove_throughput_counter().await;
     let t = d.outbox.table().to_owned();
     let dl = d.outbox.dead_letter_table().to_owned();
     for table in [t, dl] {
@@ -317,6 +368,9 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     // The queues page: every queue, its figures, a sparkline; the refresh script loads.
     c.goto(&base.clone()).await.map_err(|e| e.to_string())?;
     let table = text_of(c, "main table").await;
+    if !table.contains("Finished/s") {
+        return Err(format!("no throughput column: {table}"));
+    }
     for q in ["ui.mail", "ui.timers"] {
         if !table.contains(q) {
             return Err(format!("the queues page does not list {q}: {table}"));
@@ -382,8 +436,36 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
         return Err("the queue is still paused".into());
     }
 
+    // A notice in a link is not the dashboard's: not shown.
+    c.goto(&format!("{base}?ok=Queue%20purged%2C%20now%20run%20X"))
+        .await
+        .map_err(|e| e.to_string())?;
+    text_of(c, "h1").await;
+    if !c
+        .find_all(Locator::Css(".notice"))
+        .await
+        .map_err(|e| e.to_string())?
+        .is_empty()
+    {
+        return Err("a notice from a link's query is shown".into());
+    }
+
+    // The queue named `..`: its link leads to its page, not to the application's root.
+    click_link(c, "..").await;
+    for _ in 0..50 {
+        let url = c.current_url().await.map_err(|e| e.to_string())?;
+        if url.path().ends_with("/queue") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let title = text_of(c, "h1").await;
+    if title != "Queue .." {
+        return Err(format!("the link of the queue `..` leads to {title:?}"));
+    }
+
     // A queue page: rows by deadline; the leased row has no action.
-    c.goto(&format!("{base}/queues/ui.mail"))
+    c.goto(&format!("{base}/queue?name=ui.mail"))
         .await
         .map_err(|e| e.to_string())?;
     let rows = text_of(c, "main table tbody").await;
@@ -393,7 +475,7 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     shot(c, "queue").await;
 
     // Search a timer by its id: the row's page.
-    c.goto(&format!("{base}/queues/ui.timers"))
+    c.goto(&format!("{base}/queue?name=ui.timers"))
         .await
         .map_err(|e| e.to_string())?;
     let search = c
@@ -461,6 +543,8 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     }
     shot(c, "dead-letters").await;
     click_button(c, "Redrive").await;
+    // It asks first.
+    click_button(c, "Yes, redrive").await;
     let notice = text_of(c, ".notice.ok").await;
     if !notice.contains(&format!(
         "dead letter {}: redriven as row",
@@ -520,7 +604,7 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
         .execute(
             "return fetch(arguments[0], {method: 'POST', headers: {'Content-Type': \
              'application/x-www-form-urlencoded'}, body: 'csrf=forged'}).then(r => r.status);",
-            vec![json!(format!("{base}/queues/ui.mail/pause"))],
+            vec![json!(format!("{base}/queue/pause?name=ui.mail"))],
         )
         .await
         .map_err(|e| e.to_string())?;
@@ -542,7 +626,7 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     let ro_base = format!("http://{ro}/outbox");
     for page in [
         "",
-        "/queues/ui.mail",
+        "/queue?name=ui.mail",
         &format!("/rows/{}", d.keyed_id),
         "/dead-letters",
     ] {
@@ -567,7 +651,7 @@ async fn run(c: &Client, d: &Data) -> Result<(), String> {
     let status = c
         .execute(
             "return fetch(arguments[0], {method: 'POST', body: new URLSearchParams({csrf: 'x'})}).then(r => r.status);",
-            vec![json!(format!("{ro_base}/queues/ui.mail/pause"))],
+            vec![json!(format!("{ro_base}/queue/pause?name=ui.mail"))],
         )
         .await
         .map_err(|e| e.to_string())?;
