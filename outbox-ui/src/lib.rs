@@ -198,8 +198,8 @@ impl Dashboard {
     /// The trigger's function is `SECURITY DEFINER` (with a fixed `search_path`): it writes
     /// the counter as the role that installed it, so the roles that delete queue rows (the
     /// workers') need no right on the counter table. Remove it with
-    /// [`Dashboard::remove_throughput_counter`], never by dropping the table alone (the
-    /// trigger would then fail every statement that deletes queue rows).
+    /// [`Dashboard::remove_throughput_counter`]; a counter table dropped by hand leaves a
+    /// trigger that counts nothing (it looks the table up first), never one that fails acks.
     ///
     /// # Errors
     /// [`UiError::NoQueueTable`] before the outbox's migrations; [`UiError::Database`] when

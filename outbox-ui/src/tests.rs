@@ -1055,6 +1055,20 @@ async fn the_throughput_counter_counts_each_queues_acks_of_a_real_worker() {
         .await;
     db.exec(format!("DROP ROLE {role}")).await;
 
+    // The counter table dropped by hand, its trigger left: acks still delete.
+    let counter = crate::throughput::Names::of(&db.outbox).table;
+    db.exec(format!("DROP TABLE {counter}")).await;
+    let orphan = db.publish("tp_b", b"{}", None, 3600).await;
+    let deleted = sqlx::query(AssertSqlSafe(format!(
+        "DELETE FROM {} WHERE id = {orphan}",
+        db.outbox.table()
+    )))
+    .execute(&db.pool)
+    .await
+    .expect("a delete with the counter table gone");
+    assert_eq!(deleted.rows_affected(), 1);
+    dashboard.install_throughput_counter().await.unwrap();
+
     dashboard.remove_throughput_counter().await.unwrap();
     let (_, page) = get(&r, "/outbox").await;
     assert!(page.contains("--throughput-counter"), "{page}");

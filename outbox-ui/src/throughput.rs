@@ -72,6 +72,7 @@ fn install_statements(outbox: &Outbox, n: &Names, schema: &str) -> Vec<String> {
         None => c.as_str(),
     };
     let qc = format!("{schema}.{bare}");
+    let qc_literal = qc.replace('\'', "''");
     vec![
         // Waiting long for the queue table's lock would stall every worker queued behind it.
         "SET LOCAL lock_timeout = '5s'".to_owned(),
@@ -90,6 +91,11 @@ SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
 DECLARE
     fresh boolean;
 BEGIN
+    -- The counter table dropped alone (not by remove_throughput_counter) must never fail
+    -- the queue's acks: without it the trigger counts nothing.
+    IF to_regclass('{qc_literal}') IS NULL THEN
+        RETURN NULL;
+    END IF;
     -- One row per (queue, backend, minute): no other backend ever waits on it.
     WITH up AS (
         INSERT INTO {qc} AS c (queue, backend, minute, finished)
