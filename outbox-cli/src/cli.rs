@@ -314,9 +314,15 @@ fn watch_interval(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// A duration such as `500ms`, `30s`, `5m`, `7d`.
+/// A duration such as `500ms`, `30s`, `5m`, `7d`; months and years (`1M`, `1y`) are
+/// refused, as the library refuses them (`1M` is a month, one letter from `1m`).
 fn duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{e} (write e.g. 500ms, 30s, 5m, 7d)"))
+    outbox::periodic::parse_interval("duration", s).map_err(|e| match e {
+        outbox::Error::InvalidArgument { reason, .. } => {
+            format!("{reason} (write e.g. 500ms, 30s, 5m, 7d)")
+        }
+        other => other.to_string(),
+    })
 }
 
 /// An RFC 3339 time.
@@ -341,6 +347,12 @@ mod tests {
         assert_eq!(duration("30s"), Ok(Duration::from_secs(30)));
         assert_eq!(duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
         assert!(duration("soon").unwrap_err().contains("write e.g."));
+        // A month, one letter from a minute: refused, not read as 30.44 days.
+        for calendar in ["1M", "1y", "2months"] {
+            let e = duration(calendar).unwrap_err();
+            assert!(e.contains("calendar unit"), "{calendar}: {e}");
+        }
+        assert_eq!(duration("1m"), Ok(Duration::from_secs(60)));
         assert_eq!(
             timestamp("2026-11-30T01:00:00+01:00").unwrap(),
             DateTime::parse_from_rfc3339("2026-11-30T00:00:00Z").unwrap()

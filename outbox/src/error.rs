@@ -66,7 +66,7 @@ pub enum Error {
     /// claim reads it). Run [`crate::migrate`] (or apply the statements of
     /// `migration_steps()` with your own migration tool) with this outbox's settings before
     /// deploying this version.
-    #[error("the outbox schema predates this version ({detail}); run the schema upgrade first (`outbox::migrate`), see {UPGRADE_GUIDE}")]
+    #[error("the outbox schema predates this version ({detail}); run the schema upgrade first: `Outbox::migrate` with this outbox's settings (its names, and `dead_letter(true)` when it keeps dead letters; `outbox migrate --dead-letter` in the CLI), see {UPGRADE_GUIDE}")]
     UpgradeRequired {
         /// What Postgres reported.
         detail: String,
@@ -75,7 +75,7 @@ pub enum Error {
     /// The queue table does not exist (SQLSTATE 42P01): the migrations have not run against
     /// this database, schema or `search_path`. Run [`crate::migrate`] (or
     /// [`crate::Outbox::migrate`] for your names) first.
-    #[error("the outbox tables do not exist ({detail}); run `outbox::migrate()` (or the SQL of `outbox::schema::migration_steps()`) against this database first")]
+    #[error("the outbox tables do not exist ({detail}); run `Outbox::migrate` with this outbox's settings (`outbox::migrate()` for the default names; or the SQL of `outbox::schema::migration_steps()`) against this database first; a schema the outbox names must exist before that (`CREATE SCHEMA`)")]
     NotMigrated {
         /// What Postgres reported (it names the missing table).
         detail: String,
@@ -608,7 +608,7 @@ mod tests {
             format!("NotMigrated: {e}"),
             "Debug is the variant and the message"
         );
-        assert!(format!("{e:?}").contains("run `outbox::migrate()`"));
+        assert!(format!("{e:?}").contains("run `Outbox::migrate` with this outbox's settings"));
         assert_eq!(
             format!("{e:#?}"),
             "NotMigrated {\n    detail: \"relation \\\"outbox\\\" does not exist\",\n}"

@@ -152,15 +152,7 @@ impl Recurrence {
     /// month) is one letter away from `"1m"` (a minute). Use a cron expression for "on the
     /// first of each month", or days (`"30days"`) for a fixed step.
     pub fn parse_every(text: &str) -> Result<Self> {
-        if let Some((unit, why)) = unfixed_unit(text) {
-            return Err(Error::invalid(
-                "every",
-                format!("{text:?} counts in {unit:?}, {why}"),
-            ));
-        }
-        let interval = humantime::parse_duration(text.trim())
-            .map_err(|e| Error::invalid("every", format!("{text:?} is not a duration: {e}")))?;
-        Self::every(interval)
+        Self::every(parse_interval("every", text)?)
     }
 
     /// The recurrence a [`fingerprint`](Self::fingerprint) names: the inverse of
@@ -358,6 +350,25 @@ fn unfixed_unit(text: &str) -> Option<(&str, &'static str)> {
          (\"30s\", \"5m\", \"1h 30m\", \"2days\")"
     };
     Some((unit, why))
+}
+
+/// A human duration (`"500ms"`, `"30s"`, `"5m"`, `"1h 30m"`, `"7d"`) as the `humantime`
+/// crate reads it, with the rule of [`Recurrence::parse_every`]: months and years (`"1M"`,
+/// `"1y"`), which humantime reads as fixed averages and of which `"1M"` is one letter away
+/// from `"1m"` (a minute), are refused, as is any word that is not a unit of time. The CLI
+/// reads its durations with it.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] with `field` as given, saying what is wrong and how to write it.
+pub fn parse_interval(field: &'static str, text: &str) -> Result<Duration> {
+    if let Some((unit, why)) = unfixed_unit(text) {
+        return Err(Error::invalid(
+            field,
+            format!("{text:?} counts in {unit:?}, {why}"),
+        ));
+    }
+    humantime::parse_duration(text.trim())
+        .map_err(|e| Error::invalid(field, format!("{text:?} is not a duration: {e}")))
 }
 
 fn delta(interval: Duration) -> Option<TimeDelta> {
