@@ -23,7 +23,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Executor, PgConnection, PgPool, Postgres, Row};
 use tokio::time::Instant;
 
-use super::problem::LockHolder;
+use super::problem::{LockHolder, SchemaProblem};
 use super::shape::{self, LiveCheck, LiveIndex};
 use crate::error::{Error, OutboxSql, Result};
 use crate::names::Names;
@@ -386,6 +386,24 @@ async fn refuse_other_layout(n: &Names, pool: &PgPool, facts: &Facts) -> Result<
     }
     if facts.queue.oid.is_none() {
         return Ok(());
+    }
+    // A table of that name that is not an outbox queue table (one of the application's,
+    // say): the first step would fail on a missing column with a raw database error after
+    // creating the table of applied steps. Said before any DDL, with every column it lacks.
+    let foreign: Vec<SchemaProblem> = super::validate::QUEUE_COLUMNS
+        .iter()
+        .filter(|(column, _, _, by_upgrade)| !by_upgrade && !facts.queue.columns.contains(*column))
+        .map(|(column, ..)| SchemaProblem {
+            object: format!("{}.{column}", n.table_name),
+            message: "column is missing: this table is not an outbox queue table, and migrate \
+                      never alters a table it did not create; name another table \
+                      (`OutboxBuilder::table`, `--table`)"
+                .to_owned(),
+            needs_upgrade: false,
+        })
+        .collect();
+    if !foreign.is_empty() {
+        return Err(Error::SchemaMismatch { problems: foreign });
     }
     let has_bucket = facts.queue.columns.contains("bucket");
     let reason = match (n.buckets, has_bucket) {

@@ -13,7 +13,7 @@ use crate::scope::Scope;
 use crate::sql::catalog;
 
 /// `(column, format_type output, NOT NULL, added by an upgrade of older deployments)`.
-const QUEUE_COLUMNS: &[(&str, &str, bool, bool)] = &[
+pub(super) const QUEUE_COLUMNS: &[(&str, &str, bool, bool)] = &[
     ("id", "bigint", true, false),
     ("queue", "character varying(255)", true, false),
     ("payload", "bytea", true, false),

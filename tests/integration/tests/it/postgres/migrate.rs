@@ -833,6 +833,56 @@ async fn a_schema_that_does_not_exist_is_a_typed_error() {
     assert!(!exists);
 }
 
+/// `migrate` over a table of the same name that is not an outbox queue table (one of the
+/// application's) says so, naming the columns it lacks, before any DDL: it used to fail on
+/// the first step with a raw database error (`column "acquired_token" does not exist`) and
+/// leave the table of applied steps behind (found by a fresh-user pass).
+#[tokio::test]
+async fn migrate_over_a_foreign_table_is_refused_before_any_ddl() {
+    let pool = pool().await;
+    let table = unique_table("foreign");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE \"{table}\" (id int, queue text)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let err = outbox.migrate(&pool).await.unwrap_err();
+    let Error::SchemaMismatch { problems } = &err else {
+        panic!("{err:?}");
+    };
+    let objects: Vec<&str> = problems.iter().map(|p| p.object.as_str()).collect();
+    assert!(
+        objects.contains(&format!("{table}.payload").as_str()),
+        "{objects:?}"
+    );
+    assert!(
+        objects.contains(&format!("{table}.acquired_token").as_str()),
+        "{objects:?}"
+    );
+    assert!(
+        !objects.contains(&format!("{table}.queue").as_str()),
+        "{objects:?}"
+    );
+    assert!(
+        problems
+            .iter()
+            .all(|p| p.message.contains("not an outbox queue table")),
+        "{problems:?}"
+    );
+    let created: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_class WHERE relname LIKE $1")
+        .bind(format!("{table}%"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(created, 1, "only the application's own table exists");
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE \"{table}\"")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
 /// A worker's claim and wake-up read on a database never migrated say NotMigrated, not
 /// UpgradeRequired (found by a fresh-user review: both statements name `<table>_paused`
 /// before the queue table, and Postgres reports the first missing relation); so do pause,
