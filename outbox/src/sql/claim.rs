@@ -178,8 +178,11 @@ GROUP BY bucket, queue ORDER BY min(due), bucket, queue"#
 /// leaving out every row that has a row of the same queue and the same value of `header`
 /// with a lower id still in the table (pending, leased or waiting for a retry): a key's
 /// rows are claimed one at a time, in id order. A row without the header is not held back.
-/// Rows of paused queues, and reclaimed rows a cancel reached, are left out. Rendered per
-/// relay (the header is a literal, so an expression index on
+/// Rows of paused queues are left out. A row a cancel reached while it ran, whose lease then
+/// expired (with no rearm queued), is deleted instead (`gone`, as the common claim's
+/// `gone` branch does: a cancelled row is never run again): left in place it would never
+/// be claimed (the common claim does not look at an ordered relay's queues) and stay in the
+/// table for ever. Rendered per relay (the header is a literal, so an expression index on
 /// `(queue, (headers ->> 'header'), id) WHERE headers ? 'header'` serves the probe).
 /// Not for a distributed outbox.
 pub(crate) fn ordered_claim(n: &Names, header: &str) -> SqlStr {
@@ -187,7 +190,19 @@ pub(crate) fn ordered_claim(n: &Names, header: &str) -> SqlStr {
     let h = quote_literal(header);
     query(format!(
         r#"
-WITH due AS (
+WITH gone AS (
+    -- Through the lease index (queue, acquired_at) WHERE acquired_token IS NOT NULL; the
+    -- locks skip a row another claim is deleting or an ack holds.
+    DELETE FROM {t} g
+    WHERE g.id = ANY(ARRAY(
+        SELECT x.id FROM {t} x
+        WHERE x.queue = ANY($1::text[]) AND x.acquired_token IS NOT NULL
+          AND x.acquired_at < now() - $3::interval
+          AND x.cancelled_at IS NOT NULL AND x.rearm_at IS NULL
+          AND x.id <> ALL($4::bigint[])
+          AND NOT EXISTS (SELECT 1 FROM {p} p WHERE p.queue = x.queue)
+        LIMIT $2 FOR UPDATE SKIP LOCKED))),
+due AS (
     SELECT c.id, c.deliveries_count FROM {t} c
     WHERE c.queue = ANY($1::text[]) AND c.next_attempt_at <= now()
       AND (c.acquired_token IS NULL

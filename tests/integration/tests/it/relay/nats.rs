@@ -656,3 +656,68 @@ async fn an_ordered_relay_needs_a_store_that_claims_in_order() {
         "{e:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ordered_claim_deletes_a_cancelled_row_whose_lease_expired() {
+    use outbox::store::{ClaimRequest, Store};
+    let f = Fixture::new().await;
+    let js = jetstream().await;
+    let (name, subject) = stream(&js, |_| {}).await;
+    let h = headers(&[("key", "k")]);
+    let mut conn = f.pool.acquire().await.unwrap();
+    f.outbox
+        .publish(
+            &mut conn,
+            outbox::Message::new("orders", b"timer")
+                .timer_id("t")
+                .headers(&h),
+        )
+        .await
+        .unwrap();
+    // A relay claimed the timer's row and died; the timer is cancelled while it "runs".
+    let lease_ttl = Duration::from_millis(500);
+    let claimed = f
+        .store
+        .claim(ClaimRequest::new(&["orders".to_owned()], 10, lease_ttl))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    let cancelled = f.outbox.cancel(&mut conn, "orders", "t").await.unwrap();
+    assert!(
+        matches!(cancelled, outbox::Cancelled::Running { .. }),
+        "{cancelled:?}"
+    );
+    f.outbox
+        .publish(
+            &mut conn,
+            outbox::Message::new("orders", b"after").headers(&h),
+        )
+        .await
+        .unwrap();
+    drop(conn);
+    let running = worker(f.store.clone())
+        .lease_ttl(lease_ttl)
+        .relay(
+            ["orders"],
+            Relay::new(relay::nats(
+                js.clone(),
+                Subject::fixed(format!("{subject}.orders")),
+            ))
+            .ordered_by_header("key"),
+        )
+        .build()
+        .unwrap()
+        .start();
+    // The lease expires after 500 ms; the idle poll is 200 ms.
+    eventually(
+        10,
+        "the cancelled row deleted, the key's next message relayed",
+        || async { f.rows("orders").await.is_empty() },
+    )
+    .await;
+    running.shutdown().await;
+    let got = read_all(&js, &name).await;
+    assert_eq!(got.len(), 1, "the cancelled row is never relayed");
+    assert_eq!(&got[0].payload[..], b"after");
+    cleanup(&js, &name, f).await;
+}
