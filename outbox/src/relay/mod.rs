@@ -281,7 +281,8 @@ impl Relay {
     /// Needs a [`PgStore`](crate::PgStore) over an outbox that is not distributed; `build()`
     /// refuses it otherwise ([`Error::InvalidConfig`], knob `relay`), and for a header name
     /// that is empty or longer than 255 bytes. [`Worker::run_due`](crate::Worker::run_due)
-    /// does not keep the order (it claims as for any queue).
+    /// keeps the order too: it claims the relay's queues with the same statement, one row
+    /// per key a round.
     pub fn ordered_by_header(mut self, header: impl Into<String>) -> Self {
         self.ordered_by = Some(header.into());
         self

@@ -721,3 +721,78 @@ async fn the_ordered_claim_deletes_a_cancelled_row_whose_lease_expired() {
     assert_eq!(&got[0].payload[..], b"after");
     cleanup(&js, &name, f).await;
 }
+
+/// Rejects the first publish of the message whose header `seq` is `0`; publishes the rest.
+struct RejectFirst {
+    inner: relay::NatsSink,
+    rejected: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Sink for RejectFirst {
+    fn publish(&self, message: BrokerMessage) -> BoxFuture<'static, Result<(), SinkError>> {
+        if message.headers.get("seq").map(String::as_str) == Some("0")
+            && !self.rejected.swap(true, Ordering::SeqCst)
+        {
+            return Box::pin(async { Err(SinkError::Rejected("injected".into())) });
+        }
+        self.inner.publish(message)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_due_keeps_an_ordered_relays_key_order_when_a_message_is_retried() {
+    const N: usize = 5;
+    let f = Fixture::new().await;
+    let js = jetstream().await;
+    let (name, subject) = stream(&js, |_| {}).await;
+    let rejected = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sink = RejectFirst {
+        inner: relay::nats(js.clone(), Subject::fixed(format!("{subject}.orders"))),
+        rejected: rejected.clone(),
+    };
+    let retry = Duration::from_millis(300);
+    let relay = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(sink)
+                .ordered_by_header("key")
+                .retry(RetryStrategy::constant(retry).max_attempts(5)),
+        )
+        .build()
+        .unwrap();
+    let mut conn = f.pool.acquire().await.unwrap();
+    for seq in 0..N {
+        let h = headers(&[("key", "k"), ("seq", &seq.to_string())]);
+        f.outbox
+            .publish(&mut conn, outbox::Message::new("orders", b"x").headers(&h))
+            .await
+            .unwrap();
+    }
+    relay.run_due().await.unwrap();
+    assert!(
+        rejected.load(Ordering::SeqCst),
+        "the first message was rejected"
+    );
+    assert_eq!(
+        stream_messages(&js, &name).await,
+        0,
+        "no message of the key overtook the rejected first one"
+    );
+    // The retry comes due after 300 ms; 10 s is far beyond.
+    eventually(10, "every message relayed by run_due", || async {
+        relay.run_due().await.unwrap();
+        f.rows("orders").await.is_empty()
+    })
+    .await;
+    let seqs: Vec<usize> = read_all(&js, &name)
+        .await
+        .iter()
+        .map(|m| m.headers.get("seq").unwrap().as_str().parse().unwrap())
+        .collect();
+    assert_eq!(
+        seqs,
+        (0..N).collect::<Vec<_>>(),
+        "commit order in the stream"
+    );
+    cleanup(&js, &name, f).await;
+}
