@@ -73,6 +73,13 @@ impl std::fmt::Debug for AmqpSink {
 /// connection that cannot be opened or is lost, a channel closed for another reason (the
 /// exchange does not exist) and a confirm that does not come are
 /// [`SinkError::Unavailable`].
+///
+/// Checked when the relay is registered ([`Sink::check`], an
+/// [`Error::InvalidConfig`](crate::Error::InvalidConfig) from the worker's `build()`): the
+/// URI parses, the exchange name and a fixed routing key are at most 255 bytes, a header
+/// routing key names a header, and on the default exchange (`""`, which routes by queue
+/// name) the routing key is not empty and `mandatory` is on (without it a message whose
+/// key names no queue would be dropped by the broker and its row deleted).
 pub fn amqp(uri: impl Into<String>, exchange: impl Into<String>) -> AmqpSink {
     AmqpSink {
         uri: uri.into(),
@@ -266,6 +273,52 @@ impl Sink for AmqpSink {
     fn check_queue(&self, queue: &str) -> Result<(), String> {
         if matches!(self.routing_key, RoutingKey::Queue) && queue.len() > 255 {
             return Err("a routing key holds at most 255 bytes".to_owned());
+        }
+        Ok(())
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if let Err(e) = self.uri.parse::<lapin::uri::AMQPUri>() {
+            // The parser's text may quote the URI, password and all.
+            let e = e.replace(&self.uri, "…");
+            return Err(format!(
+                "the AMQP URI does not parse (`amqp://user:pass@host:port/vhost` expected): {e}"
+            ));
+        }
+        if self.exchange.len() > 255 {
+            return Err(format!(
+                "the exchange name is {} bytes; AMQP allows 255",
+                self.exchange.len()
+            ));
+        }
+        let default_exchange = self.exchange.is_empty();
+        match &self.routing_key {
+            RoutingKey::Queue => {}
+            RoutingKey::Fixed(k) if k.len() > 255 => {
+                return Err(format!(
+                    "the routing key is {} bytes; AMQP allows 255",
+                    k.len()
+                ))
+            }
+            RoutingKey::Fixed(k) if k.is_empty() && default_exchange => {
+                return Err(
+                    "an empty routing key on the default exchange (`\"\"`) names no queue: every message would come back"
+                        .to_owned(),
+                )
+            }
+            RoutingKey::Fixed(_) => {}
+            RoutingKey::Header(name) if name.is_empty() || name.len() > 255 => {
+                return Err("`RoutingKey::Header` needs a header name of 1..=255 bytes".to_owned())
+            }
+            RoutingKey::Header(_) => {}
+        }
+        if default_exchange && !self.mandatory {
+            // The default exchange routes by queue name: a key that names no queue (a typo, a
+            // queue not declared yet) would be dropped by the broker and the row deleted.
+            return Err(
+                "`mandatory(false)` on the default exchange (`\"\"`) would lose every message whose routing key names no queue; keep `mandatory` on, or publish to a named exchange"
+                    .to_owned(),
+            );
         }
         Ok(())
     }

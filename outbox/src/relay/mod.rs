@@ -176,6 +176,17 @@ pub trait Sink: Send + Sync + 'static {
     /// [`SinkError::Unavailable`]).
     fn publish(&self, message: BrokerMessage) -> BoxFuture<'static, Result<(), SinkError>>;
 
+    /// Checks the sink's own settings (a subject, a URI, an exchange, a routing key), when
+    /// the relay is registered: a refusal is [`Error::InvalidConfig`] (knob `relay`) from
+    /// the worker's `build()`, before any broker call, rather than every message failing at
+    /// run time. The default accepts.
+    ///
+    /// # Errors
+    /// The rule a setting breaks, in words.
+    fn check(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
     /// Checks that the sink can publish the messages of `queue` (a subject or routing key
     /// it derives from the queue name is valid), when the relay is registered: a refusal is
     /// [`Error::InvalidConfig`] (knob `relay`) from the worker's `build()`, before any
@@ -296,6 +307,9 @@ impl Relay {
                 format!("publish_timeout must be within 1ms..=10 min, got {t:?}"),
             ));
         }
+        self.sink
+            .check()
+            .map_err(|reason| Error::config("relay", reason))?;
         if let Some(h) = &self.ordered_by {
             if h.is_empty() || h.len() > 255 || h.contains('\0') {
                 return Err(Error::config(
@@ -371,7 +385,9 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// Checked by [`build`](Self::build): at least one queue
     /// ([`Error::InvalidConfig`], knob `relay`), each a valid queue name
     /// ([`Error::InvalidArgument`]) that the sink accepts ([`Sink::check_queue`]; knob
-    /// `relay`), and the relay's own settings (knob `relay`).
+    /// `relay`), the sink's settings ([`Sink::check`]: a subject, an AMQP URI, an exchange,
+    /// a routing key; knob `relay`) and the relay's own (knob `relay`), all before any
+    /// broker call.
     pub fn relay<Q: Into<String>>(
         self,
         queues: impl IntoIterator<Item = Q>,

@@ -376,3 +376,73 @@ async fn an_outage_pauses_the_relay_and_the_sink_reconnects_when_the_broker_is_b
     assert_eq!(ids.len(), ROWS + 5, "every row arrived");
     teardown(&channel, &exchange, &queue, f).await;
 }
+
+#[tokio::test]
+async fn bad_amqp_settings_are_refused_by_build_before_any_broker_call() {
+    let f = Fixture::new().await;
+    let url = amqp_url();
+    let long = "k".repeat(256);
+    let cases = [
+        (
+            "an unparsable URI",
+            relay::amqp("amqp://guest:s3cret@127.0.0.1:notaport/%2f", "x"),
+            "does not parse",
+        ),
+        (
+            "a URI that is no URL base",
+            relay::amqp("amqp:s3cret", "x"),
+            "does not parse",
+        ),
+        (
+            "an exchange name over 255 bytes",
+            relay::amqp(url.clone(), long.clone()),
+            "exchange name",
+        ),
+        (
+            "a fixed routing key over 255 bytes",
+            relay::amqp(url.clone(), "x").routing_key(RoutingKey::Fixed(long.clone())),
+            "routing key is 256 bytes",
+        ),
+        (
+            "an empty routing key on the default exchange",
+            relay::amqp(url.clone(), "").routing_key(RoutingKey::Fixed(String::new())),
+            "empty routing key",
+        ),
+        (
+            "an empty routing header",
+            relay::amqp(url.clone(), "x").routing_key(RoutingKey::Header(String::new())),
+            "RoutingKey::Header",
+        ),
+        (
+            "the default exchange without mandatory",
+            relay::amqp(url.clone(), "").mandatory(false),
+            "mandatory(false)",
+        ),
+    ];
+    for (what, sink, says) in cases {
+        let e = worker(f.store.clone())
+            .relay(["orders"], sink)
+            .build()
+            .map(drop)
+            .expect_err(what);
+        assert!(
+            matches!(&e, outbox::Error::InvalidConfig { knob: "relay", reason }
+                if reason.contains(says) && !reason.contains("s3cret")),
+            "{what}: {e:?}"
+        );
+    }
+    // What a user writes for the usual set-ups still builds (no connection is opened).
+    for sink in [
+        relay::amqp(url.clone(), ""),
+        relay::amqp(url.clone(), "events").mandatory(false),
+        relay::amqp(url.clone(), "events").routing_key(RoutingKey::Header("tenant".into())),
+    ] {
+        drop(
+            worker(f.store.clone())
+                .relay(["orders"], sink)
+                .build()
+                .unwrap(),
+        );
+    }
+    f.cleanup().await;
+}

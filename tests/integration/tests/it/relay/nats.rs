@@ -796,3 +796,77 @@ async fn run_due_keeps_an_ordered_relays_key_order_when_a_message_is_retried() {
     );
     cleanup(&js, &name, f).await;
 }
+
+#[tokio::test]
+async fn bad_subject_settings_are_refused_by_build_before_any_broker_call() {
+    let f = Fixture::new().await;
+    // A context over a client that never connected: build() must not need it.
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect("127.0.0.1:1")
+        .await
+        .unwrap();
+    let js = jetstream::new(client);
+    let nats = |subject: Subject| relay::nats(js.clone(), subject);
+    let cases = [
+        (
+            "a prefix without its dot",
+            nats(Subject::from_queue("events")),
+            "must end in `.`",
+        ),
+        (
+            "a prefix with an empty token",
+            nats(Subject::from_queue("events..")),
+            "empty subject token",
+        ),
+        (
+            "a wildcard in a prefix",
+            nats(Subject::from_queue("events.>.")),
+            "not a subject token",
+        ),
+        (
+            "a wildcard in a fixed subject",
+            nats(Subject::fixed("events.*")),
+            "not a subject token",
+        ),
+        (
+            "an empty subject header name",
+            nats(Subject::fixed("events").with_header("")),
+            "with_header",
+        ),
+        (
+            "a stream name with a dot",
+            nats(Subject::fixed("events")).expected_stream("A.B"),
+            "expected_stream",
+        ),
+        (
+            "an empty stream name",
+            nats(Subject::fixed("events")).expected_stream(""),
+            "expected_stream",
+        ),
+    ];
+    for (what, sink, says) in cases {
+        let e = worker(f.store.clone())
+            .relay(["orders"], sink)
+            .build()
+            .map(drop)
+            .expect_err(what);
+        assert!(
+            matches!(&e, outbox::Error::InvalidConfig { knob: "relay", reason } if reason.contains(says)),
+            "{what}: {e:?}"
+        );
+    }
+    // What a user writes for the usual set-ups still builds.
+    for sink in [
+        nats(Subject::from_queue("")),
+        nats(Subject::from_queue("events.eu.").with_header("tenant")).expected_stream("EVENTS"),
+    ] {
+        drop(
+            worker(f.store.clone())
+                .relay(["orders"], sink)
+                .build()
+                .unwrap(),
+        );
+    }
+    f.cleanup().await;
+}
