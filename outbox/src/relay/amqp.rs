@@ -2,7 +2,6 @@
 //! on a channel in publisher-confirm mode.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::future::BoxFuture;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -12,9 +11,6 @@ use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProper
 use tokio::sync::Mutex;
 
 use super::{BrokerMessage, Sink, SinkError};
-
-/// How long a connection to the broker may take before the sink reports it unavailable.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The routing key of a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,7 +68,9 @@ impl std::fmt::Debug for AmqpSink {
 /// a message larger than its `max_message_size`, naming this message's size). A
 /// connection that cannot be opened or is lost, a channel closed for another reason (the
 /// exchange does not exist) and a confirm that does not come are
-/// [`SinkError::Unavailable`].
+/// [`SinkError::Unavailable`]. Opening the connection is bounded by the relay's
+/// [`connect_timeout`](super::Relay::connect_timeout) (5 s by default), apart from its
+/// publish timeout.
 ///
 /// Checked when the relay is registered ([`Sink::check`], an
 /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) from the worker's `build()`): the
@@ -120,29 +118,19 @@ impl AmqpSink {
             }
         }
         *slot = None;
-        let open = async {
-            let connection = Connection::connect(&self.uri, ConnectionProperties::default())
-                .await
-                .map_err(|e| SinkError::Unavailable(format!("cannot connect: {e}")))?;
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(|e| SinkError::Unavailable(format!("cannot open a channel: {e}")))?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(|e| SinkError::Unavailable(format!("confirm.select failed: {e}")))?;
-            Ok::<_, SinkError>((connection, channel))
-        };
-        let (connection, channel) =
-            tokio::time::timeout(CONNECT_TIMEOUT, open)
-                .await
-                .map_err(|_| {
-                    SinkError::Unavailable(format!(
-                        "no connection within {} s",
-                        CONNECT_TIMEOUT.as_secs()
-                    ))
-                })??;
+        // Bounded by the relay's connect timeout (`Sink::connect`), or by the publish timeout
+        // when a publish finds the channel gone.
+        let connection = Connection::connect(&self.uri, ConnectionProperties::default())
+            .await
+            .map_err(|e| SinkError::Unavailable(format!("cannot connect: {e}")))?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| SinkError::Unavailable(format!("cannot open a channel: {e}")))?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| SinkError::Unavailable(format!("confirm.select failed: {e}")))?;
         *slot = Some((connection, channel.clone()));
         Ok(channel)
     }
@@ -268,6 +256,11 @@ impl Sink for AmqpSink {
                 }
             }
         })
+    }
+
+    fn connect(&self) -> BoxFuture<'static, Result<(), SinkError>> {
+        let me = self.clone();
+        Box::pin(async move { me.channel().await.map(drop) })
     }
 
     fn check_queue(&self, queue: &str) -> Result<(), String> {

@@ -317,15 +317,8 @@ async fn an_outage_pauses_the_relay_and_the_sink_reconnects_when_the_broker_is_b
     const ROWS: usize = 30;
     let f = Fixture::new().await;
     let (_conn, channel, exchange, queue) = setup("orders").await;
-    let upstream = amqp_url();
-    let host = upstream
-        .split('@')
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or("127.0.0.1:5672")
-        .to_owned();
-    let proxy = outbox_tests::proxy::Proxy::start_to(&host).await;
-    let through_proxy = upstream.replace(&host, &proxy.addr().to_string());
+    let proxy = outbox_tests::proxy::Proxy::start_to(&broker_host(&amqp_url())).await;
+    let through_proxy = through(&proxy);
     let running = worker(f.store.clone())
         .relay(
             ["orders"],
@@ -375,6 +368,21 @@ async fn an_outage_pauses_the_relay_and_the_sink_reconnects_when_the_broker_is_b
     ids.dedup();
     assert_eq!(ids.len(), ROWS + 5, "every row arrived");
     teardown(&channel, &exchange, &queue, f).await;
+}
+
+/// `host:port` of the test broker, and its URL with `proxy` in its place.
+fn through(proxy: &outbox_tests::proxy::Proxy) -> String {
+    let upstream = amqp_url();
+    let host = broker_host(&upstream);
+    upstream.replace(&host, &proxy.addr().to_string())
+}
+
+fn broker_host(url: &str) -> String {
+    url.split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or("127.0.0.1:5672")
+        .to_owned()
 }
 
 #[tokio::test]
@@ -431,6 +439,18 @@ async fn bad_amqp_settings_are_refused_by_build_before_any_broker_call() {
             "{what}: {e:?}"
         );
     }
+    let e = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(relay::amqp(url.clone(), "x")).connect_timeout(Duration::ZERO),
+        )
+        .build()
+        .map(drop)
+        .expect_err("a zero connect timeout");
+    assert!(
+        matches!(&e, outbox::Error::InvalidConfig { knob: "relay", reason } if reason.contains("connect_timeout")),
+        "{e:?}"
+    );
     // What a user writes for the usual set-ups still builds (no connection is opened).
     for sink in [
         relay::amqp(url.clone(), ""),
@@ -445,4 +465,33 @@ async fn bad_amqp_settings_are_refused_by_build_before_any_broker_call() {
         );
     }
     f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_timeout_shorter_than_the_connect_still_relays() {
+    let f = Fixture::new().await;
+    let (_conn, channel, exchange, queue) = setup("orders").await;
+    // Every connection takes 300 ms to open; a publish on an open one is quick.
+    let connect = Duration::from_millis(300);
+    let proxy =
+        outbox_tests::proxy::Proxy::start_delayed_to(&broker_host(&amqp_url()), connect).await;
+    let publish_timeout = Duration::from_millis(50);
+    let running = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(relay::amqp(through(&proxy), exchange.clone()))
+                .publish_timeout(publish_timeout),
+        )
+        .build()
+        .unwrap()
+        .start();
+    publish(&f, "orders", 5, &headers(&[])).await;
+    // One connect, the circuit's back-offs around it (at most 2 s): far within 15 s.
+    eventually(15, "every row relayed", || async {
+        f.rows("orders").await.is_empty()
+    })
+    .await;
+    running.shutdown().await;
+    assert_eq!(drain(&channel, &queue).await.len(), 5);
+    teardown(&channel, &exchange, &queue, f).await;
 }
