@@ -42,7 +42,7 @@
 //! |---|---|
 //! | confirmed | acked (deleted) |
 //! | rejected the message itself ([`SinkError::Rejected`]: too large, no route with `mandatory`, a nack) | a failed run: retried per [`Relay::retry`], then dead-lettered (`retry_exhausted`, `last_error` the broker's reason) |
-//! | unavailable ([`SinkError::Unavailable`]: connection refused or lost, no stream, no confirm within [`Relay::publish_timeout`]) | given back untouched: pending at its deadline, its delivery not counted, nothing dead-lettered; the relay's **circuit** opens |
+//! | unavailable ([`SinkError::Unavailable`]: connection refused or lost, no stream, no confirm within [`Relay::publish_timeout`], no connection within [`Relay::connect_timeout`]) | given back untouched: pending at its deadline, its delivery not counted, nothing dead-lettered; the relay's **circuit** opens |
 //!
 //! While the circuit is open the worker claims nothing of the relay's queues (its other
 //! queues go on). After a back-off (100 ms, doubling per failed probe, at most 2 s) it
