@@ -78,6 +78,15 @@ impl std::fmt::Debug for AmqpSink {
 /// routing key names a header, and on the default exchange (`""`, which routes by queue
 /// name) the routing key is not empty and `mandatory` is on (without it a message whose
 /// key names no queue would be dropped by the broker and its row deleted).
+///
+/// **Returned messages are logged by lapin with their payload.** lapin logs every
+/// `basic.return` at WARN, target `lapin::returned_messages`, as the Debug form of the whole
+/// returned message, body bytes included ("Server returned us a message"), as it reads the
+/// frame, before the confirm hands the message to the sink: nothing the sink does with it
+/// can prevent that line. The relay records the broker's reason (reply code and text, no
+/// payload) in the row's `last_error`. If payloads may be sensitive, silence that target in
+/// your subscriber, e.g. `RUST_LOG=info,lapin::returned_messages=error` with
+/// `tracing_subscriber::EnvFilter` (or `.add_directive("lapin::returned_messages=error".parse()?)`).
 pub fn amqp(uri: impl Into<String>, exchange: impl Into<String>) -> AmqpSink {
     AmqpSink {
         uri: uri.into(),
