@@ -495,3 +495,40 @@ async fn a_publish_timeout_shorter_than_the_connect_still_relays() {
     assert_eq!(drain(&channel, &queue).await.len(), 5);
     teardown(&channel, &exchange, &queue, f).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_slower_than_the_connect_timeout_is_an_outage_that_counts_nothing() {
+    let f = Fixture::new().await;
+    let (_conn, channel, exchange, queue) = setup("orders").await;
+    // Every connection takes 1 s to open; the relay allows 300 ms.
+    let proxy = outbox_tests::proxy::Proxy::start_delayed_to(
+        &broker_host(&amqp_url()),
+        Duration::from_secs(1),
+    )
+    .await;
+    let running = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(relay::amqp(through(&proxy), exchange.clone()))
+                .connect_timeout(Duration::from_millis(300)),
+        )
+        .build()
+        .unwrap()
+        .start();
+    publish(&f, "orders", 3, &headers(&[])).await;
+    // 3 s: ten connect timeouts, and three times the connect the relay never waits for.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let rows = f.rows("orders").await;
+    assert_eq!(rows.len(), 3, "nothing relayed");
+    for r in &rows {
+        assert_eq!(r.attempts_count, 0, "no attempt recorded: {r:?}");
+        let in_flight = i32::from(r.acquired_token.is_some());
+        assert!(
+            r.deliveries_count <= in_flight,
+            "the outage counted no delivery: {r:?}"
+        );
+    }
+    running.shutdown().await;
+    assert!(drain(&channel, &queue).await.is_empty());
+    teardown(&channel, &exchange, &queue, f).await;
+}
