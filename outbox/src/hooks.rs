@@ -22,6 +22,17 @@ impl Outbox {
             .collect()
     }
 
+    /// The claim of a relay ordered by the header `header`
+    /// ([`Relay::ordered_by_header`](crate::relay::Relay::ordered_by_header)), rendered per
+    /// relay and so not among [`Outbox::statements`]: `$1` queues, `$2` limit, `$3` lease
+    /// TTL, `$4` ids never to claim, `$5` the new token.
+    #[doc(hidden)]
+    pub fn ordered_claim_statement(&self, header: &str) -> String {
+        crate::sql::claim::ordered_claim(self.names(), header)
+            .as_str()
+            .to_owned()
+    }
+
     /// The version check of `migrate()` and `validate_schema` against another range of
     /// major versions: the tests refuse the server they run on with it (no server outside
     /// the supported range is at hand). Returns the server's major version.

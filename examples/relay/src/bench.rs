@@ -1,5 +1,5 @@
-//! `relay bench`: the relay's throughput into JetStream from a backlog, and the latency
-//! from a publish's commit to the stream's store of its message at a steady rate.
+//! `relay bench`: the relay's throughput into JetStream (or RabbitMQ, `--amqp`) from a
+//! backlog, and the latency from a publish's commit to the broker at a steady rate.
 //!
 //! Throughput: `messages` rows are published first (in batches of 1 000, no relay
 //! running), then one relay worker starts; the figure is rows over the time until the
@@ -7,7 +7,9 @@
 //! for `seconds`; each message carries the local time taken just before its publish
 //! (header `committed-us`; the publish's own statement and commit count in the latency),
 //! and the latency is the stream's own timestamp of the stored message minus it (one
-//! machine, one clock).
+//! machine, one clock). RabbitMQ stamps no time on a message: there the latency is the
+//! local time a consumer of the queue (auto-ack, on its own connection) receives the
+//! message minus the same header, so the broker's delivery to the consumer is in it too.
 
 use std::time::{Duration, Instant};
 
@@ -86,8 +88,15 @@ pub(crate) async fn run(
 
 /// The backlog into RabbitMQ: a fresh queue on the default exchange, the relay's routing
 /// key its name, publisher confirms; timed until the queue holds every message.
-pub(crate) async fn run_amqp(messages: usize, concurrency: usize) -> Result<bool, BoxError> {
-    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+pub(crate) async fn run_amqp(
+    messages: usize,
+    concurrency: usize,
+    rate: u64,
+    seconds: u64,
+) -> Result<bool, BoxError> {
+    use lapin::options::{
+        BasicConsumeOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+    };
     use lapin::types::FieldTable;
     let url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
@@ -146,12 +155,62 @@ pub(crate) async fn run_amqp(messages: usize, concurrency: usize) -> Result<bool
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let took = started.elapsed();
-    worker.shutdown().await;
     println!(
         "backlog: {messages} rows relayed into RabbitMQ (persistent, mandatory, confirms) in {:.2} s: {:.0} msg/s (concurrency {concurrency})",
         took.as_secs_f64(),
         messages as f64 / took.as_secs_f64()
     );
+    if done && seconds > 0 {
+        // The steady rate, read back by a consumer of the queue, emptied first.
+        channel
+            .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+            .await?;
+        let consumer_conn =
+            lapin::Connection::connect(&amqp_url, lapin::ConnectionProperties::default()).await?;
+        let consumer_channel = consumer_conn.create_channel().await?;
+        let mut incoming = consumer_channel
+            .basic_consume(
+                queue.as_str().into(),
+                "bench".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..BasicConsumeOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        let total = usize::try_from(rate * seconds)?;
+        let reader = tokio::spawn(async move {
+            let mut latencies_us: Vec<i64> = Vec::with_capacity(total);
+            let end = tokio::time::Instant::now() + Duration::from_secs(seconds + 30);
+            while latencies_us.len() < total {
+                let Ok(Some(Ok(d))) = tokio::time::timeout_at(end, incoming.next()).await else {
+                    break;
+                };
+                let received = now_us();
+                let sent = d
+                    .properties
+                    .headers()
+                    .as_ref()
+                    .and_then(|h| h.inner().get("committed-us").cloned())
+                    .and_then(|v| match v {
+                        lapin::types::AMQPValue::LongString(s) => {
+                            std::str::from_utf8(s.as_bytes()).ok()?.parse::<i64>().ok()
+                        }
+                        _ => None,
+                    });
+                if let Some(sent) = sent {
+                    latencies_us.push(received - sent);
+                }
+            }
+            latencies_us
+        });
+        steady(&pool, &outbox, rate, total).await?;
+        let latencies = reader.await?;
+        done = report("commit → consumer", rate, seconds, total, latencies);
+        drop(consumer_conn);
+    }
+    worker.shutdown().await;
     let _ = channel
         .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
         .await;
@@ -195,7 +254,6 @@ async fn measure(
     seconds: u64,
 ) -> Result<bool, BoxError> {
     backlog(pool, outbox, messages).await?;
-    let payload = vec![b'x'; 100];
     let worker = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
         .concurrency(concurrency)
         .fetch_batch_size(concurrency.min(1000))
@@ -253,6 +311,21 @@ async fn measure(
         }
         latencies_us
     });
+    steady(pool, outbox, rate, total).await?;
+    let latencies = reader.await?;
+    worker.shutdown().await;
+    Ok(report("commit → stream", rate, seconds, total, latencies))
+}
+
+/// Publishes `total` messages of 100 bytes to `bench` at `rate` per second, one autocommit
+/// statement each, each with the local time just before its publish in `committed-us`.
+async fn steady(
+    pool: &sqlx::PgPool,
+    outbox: &Outbox,
+    rate: u64,
+    total: usize,
+) -> Result<(), BoxError> {
+    let payload = vec![b'x'; 100];
     let period = Duration::from_micros(1_000_000 / rate.max(1));
     let mut tick = tokio::time::interval(period);
     let mut conn = pool.acquire().await?;
@@ -267,8 +340,11 @@ async fn measure(
             .publish(&mut conn, Message::new("bench", &payload).headers(&headers))
             .await?;
     }
-    let mut latencies = reader.await?;
-    worker.shutdown().await;
+    Ok(())
+}
+
+/// Prints the latency percentiles of the steady phase; whether every message came back.
+fn report(what: &str, rate: u64, seconds: u64, total: usize, mut latencies: Vec<i64>) -> bool {
     latencies.sort_unstable();
     let pct = |p: f64| -> f64 {
         if latencies.is_empty() {
@@ -278,11 +354,11 @@ async fn measure(
         latencies[i] as f64 / 1000.0
     };
     println!(
-        "steady: {rate} msg/s for {seconds} s (one autocommit publish each): {} of {total} read back; commit → stream p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        "steady: {rate} msg/s for {seconds} s (one autocommit publish each): {} of {total} read back; {what} p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
         latencies.len(),
         pct(0.5),
         pct(0.99),
         pct(1.0)
     );
-    Ok(latencies.len() == total)
+    latencies.len() == total
 }

@@ -62,9 +62,9 @@ enum Command {
         /// Seconds of the latency phase.
         #[arg(long, default_value_t = 10)]
         seconds: u64,
-        /// Measure the backlog into RabbitMQ (`AMQP_URL`, default
-        /// `amqp://guest:guest@127.0.0.1:5672/%2f`) instead, with publisher confirms: no
-        /// latency phase.
+        /// Measure into RabbitMQ (`AMQP_URL`, default
+        /// `amqp://guest:guest@127.0.0.1:5672/%2f`) instead, with publisher confirms; the
+        /// latency phase reads the queue with a consumer (commit → consumer).
         #[arg(long)]
         amqp: bool,
     },
@@ -74,7 +74,9 @@ enum Command {
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+            // lapin logs a returned message whole, payload included, at WARN.
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,lapin::returned_messages=error".into()),
         )
         .init();
     let done = match Cli::parse().command {
@@ -102,9 +104,10 @@ async fn main() -> ExitCode {
         Command::Bench {
             messages,
             concurrency,
+            rate,
+            seconds,
             amqp: true,
-            ..
-        } => bench::run_amqp(messages, concurrency).await,
+        } => bench::run_amqp(messages, concurrency, rate, seconds).await,
     };
     match done {
         Ok(true) => ExitCode::SUCCESS,

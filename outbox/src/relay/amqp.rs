@@ -2,7 +2,6 @@
 //! on a channel in publisher-confirm mode.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::future::BoxFuture;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -12,9 +11,6 @@ use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProper
 use tokio::sync::Mutex;
 
 use super::{BrokerMessage, Sink, SinkError};
-
-/// How long a connection to the broker may take before the sink reports it unavailable.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The routing key of a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,7 +68,25 @@ impl std::fmt::Debug for AmqpSink {
 /// a message larger than its `max_message_size`, naming this message's size). A
 /// connection that cannot be opened or is lost, a channel closed for another reason (the
 /// exchange does not exist) and a confirm that does not come are
-/// [`SinkError::Unavailable`].
+/// [`SinkError::Unavailable`]. Opening the connection is bounded by the relay's
+/// [`connect_timeout`](super::Relay::connect_timeout) (5 s by default), apart from its
+/// publish timeout.
+///
+/// Checked when the relay is registered ([`Sink::check`], an
+/// [`Error::InvalidConfig`](crate::Error::InvalidConfig) from the worker's `build()`): the
+/// URI parses, the exchange name and a fixed routing key are at most 255 bytes, a header
+/// routing key names a header, and on the default exchange (`""`, which routes by queue
+/// name) the routing key is not empty and `mandatory` is on (without it a message whose
+/// key names no queue would be dropped by the broker and its row deleted).
+///
+/// **Returned messages are logged by lapin with their payload.** lapin logs every
+/// `basic.return` at WARN, target `lapin::returned_messages`, as the Debug form of the whole
+/// returned message, body bytes included ("Server returned us a message"), as it reads the
+/// frame, before the confirm hands the message to the sink: nothing the sink does with it
+/// can prevent that line. The relay records the broker's reason (reply code and text, no
+/// payload) in the row's `last_error`. If payloads may be sensitive, silence that target in
+/// your subscriber, e.g. `RUST_LOG=info,lapin::returned_messages=error` with
+/// `tracing_subscriber::EnvFilter` (or `.add_directive("lapin::returned_messages=error".parse()?)`).
 pub fn amqp(uri: impl Into<String>, exchange: impl Into<String>) -> AmqpSink {
     AmqpSink {
         uri: uri.into(),
@@ -113,29 +127,19 @@ impl AmqpSink {
             }
         }
         *slot = None;
-        let open = async {
-            let connection = Connection::connect(&self.uri, ConnectionProperties::default())
-                .await
-                .map_err(|e| SinkError::Unavailable(format!("cannot connect: {e}")))?;
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(|e| SinkError::Unavailable(format!("cannot open a channel: {e}")))?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(|e| SinkError::Unavailable(format!("confirm.select failed: {e}")))?;
-            Ok::<_, SinkError>((connection, channel))
-        };
-        let (connection, channel) =
-            tokio::time::timeout(CONNECT_TIMEOUT, open)
-                .await
-                .map_err(|_| {
-                    SinkError::Unavailable(format!(
-                        "no connection within {} s",
-                        CONNECT_TIMEOUT.as_secs()
-                    ))
-                })??;
+        // Bounded by the relay's connect timeout (`Sink::connect`), or by the publish timeout
+        // when a publish finds the channel gone.
+        let connection = Connection::connect(&self.uri, ConnectionProperties::default())
+            .await
+            .map_err(|e| SinkError::Unavailable(format!("cannot connect: {e}")))?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| SinkError::Unavailable(format!("cannot open a channel: {e}")))?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| SinkError::Unavailable(format!("confirm.select failed: {e}")))?;
         *slot = Some((connection, channel.clone()));
         Ok(channel)
     }
@@ -263,9 +267,60 @@ impl Sink for AmqpSink {
         })
     }
 
+    fn connect(&self) -> BoxFuture<'static, Result<(), SinkError>> {
+        let me = self.clone();
+        Box::pin(async move { me.channel().await.map(drop) })
+    }
+
     fn check_queue(&self, queue: &str) -> Result<(), String> {
         if matches!(self.routing_key, RoutingKey::Queue) && queue.len() > 255 {
             return Err("a routing key holds at most 255 bytes".to_owned());
+        }
+        Ok(())
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if let Err(e) = self.uri.parse::<lapin::uri::AMQPUri>() {
+            // The parser's text may quote the URI, password and all.
+            let e = e.replace(&self.uri, "…");
+            return Err(format!(
+                "the AMQP URI does not parse (`amqp://user:pass@host:port/vhost` expected): {e}"
+            ));
+        }
+        if self.exchange.len() > 255 {
+            return Err(format!(
+                "the exchange name is {} bytes; AMQP allows 255",
+                self.exchange.len()
+            ));
+        }
+        let default_exchange = self.exchange.is_empty();
+        match &self.routing_key {
+            RoutingKey::Queue => {}
+            RoutingKey::Fixed(k) if k.len() > 255 => {
+                return Err(format!(
+                    "the routing key is {} bytes; AMQP allows 255",
+                    k.len()
+                ))
+            }
+            RoutingKey::Fixed(k) if k.is_empty() && default_exchange => {
+                return Err(
+                    "an empty routing key on the default exchange (`\"\"`) names no queue: every message would come back"
+                        .to_owned(),
+                )
+            }
+            RoutingKey::Fixed(_) => {}
+            RoutingKey::Header(name) if name.is_empty() || name.len() > 255 => {
+                return Err("`RoutingKey::Header` needs a header name of 1..=255 bytes".to_owned())
+            }
+            RoutingKey::Header(_) => {}
+        }
+        if default_exchange && !self.mandatory {
+            // The default exchange routes by queue name: a key that names no queue (a typo, a
+            // queue not declared yet) would be dropped by the broker and the row deleted.
+            return Err(
+                "`mandatory(false)` on the default exchange (`\"\"`) would lose every message whose routing key names no queue; keep `mandatory` on, or publish to a named exchange"
+                    .to_owned(),
+            );
         }
         Ok(())
     }

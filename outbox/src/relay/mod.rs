@@ -42,7 +42,7 @@
 //! |---|---|
 //! | confirmed | acked (deleted) |
 //! | rejected the message itself ([`SinkError::Rejected`]: too large, no route with `mandatory`, a nack) | a failed run: retried per [`Relay::retry`], then dead-lettered (`retry_exhausted`, `last_error` the broker's reason) |
-//! | unavailable ([`SinkError::Unavailable`]: connection refused or lost, no stream, no confirm within [`Relay::publish_timeout`]) | given back untouched: pending at its deadline, its delivery not counted, nothing dead-lettered; the relay's **circuit** opens |
+//! | unavailable ([`SinkError::Unavailable`]: connection refused or lost, no stream, no confirm within [`Relay::publish_timeout`], no connection within [`Relay::connect_timeout`]) | given back untouched: pending at its deadline, its delivery not counted, nothing dead-lettered; the relay's **circuit** opens |
 //!
 //! While the circuit is open the worker claims nothing of the relay's queues (its other
 //! queues go on). After a back-off (100 ms, doubling per failed probe, at most 2 s) it
@@ -104,6 +104,10 @@ pub use self::nats::{nats, NatsSink, Subject};
 /// How long a relay waits for the broker's confirm of one message unless set otherwise
 /// ([`Relay::publish_timeout`]): 10 s.
 pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a relay lets its sink open a connection unless set otherwise
+/// ([`Relay::connect_timeout`]): 5 s.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One message as a [`Sink`] publishes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,6 +180,27 @@ pub trait Sink: Send + Sync + 'static {
     /// [`SinkError::Unavailable`]).
     fn publish(&self, message: BrokerMessage) -> BoxFuture<'static, Result<(), SinkError>>;
 
+    /// Makes the sink ready to publish: opens its connection (and channel) when it has none,
+    /// and completes at once when it has one. The relay awaits it before each publish,
+    /// bounded by [`Relay::connect_timeout`] (not by the publish timeout, so a short publish
+    /// timeout never cuts a connect short); an error or the timeout is the broker being
+    /// unavailable. The default is ready at once (a sink over a connection the caller opened,
+    /// as [`NatsSink`]).
+    fn connect(&self) -> BoxFuture<'static, Result<(), SinkError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    /// Checks the sink's own settings (a subject, a URI, an exchange, a routing key), when
+    /// the relay is registered: a refusal is [`Error::InvalidConfig`] (knob `relay`) from
+    /// the worker's `build()`, before any broker call, rather than every message failing at
+    /// run time. The default accepts.
+    ///
+    /// # Errors
+    /// The rule a setting breaks, in words.
+    fn check(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
     /// Checks that the sink can publish the messages of `queue` (a subject or routing key
     /// it derives from the queue name is valid), when the relay is registered: a refusal is
     /// [`Error::InvalidConfig`] (knob `relay`) from the worker's `build()`, before any
@@ -196,6 +221,7 @@ pub trait Sink: Send + Sync + 'static {
 pub struct Relay {
     sink: Arc<dyn Sink>,
     publish_timeout: Duration,
+    connect_timeout: Duration,
     retry: RetryStrategy,
     max_deliveries: Option<u32>,
     ordered_by: Option<String>,
@@ -205,6 +231,7 @@ impl fmt::Debug for Relay {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Relay")
             .field("publish_timeout", &self.publish_timeout)
+            .field("connect_timeout", &self.connect_timeout)
             .field("retry", &self.retry)
             .field("max_deliveries", &self.max_deliveries)
             .field("ordered_by", &self.ordered_by)
@@ -220,12 +247,14 @@ impl<T: Sink> From<T> for Relay {
 
 impl Relay {
     /// A relay to `sink` with the defaults: [`DEFAULT_PUBLISH_TIMEOUT`],
+    /// [`DEFAULT_CONNECT_TIMEOUT`],
     /// [`RetryStrategy::default`] for messages the broker rejects, `max_deliveries` of raw
     /// queues ([`DEFAULT_MAX_DELIVERIES`](crate::worker::DEFAULT_MAX_DELIVERIES)).
     pub fn new(sink: impl Sink) -> Self {
         Relay {
             sink: Arc::new(sink),
             publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             retry: RetryStrategy::default(),
             max_deliveries: None,
             ordered_by: None,
@@ -236,9 +265,21 @@ impl Relay {
     /// 1 ms..=10 min, checked by the worker's `build()`). A confirm that does not come in
     /// time counts as the broker being unavailable: the row is given back and the circuit
     /// opens. A client's own publish-ack timeout (async-nats' context `timeout`) that is
-    /// shorter ends the wait first, with the same effect.
+    /// shorter ends the wait first, with the same effect. It does not bound opening the
+    /// sink's connection ([`Relay::connect_timeout`] does).
     pub fn publish_timeout(mut self, timeout: Duration) -> Self {
         self.publish_timeout = timeout;
+        self
+    }
+
+    /// How long the sink may take to open its connection ([`Sink::connect`]; the AMQP
+    /// sink's connection, channel and `confirm.select`), default 5 s, range 1 ms..=10 min,
+    /// checked by the worker's `build()`. A connect that does not finish in time counts as
+    /// the broker being unavailable: the row is given back and the circuit opens. Kept apart
+    /// from the [publish timeout](Relay::publish_timeout) so that a publish timeout of a few
+    /// milliseconds (a confirm on a local broker) does not cut every connect short.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
         self
     }
 
@@ -281,20 +322,28 @@ impl Relay {
     /// Needs a [`PgStore`](crate::PgStore) over an outbox that is not distributed; `build()`
     /// refuses it otherwise ([`Error::InvalidConfig`], knob `relay`), and for a header name
     /// that is empty or longer than 255 bytes. [`Worker::run_due`](crate::Worker::run_due)
-    /// does not keep the order (it claims as for any queue).
+    /// keeps the order too: it claims the relay's queues with the same statement, one row
+    /// per key a round.
     pub fn ordered_by_header(mut self, header: impl Into<String>) -> Self {
         self.ordered_by = Some(header.into());
         self
     }
 
     fn check(&self) -> Result<()> {
-        let t = self.publish_timeout;
-        if t < Duration::from_millis(1) || t > Duration::from_secs(600) {
-            return Err(Error::config(
-                "relay",
-                format!("publish_timeout must be within 1ms..=10 min, got {t:?}"),
-            ));
+        for (name, t) in [
+            ("publish_timeout", self.publish_timeout),
+            ("connect_timeout", self.connect_timeout),
+        ] {
+            if t < Duration::from_millis(1) || t > Duration::from_secs(600) {
+                return Err(Error::config(
+                    "relay",
+                    format!("{name} must be within 1ms..=10 min, got {t:?}"),
+                ));
+            }
         }
+        self.sink
+            .check()
+            .map_err(|reason| Error::config("relay", reason))?;
         if let Some(h) = &self.ordered_by {
             if h.is_empty() || h.len() > 255 || h.contains('\0') {
                 return Err(Error::config(
@@ -312,6 +361,7 @@ struct Run {
     sink: Arc<dyn Sink>,
     table: String,
     publish_timeout: Duration,
+    connect_timeout: Duration,
     circuit: Arc<Circuit>,
 }
 
@@ -322,6 +372,20 @@ impl Run {
             // Buffered before the circuit opened: back without a try.
             self.circuit.unavailable(id, "the relay's circuit is open");
             return Outcome::Retry("broker unavailable".to_owned());
+        }
+        // The connect has its own bound: under the publish timeout a slow connect (TLS, a
+        // remote broker) would be cut short on every try and never finish.
+        let reason = match tokio::time::timeout(self.connect_timeout, self.sink.connect()).await {
+            Ok(Ok(())) => None,
+            Ok(Err(SinkError::Unavailable(r) | SinkError::Rejected(r))) => Some(r),
+            Err(_) => Some(format!(
+                "no connection within the connect timeout ({:?})",
+                self.connect_timeout
+            )),
+        };
+        if let Some(reason) = reason {
+            self.circuit.unavailable(id, &reason);
+            return Outcome::Retry(format!("broker unavailable: {reason}"));
         }
         let message = BrokerMessage::new(
             &self.table,
@@ -370,7 +434,9 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
     /// Checked by [`build`](Self::build): at least one queue
     /// ([`Error::InvalidConfig`], knob `relay`), each a valid queue name
     /// ([`Error::InvalidArgument`]) that the sink accepts ([`Sink::check_queue`]; knob
-    /// `relay`), and the relay's own settings (knob `relay`).
+    /// `relay`), the sink's settings ([`Sink::check`]: a subject, an AMQP URI, an exchange,
+    /// a routing key; knob `relay`) and the relay's own (knob `relay`), all before any
+    /// broker call.
     pub fn relay<Q: Into<String>>(
         self,
         queues: impl IntoIterator<Item = Q>,
@@ -391,11 +457,15 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
                 sink: relay.sink.clone(),
                 table: store.queue_table_name(),
                 publish_timeout: relay.publish_timeout,
+                connect_timeout: relay.connect_timeout,
                 circuit: circuit.clone(),
             });
-            let mut options = HandlerOptions::new()
-                .retry(relay.retry)
-                .timeout(relay.publish_timeout.saturating_mul(2) + Duration::from_secs(1));
+            // A safety net above the run's own bounds (connect, then publish).
+            let mut options = HandlerOptions::new().retry(relay.retry).timeout(
+                relay.publish_timeout.saturating_mul(2)
+                    + relay.connect_timeout
+                    + Duration::from_secs(1),
+            );
             if let Some(max) = relay.max_deliveries {
                 options = options.max_deliveries(max);
             }

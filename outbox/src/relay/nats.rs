@@ -35,7 +35,8 @@ impl Subject {
     }
 
     /// `prefix` followed by the queue name: `Subject::from_queue("outbox.")` sends the
-    /// queue `orders` to `outbox.orders`. The queue names must be valid subject tokens
+    /// queue `orders` to `outbox.orders`. The prefix is empty or ends in `.` (`"outbox"`
+    /// would make `outboxorders`), and the queue names must be valid subject tokens
     /// (dot-separated, no whitespace, `*` or `>`), checked when the relay is registered.
     pub fn from_queue(prefix: impl Into<String>) -> Self {
         Subject {
@@ -47,7 +48,8 @@ impl Subject {
     /// Appends `.` and the value of the message header `name` as the subject's last token
     /// (`outbox.orders.eu` for `tenant: eu`), so consumers can filter by it. A message
     /// without the header, or whose value is not one subject token, is rejected (and so
-    /// retried, then dead-lettered with the reason).
+    /// retried, then dead-lettered with the reason). The name must not be empty (checked when
+    /// the relay is registered).
     pub fn with_header(mut self, name: impl Into<String>) -> Self {
         self.header = Some(name.into());
         self
@@ -58,6 +60,31 @@ impl Subject {
             SubjectKind::Fixed(s) => s.clone(),
             SubjectKind::FromQueue(prefix) => format!("{prefix}{queue}"),
         }
+    }
+
+    /// The rules of a subject that hold whatever the queue: see [`Sink::check`].
+    fn check(&self) -> Result<(), String> {
+        match &self.kind {
+            SubjectKind::Fixed(s) => check_subject(s)?,
+            SubjectKind::FromQueue(prefix) if prefix.is_empty() => {}
+            SubjectKind::FromQueue(prefix) => match prefix.strip_suffix('.') {
+                Some(tokens) => check_subject(tokens)
+                    .map_err(|e| format!("`Subject::from_queue` prefix `{prefix}`: {e}"))?,
+                None => {
+                    return Err(format!(
+                        "`Subject::from_queue` prefix `{prefix}` must end in `.` (or be empty): the queue name is a token of its own"
+                    ))
+                }
+            },
+        }
+        if let Some(name) = &self.header {
+            if name.is_empty() || name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(format!(
+                    "`Subject::with_header` needs a header name without whitespace, got `{name}`"
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn render(&self, message: &BrokerMessage) -> Result<String, String> {
@@ -134,7 +161,8 @@ pub fn nats(jetstream: async_nats::jetstream::Context, subject: Subject) -> Nats
 impl NatsSink {
     /// Publishes with `Nats-Expected-Stream: stream`: the server refuses a message whose
     /// subject belongs to another stream, so a stream reconfigured by mistake pauses the
-    /// relay instead of filling the wrong stream.
+    /// relay instead of filling the wrong stream. A stream name is not empty and has no
+    /// whitespace, `.`, `*`, `>`, `/` or `\` (checked when the relay is registered).
     pub fn expected_stream(mut self, stream: impl Into<String>) -> Self {
         self.expected_stream = Some(stream.into());
         self
@@ -217,6 +245,23 @@ impl Sink for NatsSink {
     fn check_queue(&self, queue: &str) -> Result<(), String> {
         check_subject(&self.subject.base(queue))
     }
+
+    fn check(&self) -> Result<(), String> {
+        self.subject.check()?;
+        if let Some(stream) = &self.expected_stream {
+            // NATS' rule for stream names (they name files on the server).
+            if stream.is_empty()
+                || stream.chars().any(|c| {
+                    c.is_whitespace() || c.is_control() || matches!(c, '.' | '*' | '>' | '/' | '\\')
+                })
+            {
+                return Err(format!(
+                    "`expected_stream`: `{stream}` is not a stream name (not empty; no whitespace, `.`, `*`, `>`, `/` or `\\`)"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -251,5 +296,21 @@ mod tests {
         assert!(check_subject("outbox..q").is_err());
         assert!(check_subject("outbox.q>").is_err());
         assert!(check_subject("outbox.presence.expiry").is_ok());
+    }
+
+    #[test]
+    fn subject_settings_are_checked_whatever_the_queue() {
+        assert!(Subject::from_queue("").check().is_ok());
+        assert!(Subject::from_queue("a.b.").check().is_ok());
+        let no_dot = Subject::from_queue("events").check().unwrap_err();
+        assert!(no_dot.contains("must end in `.`"), "{no_dot}");
+        assert!(Subject::from_queue("a..").check().is_err());
+        assert!(Subject::from_queue("a.*.").check().is_err());
+        assert!(Subject::fixed("").check().is_err());
+        assert!(Subject::fixed("a.>").check().is_err());
+        assert!(Subject::fixed("a b").check().is_err());
+        assert!(Subject::fixed("a").with_header("").check().is_err());
+        assert!(Subject::fixed("a").with_header("ten ant").check().is_err());
+        assert!(Subject::fixed("a").with_header("tenant").check().is_ok());
     }
 }

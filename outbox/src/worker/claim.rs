@@ -154,15 +154,35 @@ pub(crate) async fn run_due<S: Store>(
     // been completed or given up before the next claim.)
     let mut given_back: Vec<i64> = Vec::new();
     let mut rotation = Rotation::default();
+    // An ordered relay's queues are claimed by their own statement, as the claim loop does:
+    // the common claim would run a key's rows out of order once one of them is retried.
+    let in_order = ordered_queues(shared, queues);
+    let common: Vec<String> = queues
+        .iter()
+        .filter(|q| !in_order.iter().any(|(_, o)| o.contains(q)))
+        .cloned()
+        .collect();
     while out.len() < RUN_DUE_LIMIT {
         let limit = config.fetch_batch_size.min(RUN_DUE_LIMIT - out.len());
-        let request = ClaimRequest::new(queues, limit, config.lease_ttl).excluding(&given_back);
-        let request = rotation.apply(request);
-        let batch = receive(shared, queues, request, OnRowFault::Fail).await?;
+        let mut batch = Vec::new();
+        if !common.is_empty() {
+            let request =
+                ClaimRequest::new(&common, limit, config.lease_ttl).excluding(&given_back);
+            let request = rotation.apply(request);
+            batch = receive(shared, &common, request, OnRowFault::Fail).await?;
+            rotation.advance(&batch);
+        }
+        for (header, ordered) in &in_order {
+            let left = limit.saturating_sub(batch.len());
+            if left == 0 {
+                break;
+            }
+            let request = ClaimRequest::new(ordered, left, config.lease_ttl).excluding(&given_back);
+            batch.extend(receive_in_order(shared, ordered, header, request).await?);
+        }
         if batch.is_empty() {
             break;
         }
-        rotation.advance(&batch);
         for claimed in batch {
             let id = claimed.delivery.lease.id;
             match execute(shared, claimed, Mode::Inline).await {

@@ -19,6 +19,8 @@ pub struct Proxy {
     /// `true` while cut: forwarding tasks end, the listener is gone.
     cut: watch::Sender<bool>,
     accept: Mutex<Option<JoinHandle<()>>>,
+    /// How long each new connection waits before the proxy connects it upstream.
+    connect_delay: std::time::Duration,
 }
 
 impl Proxy {
@@ -30,6 +32,13 @@ impl Proxy {
 
     /// Starts a proxy on a free local port to `upstream` (`host:port`).
     pub async fn start_to(upstream: &str) -> Arc<Proxy> {
+        Proxy::start_delayed_to(upstream, std::time::Duration::ZERO).await
+    }
+
+    /// As [`Proxy::start_to`], holding each new connection for `delay` before connecting it
+    /// upstream: a slow connect (a remote broker, a TLS handshake), while the bytes of an
+    /// open connection pass at once.
+    pub async fn start_delayed_to(upstream: &str, delay: std::time::Duration) -> Arc<Proxy> {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind a port");
         let addr = listener.local_addr().expect("local address");
         let (cut, _) = watch::channel(false);
@@ -38,6 +47,7 @@ impl Proxy {
             upstream: upstream.to_owned(),
             cut,
             accept: Mutex::new(None),
+            connect_delay: delay,
         });
         proxy.serve(listener);
         proxy
@@ -72,7 +82,9 @@ impl Proxy {
                 let Ok((client, _)) = accepted else { continue };
                 let upstream = me.upstream.clone();
                 let mut cut = me.cut.subscribe();
+                let delay = me.connect_delay;
                 tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
                     let Ok(mut server) = TcpStream::connect(&upstream).await else {
                         return;
                     };

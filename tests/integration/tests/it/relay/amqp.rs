@@ -317,15 +317,8 @@ async fn an_outage_pauses_the_relay_and_the_sink_reconnects_when_the_broker_is_b
     const ROWS: usize = 30;
     let f = Fixture::new().await;
     let (_conn, channel, exchange, queue) = setup("orders").await;
-    let upstream = amqp_url();
-    let host = upstream
-        .split('@')
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or("127.0.0.1:5672")
-        .to_owned();
-    let proxy = outbox_tests::proxy::Proxy::start_to(&host).await;
-    let through_proxy = upstream.replace(&host, &proxy.addr().to_string());
+    let proxy = outbox_tests::proxy::Proxy::start_to(&broker_host(&amqp_url())).await;
+    let through_proxy = through(&proxy);
     let running = worker(f.store.clone())
         .relay(
             ["orders"],
@@ -374,5 +367,168 @@ async fn an_outage_pauses_the_relay_and_the_sink_reconnects_when_the_broker_is_b
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), ROWS + 5, "every row arrived");
+    teardown(&channel, &exchange, &queue, f).await;
+}
+
+/// `host:port` of the test broker, and its URL with `proxy` in its place.
+fn through(proxy: &outbox_tests::proxy::Proxy) -> String {
+    let upstream = amqp_url();
+    let host = broker_host(&upstream);
+    upstream.replace(&host, &proxy.addr().to_string())
+}
+
+fn broker_host(url: &str) -> String {
+    url.split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or("127.0.0.1:5672")
+        .to_owned()
+}
+
+#[tokio::test]
+async fn bad_amqp_settings_are_refused_by_build_before_any_broker_call() {
+    let f = Fixture::new().await;
+    let url = amqp_url();
+    let long = "k".repeat(256);
+    let cases = [
+        (
+            "an unparsable URI",
+            relay::amqp("amqp://guest:s3cret@127.0.0.1:notaport/%2f", "x"),
+            "does not parse",
+        ),
+        (
+            "a URI that is no URL base",
+            relay::amqp("amqp:s3cret", "x"),
+            "does not parse",
+        ),
+        (
+            "an exchange name over 255 bytes",
+            relay::amqp(url.clone(), long.clone()),
+            "exchange name",
+        ),
+        (
+            "a fixed routing key over 255 bytes",
+            relay::amqp(url.clone(), "x").routing_key(RoutingKey::Fixed(long.clone())),
+            "routing key is 256 bytes",
+        ),
+        (
+            "an empty routing key on the default exchange",
+            relay::amqp(url.clone(), "").routing_key(RoutingKey::Fixed(String::new())),
+            "empty routing key",
+        ),
+        (
+            "an empty routing header",
+            relay::amqp(url.clone(), "x").routing_key(RoutingKey::Header(String::new())),
+            "RoutingKey::Header",
+        ),
+        (
+            "the default exchange without mandatory",
+            relay::amqp(url.clone(), "").mandatory(false),
+            "mandatory(false)",
+        ),
+    ];
+    for (what, sink, says) in cases {
+        let e = worker(f.store.clone())
+            .relay(["orders"], sink)
+            .build()
+            .map(drop)
+            .expect_err(what);
+        assert!(
+            matches!(&e, outbox::Error::InvalidConfig { knob: "relay", reason }
+                if reason.contains(says) && !reason.contains("s3cret")),
+            "{what}: {e:?}"
+        );
+    }
+    let e = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(relay::amqp(url.clone(), "x")).connect_timeout(Duration::ZERO),
+        )
+        .build()
+        .map(drop)
+        .expect_err("a zero connect timeout");
+    assert!(
+        matches!(&e, outbox::Error::InvalidConfig { knob: "relay", reason } if reason.contains("connect_timeout")),
+        "{e:?}"
+    );
+    // What a user writes for the usual set-ups still builds (no connection is opened).
+    for sink in [
+        relay::amqp(url.clone(), ""),
+        relay::amqp(url.clone(), "events").mandatory(false),
+        relay::amqp(url.clone(), "events").routing_key(RoutingKey::Header("tenant".into())),
+    ] {
+        drop(
+            worker(f.store.clone())
+                .relay(["orders"], sink)
+                .build()
+                .unwrap(),
+        );
+    }
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_timeout_shorter_than_the_connect_still_relays() {
+    let f = Fixture::new().await;
+    let (_conn, channel, exchange, queue) = setup("orders").await;
+    // Every connection takes 300 ms to open; a publish on an open one is quick.
+    let connect = Duration::from_millis(300);
+    let proxy =
+        outbox_tests::proxy::Proxy::start_delayed_to(&broker_host(&amqp_url()), connect).await;
+    let publish_timeout = Duration::from_millis(50);
+    let running = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(relay::amqp(through(&proxy), exchange.clone()))
+                .publish_timeout(publish_timeout),
+        )
+        .build()
+        .unwrap()
+        .start();
+    publish(&f, "orders", 5, &headers(&[])).await;
+    // One connect, the circuit's back-offs around it (at most 2 s): far within 15 s.
+    eventually(15, "every row relayed", || async {
+        f.rows("orders").await.is_empty()
+    })
+    .await;
+    running.shutdown().await;
+    assert_eq!(drain(&channel, &queue).await.len(), 5);
+    teardown(&channel, &exchange, &queue, f).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_slower_than_the_connect_timeout_is_an_outage_that_counts_nothing() {
+    let f = Fixture::new().await;
+    let (_conn, channel, exchange, queue) = setup("orders").await;
+    // Every connection takes 1 s to open; the relay allows 300 ms.
+    let proxy = outbox_tests::proxy::Proxy::start_delayed_to(
+        &broker_host(&amqp_url()),
+        Duration::from_secs(1),
+    )
+    .await;
+    let running = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(relay::amqp(through(&proxy), exchange.clone()))
+                .connect_timeout(Duration::from_millis(300)),
+        )
+        .build()
+        .unwrap()
+        .start();
+    publish(&f, "orders", 3, &headers(&[])).await;
+    // 3 s: ten connect timeouts, and three times the connect the relay never waits for.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let rows = f.rows("orders").await;
+    assert_eq!(rows.len(), 3, "nothing relayed");
+    for r in &rows {
+        assert_eq!(r.attempts_count, 0, "no attempt recorded: {r:?}");
+        let in_flight = i32::from(r.acquired_token.is_some());
+        assert!(
+            r.deliveries_count <= in_flight,
+            "the outage counted no delivery: {r:?}"
+        );
+    }
+    running.shutdown().await;
+    assert!(drain(&channel, &queue).await.is_empty());
     teardown(&channel, &exchange, &queue, f).await;
 }

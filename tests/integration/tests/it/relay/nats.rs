@@ -656,3 +656,217 @@ async fn an_ordered_relay_needs_a_store_that_claims_in_order() {
         "{e:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ordered_claim_deletes_a_cancelled_row_whose_lease_expired() {
+    use outbox::store::{ClaimRequest, Store};
+    let f = Fixture::new().await;
+    let js = jetstream().await;
+    let (name, subject) = stream(&js, |_| {}).await;
+    let h = headers(&[("key", "k")]);
+    let mut conn = f.pool.acquire().await.unwrap();
+    f.outbox
+        .publish(
+            &mut conn,
+            outbox::Message::new("orders", b"timer")
+                .timer_id("t")
+                .headers(&h),
+        )
+        .await
+        .unwrap();
+    // A relay claimed the timer's row and died; the timer is cancelled while it "runs".
+    let lease_ttl = Duration::from_millis(500);
+    let claimed = f
+        .store
+        .claim(ClaimRequest::new(&["orders".to_owned()], 10, lease_ttl))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    let cancelled = f.outbox.cancel(&mut conn, "orders", "t").await.unwrap();
+    assert!(
+        matches!(cancelled, outbox::Cancelled::Running { .. }),
+        "{cancelled:?}"
+    );
+    f.outbox
+        .publish(
+            &mut conn,
+            outbox::Message::new("orders", b"after").headers(&h),
+        )
+        .await
+        .unwrap();
+    drop(conn);
+    let running = worker(f.store.clone())
+        .lease_ttl(lease_ttl)
+        .relay(
+            ["orders"],
+            Relay::new(relay::nats(
+                js.clone(),
+                Subject::fixed(format!("{subject}.orders")),
+            ))
+            .ordered_by_header("key"),
+        )
+        .build()
+        .unwrap()
+        .start();
+    // The lease expires after 500 ms; the idle poll is 200 ms.
+    eventually(
+        10,
+        "the cancelled row deleted, the key's next message relayed",
+        || async { f.rows("orders").await.is_empty() },
+    )
+    .await;
+    running.shutdown().await;
+    let got = read_all(&js, &name).await;
+    assert_eq!(got.len(), 1, "the cancelled row is never relayed");
+    assert_eq!(&got[0].payload[..], b"after");
+    cleanup(&js, &name, f).await;
+}
+
+/// Rejects the first publish of the message whose header `seq` is `0`; publishes the rest.
+struct RejectFirst {
+    inner: relay::NatsSink,
+    rejected: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Sink for RejectFirst {
+    fn publish(&self, message: BrokerMessage) -> BoxFuture<'static, Result<(), SinkError>> {
+        if message.headers.get("seq").map(String::as_str) == Some("0")
+            && !self.rejected.swap(true, Ordering::SeqCst)
+        {
+            return Box::pin(async { Err(SinkError::Rejected("injected".into())) });
+        }
+        self.inner.publish(message)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_due_keeps_an_ordered_relays_key_order_when_a_message_is_retried() {
+    const N: usize = 5;
+    let f = Fixture::new().await;
+    let js = jetstream().await;
+    let (name, subject) = stream(&js, |_| {}).await;
+    let rejected = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sink = RejectFirst {
+        inner: relay::nats(js.clone(), Subject::fixed(format!("{subject}.orders"))),
+        rejected: rejected.clone(),
+    };
+    let retry = Duration::from_millis(300);
+    let relay = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(sink)
+                .ordered_by_header("key")
+                .retry(RetryStrategy::constant(retry).max_attempts(5)),
+        )
+        .build()
+        .unwrap();
+    let mut conn = f.pool.acquire().await.unwrap();
+    for seq in 0..N {
+        let h = headers(&[("key", "k"), ("seq", &seq.to_string())]);
+        f.outbox
+            .publish(&mut conn, outbox::Message::new("orders", b"x").headers(&h))
+            .await
+            .unwrap();
+    }
+    relay.run_due().await.unwrap();
+    assert!(
+        rejected.load(Ordering::SeqCst),
+        "the first message was rejected"
+    );
+    assert_eq!(
+        stream_messages(&js, &name).await,
+        0,
+        "no message of the key overtook the rejected first one"
+    );
+    // The retry comes due after 300 ms; 10 s is far beyond.
+    eventually(10, "every message relayed by run_due", || async {
+        relay.run_due().await.unwrap();
+        f.rows("orders").await.is_empty()
+    })
+    .await;
+    let seqs: Vec<usize> = read_all(&js, &name)
+        .await
+        .iter()
+        .map(|m| m.headers.get("seq").unwrap().as_str().parse().unwrap())
+        .collect();
+    assert_eq!(
+        seqs,
+        (0..N).collect::<Vec<_>>(),
+        "commit order in the stream"
+    );
+    cleanup(&js, &name, f).await;
+}
+
+#[tokio::test]
+async fn bad_subject_settings_are_refused_by_build_before_any_broker_call() {
+    let f = Fixture::new().await;
+    // A context over a client that never connected: build() must not need it.
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect("127.0.0.1:1")
+        .await
+        .unwrap();
+    let js = jetstream::new(client);
+    let nats = |subject: Subject| relay::nats(js.clone(), subject);
+    let cases = [
+        (
+            "a prefix without its dot",
+            nats(Subject::from_queue("events")),
+            "must end in `.`",
+        ),
+        (
+            "a prefix with an empty token",
+            nats(Subject::from_queue("events..")),
+            "empty subject token",
+        ),
+        (
+            "a wildcard in a prefix",
+            nats(Subject::from_queue("events.>.")),
+            "not a subject token",
+        ),
+        (
+            "a wildcard in a fixed subject",
+            nats(Subject::fixed("events.*")),
+            "not a subject token",
+        ),
+        (
+            "an empty subject header name",
+            nats(Subject::fixed("events").with_header("")),
+            "with_header",
+        ),
+        (
+            "a stream name with a dot",
+            nats(Subject::fixed("events")).expected_stream("A.B"),
+            "expected_stream",
+        ),
+        (
+            "an empty stream name",
+            nats(Subject::fixed("events")).expected_stream(""),
+            "expected_stream",
+        ),
+    ];
+    for (what, sink, says) in cases {
+        let e = worker(f.store.clone())
+            .relay(["orders"], sink)
+            .build()
+            .map(drop)
+            .expect_err(what);
+        assert!(
+            matches!(&e, outbox::Error::InvalidConfig { knob: "relay", reason } if reason.contains(says)),
+            "{what}: {e:?}"
+        );
+    }
+    // What a user writes for the usual set-ups still builds.
+    for sink in [
+        nats(Subject::from_queue("")),
+        nats(Subject::from_queue("events.eu.").with_header("tenant")).expected_stream("EVENTS"),
+    ] {
+        drop(
+            worker(f.store.clone())
+                .relay(["orders"], sink)
+                .build()
+                .unwrap(),
+        );
+    }
+    f.cleanup().await;
+}
