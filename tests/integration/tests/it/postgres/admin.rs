@@ -252,7 +252,11 @@ async fn bad_input_and_a_missing_paused_table() {
         .await
         .unwrap_err();
     assert!(matches!(e, Error::UpgradeRequired { .. }), "{e:?}");
-    assert!(e.to_string().contains("Outbox::migrate` with this outbox's settings"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("Outbox::migrate` with this outbox's settings"),
+        "{e}"
+    );
     f.outbox.migrate(&f.pool).await.unwrap();
     f.outbox.validate_schema(&f.pool).await.unwrap();
     assert!(f.outbox.pause_queue(&mut conn, "q").await.unwrap());
