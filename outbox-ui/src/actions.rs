@@ -426,7 +426,8 @@ async fn cancel_in(
     if let Some(r) = refused(&s, &base, &headers, &f) {
         return r;
     }
-    let timer = f.timer_id.as_deref().unwrap_or("").trim().to_owned();
+    // Byte-exact: a timer id is the library's key, and ` sp ` and `sp` are two rows.
+    let timer = f.timer_id.clone().unwrap_or_default();
     if let Err(reason) = valid_name(&timer) {
         return back(
             &s,
@@ -436,6 +437,24 @@ async fn cancel_in(
             Outcome::Failed(format!("bad timer id: {reason}")),
         );
     }
+    if f.confirm.as_deref() != Some("yes") {
+        return confirm_page(
+            &s,
+            &base,
+            &headers,
+            Confirm {
+                title: "Cancel this timer?",
+                question: &format!(
+                    "Cancel the timer keyed {timer:?} of queue {queue}? Its row is deleted (or, when its lease expired, marked so the next claim deletes it) and will not run; this cannot be undone."
+                ),
+                action: &base.to(&layout::queue_path(&queue, Some("cancel"))),
+                fields: &[("timer_id", &timer)],
+                yes: "Yes, cancel the timer",
+                no: &queue_page(&base, &queue),
+            },
+        );
+    }
+    let headers = return_headers(&headers, &f);
     let run = async {
         let mut tx = s.pool.begin().await?;
         // Lock the keyed row first, as the library's cancel does, so no claim lands between
@@ -641,10 +660,10 @@ pub(crate) async fn purge(
             )
         }
     };
+    // Byte-exact: the queue name as the library stores it (never trimmed).
     let queue = f
         .queue
         .as_deref()
-        .map(str::trim)
         .filter(|q| !q.is_empty())
         .map(str::to_owned);
     if let Some(q) = &queue {

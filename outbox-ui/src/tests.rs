@@ -379,7 +379,7 @@ async fn row_actions_follow_the_library_and_never_touch_a_held_row() {
     let (_, location) = post(
         &r,
         "/outbox/queues/jobs/cancel",
-        &format!("csrf={t}&timer_id=k1"),
+        &format!("csrf={t}&timer_id=k1&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -476,7 +476,7 @@ async fn row_actions_follow_the_library_and_never_touch_a_held_row() {
     let (_, location) = post(
         &r,
         "/outbox/queues/jobs/cancel",
-        &format!("csrf={t}&timer_id=k2"),
+        &format!("csrf={t}&timer_id=k2&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -1206,7 +1206,7 @@ async fn an_expired_lease_is_shown_as_claimable_again_and_its_timer_can_be_cance
     let (_, location) = post(
         &r,
         "/outbox/queues/exp/cancel",
-        &format!("csrf={t}&timer_id=k-exp"),
+        &format!("csrf={t}&timer_id=k-exp&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -1217,7 +1217,7 @@ async fn an_expired_lease_is_shown_as_claimable_again_and_its_timer_can_be_cance
     let (_, location) = post(
         &r,
         "/outbox/queues/exp/cancel",
-        &format!("csrf={t}&timer_id=k-fresh"),
+        &format!("csrf={t}&timer_id=k-fresh&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -1233,6 +1233,10 @@ async fn an_expired_lease_is_shown_as_claimable_again_and_its_timer_can_be_cance
     .await
     .unwrap();
     assert_eq!(marks, vec![(keyed, true), (fresh, false)]);
+    // Already marked: no second cancel offered.
+    let (_, page) = get(&r, &format!("/outbox/rows/{keyed}")).await;
+    assert!(!page.contains(">Cancel timer<"), "{page}");
+    assert!(page.contains("already cancelled"), "{page}");
     db.drop_tables().await;
 }
 
@@ -1477,5 +1481,78 @@ async fn the_mount_answers_with_and_without_its_slash_and_bad_requests_get_the_p
             "{bad:?}"
         );
     }
+    db.drop_tables().await;
+}
+
+/// Timer ids are byte-exact: ` sp ` and `sp` are two rows, and cancelling one (through
+/// its confirmation page) never touches the other; the search finds each as typed.
+#[tokio::test]
+async fn cancel_and_search_use_timer_ids_byte_exact_and_cancel_asks_first() {
+    let db = Db::new().await;
+    let spaced = db.publish("sp", b"{}", Some(" sp "), 600).await;
+    let bare = db.publish("sp", b"{}", Some("sp"), 600).await;
+    let r = db.router(false, 50);
+    let (_, page) = get(&r, &format!("/outbox/rows/{spaced}")).await;
+    assert!(page.contains(r#"name="timer_id" value=" sp ""#), "{page}");
+    let t = token(&page);
+    // The first POST only asks, and changes nothing.
+    let (status, page) = post(
+        &r,
+        "/outbox/queue/cancel?name=sp",
+        &format!("csrf={t}&timer_id=+sp+"),
+        ORIGIN,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert!(page.contains("Yes, cancel the timer"), "{page}");
+    assert!(page.contains(r#"name="timer_id" value=" sp ""#), "{page}");
+    let live = |db: &Db| {
+        let q = format!("SELECT id FROM {} ORDER BY id", db.outbox.table());
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(AssertSqlSafe(q))
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(live(&db).await, vec![spaced, bare]);
+    let (_, location) = post(
+        &r,
+        "/outbox/queue/cancel?name=sp",
+        &format!("csrf={t}&timer_id=+sp+&confirm=yes"),
+        ORIGIN,
+    )
+    .await;
+    assert_eq!(
+        notice(&location),
+        format!("timer \" sp \" of sp cancelled: row {spaced} deleted")
+    );
+    assert_eq!(live(&db).await, vec![bare], "the other row was cancelled");
+
+    // Search: as typed first; ` sp ` finds nothing now, so its trimmed value `sp` does.
+    let spaced = db.publish("sp", b"{}", Some(" sp "), 600).await;
+    let r2 = r.clone();
+    let go = |q: &'static str| {
+        let r = r2.clone();
+        async move {
+            r.oneshot(
+                Request::get(format!("/outbox/queue?name=sp&q={q}"))
+                    .header(header::HOST, HOST)
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap()
+            .headers()
+            .get(header::LOCATION)
+            .map(|l| l.to_str().unwrap().to_owned())
+        }
+    };
+    assert_eq!(go("%20sp%20").await, Some(format!("/outbox/rows/{spaced}")));
+    assert_eq!(go("sp").await, Some(format!("/outbox/rows/{bare}")));
+    db.exec(format!("DELETE FROM {} WHERE id = {spaced}", db.outbox.table()))
+        .await;
+    assert_eq!(go("%20sp%20").await, Some(format!("/outbox/rows/{bare}")));
     db.drop_tables().await;
 }

@@ -94,8 +94,16 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
         Err(e) => return layout::failed(&base, &s, &e),
     };
     let mut notice = notice;
-    if let Some(q) = p.q.as_deref().map(str::trim).filter(|q| !q.is_empty()) {
-        match search(&s, &mut conn, &queue, q).await {
+    if let Some(q) = p.q.as_deref().filter(|q| !q.is_empty()) {
+        // The value as typed first (ids are byte-exact: ` sp ` and `sp` are two rows);
+        // only when it finds nothing, the value without surrounding spaces.
+        let found = match search(&s, &mut conn, &queue, q).await {
+            Ok(None) if q.trim() != q && !q.trim().is_empty() => {
+                search(&s, &mut conn, &queue, q.trim()).await
+            }
+            other => other,
+        };
+        match found {
             Ok(Some(id)) => return Redirect::to(&base.to(&format!("/rows/{id}"))).into_response(),
             Ok(None) => {
                 notice = Notice::local(Kind::Error, format!(
@@ -185,7 +193,7 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
                                     (layout::button(&s, &base.to(&format!("/rows/{}/delete", r.id)), &[], "Delete", "danger"))
                                 } @else if let Some(ago) = r.acquired_at.and_then(|at| lease_expired_for(at, now, s.lease_ttl)) {
                                     span.expired { "lease expired " (format::span(ago.num_seconds())) " ago: claimable again" }
-                                    @if let Some(timer) = &r.timer_id {
+                                    @if let (Some(timer), None) = (&r.timer_id, r.cancelled_at) {
                                         " " (layout::button(&s, &base.to(&layout::queue_path(&queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
                                     }
                                 } @else {

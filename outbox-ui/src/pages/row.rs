@@ -104,7 +104,9 @@ pub(crate) async fn page(
             h2 { "Actions" }
             @if expired.is_some() {
                 p { "Its lease expired, but the row is still leased: run now, reschedule and delete leave a leased row alone (the library's rule) until a worker claims it again and its run ends." }
-                @if let Some(timer) = &r.timer_id {
+                @if r.cancelled_at.is_some() {
+                    p { "Its timer is already cancelled: the next claim deletes it." }
+                } @else if let Some(timer) = &r.timer_id {
                     p { "Cancelling its timer marks the row: the next claim deletes it instead of running it." }
                     div.bar {
                         (layout::button(&s, &base.to(&layout::queue_path(&r.queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
@@ -116,7 +118,7 @@ pub(crate) async fn page(
                 div.bar {
                     (layout::button(&s, &act("run-now"), &[], "Run now", ""))
                     (layout::button(&s, &act("delete"), &[], "Delete row", "danger"))
-                    @if let Some(timer) = &r.timer_id {
+                    @if let (Some(timer), None) = (&r.timer_id, r.cancelled_at) {
                         (layout::button(&s, &base.to(&layout::queue_path(&r.queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
                     }
                 }
