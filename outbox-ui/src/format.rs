@@ -57,10 +57,106 @@ pub(crate) fn count(c: Count) -> String {
     }
 }
 
-/// A payload as shown: pretty JSON when the bytes decode as JSON, else `None`.
+/// A payload as shown: its stored text re-indented when the bytes are UTF-8 and parse as
+/// JSON, else `None`. Never through `serde_json::Value`, which would round big numbers,
+/// sort keys and drop duplicate ones: the text is [`indent`]ed as stored.
 pub(crate) fn json(bytes: &[u8]) -> Option<String> {
-    let value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
-    serde_json::to_string_pretty(&value).ok()
+    let text = json_text(bytes)?;
+    Some(indent(text, usize::MAX).0)
+}
+
+/// The bytes as text when they are UTF-8 and one JSON value (checked by serde_json,
+/// building nothing).
+pub(crate) fn json_text(bytes: &[u8]) -> Option<&str> {
+    let text = std::str::from_utf8(bytes).ok()?;
+    serde_json::from_str::<serde::de::IgnoredAny>(text).ok()?;
+    Some(text)
+}
+
+/// Valid JSON `text` re-indented (two spaces, `"key": value`, empty `{}` and `[]` kept
+/// on one line) by its tokens alone: strings (escapes and all), numbers and literals are
+/// copied verbatim, in their order; only the whitespace between tokens changes. Stops
+/// once `max` bytes of `text` are read (at a character boundary); returns the text and
+/// how many bytes of `text` it covers.
+pub(crate) fn indent(text: &str, max: usize) -> (String, usize) {
+    let bytes = text.as_bytes();
+    let mut out = String::with_capacity(text.len().min(max).saturating_mul(2));
+    let mut depth = 0usize;
+    let mut i = 0;
+    let newline = |out: &mut String, depth: usize| {
+        out.push('\n');
+        for _ in 0..depth {
+            out.push_str("  ");
+        }
+    };
+    while i < bytes.len() && i < max {
+        match bytes[i] {
+            b'"' => {
+                // A string, verbatim up to its closing quote (a backslash takes the next
+                // byte with it), or up to `max`.
+                let start = i;
+                i += 1;
+                while i < bytes.len() && bytes[i] != b'"' {
+                    i += if bytes[i] == b'\\' { 2 } else { 1 };
+                }
+                let mut end = (i + 1).min(bytes.len());
+                if end > max {
+                    end = max;
+                    while !text.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                }
+                out.push_str(&text[start..end]);
+                i = end;
+            }
+            open @ (b'{' | b'[') => {
+                let close = if open == b'{' { b'}' } else { b']' };
+                let mut j = i + 1;
+                while j < bytes.len() && bytes[j].is_ascii_whitespace() {
+                    j += 1;
+                }
+                if j < bytes.len() && bytes[j] == close {
+                    out.push(char::from(open));
+                    out.push(char::from(close));
+                    i = j + 1;
+                } else {
+                    out.push(char::from(open));
+                    depth += 1;
+                    newline(&mut out, depth);
+                    i += 1;
+                }
+            }
+            c @ (b'}' | b']') => {
+                depth = depth.saturating_sub(1);
+                newline(&mut out, depth);
+                out.push(char::from(c));
+                i += 1;
+            }
+            b',' => {
+                out.push(',');
+                newline(&mut out, depth);
+                i += 1;
+            }
+            b':' => {
+                out.push_str(": ");
+                i += 1;
+            }
+            c if c.is_ascii_whitespace() => i += 1,
+            _ => {
+                // A number or a literal (ASCII), verbatim.
+                let start = i;
+                while i < bytes.len()
+                    && i < max
+                    && !matches!(bytes[i], b',' | b'}' | b']' | b':' | b'"')
+                    && !bytes[i].is_ascii_whitespace()
+                {
+                    i += 1;
+                }
+                out.push_str(&text[start..i]);
+            }
+        }
+    }
+    (out, i.min(bytes.len()))
 }
 
 /// What a page shows of a payload: text (pretty JSON, or a hex dump of bytes that are not
@@ -215,6 +311,43 @@ mod tests {
         );
         assert_eq!(count(Count::Exact(3)), "3");
         assert_eq!(count(Count::Unavailable), "–");
+    }
+
+    #[test]
+    fn json_is_indented_from_its_stored_text() {
+        let i = |t: &str| {
+            assert!(json_text(t.as_bytes()).is_some(), "not JSON: {t}");
+            indent(t, usize::MAX).0
+        };
+        // Big numbers, their spelling and key order as stored; duplicate keys kept.
+        assert_eq!(
+            i(r#"{"n":12345678901234567890123,"f":1.0000000000000000001,"e":1E+2}"#),
+            "{\n  \"n\": 12345678901234567890123,\n  \"f\": 1.0000000000000000001,\n  \"e\": 1E+2\n}"
+        );
+        assert_eq!(i(r#"{"b":1,"a":2,"a":3}"#), "{\n  \"b\": 1,\n  \"a\": 2,\n  \"a\": 3\n}");
+        // Strings verbatim: braces, brackets, commas, colons, escaped quotes, backslashes,
+        // unicode escapes and spaces inside them are not tokens.
+        let s = r#""a{b}[c],d:e \" \\ \u00e9 \n  x""#;
+        assert_eq!(i(s), s);
+        assert_eq!(
+            i(&format!(r#"{{ {s} : [ {s} , "\\" ] }}"#)),
+            format!("{{\n  {s}: [\n    {s},\n    \"\\\\\"\n  ]\n}}")
+        );
+        // Nested, empty objects and arrays, literals, whitespace between tokens.
+        assert_eq!(
+            i(" {\"a\" : { } ,\"b\":[ ],\"c\":[{\"d\":[true,false,null,-0.5e-3]}]}\n"),
+            "{\n  \"a\": {},\n  \"b\": [],\n  \"c\": [\n    {\n      \"d\": [\n        true,\n        false,\n        null,\n        -0.5e-3\n      ]\n    }\n  ]\n}"
+        );
+        assert_eq!(i("[]"), "[]");
+        assert_eq!(i("12345678901234567890123"), "12345678901234567890123");
+        assert_eq!(i(r#""é""#), r#""é""#);
+        assert_eq!(json_text(br#"{"a":1"#), None);
+        assert_eq!(json_text(b"{} x"), None);
+        // Cut after `max` bytes of the stored text, at a character boundary.
+        let (t, n) = indent(r#"["éé",1]"#, 4);
+        assert_eq!((t.as_str(), n), ("[\n  \"é", 4));
+        let (t, n) = indent(r#"[12345,1]"#, 3);
+        assert_eq!((t.as_str(), n), ("[\n  12", 3));
     }
 
     #[test]
