@@ -1158,3 +1158,71 @@ async fn ui_serves_the_dashboard_behind_basic_auth_and_read_only() {
     );
     t.cleanup().await;
 }
+
+/// Starts `outbox ui` with `args`; the child and the address its first line prints.
+fn spawn_ui(t: &Tables, args: &[&str]) -> (std::process::Child, String) {
+    let mut child = outbox_cmd()
+        .args(["--table", &t.name, "ui"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let addr = first
+        .strip_prefix("outbox ui: http://")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("the first line names the address: {first:?}"))
+        .to_owned();
+    (child, addr)
+}
+
+/// Every loopback address is loopback (127.0.0.2, an IPv4-mapped IPv6 one): the printed
+/// address is served and other names get 421; a listener beyond this machine warns about
+/// DNS rebinding and names --basic-auth; a port alone says the host is missing.
+#[tokio::test]
+async fn ui_knows_every_loopback_address_and_warns_beyond_it() {
+    let t = Tables::new().await;
+    let mut listens = vec!["127.0.0.2:0"];
+    if std::net::TcpListener::bind("[::ffff:127.0.0.1]:0").is_ok() {
+        listens.push("[::ffff:127.0.0.1]:0");
+    }
+    for listen in listens {
+        let (mut child, addr) = spawn_ui(&t, &["--listen", listen]);
+        let port = addr.rsplit(':').next().unwrap().to_owned();
+        let get = |host: &str| {
+            http(
+                &addr,
+                &format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"),
+            )
+        };
+        let page = get(&addr);
+        assert!(page.starts_with("HTTP/1.1 200"), "{addr}: {page}");
+        let refused = get(&format!("evil.example:{port}"));
+        assert!(refused.starts_with("HTTP/1.1 421"), "{addr}: {refused}");
+        child.kill().unwrap();
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        let _ = child.wait();
+        assert!(!err.contains("warning"), "{listen}: {err}");
+    }
+    let (mut child, _) = spawn_ui(&t, &["--listen", "0.0.0.0:0", "--read-only"]);
+    child.kill().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    let _ = child.wait();
+    assert!(
+        err.contains("DNS rebinding") && err.contains("--basic-auth"),
+        "{err}"
+    );
+    let bad = t.run(&["ui", "--listen", "18736"]);
+    assert!(
+        text(&bad.stderr).contains("no host") && text(&bad.stderr).contains("127.0.0.1:18736"),
+        "{}",
+        text(&bad.stderr)
+    );
+    t.cleanup().await;
+}
