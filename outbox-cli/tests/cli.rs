@@ -1234,3 +1234,16 @@ async fn ui_knows_every_loopback_address_and_warns_beyond_it() {
     );
     t.cleanup().await;
 }
+
+/// `--lease-ttl` is checked at startup against the workers' range (100 ms to 7 days), not
+/// accepted and then failing every queues page.
+#[tokio::test]
+async fn ui_refuses_a_lease_ttl_no_worker_can_have() {
+    let t = Tables::new().await;
+    for ttl in ["99999999d", "8d", "10ms"] {
+        let bad = t.run(&["ui", "--lease-ttl", ttl, "--listen", "127.0.0.1:0"]);
+        assert_eq!(bad.status.code(), Some(2), "{ttl}: {}", text(&bad.stderr));
+        assert!(text(&bad.stderr).contains("100ms to 7d"), "{}", text(&bad.stderr));
+    }
+    t.cleanup().await;
+}

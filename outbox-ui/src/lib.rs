@@ -158,12 +158,20 @@ impl Dashboard {
     /// than this is shown as an expired lease.
     ///
     /// # Errors
-    /// [`UiError::InvalidSetting`] for a zero duration.
+    /// [`UiError::InvalidSetting`] outside the range `WorkerBuilder::lease_ttl` accepts,
+    /// 100 ms to 7 days (a longer one would overflow the statistics' arithmetic, and no
+    /// worker runs with it).
     pub fn lease_ttl(mut self, ttl: Duration) -> Result<Self, UiError> {
-        if ttl.is_zero() {
+        // The worker's own bounds (outbox/src/worker/config.rs, `Config::validate`).
+        const MIN: Duration = Duration::from_millis(100);
+        const MAX: Duration = Duration::from_secs(7 * 24 * 3600);
+        if !(MIN..=MAX).contains(&ttl) {
             return Err(UiError::InvalidSetting {
                 field: "lease_ttl",
-                reason: "must be more than zero".to_owned(),
+                reason: format!(
+                    "must be 100ms to 7d, the range of WorkerBuilder::lease_ttl, not {}",
+                    humantime::format_duration(ttl)
+                ),
             });
         }
         self.lease_ttl = ttl;
