@@ -14,6 +14,9 @@ use crate::connect::Failure;
 use crate::output;
 
 pub async fn run(outbox: Outbox, pool: PgPool, args: UiArgs) -> Result<(), Failure> {
+    // Refuse tables that are not there (with the migrate advice, as every other command),
+    // rather than serve pages that each fail with the database's error.
+    migrated(&outbox, &pool).await?;
     let dashboard = outbox_ui::Dashboard::new(outbox, pool)
         .and_then(|d| d.lease_ttl(args.lease_ttl))
         .map_err(|e| Failure::usage(e.to_string()))?
@@ -73,6 +76,22 @@ pub async fn run(outbox: Outbox, pool: PgPool, args: UiArgs) -> Result<(), Failu
         .with_graceful_shutdown(shutdown())
         .await
         .map_err(|e| Failure::failed(format!("the dashboard's server failed: {e}")))
+}
+
+/// Each table the dashboard reads exists: the queue table, the paused-queues table, and
+/// the dead-letter table when it is on; else the library's `NotMigrated`, which the command
+/// explains with its `outbox … migrate` advice.
+async fn migrated(outbox: &Outbox, pool: &PgPool) -> Result<(), Failure> {
+    // The library's own reads, so a missing table is its `NotMigrated` (or
+    // `UpgradeRequired`); each reads at most one row by an index.
+    let mut conn = pool.acquire().await?;
+    outbox.pending(&mut conn, "outbox-ui-startup-check", 1).await?;
+    outbox.paused_queues(&mut conn).await?;
+    if outbox.dead_letter_enabled() {
+        let none = outbox::dlq::DeadLetterFilter::new().queue("outbox-ui-startup-check");
+        outbox.dead_letters(&mut conn, &none, None, 1).await?;
+    }
+    Ok(())
 }
 
 /// `--listen`: an address and port, or a host name and port (`localhost:8080`), resolved;

@@ -1247,3 +1247,51 @@ async fn ui_refuses_a_lease_ttl_no_worker_can_have() {
     }
     t.cleanup().await;
 }
+
+/// `outbox ui` on tables that are not there refuses to start, with the migrate advice of
+/// every other command, instead of serving pages that each fail.
+#[tokio::test]
+async fn ui_refuses_tables_that_are_not_migrated() {
+    let finish = |mut child: std::process::Child| {
+        let start = std::time::Instant::now();
+        loop {
+            if child.try_wait().unwrap().is_some() {
+                break child.wait_with_output().unwrap();
+            }
+            if start.elapsed() > Duration::from_secs(20) {
+                child.kill().unwrap();
+                panic!("outbox ui started on tables that are not there");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let t = Tables::with(false, false).await;
+    let out = finish(
+        outbox_cmd()
+            .args(["--table", &t.name, "ui", "--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&format!("run `outbox --table {} migrate`", t.name)),
+        "{err}"
+    );
+    t.cleanup().await;
+    // Migrated without the dead-letter table, served with --dead-letter.
+    let t = Tables::with(false, true).await;
+    let out = finish(
+        outbox_cmd()
+            .args(["--table", &t.name, "--dead-letter", "ui", "--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let err = text(&out.stderr);
+    assert!(err.contains("migrate --dead-letter`"), "{err}");
+    t.cleanup().await;
+}

@@ -1556,3 +1556,25 @@ async fn cancel_and_search_use_timer_ids_byte_exact_and_cancel_asks_first() {
     assert_eq!(go("%20sp%20").await, Some(format!("/outbox/rows/{bare}")));
     db.drop_tables().await;
 }
+
+/// Without the dead-letter table, `/dead-letters` is a normal page saying they are off (and
+/// how to turn them on, in an application and from the command line), and the link says so.
+#[tokio::test]
+async fn dead_letters_off_is_a_page_not_an_error() {
+    let db = Db::new().await;
+    let off = Outbox::builder()
+        .table(db.outbox.table().trim_matches('"'))
+        .build()
+        .unwrap();
+    let d = Dashboard::new(off, db.pool.clone()).unwrap();
+    let r = Router::new().nest("/outbox", d.router());
+    let (status, page) = get(&r, "/outbox/dead-letters").await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert!(page.contains("Dead letters are off"), "{page}");
+    assert!(page.contains("--dead-letter"), "{page}");
+    let (_, page) = get(&r, "/outbox").await;
+    assert!(page.contains("Dead letters (off)"), "{page}");
+    let (_, page) = get(&db.router(false, 50), "/outbox").await;
+    assert!(!page.contains("Dead letters (off)"), "{page}");
+    db.drop_tables().await;
+}

@@ -66,6 +66,14 @@ pub(crate) async fn page(
     Query(p): Query<Params>,
     Query(notice): Query<Notice>,
 ) -> Response {
+    if !s.outbox.dead_letter_enabled() {
+        let body = html! {
+            p { "Dead letters are off for this outbox: a row that fails for good is deleted, not archived, so there is nothing to list." }
+            p.muted { "To keep them: " code { "OutboxBuilder::dead_letter(true)" } " in the application, or " code { "outbox ui --dead-letter" } " from the command line (after " code { "outbox migrate --dead-letter" } ")." }
+        };
+        return layout::page(&base, &s, "Dead letters", "dead-letters", &notice, false, body)
+            .into_response();
+    }
     let bad =
         |reason: String| layout::error(&base, &s, StatusCode::BAD_REQUEST, "Bad request", &reason);
     let f = match filter(&p) {
