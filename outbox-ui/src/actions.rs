@@ -344,15 +344,38 @@ async fn row_action(
         tx.commit().await?;
         Ok::<_, outbox::Error>(result)
     };
-    let outcome = match run.await {
+    let result = run.await;
+    // A leased row: is its lease still held, or expired (the library refuses both)?
+    let expired = match &result {
+        Ok(RowAction::Leased) => match s.pool.acquire().await {
+            Ok(mut conn) => sql::row(&s.sql, &s.outbox, &mut conn, id)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|r| {
+                    r.acquired_at.and_then(|at| {
+                        crate::pages::queue::lease_expired_for(at, r.now, s.lease_ttl)
+                    })
+                }),
+            Err(_) => None,
+        },
+        _ => None,
+    };
+    let outcome = match result {
         Ok(RowAction::Rescheduled { next_attempt_at }) => Outcome::Ok(format!(
             "row {id}: due at {}",
             crate::format::utc(next_attempt_at)
         )),
         Ok(RowAction::Deleted) => Outcome::Ok(format!("row {id}: deleted; it will not run")),
-        Ok(RowAction::Leased) => Outcome::Failed(format!(
-            "row {id} is leased: a worker holds it (its handler runs, or its lease has not expired yet), so nothing changed; try again later"
-        )),
+        Ok(RowAction::Leased) => match expired {
+            Some(ago) => Outcome::Failed(format!(
+                "row {id} is leased, though its lease expired {} ago: no worker holds it, but run now, reschedule and delete leave any leased row alone (the library's rule), so nothing changed; a worker's next claim of its queue takes it",
+                crate::format::span(ago.num_seconds())
+            )),
+            None => Outcome::Failed(format!(
+                "row {id} is leased: a worker holds it (its handler runs and its lease has not expired), so nothing changed; try again once its run ends"
+            )),
+        },
         Ok(RowAction::NotFound) => Outcome::Failed(format!(
             "no live row has id {id}: it completed, was cancelled or deleted, or never existed"
         )),

@@ -1203,6 +1203,13 @@ async fn an_expired_lease_is_shown_as_claimable_again_and_its_timer_can_be_cance
     )
     .await;
     assert!(notice(&location).contains("is leased"), "{location}");
+    // The notice matches the row's page: the lease expired, the next claim takes it.
+    assert!(
+        notice(&location).contains("its lease expired")
+            && notice(&location).contains("next claim")
+            && !notice(&location).contains("a worker holds it"),
+        "{location}"
+    );
     let (_, location) = post(
         &r,
         "/outbox/queues/exp/cancel",
