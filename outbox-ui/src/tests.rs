@@ -1358,9 +1358,24 @@ async fn a_large_payload_is_shown_in_part_and_downloaded_whole() {
         page.len()
     );
     assert!(
-        page.contains(&format!("Showing {} of ", crate::MAX_SHOWN_BYTES)),
+        page.contains(&format!(
+            "Showing the first {} of {} bytes of the JSON",
+            crate::MAX_SHOWN_BYTES,
+            json.len()
+        )),
         "{}",
         &page[..2000]
+    );
+    // Not JSON: the cap counts the payload's bytes too, not the hex dump's.
+    let raw = db.publish("big", &bytes[..200_000], None, 600).await;
+    let (_, raw_page) = get(&r, &format!("/outbox/rows/{raw}")).await;
+    assert!(
+        raw_page.contains(&format!(
+            "Not JSON: showing the first {} of 200000 bytes",
+            crate::MAX_SHOWN_BYTES
+        )),
+        "{}",
+        &raw_page[..2000]
     );
     assert!(page.contains("Showing 1 of 2 headers"), "headers cut");
     let (status, h, body) = download(&r, &format!("/outbox/rows/{id}/download/payload")).await;
@@ -1384,7 +1399,14 @@ async fn a_large_payload_is_shown_in_part_and_downloaded_whole() {
         "the dead-letter page is {} bytes",
         page.len()
     );
-    assert!(page.contains("Not JSON: showing the first"), "payload cut");
+    assert!(
+        page.contains(&format!(
+            "Not JSON: showing the first {} of {} bytes",
+            crate::LIST_SHOWN_BYTES,
+            bytes.len()
+        )),
+        "payload cut"
+    );
     let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT id FROM {}",
         db.outbox.dead_letter_table()

@@ -149,15 +149,15 @@ fn opt(t: Option<chrono::DateTime<chrono::Utc>>, now: chrono::DateTime<chrono::U
     }
 }
 
-/// JSON when the bytes decode as JSON, else a hex dump; escaped either way; at most `cap`
-/// bytes of it, with how much that is and the link to `download` the raw bytes.
+/// JSON when the bytes parse as JSON, else a hex dump; escaped either way; at most `cap`
+/// bytes of the payload, with how much that is and the link to `download` the raw bytes.
 pub(crate) fn payload(bytes: &[u8], cap: usize, download: &str) -> Markup {
     let shown = format::shown(bytes, cap);
     html! {
         @if shown.cut() {
             p.muted.cut {
                 @if shown.json {
-                    "Showing " (shown.shown) " of " (shown.total) " bytes of the pretty-printed JSON (" (bytes.len()) " bytes stored). "
+                    "Showing the first " (shown.shown) " of " (shown.total) " bytes of the JSON, re-indented. "
                 } @else {
                     "Not JSON: showing the first " (shown.shown) " of " (shown.total) " bytes. "
                 }
