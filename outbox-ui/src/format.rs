@@ -60,6 +60,7 @@ pub(crate) fn count(c: Count) -> String {
 /// A payload as shown: its stored text re-indented when the bytes are UTF-8 and parse as
 /// JSON, else `None`. Never through `serde_json::Value`, which would round big numbers,
 /// sort keys and drop duplicate ones: the text is [`indent`]ed as stored.
+#[cfg(test)]
 pub(crate) fn json(bytes: &[u8]) -> Option<String> {
     let text = json_text(bytes)?;
     Some(indent(text, usize::MAX).0)

@@ -948,6 +948,22 @@ async fn a_notice_in_a_link_is_not_shown_unless_the_dashboard_signed_it() {
 }
 
 /// The figure in the "Finished/s" cell of `queue`'s row on the queues page.
+/// Sets the counter's install instant `secs` seconds back.
+async fn backdate_counter(db: &Db, secs: i64) {
+    let c = crate::throughput::Names::of(&db.outbox).table;
+    let at: f64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT extract(epoch FROM now())::float8 - {secs}"
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    db.exec(format!(
+        "COMMENT ON TABLE {c} IS '{}{at}'",
+        crate::throughput::INSTALLED_PREFIX
+    ))
+    .await;
+}
+
 fn finished_per_second(page: &str, queue: &str) -> Option<f64> {
     let row = page.find(&format!(">{queue}</a></th>"))?;
     let cell = row + page[row..].find(r#"class="num throughput">"#)? + 23;
@@ -968,6 +984,8 @@ async fn the_throughput_counter_counts_each_queues_acks_of_a_real_worker() {
         .install_throughput_counter()
         .await
         .expect("idempotent");
+    // As if installed 10 minutes ago: a full window of counting.
+    backdate_counter(&db, 600).await;
 
     const N: usize = 30;
     for _ in 0..N {
@@ -1606,4 +1624,39 @@ async fn dead_letters_off_is_a_page_not_an_error() {
     let (_, page) = get(&db.router(false, 50), "/outbox").await;
     assert!(!page.contains("Dead letters (off)"), "{page}");
     db.drop_tables().await;
+}
+
+/// A counter just installed shows "–", not 0.00 averaged over minutes it did not count;
+/// then it averages over the time since its install, and minutes before it are gaps.
+#[tokio::test]
+async fn a_new_throughput_counter_invents_no_history() {
+    let db = Db::new().await;
+    db.publish("fresh", b"{}", None, 3600).await;
+    let r = db.router(false, 50);
+    let dashboard = Dashboard::new(db.outbox.clone(), db.pool.clone()).unwrap();
+    dashboard.install_throughput_counter().await.unwrap();
+    let (_, page) = get(&r, "/outbox").await;
+    assert_eq!(finished_per_second(&page, "fresh"), None, "{page}");
+    assert!(page.contains("no rate until it has counted a full minute"), "{page}");
+    // A repeated install keeps the first install's instant.
+    backdate_counter(&db, 120).await;
+    dashboard.install_throughput_counter().await.unwrap();
+    let c = crate::throughput::Names::of(&db.outbox).table;
+    db.exec(format!(
+        "INSERT INTO {c} VALUES ('fresh', 1, date_trunc('minute', now()), 120)"
+    ))
+    .await;
+    let (_, page) = get(&r, "/outbox").await;
+    let rate = finished_per_second(&page, "fresh").expect("a rate");
+    // 120 rows over the ~120 s since install: about 1/s, not 120 over 4-5 minutes.
+    assert!((0.9..=1.01).contains(&rate), "{rate}\n{page}");
+    db_drop_counter(&c, &db.pool).await;
+    db.drop_tables().await;
+}
+
+async fn db_drop_counter(c: &str, pool: &PgPool) {
+    sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {c}")))
+        .execute(pool)
+        .await
+        .unwrap();
 }
