@@ -29,14 +29,29 @@ pub(crate) fn relative(t: DateTime<Utc>, now: DateTime<Utc>) -> String {
     }
 }
 
-/// A number of seconds in its largest whole unit: "3 s", "12 min", "5 h", "2 d".
+/// A number of seconds in its two largest units, the second left out when zero: "3 s",
+/// "4 min 5 s", "1 h 59 min", "2 d 3 h", "300 y" (a year is the Gregorian mean,
+/// 365.2425 days), rounded down.
 pub(crate) fn span(secs: i64) -> String {
-    match secs {
-        s if s < 60 => format!("{s} s"),
-        s if s < 3600 => format!("{} min", s / 60),
-        s if s < 86_400 => format!("{} h", s / 3600),
-        s => format!("{} d", s / 86_400),
+    const YEAR: i64 = 31_556_952;
+    const UNITS: [(i64, &str); 5] = [
+        (YEAR, "y"),
+        (86_400, "d"),
+        (3600, "h"),
+        (60, "min"),
+        (1, "s"),
+    ];
+    let secs = secs.max(0);
+    let i = UNITS.iter().position(|(n, _)| secs >= *n).unwrap_or(4);
+    let (big, name) = UNITS[i];
+    let mut out = format!("{} {name}", secs / big);
+    if let Some((small, small_name)) = UNITS.get(i + 1) {
+        let rest = secs % big / small;
+        if rest > 0 {
+            out.push_str(&format!(" {rest} {small_name}"));
+        }
     }
+    out
 }
 
 /// Seconds with a unit fit for lateness: "0.25 s", "12 s", "3 min".
@@ -294,6 +309,13 @@ mod tests {
         assert_eq!(relative(t(0), t(0)), "now");
         assert_eq!(relative(t(7200), t(0)), "in 2 h");
         assert_eq!(relative(t(0), t(3 * 86_400)), "3 d ago");
+        // Two units, not rounded down to one; years for very long.
+        assert_eq!(relative(t(7140), t(0)), "in 1 h 59 min");
+        assert_eq!(relative(t(0), t(2 * 86_400 + 3 * 3600 + 59)), "2 d 3 h ago");
+        assert_eq!(relative(t(245), t(0)), "in 4 min 5 s");
+        assert_eq!(relative(t(300 * 31_556_952 + 86_400 * 3), t(0)), "in 300 y 3 d");
+        assert_eq!(span(0), "0 s");
+        assert_eq!(span(59), "59 s");
         assert_eq!(utc(t(0)), "2027-01-15 08:00:00 UTC");
     }
 
