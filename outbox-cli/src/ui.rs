@@ -48,7 +48,7 @@ pub async fn run(outbox: Outbox, pool: PgPool, args: UiArgs) -> Result<(), Failu
     if let Some((user, password)) = &args.basic_auth {
         router = outbox_ui::basic_auth(router, user, password);
     } else if loopback {
-        router = loopback_names_only(router, addr);
+        router = outbox_ui::security_headers(loopback_names_only(router, addr));
     }
     if !loopback && args.basic_auth.is_none() {
         let what = if args.read_only {

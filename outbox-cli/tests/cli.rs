@@ -1006,6 +1006,11 @@ async fn ui_on_loopback_without_auth_refuses_other_host_names() {
     for host in [format!("evil.example:{port}"), "evil.example".to_owned()] {
         let refused = get(&host);
         assert!(refused.starts_with("HTTP/1.1 421"), "{host}: {refused}");
+        // The refusal carries the dashboard's security headers too.
+        assert!(
+            refused.contains("content-security-policy:") && refused.contains("x-frame-options:"),
+            "{refused}"
+        );
         assert!(!refused.contains("csrf"), "{refused}");
     }
     for host in [

@@ -300,7 +300,7 @@ async fn row_action(
             &base,
             &headers,
             &base.to("/"),
-            Outcome::Failed(format!("bad row id {id:?}: row ids are positive integers")),
+            Outcome::Failed(format!("bad row id \"{id}\": row ids are positive integers")),
         );
     };
     let op = match op {
@@ -468,7 +468,7 @@ async fn cancel_in(
             Confirm {
                 title: "Cancel this timer?",
                 question: &format!(
-                    "Cancel the timer keyed {timer:?} of queue {queue}? Its row is deleted (or, when its lease expired, marked so the next claim deletes it) and will not run; this cannot be undone."
+                    "Cancel the timer keyed \"{timer}\" of queue {queue}? Its row is deleted (or, when its lease expired, marked so the next claim deletes it) and will not run; this cannot be undone."
                 ),
                 action: &base.to(&layout::queue_path(&queue, Some("cancel"))),
                 fields: &[("timer_id", &timer)],
@@ -504,12 +504,12 @@ async fn cancel_in(
     };
     let outcome = match run.await {
         Ok(None) => Outcome::Failed(format!(
-            "timer {timer:?} of {queue}: a worker holds its row (its handler runs): nothing changed; the dashboard acts only on rows no worker holds"
+            "timer \"{timer}\" of {queue}: a worker holds its row (its handler runs): nothing changed; the dashboard acts only on rows no worker holds"
         )),
-        Ok(Some(Cancelled::Deleted { id })) => Outcome::Ok(format!("timer {timer:?} of {queue} cancelled: row {id} deleted")),
-        Ok(Some(Cancelled::NotFound)) => Outcome::Failed(format!("no live row of {queue} holds the timer key {timer:?}")),
-        Ok(Some(Cancelled::Running { id } | Cancelled::RearmDropped { id })) => Outcome::Ok(format!("timer {timer:?} of {queue} cancelled: row {id}'s lease expired, so it is marked cancelled; the next claim deletes it instead of running it")),
-        Ok(Some(other)) => Outcome::Ok(format!("timer {timer:?} of {queue}: {other:?}")),
+        Ok(Some(Cancelled::Deleted { id })) => Outcome::Ok(format!("timer \"{timer}\" of {queue} cancelled: row {id} deleted")),
+        Ok(Some(Cancelled::NotFound)) => Outcome::Failed(format!("no live row of {queue} holds the timer key \"{timer}\"")),
+        Ok(Some(Cancelled::Running { id } | Cancelled::RearmDropped { id })) => Outcome::Ok(format!("timer \"{timer}\" of {queue} cancelled: row {id}'s lease expired, so it is marked cancelled; the next claim deletes it instead of running it")),
+        Ok(Some(other)) => Outcome::Ok(format!("timer \"{timer}\" of {queue}: {other:?}")),
         Err(e) => Outcome::Failed(e.to_string()),
     };
     let to_queue = matches!(outcome, Outcome::Ok(_));
@@ -547,7 +547,7 @@ pub(crate) async fn redrive(
                     &base,
                     &headers,
                     &fallback,
-                    Outcome::Failed(format!("bad dead-letter id {id:?}")),
+                    Outcome::Failed(format!("bad dead-letter id \"{id}\"")),
                 )
             }
         },

@@ -81,7 +81,7 @@ use axum::Router;
 use outbox::Outbox;
 use sqlx::PgPool;
 
-pub use crate::guard::basic_auth;
+pub use crate::guard::{basic_auth, security_headers};
 pub use crate::limits::{
     DUE_COUNT_CAP, EXACT_STATS_MAX_BYTES, LIST_SHOWN_BYTES, MAX_PAGE_SIZE, MAX_SHOWN_BYTES,
 };

@@ -1660,3 +1660,78 @@ async fn db_drop_counter(c: &str, pool: &PgPool) {
         .await
         .unwrap();
 }
+
+/// The small things: a page of exactly `page_size` rows has no "Next page"; read-only
+/// pages have no empty action columns; a 401 of basic_auth carries the security headers;
+/// the live refresh drops the notice from the URL it fetches; long names wrap; notices
+/// quote ids as they are (no Debug escaping of backslashes).
+#[tokio::test]
+async fn pages_without_dead_ends_or_empty_columns() {
+    let db = Db::new().await;
+    db.publish("two", b"{}", None, 600).await;
+    db.publish("two", b"{}", None, 700).await;
+    let r = db.router(false, 2);
+    let (_, page) = get(&r, "/outbox/queue?name=two").await;
+    assert!(page.contains("2 shown"), "{page}");
+    assert!(!page.contains("Next page"), "a Next page leading to nothing: {page}");
+    db.publish("two", b"{}", None, 800).await;
+    let (_, page) = get(&r, "/outbox/queue?name=two").await;
+    assert!(page.contains("2 shown") && page.contains("Next page"), "{page}");
+    for i in 0..2 {
+        db.exec(format!(
+            "INSERT INTO {} (original_id, queue, payload, attempts_count, deliveries_count, \
+             created_at, failure_reason, last_error) VALUES ({i}, 'two', '\\x00', 1, 1, now(), \
+             'rejected', 'x')",
+            db.outbox.dead_letter_table()
+        ))
+        .await;
+    }
+    let (_, page) = get(&r, "/outbox/dead-letters").await;
+    assert!(!page.contains("Next page"), "{page}");
+
+    let ro = db.router(true, 50);
+    let (_, page) = get(&ro, "/outbox/queue?name=two").await;
+    assert!(!page.contains(">Actions<"), "{page}");
+    let (_, page) = get(&ro, "/outbox/dead-letters").await;
+    assert!(!page.contains(">Redrive<") && page.contains(">Redriven<"), "{page}");
+
+    let locked = crate::basic_auth(db.router(false, 50), "ops", "pw");
+    let denied = locked
+        .oneshot(
+            Request::get("/outbox")
+                .header(header::HOST, HOST)
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(denied.status(), StatusCode::UNAUTHORIZED);
+    for h in [
+        header::CONTENT_SECURITY_POLICY,
+        header::X_CONTENT_TYPE_OPTIONS,
+        header::X_FRAME_OPTIONS,
+        header::CACHE_CONTROL,
+    ] {
+        assert!(denied.headers().contains_key(&h), "{h} missing on a 401");
+    }
+
+    let (_, js) = get(&r, "/outbox/assets/app.js").await;
+    assert!(js.contains(r#"["ok", "error", "sig"]"#) && js.contains("searchParams.delete"), "{js}");
+    let (_, css) = get(&r, "/outbox/assets/app.css").await;
+    assert!(css.contains("overflow-wrap: anywhere"), "{css}");
+
+    let (_, page) = get(&r, "/outbox/queue?name=two").await;
+    let t = token(&page);
+    let (_, location) = post(
+        &r,
+        "/outbox/queue/cancel?name=two",
+        &format!("csrf={t}&timer_id=a%5Cb&confirm=yes"),
+        ORIGIN,
+    )
+    .await;
+    assert_eq!(
+        notice(&location),
+        r#"no live row of two holds the timer key "a\b""#
+    );
+    db.drop_tables().await;
+}

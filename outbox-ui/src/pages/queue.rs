@@ -107,17 +107,21 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
             Ok(Some(id)) => return Redirect::to(&base.to(&format!("/rows/{id}"))).into_response(),
             Ok(None) => {
                 notice = Notice::local(Kind::Error, format!(
-                    "no live row of {queue} has the id or timer id {q:?} (it may have completed, been cancelled or dead-lettered)"
+                    "no live row of {queue} has the id or timer id \"{q}\" (it may have completed, been cancelled or dead-lettered)"
                 ))
             }
             Err(e) => return layout::failed(&base, &s, &e),
         }
     }
     let limit = i64::try_from(s.page_size).unwrap_or(50);
-    let rows = match sql::list(&s.sql, &s.outbox, &mut conn, filter, &queue, after, limit).await {
-        Ok(r) => r,
-        Err(e) => return layout::failed(&base, &s, &e),
-    };
+    // One row more than a page: a "Next page" only when there is one.
+    let mut rows =
+        match sql::list(&s.sql, &s.outbox, &mut conn, filter, &queue, after, limit + 1).await {
+            Ok(r) => r,
+            Err(e) => return layout::failed(&base, &s, &e),
+        };
+    let more = rows.len() > s.page_size;
+    rows.truncate(s.page_size);
     let paused = match s.outbox.paused_queues(&mut conn).await {
         Ok(p) => p
             .into_iter()
@@ -131,7 +135,7 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
     };
     drop(conn);
     let here = base.to(&layout::queue_path(&queue, None));
-    let next = (rows.len() == s.page_size)
+    let next = more
         .then(|| rows.last().map(cursor))
         .flatten()
         .map(|c| format!("{here}&state={}&after={c}", filter.as_str()));
@@ -174,7 +178,7 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
                     th.num scope="col" { "Deliveries" }
                     th scope="col" { "Queued rearm" }
                     th.num scope="col" { "Payload" }
-                    th scope="col" { "Actions" }
+                    @if !s.read_only { th scope="col" { "Actions" } }
                 } }
                 tbody {
                     @for r in &rows {
@@ -187,7 +191,7 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
                             td.num { (r.deliveries) }
                             td { @match r.rearm_at { Some(t) => (when(t, now)), None => "–" } }
                             td.num { (r.payload_bytes) " B" }
-                            td {
+                            @if !s.read_only { td {
                                 @if r.acquired_at.is_none() {
                                     (layout::button(&s, &base.to(&format!("/rows/{}/run-now", r.id)), &[], "Run now", ""))
                                     (layout::button(&s, &base.to(&format!("/rows/{}/delete", r.id)), &[], "Delete", "danger"))
@@ -199,7 +203,7 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
                                 } @else {
                                     span.muted { "held by a worker" }
                                 }
-                            }
+                            } }
                         }
                     }
                 }
