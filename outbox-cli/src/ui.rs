@@ -85,7 +85,9 @@ async fn migrated(outbox: &Outbox, pool: &PgPool) -> Result<(), Failure> {
     // The library's own reads, so a missing table is its `NotMigrated` (or
     // `UpgradeRequired`); each reads at most one row by an index.
     let mut conn = pool.acquire().await?;
-    outbox.pending(&mut conn, "outbox-ui-startup-check", 1).await?;
+    outbox
+        .pending(&mut conn, "outbox-ui-startup-check", 1)
+        .await?;
     outbox.paused_queues(&mut conn).await?;
     if outbox.dead_letter_enabled() {
         let none = outbox::dlq::DeadLetterFilter::new().queue("outbox-ui-startup-check");

@@ -1167,7 +1167,11 @@ async fn ui_serves_the_dashboard_behind_basic_auth_and_read_only() {
             .output()
             .unwrap();
         assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
-        assert!(!text(&bad.stderr).contains("s3cretvalue"), "{}", text(&bad.stderr));
+        assert!(
+            !text(&bad.stderr).contains("s3cretvalue"),
+            "{}",
+            text(&bad.stderr)
+        );
     }
     t.cleanup().await;
 }
@@ -1248,7 +1252,11 @@ async fn ui_refuses_a_lease_ttl_no_worker_can_have() {
     for ttl in ["99999999d", "8d", "10ms"] {
         let bad = t.run(&["ui", "--lease-ttl", ttl, "--listen", "127.0.0.1:0"]);
         assert_eq!(bad.status.code(), Some(2), "{ttl}: {}", text(&bad.stderr));
-        assert!(text(&bad.stderr).contains("100ms to 7d"), "{}", text(&bad.stderr));
+        assert!(
+            text(&bad.stderr).contains("100ms to 7d"),
+            "{}",
+            text(&bad.stderr)
+        );
     }
     t.cleanup().await;
 }
@@ -1290,7 +1298,14 @@ async fn ui_refuses_tables_that_are_not_migrated() {
     let t = Tables::with(false, true).await;
     let out = finish(
         outbox_cmd()
-            .args(["--table", &t.name, "--dead-letter", "ui", "--listen", "127.0.0.1:0"])
+            .args([
+                "--table",
+                &t.name,
+                "--dead-letter",
+                "ui",
+                "--listen",
+                "127.0.0.1:0",
+            ])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

@@ -300,7 +300,9 @@ async fn row_action(
             &base,
             &headers,
             &base.to("/"),
-            Outcome::Failed(format!("bad row id \"{id}\": row ids are positive integers")),
+            Outcome::Failed(format!(
+                "bad row id \"{id}\": row ids are positive integers"
+            )),
         );
     };
     let op = match op {

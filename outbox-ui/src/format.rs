@@ -313,7 +313,10 @@ mod tests {
         assert_eq!(relative(t(7140), t(0)), "in 1 h 59 min");
         assert_eq!(relative(t(0), t(2 * 86_400 + 3 * 3600 + 59)), "2 d 3 h ago");
         assert_eq!(relative(t(245), t(0)), "in 4 min 5 s");
-        assert_eq!(relative(t(300 * 31_556_952 + 86_400 * 3), t(0)), "in 300 y 3 d");
+        assert_eq!(
+            relative(t(300 * 31_556_952 + 86_400 * 3), t(0)),
+            "in 300 y 3 d"
+        );
         assert_eq!(span(0), "0 s");
         assert_eq!(span(59), "59 s");
         assert_eq!(utc(t(0)), "2027-01-15 08:00:00 UTC");
@@ -342,7 +345,10 @@ mod tests {
             i(r#"{"n":12345678901234567890123,"f":1.0000000000000000001,"e":1E+2}"#),
             "{\n  \"n\": 12345678901234567890123,\n  \"f\": 1.0000000000000000001,\n  \"e\": 1E+2\n}"
         );
-        assert_eq!(i(r#"{"b":1,"a":2,"a":3}"#), "{\n  \"b\": 1,\n  \"a\": 2,\n  \"a\": 3\n}");
+        assert_eq!(
+            i(r#"{"b":1,"a":2,"a":3}"#),
+            "{\n  \"b\": 1,\n  \"a\": 2,\n  \"a\": 3\n}"
+        );
         // Strings verbatim: braces, brackets, commas, colons, escaped quotes, backslashes,
         // unicode escapes and spaces inside them are not tokens.
         let s = r#""a{b}[c],d:e \" \\ \u00e9 \n  x""#;

@@ -1598,8 +1598,11 @@ async fn cancel_and_search_use_timer_ids_byte_exact_and_cancel_asks_first() {
     };
     assert_eq!(go("%20sp%20").await, Some(format!("/outbox/rows/{spaced}")));
     assert_eq!(go("sp").await, Some(format!("/outbox/rows/{bare}")));
-    db.exec(format!("DELETE FROM {} WHERE id = {spaced}", db.outbox.table()))
-        .await;
+    db.exec(format!(
+        "DELETE FROM {} WHERE id = {spaced}",
+        db.outbox.table()
+    ))
+    .await;
     assert_eq!(go("%20sp%20").await, Some(format!("/outbox/rows/{bare}")));
     db.drop_tables().await;
 }
@@ -1637,7 +1640,10 @@ async fn a_new_throughput_counter_invents_no_history() {
     dashboard.install_throughput_counter().await.unwrap();
     let (_, page) = get(&r, "/outbox").await;
     assert_eq!(finished_per_second(&page, "fresh"), None, "{page}");
-    assert!(page.contains("no rate until it has counted a full minute"), "{page}");
+    assert!(
+        page.contains("no rate until it has counted a full minute"),
+        "{page}"
+    );
     // A repeated install keeps the first install's instant.
     backdate_counter(&db, 120).await;
     dashboard.install_throughput_counter().await.unwrap();
@@ -1673,10 +1679,16 @@ async fn pages_without_dead_ends_or_empty_columns() {
     let r = db.router(false, 2);
     let (_, page) = get(&r, "/outbox/queue?name=two").await;
     assert!(page.contains("2 shown"), "{page}");
-    assert!(!page.contains("Next page"), "a Next page leading to nothing: {page}");
+    assert!(
+        !page.contains("Next page"),
+        "a Next page leading to nothing: {page}"
+    );
     db.publish("two", b"{}", None, 800).await;
     let (_, page) = get(&r, "/outbox/queue?name=two").await;
-    assert!(page.contains("2 shown") && page.contains("Next page"), "{page}");
+    assert!(
+        page.contains("2 shown") && page.contains("Next page"),
+        "{page}"
+    );
     for i in 0..2 {
         db.exec(format!(
             "INSERT INTO {} (original_id, queue, payload, attempts_count, deliveries_count, \
@@ -1693,7 +1705,10 @@ async fn pages_without_dead_ends_or_empty_columns() {
     let (_, page) = get(&ro, "/outbox/queue?name=two").await;
     assert!(!page.contains(">Actions<"), "{page}");
     let (_, page) = get(&ro, "/outbox/dead-letters").await;
-    assert!(!page.contains(">Redrive<") && page.contains(">Redriven<"), "{page}");
+    assert!(
+        !page.contains(">Redrive<") && page.contains(">Redriven<"),
+        "{page}"
+    );
 
     let locked = crate::basic_auth(db.router(false, 50), "ops", "pw");
     let denied = locked
@@ -1716,7 +1731,10 @@ async fn pages_without_dead_ends_or_empty_columns() {
     }
 
     let (_, js) = get(&r, "/outbox/assets/app.js").await;
-    assert!(js.contains(r#"["ok", "error", "sig"]"#) && js.contains("searchParams.delete"), "{js}");
+    assert!(
+        js.contains(r#"["ok", "error", "sig"]"#) && js.contains("searchParams.delete"),
+        "{js}"
+    );
     let (_, css) = get(&r, "/outbox/assets/app.css").await;
     assert!(css.contains("overflow-wrap: anywhere"), "{css}");
 

@@ -71,8 +71,16 @@ pub(crate) async fn page(
             p { "Dead letters are off for this outbox: a row that fails for good is deleted, not archived, so there is nothing to list." }
             p.muted { "To keep them: " code { "OutboxBuilder::dead_letter(true)" } " in the application, or " code { "outbox ui --dead-letter" } " from the command line (after " code { "outbox migrate --dead-letter" } ")." }
         };
-        return layout::page(&base, &s, "Dead letters", "dead-letters", &notice, false, body)
-            .into_response();
+        return layout::page(
+            &base,
+            &s,
+            "Dead letters",
+            "dead-letters",
+            &notice,
+            false,
+            body,
+        )
+        .into_response();
     }
     let bad =
         |reason: String| layout::error(&base, &s, StatusCode::BAD_REQUEST, "Bad request", &reason);

@@ -115,11 +115,20 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
     }
     let limit = i64::try_from(s.page_size).unwrap_or(50);
     // One row more than a page: a "Next page" only when there is one.
-    let mut rows =
-        match sql::list(&s.sql, &s.outbox, &mut conn, filter, &queue, after, limit + 1).await {
-            Ok(r) => r,
-            Err(e) => return layout::failed(&base, &s, &e),
-        };
+    let mut rows = match sql::list(
+        &s.sql,
+        &s.outbox,
+        &mut conn,
+        filter,
+        &queue,
+        after,
+        limit + 1,
+    )
+    .await
+    {
+        Ok(r) => r,
+        Err(e) => return layout::failed(&base, &s, &e),
+    };
     let more = rows.len() > s.page_size;
     rows.truncate(s.page_size);
     let paused = match s.outbox.paused_queues(&mut conn).await {
