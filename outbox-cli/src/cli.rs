@@ -153,8 +153,8 @@ pub struct UiArgs {
         value_parser = Credentials
     )]
     pub basic_auth: Option<(String, String)>,
-    /// The lease TTL your workers use (`WorkerBuilder::lease_ttl`, 60 s by default): a lease
-    /// older than this is shown as expired.
+    /// The lease TTL your workers use (`WorkerBuilder::lease_ttl`, 60 s by default, 100ms to
+    /// 7d): a lease older than this is shown as expired.
     #[arg(long, value_parser = duration, default_value = "60s")]
     pub lease_ttl: Duration,
     /// Install the per-queue throughput counter before serving (a table `<table>_finished`
