@@ -150,11 +150,11 @@ pub struct UiArgs {
         env = "OUTBOX_UI_BASIC_AUTH",
         hide_env_values = true,
         value_name = "USER:PASSWORD",
-        value_parser = credentials
+        value_parser = Credentials
     )]
     pub basic_auth: Option<(String, String)>,
-    /// The lease TTL your workers use (`WorkerBuilder::lease_ttl`, 60 s by default): a lease
-    /// older than this is shown as expired.
+    /// The lease TTL your workers use (`WorkerBuilder::lease_ttl`, 60 s by default, 100ms to
+    /// 7d): a lease older than this is shown as expired.
     #[arg(long, value_parser = duration, default_value = "60s")]
     pub lease_ttl: Duration,
     /// Install the per-queue throughput counter before serving (a table `<table>_finished`
@@ -168,6 +168,34 @@ pub struct UiArgs {
 }
 
 /// `user:password`, both non-empty, the user without a colon.
+/// `--basic-auth`'s parser: its error never repeats the value (a password would land in
+/// logs), unlike clap's own `invalid value '…'`.
+#[derive(Debug, Clone, Copy)]
+struct Credentials;
+
+impl clap::builder::TypedValueParser for Credentials {
+    type Value = (String, String);
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<Self::Value, clap::Error> {
+        value
+            .to_str()
+            .ok_or_else(|| "the credentials are not UTF-8".to_owned())
+            .and_then(credentials)
+            .map_err(|why| {
+                clap::Error::raw(
+                    clap::error::ErrorKind::ValueValidation,
+                    format!("bad --basic-auth (value not shown): {why}\n"),
+                )
+                .with_cmd(cmd)
+            })
+    }
+}
+
 fn credentials(s: &str) -> Result<(String, String), String> {
     match s.split_once(':') {
         Some((user, password)) if !user.is_empty() && !password.is_empty() => {

@@ -1006,6 +1006,11 @@ async fn ui_on_loopback_without_auth_refuses_other_host_names() {
     for host in [format!("evil.example:{port}"), "evil.example".to_owned()] {
         let refused = get(&host);
         assert!(refused.starts_with("HTTP/1.1 421"), "{host}: {refused}");
+        // The refusal carries the dashboard's security headers too.
+        assert!(
+            refused.contains("content-security-policy:") && refused.contains("x-frame-options:"),
+            "{refused}"
+        );
         assert!(!refused.contains("csrf"), "{refused}");
     }
     for host in [
@@ -1149,12 +1154,164 @@ async fn ui_serves_the_dashboard_behind_basic_auth_and_read_only() {
     child.kill().unwrap();
     child.wait().unwrap();
 
-    let bad = t.run(&["ui", "--basic-auth", "ops"]);
-    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
+    // The error never repeats the value: a password in logs.
+    for value in ["s3cretvalue", ":s3cretvalue", "s3cretvalue:"] {
+        let bad = t.run(&["ui", "--basic-auth", value]);
+        assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
+        let err = text(&bad.stderr);
+        assert!(err.contains("user:password"), "{err}");
+        assert!(!err.contains("s3cretvalue"), "{err}");
+        let bad = outbox_cmd()
+            .args(["--table", &t.name, "ui"])
+            .env("OUTBOX_UI_BASIC_AUTH", value)
+            .output()
+            .unwrap();
+        assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
+        assert!(
+            !text(&bad.stderr).contains("s3cretvalue"),
+            "{}",
+            text(&bad.stderr)
+        );
+    }
+    t.cleanup().await;
+}
+
+/// Starts `outbox ui` with `args`; the child and the address its first line prints.
+fn spawn_ui(t: &Tables, args: &[&str]) -> (std::process::Child, String) {
+    let mut child = outbox_cmd()
+        .args(["--table", &t.name, "ui"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let addr = first
+        .strip_prefix("outbox ui: http://")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("the first line names the address: {first:?}"))
+        .to_owned();
+    (child, addr)
+}
+
+/// Every loopback address is loopback (127.0.0.2, an IPv4-mapped IPv6 one): the printed
+/// address is served and other names get 421; a listener beyond this machine warns about
+/// DNS rebinding and names --basic-auth; a port alone says the host is missing.
+#[tokio::test]
+async fn ui_knows_every_loopback_address_and_warns_beyond_it() {
+    let t = Tables::new().await;
+    let mut listens = vec!["127.0.0.2:0"];
+    if std::net::TcpListener::bind("[::ffff:127.0.0.1]:0").is_ok() {
+        listens.push("[::ffff:127.0.0.1]:0");
+    }
+    for listen in listens {
+        let (mut child, addr) = spawn_ui(&t, &["--listen", listen]);
+        let port = addr.rsplit(':').next().unwrap().to_owned();
+        let get = |host: &str| {
+            http(
+                &addr,
+                &format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"),
+            )
+        };
+        let page = get(&addr);
+        assert!(page.starts_with("HTTP/1.1 200"), "{addr}: {page}");
+        let refused = get(&format!("evil.example:{port}"));
+        assert!(refused.starts_with("HTTP/1.1 421"), "{addr}: {refused}");
+        child.kill().unwrap();
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        let _ = child.wait();
+        assert!(!err.contains("warning"), "{listen}: {err}");
+    }
+    let (mut child, _) = spawn_ui(&t, &["--listen", "0.0.0.0:0", "--read-only"]);
+    child.kill().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    let _ = child.wait();
     assert!(
-        text(&bad.stderr).contains("user:password"),
+        err.contains("DNS rebinding") && err.contains("--basic-auth"),
+        "{err}"
+    );
+    let bad = t.run(&["ui", "--listen", "18736"]);
+    assert!(
+        text(&bad.stderr).contains("no host") && text(&bad.stderr).contains("127.0.0.1:18736"),
         "{}",
         text(&bad.stderr)
     );
+    t.cleanup().await;
+}
+
+/// `--lease-ttl` is checked at startup against the workers' range (100 ms to 7 days), not
+/// accepted and then failing every queues page.
+#[tokio::test]
+async fn ui_refuses_a_lease_ttl_no_worker_can_have() {
+    let t = Tables::new().await;
+    for ttl in ["99999999d", "8d", "10ms"] {
+        let bad = t.run(&["ui", "--lease-ttl", ttl, "--listen", "127.0.0.1:0"]);
+        assert_eq!(bad.status.code(), Some(2), "{ttl}: {}", text(&bad.stderr));
+        assert!(
+            text(&bad.stderr).contains("100ms to 7d"),
+            "{}",
+            text(&bad.stderr)
+        );
+    }
+    t.cleanup().await;
+}
+
+/// `outbox ui` on tables that are not there refuses to start, with the migrate advice of
+/// every other command, instead of serving pages that each fail.
+#[tokio::test]
+async fn ui_refuses_tables_that_are_not_migrated() {
+    let finish = |mut child: std::process::Child| {
+        let start = std::time::Instant::now();
+        loop {
+            if child.try_wait().unwrap().is_some() {
+                break child.wait_with_output().unwrap();
+            }
+            if start.elapsed() > Duration::from_secs(20) {
+                child.kill().unwrap();
+                panic!("outbox ui started on tables that are not there");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let t = Tables::with(false, false).await;
+    let out = finish(
+        outbox_cmd()
+            .args(["--table", &t.name, "ui", "--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&format!("run `outbox --table {} migrate`", t.name)),
+        "{err}"
+    );
+    t.cleanup().await;
+    // Migrated without the dead-letter table, served with --dead-letter.
+    let t = Tables::with(false, true).await;
+    let out = finish(
+        outbox_cmd()
+            .args([
+                "--table",
+                &t.name,
+                "--dead-letter",
+                "ui",
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let err = text(&out.stderr);
+    assert!(err.contains("migrate --dead-letter`"), "{err}");
     t.cleanup().await;
 }

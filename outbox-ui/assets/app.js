@@ -13,7 +13,11 @@
     }
     function tick() {
       if (busy()) return;
-      fetch(window.location.href, { headers: { "Accept": "text/html" }, credentials: "same-origin" })
+      // Without the notice of an action (ok/error/sig): it was shown once; a refresh must
+      // not repeat it every few seconds.
+      var url = new URL(window.location.href);
+      ["ok", "error", "sig"].forEach(function (k) { url.searchParams.delete(k); });
+      fetch(url.toString(), { headers: { "Accept": "text/html" }, credentials: "same-origin" })
         .then(function (r) { return r.ok ? r.text() : Promise.reject(r.status); })
         .then(function (text) {
           var doc = new DOMParser().parseFromString(text, "text/html");

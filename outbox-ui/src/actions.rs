@@ -300,7 +300,9 @@ async fn row_action(
             &base,
             &headers,
             &base.to("/"),
-            Outcome::Failed(format!("bad row id {id:?}: row ids are positive integers")),
+            Outcome::Failed(format!(
+                "bad row id \"{id}\": row ids are positive integers"
+            )),
         );
     };
     let op = match op {
@@ -344,15 +346,38 @@ async fn row_action(
         tx.commit().await?;
         Ok::<_, outbox::Error>(result)
     };
-    let outcome = match run.await {
+    let result = run.await;
+    // A leased row: is its lease still held, or expired (the library refuses both)?
+    let expired = match &result {
+        Ok(RowAction::Leased) => match s.pool.acquire().await {
+            Ok(mut conn) => sql::row(&s.sql, &s.outbox, &mut conn, id)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|r| {
+                    r.acquired_at.and_then(|at| {
+                        crate::pages::queue::lease_expired_for(at, r.now, s.lease_ttl)
+                    })
+                }),
+            Err(_) => None,
+        },
+        _ => None,
+    };
+    let outcome = match result {
         Ok(RowAction::Rescheduled { next_attempt_at }) => Outcome::Ok(format!(
             "row {id}: due at {}",
             crate::format::utc(next_attempt_at)
         )),
         Ok(RowAction::Deleted) => Outcome::Ok(format!("row {id}: deleted; it will not run")),
-        Ok(RowAction::Leased) => Outcome::Failed(format!(
-            "row {id} is leased: a worker holds it (its handler runs, or its lease has not expired yet), so nothing changed; try again later"
-        )),
+        Ok(RowAction::Leased) => match expired {
+            Some(ago) => Outcome::Failed(format!(
+                "row {id} is leased, though its lease expired {} ago: no worker holds it, but run now, reschedule and delete leave any leased row alone (the library's rule), so nothing changed; a worker's next claim of its queue takes it",
+                crate::format::span(ago.num_seconds())
+            )),
+            None => Outcome::Failed(format!(
+                "row {id} is leased: a worker holds it (its handler runs and its lease has not expired), so nothing changed; try again once its run ends"
+            )),
+        },
         Ok(RowAction::NotFound) => Outcome::Failed(format!(
             "no live row has id {id}: it completed, was cancelled or deleted, or never existed"
         )),
@@ -426,7 +451,8 @@ async fn cancel_in(
     if let Some(r) = refused(&s, &base, &headers, &f) {
         return r;
     }
-    let timer = f.timer_id.as_deref().unwrap_or("").trim().to_owned();
+    // Byte-exact: a timer id is the library's key, and ` sp ` and `sp` are two rows.
+    let timer = f.timer_id.clone().unwrap_or_default();
     if let Err(reason) = valid_name(&timer) {
         return back(
             &s,
@@ -436,6 +462,24 @@ async fn cancel_in(
             Outcome::Failed(format!("bad timer id: {reason}")),
         );
     }
+    if f.confirm.as_deref() != Some("yes") {
+        return confirm_page(
+            &s,
+            &base,
+            &headers,
+            Confirm {
+                title: "Cancel this timer?",
+                question: &format!(
+                    "Cancel the timer keyed \"{timer}\" of queue {queue}? Its row is deleted (or, when its lease expired, marked so the next claim deletes it) and will not run; this cannot be undone."
+                ),
+                action: &base.to(&layout::queue_path(&queue, Some("cancel"))),
+                fields: &[("timer_id", &timer)],
+                yes: "Yes, cancel the timer",
+                no: &queue_page(&base, &queue),
+            },
+        );
+    }
+    let headers = return_headers(&headers, &f);
     let run = async {
         let mut tx = s.pool.begin().await?;
         // Lock the keyed row first, as the library's cancel does, so no claim lands between
@@ -462,12 +506,12 @@ async fn cancel_in(
     };
     let outcome = match run.await {
         Ok(None) => Outcome::Failed(format!(
-            "timer {timer:?} of {queue}: a worker holds its row (its handler runs): nothing changed; the dashboard acts only on rows no worker holds"
+            "timer \"{timer}\" of {queue}: a worker holds its row (its handler runs): nothing changed; the dashboard acts only on rows no worker holds"
         )),
-        Ok(Some(Cancelled::Deleted { id })) => Outcome::Ok(format!("timer {timer:?} of {queue} cancelled: row {id} deleted")),
-        Ok(Some(Cancelled::NotFound)) => Outcome::Failed(format!("no live row of {queue} holds the timer key {timer:?}")),
-        Ok(Some(Cancelled::Running { id } | Cancelled::RearmDropped { id })) => Outcome::Ok(format!("timer {timer:?} of {queue} cancelled: row {id}'s lease expired, so it is marked cancelled; the next claim deletes it instead of running it")),
-        Ok(Some(other)) => Outcome::Ok(format!("timer {timer:?} of {queue}: {other:?}")),
+        Ok(Some(Cancelled::Deleted { id })) => Outcome::Ok(format!("timer \"{timer}\" of {queue} cancelled: row {id} deleted")),
+        Ok(Some(Cancelled::NotFound)) => Outcome::Failed(format!("no live row of {queue} holds the timer key \"{timer}\"")),
+        Ok(Some(Cancelled::Running { id } | Cancelled::RearmDropped { id })) => Outcome::Ok(format!("timer \"{timer}\" of {queue} cancelled: row {id}'s lease expired, so it is marked cancelled; the next claim deletes it instead of running it")),
+        Ok(Some(other)) => Outcome::Ok(format!("timer \"{timer}\" of {queue}: {other:?}")),
         Err(e) => Outcome::Failed(e.to_string()),
     };
     let to_queue = matches!(outcome, Outcome::Ok(_));
@@ -505,7 +549,7 @@ pub(crate) async fn redrive(
                     &base,
                     &headers,
                     &fallback,
-                    Outcome::Failed(format!("bad dead-letter id {id:?}")),
+                    Outcome::Failed(format!("bad dead-letter id \"{id}\"")),
                 )
             }
         },
@@ -641,10 +685,10 @@ pub(crate) async fn purge(
             )
         }
     };
+    // Byte-exact: the queue name as the library stores it (never trimmed).
     let queue = f
         .queue
         .as_deref()
-        .map(str::trim)
         .filter(|q| !q.is_empty())
         .map(str::to_owned);
     if let Some(q) = &queue {

@@ -107,7 +107,7 @@ pub(crate) async fn headers(request: Request, next: Next) -> Response {
 /// serve it over TLS (a reverse proxy) anywhere but on the loopback interface.
 pub fn basic_auth(router: Router, user: &str, password: &str) -> Router {
     let expected = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-    router.layer(axum::middleware::from_fn(
+    security_headers(router.layer(axum::middleware::from_fn(
         move |request: Request, next: Next| {
             let expected = expected.clone();
             async move {
@@ -133,7 +133,14 @@ pub fn basic_auth(router: Router, user: &str, password: &str) -> Router {
                 }
             }
         },
-    ))
+    )))
+}
+
+/// `router` with the dashboard's security headers on every response, including those of
+/// layers outside the dashboard's own router (a `401` of [`basic_auth`], a refusal of the
+/// application's): content security policy, no framing, `nosniff`, `no-store`.
+pub fn security_headers(router: Router) -> Router {
+    router.layer(axum::middleware::from_fn(headers))
 }
 
 /// The credentials of an `Authorization: Basic <credentials>` header: the scheme is

@@ -112,7 +112,15 @@ pub(crate) fn page(
 ) -> Markup {
     let nav = [
         ("queues", "/", "Queues"),
-        ("dead-letters", "/dead-letters", "Dead letters"),
+        (
+            "dead-letters",
+            "/dead-letters",
+            if inner.outbox.dead_letter_enabled() {
+                "Dead letters"
+            } else {
+                "Dead letters (off)"
+            },
+        ),
         ("schedules", "/schedules", "Schedules"),
         ("schema", "/schema", "Schema"),
     ];

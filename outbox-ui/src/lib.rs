@@ -20,7 +20,7 @@
 //! |---|---|
 //! | `/` | every queue: pending, due, leased, expired leases, lateness, rearms, paused, dead letters, rows finished per second (with [`Dashboard::install_throughput_counter`]), a sparkline; refreshed every 5 s by a small script |
 //! | `/queue?name={queue}` | its live rows by deadline, 50 a page (keyset), filtered by state, searched by id or timer id (the name in the query, so `.`, `..` and names with `/` work; `/queues/{queue}` is served too) |
-//! | `/rows/{id}` | one live row: payload (JSON when it decodes, bytes otherwise; at most [`MAX_SHOWN_BYTES`]), headers, deadlines, counters, queued rearm, cancel mark, lease (held, or expired and claimable again) |
+//! | `/rows/{id}` | one live row: payload (its JSON text re-indented when it parses, a hex dump otherwise; at most [`MAX_SHOWN_BYTES`] of its bytes), headers, deadlines, counters, queued rearm, cancel mark, lease (held, or expired and claimable again) |
 //! | `/rows/{id}/download/{part}` | `payload`, `headers`, `rearm-payload`, `rearm-headers`: the stored bytes whole, as an `application/octet-stream` attachment |
 //! | `/dead-letters` | dead letters by id, filtered by queue, reason and redrive state; redrive and purge (each asks first) |
 //! | `/dead-letters/{id}/download/{part}` | `payload`, `headers`, as above |
@@ -39,7 +39,7 @@
 //! offers no action on a leased row but cancelling the timer of a row whose lease expired.
 //! The notice an action's redirect carries is signed with a key of the dashboard (HMAC-SHA256)
 //! and shown for 10 minutes: a link with `?ok=` or `?error=` text of its own shows nothing.
-//! Pages render at most [`MAX_SHOWN_BYTES`] of a payload or of headers; the rest is a
+//! Pages render at most [`MAX_SHOWN_BYTES`] bytes of a payload or of headers; the rest is a
 //! download. [`Dashboard::read_only`] removes every action:
 //! no form is rendered and every `POST` is refused.
 //!
@@ -81,7 +81,7 @@ use axum::Router;
 use outbox::Outbox;
 use sqlx::PgPool;
 
-pub use crate::guard::basic_auth;
+pub use crate::guard::{basic_auth, security_headers};
 pub use crate::limits::{
     DUE_COUNT_CAP, EXACT_STATS_MAX_BYTES, LIST_SHOWN_BYTES, MAX_PAGE_SIZE, MAX_SHOWN_BYTES,
 };
@@ -158,12 +158,20 @@ impl Dashboard {
     /// than this is shown as an expired lease.
     ///
     /// # Errors
-    /// [`UiError::InvalidSetting`] for a zero duration.
+    /// [`UiError::InvalidSetting`] outside the range `WorkerBuilder::lease_ttl` accepts,
+    /// 100 ms to 7 days (a longer one would overflow the statistics' arithmetic, and no
+    /// worker runs with it).
     pub fn lease_ttl(mut self, ttl: Duration) -> Result<Self, UiError> {
-        if ttl.is_zero() {
+        // The worker's own bounds (outbox/src/worker/config.rs, `Config::validate`).
+        const MIN: Duration = Duration::from_millis(100);
+        const MAX: Duration = Duration::from_secs(7 * 24 * 3600);
+        if !(MIN..=MAX).contains(&ttl) {
             return Err(UiError::InvalidSetting {
                 field: "lease_ttl",
-                reason: "must be more than zero".to_owned(),
+                reason: format!(
+                    "must be 100ms to 7d, the range of WorkerBuilder::lease_ttl, not {}",
+                    humantime::format_duration(ttl)
+                ),
             });
         }
         self.lease_ttl = ttl;

@@ -12,10 +12,11 @@ pub const DUE_COUNT_CAP: i64 = 1_000;
 /// [`Dashboard::page_size`](crate::Dashboard::page_size) accepts.
 pub const MAX_PAGE_SIZE: usize = 500;
 
-/// The most a page renders of one payload (bytes of its pretty-printed JSON or of its hex
-/// dump) on a row's page; the rest is a download (`application/octet-stream`, as an
+/// The most a page renders of one payload (bytes of the payload, shown as re-indented JSON
+/// or as a hex dump, which is about 5 times longer) on a row's page; the rest is a download (`application/octet-stream`, as an
 /// attachment). A dead letter in the list shows [`LIST_SHOWN_BYTES`].
 pub const MAX_SHOWN_BYTES: usize = 64 * 1024;
 
-/// The most the dead-letter list renders of each dead letter's payload and headers.
+/// The most the dead-letter list renders of each dead letter's payload (bytes of the
+/// payload) and headers.
 pub const LIST_SHOWN_BYTES: usize = 4 * 1024;

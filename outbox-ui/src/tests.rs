@@ -379,7 +379,7 @@ async fn row_actions_follow_the_library_and_never_touch_a_held_row() {
     let (_, location) = post(
         &r,
         "/outbox/queues/jobs/cancel",
-        &format!("csrf={t}&timer_id=k1"),
+        &format!("csrf={t}&timer_id=k1&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -476,7 +476,7 @@ async fn row_actions_follow_the_library_and_never_touch_a_held_row() {
     let (_, location) = post(
         &r,
         "/outbox/queues/jobs/cancel",
-        &format!("csrf={t}&timer_id=k2"),
+        &format!("csrf={t}&timer_id=k2&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -948,6 +948,22 @@ async fn a_notice_in_a_link_is_not_shown_unless_the_dashboard_signed_it() {
 }
 
 /// The figure in the "Finished/s" cell of `queue`'s row on the queues page.
+/// Sets the counter's install instant `secs` seconds back.
+async fn backdate_counter(db: &Db, secs: i64) {
+    let c = crate::throughput::Names::of(&db.outbox).table;
+    let at: f64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT extract(epoch FROM now())::float8 - {secs}"
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    db.exec(format!(
+        "COMMENT ON TABLE {c} IS '{}{at}'",
+        crate::throughput::INSTALLED_PREFIX
+    ))
+    .await;
+}
+
 fn finished_per_second(page: &str, queue: &str) -> Option<f64> {
     let row = page.find(&format!(">{queue}</a></th>"))?;
     let cell = row + page[row..].find(r#"class="num throughput">"#)? + 23;
@@ -968,6 +984,8 @@ async fn the_throughput_counter_counts_each_queues_acks_of_a_real_worker() {
         .install_throughput_counter()
         .await
         .expect("idempotent");
+    // As if installed 10 minutes ago: a full window of counting.
+    backdate_counter(&db, 600).await;
 
     const N: usize = 30;
     for _ in 0..N {
@@ -1203,10 +1221,17 @@ async fn an_expired_lease_is_shown_as_claimable_again_and_its_timer_can_be_cance
     )
     .await;
     assert!(notice(&location).contains("is leased"), "{location}");
+    // The notice matches the row's page: the lease expired, the next claim takes it.
+    assert!(
+        notice(&location).contains("its lease expired")
+            && notice(&location).contains("next claim")
+            && !notice(&location).contains("a worker holds it"),
+        "{location}"
+    );
     let (_, location) = post(
         &r,
         "/outbox/queues/exp/cancel",
-        &format!("csrf={t}&timer_id=k-exp"),
+        &format!("csrf={t}&timer_id=k-exp&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -1217,7 +1242,7 @@ async fn an_expired_lease_is_shown_as_claimable_again_and_its_timer_can_be_cance
     let (_, location) = post(
         &r,
         "/outbox/queues/exp/cancel",
-        &format!("csrf={t}&timer_id=k-fresh"),
+        &format!("csrf={t}&timer_id=k-fresh&confirm=yes"),
         ORIGIN,
     )
     .await;
@@ -1233,6 +1258,10 @@ async fn an_expired_lease_is_shown_as_claimable_again_and_its_timer_can_be_cance
     .await
     .unwrap();
     assert_eq!(marks, vec![(keyed, true), (fresh, false)]);
+    // Already marked: no second cancel offered.
+    let (_, page) = get(&r, &format!("/outbox/rows/{keyed}")).await;
+    assert!(!page.contains(">Cancel timer<"), "{page}");
+    assert!(page.contains("already cancelled"), "{page}");
     db.drop_tables().await;
 }
 
@@ -1347,9 +1376,24 @@ async fn a_large_payload_is_shown_in_part_and_downloaded_whole() {
         page.len()
     );
     assert!(
-        page.contains(&format!("Showing {} of ", crate::MAX_SHOWN_BYTES)),
+        page.contains(&format!(
+            "Showing the first {} of {} bytes of the JSON",
+            crate::MAX_SHOWN_BYTES,
+            json.len()
+        )),
         "{}",
         &page[..2000]
+    );
+    // Not JSON: the cap counts the payload's bytes too, not the hex dump's.
+    let raw = db.publish("big", &bytes[..200_000], None, 600).await;
+    let (_, raw_page) = get(&r, &format!("/outbox/rows/{raw}")).await;
+    assert!(
+        raw_page.contains(&format!(
+            "Not JSON: showing the first {} of 200000 bytes",
+            crate::MAX_SHOWN_BYTES
+        )),
+        "{}",
+        &raw_page[..2000]
     );
     assert!(page.contains("Showing 1 of 2 headers"), "headers cut");
     let (status, h, body) = download(&r, &format!("/outbox/rows/{id}/download/payload")).await;
@@ -1373,7 +1417,14 @@ async fn a_large_payload_is_shown_in_part_and_downloaded_whole() {
         "the dead-letter page is {} bytes",
         page.len()
     );
-    assert!(page.contains("Not JSON: showing the first"), "payload cut");
+    assert!(
+        page.contains(&format!(
+            "Not JSON: showing the first {} of {} bytes",
+            crate::LIST_SHOWN_BYTES,
+            bytes.len()
+        )),
+        "payload cut"
+    );
     let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT id FROM {}",
         db.outbox.dead_letter_table()
@@ -1477,5 +1528,228 @@ async fn the_mount_answers_with_and_without_its_slash_and_bad_requests_get_the_p
             "{bad:?}"
         );
     }
+    db.drop_tables().await;
+}
+
+/// Timer ids are byte-exact: ` sp ` and `sp` are two rows, and cancelling one (through
+/// its confirmation page) never touches the other; the search finds each as typed.
+#[tokio::test]
+async fn cancel_and_search_use_timer_ids_byte_exact_and_cancel_asks_first() {
+    let db = Db::new().await;
+    let spaced = db.publish("sp", b"{}", Some(" sp "), 600).await;
+    let bare = db.publish("sp", b"{}", Some("sp"), 600).await;
+    let r = db.router(false, 50);
+    let (_, page) = get(&r, &format!("/outbox/rows/{spaced}")).await;
+    assert!(page.contains(r#"name="timer_id" value=" sp ""#), "{page}");
+    let t = token(&page);
+    // The first POST only asks, and changes nothing.
+    let (status, page) = post(
+        &r,
+        "/outbox/queue/cancel?name=sp",
+        &format!("csrf={t}&timer_id=+sp+"),
+        ORIGIN,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert!(page.contains("Yes, cancel the timer"), "{page}");
+    assert!(page.contains(r#"name="timer_id" value=" sp ""#), "{page}");
+    let live = |db: &Db| {
+        let q = format!("SELECT id FROM {} ORDER BY id", db.outbox.table());
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(AssertSqlSafe(q))
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(live(&db).await, vec![spaced, bare]);
+    let (_, location) = post(
+        &r,
+        "/outbox/queue/cancel?name=sp",
+        &format!("csrf={t}&timer_id=+sp+&confirm=yes"),
+        ORIGIN,
+    )
+    .await;
+    assert_eq!(
+        notice(&location),
+        format!("timer \" sp \" of sp cancelled: row {spaced} deleted")
+    );
+    assert_eq!(live(&db).await, vec![bare], "the other row was cancelled");
+
+    // Search: as typed first; ` sp ` finds nothing now, so its trimmed value `sp` does.
+    let spaced = db.publish("sp", b"{}", Some(" sp "), 600).await;
+    let r2 = r.clone();
+    let go = |q: &'static str| {
+        let r = r2.clone();
+        async move {
+            r.oneshot(
+                Request::get(format!("/outbox/queue?name=sp&q={q}"))
+                    .header(header::HOST, HOST)
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap()
+            .headers()
+            .get(header::LOCATION)
+            .map(|l| l.to_str().unwrap().to_owned())
+        }
+    };
+    assert_eq!(go("%20sp%20").await, Some(format!("/outbox/rows/{spaced}")));
+    assert_eq!(go("sp").await, Some(format!("/outbox/rows/{bare}")));
+    db.exec(format!(
+        "DELETE FROM {} WHERE id = {spaced}",
+        db.outbox.table()
+    ))
+    .await;
+    assert_eq!(go("%20sp%20").await, Some(format!("/outbox/rows/{bare}")));
+    db.drop_tables().await;
+}
+
+/// Without the dead-letter table, `/dead-letters` is a normal page saying they are off (and
+/// how to turn them on, in an application and from the command line), and the link says so.
+#[tokio::test]
+async fn dead_letters_off_is_a_page_not_an_error() {
+    let db = Db::new().await;
+    let off = Outbox::builder()
+        .table(db.outbox.table().trim_matches('"'))
+        .build()
+        .unwrap();
+    let d = Dashboard::new(off, db.pool.clone()).unwrap();
+    let r = Router::new().nest("/outbox", d.router());
+    let (status, page) = get(&r, "/outbox/dead-letters").await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert!(page.contains("Dead letters are off"), "{page}");
+    assert!(page.contains("--dead-letter"), "{page}");
+    let (_, page) = get(&r, "/outbox").await;
+    assert!(page.contains("Dead letters (off)"), "{page}");
+    let (_, page) = get(&db.router(false, 50), "/outbox").await;
+    assert!(!page.contains("Dead letters (off)"), "{page}");
+    db.drop_tables().await;
+}
+
+/// A counter just installed shows "–", not 0.00 averaged over minutes it did not count;
+/// then it averages over the time since its install, and minutes before it are gaps.
+#[tokio::test]
+async fn a_new_throughput_counter_invents_no_history() {
+    let db = Db::new().await;
+    db.publish("fresh", b"{}", None, 3600).await;
+    let r = db.router(false, 50);
+    let dashboard = Dashboard::new(db.outbox.clone(), db.pool.clone()).unwrap();
+    dashboard.install_throughput_counter().await.unwrap();
+    let (_, page) = get(&r, "/outbox").await;
+    assert_eq!(finished_per_second(&page, "fresh"), None, "{page}");
+    assert!(
+        page.contains("no rate until it has counted a full minute"),
+        "{page}"
+    );
+    // A repeated install keeps the first install's instant.
+    backdate_counter(&db, 120).await;
+    dashboard.install_throughput_counter().await.unwrap();
+    let c = crate::throughput::Names::of(&db.outbox).table;
+    db.exec(format!(
+        "INSERT INTO {c} VALUES ('fresh', 1, date_trunc('minute', now()), 120)"
+    ))
+    .await;
+    let (_, page) = get(&r, "/outbox").await;
+    let rate = finished_per_second(&page, "fresh").expect("a rate");
+    // 120 rows over the ~120 s since install: about 1/s, not 120 over 4-5 minutes.
+    assert!((0.9..=1.01).contains(&rate), "{rate}\n{page}");
+    db_drop_counter(&c, &db.pool).await;
+    db.drop_tables().await;
+}
+
+async fn db_drop_counter(c: &str, pool: &PgPool) {
+    sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {c}")))
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// The small things: a page of exactly `page_size` rows has no "Next page"; read-only
+/// pages have no empty action columns; a 401 of basic_auth carries the security headers;
+/// the live refresh drops the notice from the URL it fetches; long names wrap; notices
+/// quote ids as they are (no Debug escaping of backslashes).
+#[tokio::test]
+async fn pages_without_dead_ends_or_empty_columns() {
+    let db = Db::new().await;
+    db.publish("two", b"{}", None, 600).await;
+    db.publish("two", b"{}", None, 700).await;
+    let r = db.router(false, 2);
+    let (_, page) = get(&r, "/outbox/queue?name=two").await;
+    assert!(page.contains("2 shown"), "{page}");
+    assert!(
+        !page.contains("Next page"),
+        "a Next page leading to nothing: {page}"
+    );
+    db.publish("two", b"{}", None, 800).await;
+    let (_, page) = get(&r, "/outbox/queue?name=two").await;
+    assert!(
+        page.contains("2 shown") && page.contains("Next page"),
+        "{page}"
+    );
+    for i in 0..2 {
+        db.exec(format!(
+            "INSERT INTO {} (original_id, queue, payload, attempts_count, deliveries_count, \
+             created_at, failure_reason, last_error) VALUES ({i}, 'two', '\\x00', 1, 1, now(), \
+             'rejected', 'x')",
+            db.outbox.dead_letter_table()
+        ))
+        .await;
+    }
+    let (_, page) = get(&r, "/outbox/dead-letters").await;
+    assert!(!page.contains("Next page"), "{page}");
+
+    let ro = db.router(true, 50);
+    let (_, page) = get(&ro, "/outbox/queue?name=two").await;
+    assert!(!page.contains(">Actions<"), "{page}");
+    let (_, page) = get(&ro, "/outbox/dead-letters").await;
+    assert!(
+        !page.contains(">Redrive<") && page.contains(">Redriven<"),
+        "{page}"
+    );
+
+    let locked = crate::basic_auth(db.router(false, 50), "ops", "pw");
+    let denied = locked
+        .oneshot(
+            Request::get("/outbox")
+                .header(header::HOST, HOST)
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(denied.status(), StatusCode::UNAUTHORIZED);
+    for h in [
+        header::CONTENT_SECURITY_POLICY,
+        header::X_CONTENT_TYPE_OPTIONS,
+        header::X_FRAME_OPTIONS,
+        header::CACHE_CONTROL,
+    ] {
+        assert!(denied.headers().contains_key(&h), "{h} missing on a 401");
+    }
+
+    let (_, js) = get(&r, "/outbox/assets/app.js").await;
+    assert!(
+        js.contains(r#"["ok", "error", "sig"]"#) && js.contains("searchParams.delete"),
+        "{js}"
+    );
+    let (_, css) = get(&r, "/outbox/assets/app.css").await;
+    assert!(css.contains("overflow-wrap: anywhere"), "{css}");
+
+    let (_, page) = get(&r, "/outbox/queue?name=two").await;
+    let t = token(&page);
+    let (_, location) = post(
+        &r,
+        "/outbox/queue/cancel?name=two",
+        &format!("csrf={t}&timer_id=a%5Cb&confirm=yes"),
+        ORIGIN,
+    )
+    .await;
+    assert_eq!(
+        notice(&location),
+        r#"no live row of two holds the timer key "a\b""#
+    );
     db.drop_tables().await;
 }

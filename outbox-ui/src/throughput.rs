@@ -21,6 +21,9 @@ use chrono::{DateTime, Utc};
 use outbox::Outbox;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 
+/// The counter table's comment, then the install instant in seconds since 1970.
+pub(crate) const INSTALLED_PREFIX: &str = "outbox-ui throughput counter, counting since epoch ";
+
 /// How many minutes of counts the table keeps.
 pub(crate) const KEEP_MINUTES: i64 = 60;
 
@@ -117,6 +120,14 @@ $fn$"#
             "CREATE OR REPLACE TRIGGER {g} AFTER DELETE ON {t} \
              REFERENCING OLD TABLE AS done FOR EACH STATEMENT EXECUTE FUNCTION {f}()"
         ),
+        // When the counter started counting (kept by a new install, not reset by a repeated
+        // one): the rate averages only over the time since, never over minutes before it.
+        format!(
+            "DO $do$ BEGIN IF coalesce(obj_description(to_regclass('{c_literal}'), 'pg_class'), '') \
+             NOT LIKE '{INSTALLED_PREFIX}%' THEN EXECUTE format('COMMENT ON TABLE %s IS %L', \
+             '{c_literal}', '{INSTALLED_PREFIX}' || extract(epoch FROM now())::text); END IF; END $do$",
+            c_literal = c.replace('\'', "''"),
+        ),
     ]
 }
 
@@ -159,14 +170,58 @@ pub(crate) async fn remove(outbox: &Outbox, pool: &PgPool) -> sqlx::Result<()> {
     tx.commit().await
 }
 
-/// What the queues page shows: rows finished per second of each queue over the window,
-/// and each queue's rows finished per minute (oldest first, [`WINDOW_MINUTES`] of them);
-/// `None` when the counter is not installed.
-#[derive(Debug, Clone, Default)]
+/// What the queues page shows: each queue's rows finished per minute over the window
+/// (oldest first, [`WINDOW_MINUTES`] of them), and when the counter started counting.
+#[derive(Debug, Clone)]
 pub(crate) struct Rates {
-    pub per_second: std::collections::BTreeMap<String, f64>,
-    pub per_minute: std::collections::BTreeMap<String, Vec<i64>>,
-    pub since: Option<DateTime<Utc>>,
+    pub(crate) per_minute: std::collections::BTreeMap<String, Vec<i64>>,
+    /// The start of the window's first minute.
+    start: DateTime<Utc>,
+    now: DateTime<Utc>,
+    /// When the counter was installed (`None` for one installed before this was kept).
+    installed: Option<DateTime<Utc>>,
+}
+
+impl Rates {
+    /// How long the counter must have counted before a rate is shown.
+    pub(crate) const FIRST: chrono::Duration = chrono::Duration::seconds(60);
+
+    /// Rows of `queue` finished per second over the window, or over the time since the
+    /// counter was installed when that is shorter; `None` during its first minute (too
+    /// little time to tell).
+    pub(crate) fn per_second(&self, queue: &str) -> Option<f64> {
+        if self.installed.is_some_and(|at| self.now - at < Self::FIRST) {
+            return None;
+        }
+        let from = self.installed.map_or(self.start, |at| at.max(self.start));
+        let span = (self.now - from).num_milliseconds() as f64 / 1000.0;
+        if span <= 0.0 {
+            return None;
+        }
+        let total: i64 = self.per_minute.get(queue).map_or(0, |m| m.iter().sum());
+        Some(total as f64 / span)
+    }
+
+    /// Rows of `queue` finished per minute, oldest first; `None` for a minute that ended
+    /// before the counter was installed (it counted nothing then).
+    pub(crate) fn minutes(&self, queue: &str) -> Vec<Option<f64>> {
+        let counts = self.per_minute.get(queue);
+        (0..WINDOW_MINUTES)
+            .map(|i| {
+                let end = self.start + chrono::Duration::minutes(i + 1);
+                if self.installed.is_some_and(|at| at >= end) {
+                    return None;
+                }
+                let i = usize::try_from(i).unwrap_or(0);
+                Some(counts.and_then(|c| c.get(i)).copied().unwrap_or(0) as f64)
+            })
+            .collect()
+    }
+
+    /// When the counter was installed, if known.
+    pub(crate) fn installed(&self) -> Option<DateTime<Utc>> {
+        self.installed
+    }
 }
 
 /// Reads the counter, if installed (its table and its trigger on the queue table).
@@ -185,30 +240,43 @@ pub(crate) async fn read(outbox: &Outbox, conn: &mut PgConnection) -> sqlx::Resu
     if !installed {
         return Ok(None);
     }
+    let head = sqlx::query(AssertSqlSafe(format!(
+        "SELECT date_trunc('minute', now()) - interval '{back} minutes', now(), \
+         obj_description(to_regclass($1), 'pg_class')",
+        back = WINDOW_MINUTES - 1,
+    )))
+    .bind(&n.table)
+    .persistent(!outbox.transaction_pooler())
+    .fetch_one(&mut *conn)
+    .await?;
+    let comment: Option<String> = head.try_get(2)?;
+    let mut rates = Rates {
+        per_minute: std::collections::BTreeMap::new(),
+        start: head.try_get(0)?,
+        now: head.try_get(1)?,
+        installed: comment
+            .as_deref()
+            .and_then(|c| c.strip_prefix(INSTALLED_PREFIX))
+            .and_then(|e| e.trim().parse::<f64>().ok())
+            .and_then(|e| DateTime::from_timestamp_micros((e * 1e6) as i64)),
+    };
     // The primary key leads with the queue; the table holds at most an hour of minutes per
     // queue and backend, so the sum reads it whole.
     let rows = sqlx::query(AssertSqlSafe(format!(
         "SELECT queue, (extract(epoch FROM minute - date_trunc('minute', now())) / 60)::int, \
-         sum(finished)::bigint, date_trunc('minute', now()) - interval '{back} minutes', now() \
+         sum(finished)::bigint \
          FROM {c} WHERE minute > date_trunc('minute', now()) - interval '{m} minutes' \
          GROUP BY 1, 2",
         c = n.table,
         m = WINDOW_MINUTES,
-        back = WINDOW_MINUTES - 1,
     )))
     .persistent(!outbox.transaction_pooler())
     .fetch_all(&mut *conn)
     .await?;
-    let mut rates = Rates::default();
-    let mut span = 0.0;
     for r in &rows {
         let queue: String = r.try_get(0)?;
         let minute: i32 = r.try_get(1)?;
         let count: i64 = r.try_get(2)?;
-        let start: DateTime<Utc> = r.try_get(3)?;
-        let now: DateTime<Utc> = r.try_get(4)?;
-        span = (now - start).num_milliseconds() as f64 / 1000.0;
-        rates.since = Some(start);
         let series = rates
             .per_minute
             .entry(queue)
@@ -217,12 +285,6 @@ pub(crate) async fn read(outbox: &Outbox, conn: &mut PgConnection) -> sqlx::Resu
         let slot = (WINDOW_MINUTES - 1) + i64::from(minute);
         if let Some(x) = usize::try_from(slot).ok().and_then(|i| series.get_mut(i)) {
             *x += count;
-        }
-    }
-    for (queue, series) in &rates.per_minute {
-        let total: i64 = series.iter().sum();
-        if span > 0.0 {
-            rates.per_second.insert(queue.clone(), total as f64 / span);
         }
     }
     Ok(Some(rates))

@@ -66,6 +66,22 @@ pub(crate) async fn page(
     Query(p): Query<Params>,
     Query(notice): Query<Notice>,
 ) -> Response {
+    if !s.outbox.dead_letter_enabled() {
+        let body = html! {
+            p { "Dead letters are off for this outbox: a row that fails for good is deleted, not archived, so there is nothing to list." }
+            p.muted { "To keep them: " code { "OutboxBuilder::dead_letter(true)" } " in the application, or " code { "outbox ui --dead-letter" } " from the command line (after " code { "outbox migrate --dead-letter" } ")." }
+        };
+        return layout::page(
+            &base,
+            &s,
+            "Dead letters",
+            "dead-letters",
+            &notice,
+            false,
+            body,
+        )
+        .into_response();
+    }
     let bad =
         |reason: String| layout::error(&base, &s, StatusCode::BAD_REQUEST, "Bad request", &reason);
     let f = match filter(&p) {
@@ -83,15 +99,18 @@ pub(crate) async fn page(
         let mut conn = s.pool.acquire().await?;
         let rows = s
             .outbox
-            .dead_letters(&mut conn, &f, after, s.page_size)
+            .dead_letters(&mut conn, &f, after, s.page_size + 1)
             .await?;
         let now = sql::now(&s.outbox, &mut conn).await?;
         Ok::<_, outbox::Error>((rows, now))
     };
-    let (rows, now) = match read.await {
+    // One more than a page was read: a "Next page" only when there is one.
+    let (mut rows, now) = match read.await {
         Ok(r) => r,
         Err(e) => return layout::failed(&base, &s, &e),
     };
+    let more = rows.len() > s.page_size;
+    rows.truncate(s.page_size);
     let queue = p.queue.clone().unwrap_or_default();
     let reason = p.reason.clone().unwrap_or_default();
     let redriven = p.redriven.as_deref() == Some("on");
@@ -102,7 +121,7 @@ pub(crate) async fn page(
         encode(&reason),
         if redriven { "&redriven=on" } else { "" }
     );
-    let next = (rows.len() == s.page_size)
+    let next = more
         .then(|| {
             rows.last()
                 .map(|d| format!("{here}?{query}&after={}", d.id))
@@ -136,7 +155,7 @@ pub(crate) async fn page(
                     th.num scope="col" { "Attempts" }
                     th scope="col" { "Last error" }
                     th scope="col" { "Message" }
-                    th scope="col" { "Redrive" }
+                    th scope="col" { @if s.read_only { "Redriven" } @else { "Redrive" } }
                 } }
                 tbody {
                     @for d in &rows {
@@ -161,6 +180,7 @@ pub(crate) async fn page(
                                 @match (d.redriven_at, d.redriven_id) {
                                     (Some(at), Some(id)) => { "as " a href=(base.to(&format!("/rows/{id}"))) { "row " (id) } " " (format::relative(at, now)) }
                                     (Some(at), None) => { "redriven " (format::relative(at, now)) }
+                                    _ if s.read_only => "–",
                                     _ => (layout::button(&s, &base.to("/dead-letters/redrive"), &[("id", &d.id.to_string())], "Redrive", "")),
                                 }
                             }

@@ -94,22 +94,43 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
         Err(e) => return layout::failed(&base, &s, &e),
     };
     let mut notice = notice;
-    if let Some(q) = p.q.as_deref().map(str::trim).filter(|q| !q.is_empty()) {
-        match search(&s, &mut conn, &queue, q).await {
+    if let Some(q) = p.q.as_deref().filter(|q| !q.is_empty()) {
+        // The value as typed first (ids are byte-exact: ` sp ` and `sp` are two rows);
+        // only when it finds nothing, the value without surrounding spaces.
+        let found = match search(&s, &mut conn, &queue, q).await {
+            Ok(None) if q.trim() != q && !q.trim().is_empty() => {
+                search(&s, &mut conn, &queue, q.trim()).await
+            }
+            other => other,
+        };
+        match found {
             Ok(Some(id)) => return Redirect::to(&base.to(&format!("/rows/{id}"))).into_response(),
             Ok(None) => {
                 notice = Notice::local(Kind::Error, format!(
-                    "no live row of {queue} has the id or timer id {q:?} (it may have completed, been cancelled or dead-lettered)"
+                    "no live row of {queue} has the id or timer id \"{q}\" (it may have completed, been cancelled or dead-lettered)"
                 ))
             }
             Err(e) => return layout::failed(&base, &s, &e),
         }
     }
     let limit = i64::try_from(s.page_size).unwrap_or(50);
-    let rows = match sql::list(&s.sql, &s.outbox, &mut conn, filter, &queue, after, limit).await {
+    // One row more than a page: a "Next page" only when there is one.
+    let mut rows = match sql::list(
+        &s.sql,
+        &s.outbox,
+        &mut conn,
+        filter,
+        &queue,
+        after,
+        limit + 1,
+    )
+    .await
+    {
         Ok(r) => r,
         Err(e) => return layout::failed(&base, &s, &e),
     };
+    let more = rows.len() > s.page_size;
+    rows.truncate(s.page_size);
     let paused = match s.outbox.paused_queues(&mut conn).await {
         Ok(p) => p
             .into_iter()
@@ -123,7 +144,7 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
     };
     drop(conn);
     let here = base.to(&layout::queue_path(&queue, None));
-    let next = (rows.len() == s.page_size)
+    let next = more
         .then(|| rows.last().map(cursor))
         .flatten()
         .map(|c| format!("{here}&state={}&after={c}", filter.as_str()));
@@ -166,7 +187,7 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
                     th.num scope="col" { "Deliveries" }
                     th scope="col" { "Queued rearm" }
                     th.num scope="col" { "Payload" }
-                    th scope="col" { "Actions" }
+                    @if !s.read_only { th scope="col" { "Actions" } }
                 } }
                 tbody {
                     @for r in &rows {
@@ -179,19 +200,19 @@ async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -
                             td.num { (r.deliveries) }
                             td { @match r.rearm_at { Some(t) => (when(t, now)), None => "–" } }
                             td.num { (r.payload_bytes) " B" }
-                            td {
+                            @if !s.read_only { td {
                                 @if r.acquired_at.is_none() {
                                     (layout::button(&s, &base.to(&format!("/rows/{}/run-now", r.id)), &[], "Run now", ""))
                                     (layout::button(&s, &base.to(&format!("/rows/{}/delete", r.id)), &[], "Delete", "danger"))
                                 } @else if let Some(ago) = r.acquired_at.and_then(|at| lease_expired_for(at, now, s.lease_ttl)) {
                                     span.expired { "lease expired " (format::span(ago.num_seconds())) " ago: claimable again" }
-                                    @if let Some(timer) = &r.timer_id {
+                                    @if let (Some(timer), None) = (&r.timer_id, r.cancelled_at) {
                                         " " (layout::button(&s, &base.to(&layout::queue_path(&queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
                                     }
                                 } @else {
                                     span.muted { "held by a worker" }
                                 }
-                            }
+                            } }
                         }
                     }
                 }

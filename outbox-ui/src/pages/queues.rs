@@ -126,9 +126,12 @@ fn render(s: &Shared, base: &Base, notice: &Notice, view: View) -> maud::Markup 
                 _ => "Pending rows and dead letters are estimates (≈) from the planner's statistics: the tables are large. ",
             }
             @match &view.rates {
-                Some(_) => {
+                Some(r) => {
                     "Finished per second: each queue's rows acked, failed, cancelled or deleted over the last "
-                    (crate::throughput::WINDOW_MINUTES) " minutes (the counter table " code { (crate::throughput::Names::of(&s.outbox).table) } "). "
+                    (crate::throughput::WINDOW_MINUTES) " minutes, or since the counter was installed when that is shorter (the counter table " code { (crate::throughput::Names::of(&s.outbox).table) } "). "
+                    @if let Some(at) = r.installed() {
+                        "Counting since " (format::utc(at)) @if view.now - at < crate::throughput::Rates::FIRST { " (no rate until it has counted a full minute)" } ". "
+                    }
                 }
                 None => {
                     "Rows finished: "
@@ -192,11 +195,8 @@ fn render(s: &Shared, base: &Base, notice: &Notice, view: View) -> maud::Markup 
                             td.num.throughput {
                                 @match &view.rates {
                                     Some(r) => {
-                                        (format!("{:.2}", r.per_second.get(&q.queue).copied().unwrap_or(0.0)))
-                                        @let minutes: Vec<Option<f64>> = r.per_minute.get(&q.queue).map_or_else(
-                                            || vec![Some(0.0); crate::throughput::WINDOW_MINUTES as usize],
-                                            |m| m.iter().map(|&v| Some(v as f64)).collect());
-                                        " " (format::sparkline(&minutes, &format!("rows of {} finished per minute", q.queue)))
+                                        (rate(r, &q.queue))
+                                        " " (format::sparkline(&r.minutes(&q.queue), &format!("rows of {} finished per minute", q.queue)))
                                     }
                                     None => "–",
                                 }
@@ -211,7 +211,7 @@ fn render(s: &Shared, base: &Base, notice: &Notice, view: View) -> maud::Markup 
                             td.num colspan="8" { span.muted { "no live row, no dead letter" } }
                             td.num.throughput {
                                 @if let Some(r) = &view.rates {
-                                    (format!("{:.2}", r.per_second.get(*queue).copied().unwrap_or(0.0)))
+                                    (rate(r, queue))
                                 }
                             }
                             td {}
@@ -248,4 +248,10 @@ pub(crate) fn state(
             }
         }
     }
+}
+
+/// A queue's rate from the counter, or "–" while the counter is too new to tell.
+fn rate(r: &crate::throughput::Rates, queue: &str) -> String {
+    r.per_second(queue)
+        .map_or_else(|| "–".to_owned(), |v| format!("{v:.2}"))
 }

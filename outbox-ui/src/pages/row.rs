@@ -104,7 +104,9 @@ pub(crate) async fn page(
             h2 { "Actions" }
             @if expired.is_some() {
                 p { "Its lease expired, but the row is still leased: run now, reschedule and delete leave a leased row alone (the library's rule) until a worker claims it again and its run ends." }
-                @if let Some(timer) = &r.timer_id {
+                @if r.cancelled_at.is_some() {
+                    p { "Its timer is already cancelled: the next claim deletes it." }
+                } @else if let Some(timer) = &r.timer_id {
                     p { "Cancelling its timer marks the row: the next claim deletes it instead of running it." }
                     div.bar {
                         (layout::button(&s, &base.to(&layout::queue_path(&r.queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
@@ -116,7 +118,7 @@ pub(crate) async fn page(
                 div.bar {
                     (layout::button(&s, &act("run-now"), &[], "Run now", ""))
                     (layout::button(&s, &act("delete"), &[], "Delete row", "danger"))
-                    @if let Some(timer) = &r.timer_id {
+                    @if let (Some(timer), None) = (&r.timer_id, r.cancelled_at) {
                         (layout::button(&s, &base.to(&layout::queue_path(&r.queue, Some("cancel"))), &[("timer_id", timer)], "Cancel timer", "danger"))
                     }
                 }
@@ -147,15 +149,15 @@ fn opt(t: Option<chrono::DateTime<chrono::Utc>>, now: chrono::DateTime<chrono::U
     }
 }
 
-/// JSON when the bytes decode as JSON, else a hex dump; escaped either way; at most `cap`
-/// bytes of it, with how much that is and the link to `download` the raw bytes.
+/// JSON when the bytes parse as JSON, else a hex dump; escaped either way; at most `cap`
+/// bytes of the payload, with how much that is and the link to `download` the raw bytes.
 pub(crate) fn payload(bytes: &[u8], cap: usize, download: &str) -> Markup {
     let shown = format::shown(bytes, cap);
     html! {
         @if shown.cut() {
             p.muted.cut {
                 @if shown.json {
-                    "Showing " (shown.shown) " of " (shown.total) " bytes of the pretty-printed JSON (" (bytes.len()) " bytes stored). "
+                    "Showing the first " (shown.shown) " of " (shown.total) " bytes of the JSON, re-indented. "
                 } @else {
                     "Not JSON: showing the first " (shown.shown) " of " (shown.total) " bytes. "
                 }
