@@ -411,6 +411,13 @@ impl HandlerOptions {
 
     /// Claims allowed before the row is terminal (`max_deliveries`), overriding the
     /// timer's `MAX_DELIVERIES`.
+    ///
+    /// It counts claims, not failures: a claim a crash or a lost lease interrupted counts
+    /// too. The check is made at the claim: a row claimed for the `max + 1`-th time is
+    /// failed with reason `max_deliveries` without running its handler. So a handler that
+    /// fails on the `max`-th delivery still gets the retry its strategy gives, and the row
+    /// becomes a dead letter at the claim after that retry's delay. To end sooner, bound the
+    /// retries themselves (`RetryStrategy`'s `max_attempts`: reason `retry_exhausted`).
     pub fn max_deliveries(mut self, max: u32) -> Self {
         self.max_deliveries = Some(max);
         self
