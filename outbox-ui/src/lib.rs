@@ -60,6 +60,7 @@
 
 mod actions;
 mod download;
+mod error;
 mod format;
 mod guard;
 mod history;
@@ -81,40 +82,12 @@ use axum::Router;
 use outbox::Outbox;
 use sqlx::PgPool;
 
+pub use crate::error::UiError;
 pub use crate::guard::{basic_auth, security_headers};
 pub use crate::limits::{
     DUE_COUNT_CAP, EXACT_STATS_MAX_BYTES, LIST_SHOWN_BYTES, MAX_PAGE_SIZE, MAX_SHOWN_BYTES,
 };
 use crate::state::{Inner, State};
-
-/// Why a [`Dashboard`] could not be built.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum UiError {
-    /// The `Outbox` is distributed (`OutboxBuilder::distributed`): its indexes lead with the
-    /// bucket, and the dashboard's statements are written for a single node.
-    #[error("the dashboard does not support a distributed outbox (Citus) yet")]
-    Distributed,
-    /// A statement of [`Dashboard::install_throughput_counter`] or
-    /// [`Dashboard::remove_throughput_counter`] failed.
-    #[error("the throughput counter: {0}")]
-    Database(#[from] sqlx::Error),
-    /// [`Dashboard::install_throughput_counter`]: the queue table does not exist (run the
-    /// outbox's migrations first).
-    #[error("the queue table {table} does not exist: migrate first")]
-    NoQueueTable {
-        /// The queue table, as the `Outbox` names it.
-        table: String,
-    },
-    /// A setting is out of its range.
-    #[error("invalid dashboard setting {field}: {reason}")]
-    InvalidSetting {
-        /// The setting.
-        field: &'static str,
-        /// Why.
-        reason: String,
-    },
-}
 
 /// The dashboard: an [`Outbox`] and the pool it reads with, and its settings. Build it
 /// with [`Dashboard::new`], then [`Dashboard::router`].

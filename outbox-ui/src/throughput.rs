@@ -133,7 +133,7 @@ $fn$"#
 
 /// Creates (or replaces) the counter table, its function and the trigger, in one
 /// transaction.
-pub(crate) async fn install(outbox: &Outbox, pool: &PgPool) -> Result<(), crate::UiError> {
+pub(crate) async fn install(outbox: &Outbox, pool: &PgPool) -> Result<(), crate::error::UiError> {
     let n = Names::of(outbox);
     let mut tx = pool.begin().await?;
     let schema: Option<String> = sqlx::query_scalar(
@@ -144,7 +144,7 @@ pub(crate) async fn install(outbox: &Outbox, pool: &PgPool) -> Result<(), crate:
     .fetch_optional(&mut *tx)
     .await?;
     let Some(schema) = schema else {
-        return Err(crate::UiError::NoQueueTable {
+        return Err(crate::error::UiError::NoQueueTable {
             table: outbox.table().to_owned(),
         });
     };
