@@ -37,12 +37,12 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         messages: usize,
         /// How many keys (each message has one, in the header `key`; order is checked per key).
-        #[arg(long, default_value_t = 10)]
-        keys: usize,
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+        keys: u64,
         /// The relay's publishes in flight (the worker's concurrency); the relay is ordered by
         /// the header `key`, so each key has one message in flight at a time.
-        #[arg(long, default_value_t = 64)]
-        concurrency: usize,
+        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+        concurrency: u64,
         /// Give up when the stream does not hold every message after this many seconds.
         #[arg(long, default_value_t = 120)]
         timeout_secs: u64,
@@ -54,8 +54,8 @@ enum Command {
         #[arg(long, default_value_t = 100_000)]
         messages: usize,
         /// The relay's publishes in flight.
-        #[arg(long, default_value_t = 256)]
-        concurrency: usize,
+        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+        concurrency: u64,
         /// Messages per second in the latency phase (one transaction each).
         #[arg(long, default_value_t = 1000)]
         rate: u64,
@@ -88,8 +88,8 @@ async fn main() -> ExitCode {
         } => {
             demo(
                 messages,
-                keys.max(1),
-                concurrency,
+                usize::try_from(keys).unwrap_or(usize::MAX),
+                usize::try_from(concurrency).unwrap_or(usize::MAX),
                 Duration::from_secs(timeout_secs),
             )
             .await
@@ -100,14 +100,25 @@ async fn main() -> ExitCode {
             rate,
             seconds,
             amqp: false,
-        } => bench::run(messages, concurrency, rate, seconds).await,
+        } => {
+            bench::run(
+                messages,
+                usize::try_from(concurrency).unwrap_or(usize::MAX),
+                rate,
+                seconds,
+            )
+            .await
+        }
         Command::Bench {
             messages,
             concurrency,
             rate,
             seconds,
             amqp: true,
-        } => bench::run_amqp(messages, concurrency, rate, seconds).await,
+        } => {
+            let concurrency = usize::try_from(concurrency).unwrap_or(usize::MAX);
+            bench::run_amqp(messages, concurrency, rate, seconds).await
+        }
     };
     match done {
         Ok(true) => ExitCode::SUCCESS,
@@ -328,7 +339,8 @@ async fn run(
         && distinct.len() == messages
         && info == messages as u64;
     let ok = exactly_once && out_of_order == 0 && left == 0 && dead == 0;
-    println!("relay demo: {messages} messages, {keys} keys, concurrency {concurrency}");
+    let keys_word = if keys == 1 { "key" } else { "keys" };
+    println!("relay demo: {messages} messages, {keys} {keys_word}, concurrency {concurrency}");
     println!(
         "  published in domain transactions: {:.2} s ({:.0} msg/s)",
         published.as_secs_f64(),

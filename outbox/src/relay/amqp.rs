@@ -280,6 +280,11 @@ impl Sink for AmqpSink {
     }
 
     fn check(&self) -> Result<(), String> {
+        if self.uri.trim().is_empty() {
+            return Err(
+                "the AMQP URI is empty (`amqp://user:pass@host:port/vhost` expected)".to_owned(),
+            );
+        }
         if let Err(e) = self.uri.parse::<lapin::uri::AMQPUri>() {
             // The parser's text may quote the URI, password and all.
             let e = e.replace(&self.uri, "…");

@@ -25,9 +25,13 @@
 //!   headers), `traceparent` and `tracestate` among them when the publisher wrote them
 //!   (feature `opentelemetry`);
 //! - a **message id** stable across every redelivery of the same row
-//!   ([`BrokerMessage::message_id`]): `<table>:<id>` for a message,
-//!   `<table>:<id>:<deadline in µs since the epoch>` for a keyed timer (whose row is used
-//!   again for its next firing). JetStream receives it as `Nats-Msg-Id`, AMQP as the
+//!   ([`BrokerMessage::message_id`], [`message_id`]): `<table>:<id>:<created>` for a
+//!   message, `<table>:<id>:<created>:<deadline>` for a keyed timer (whose row is used
+//!   again for its next firing), instants in µs since the epoch. The row's creation instant
+//!   keeps two rows apart that share a table name and an id: two services' default
+//!   `outbox` tables relaying into one stream, or a table whose identity was restarted
+//!   (`TRUNCATE … RESTART IDENTITY`); without it the broker would take the second row for a
+//!   duplicate of the first and drop it. JetStream receives it as `Nats-Msg-Id`, AMQP as the
 //!   `message_id` property.
 //!
 //! # When a row is completed
@@ -127,22 +131,34 @@ pub struct BrokerMessage {
     pub headers: Headers,
 }
 
+/// The message id of a row (see the [module docs](self)): `<table>:<id>:<created>`, and
+/// for a keyed timer `:<deadline>` after it (µs since the epoch). `table` is the queue
+/// table's name, `created` the row's `created_at`, `timer_deadline` the deadline of a keyed
+/// timer's firing (`None` for a message).
+pub fn message_id(
+    table: &str,
+    id: i64,
+    created: chrono::DateTime<chrono::Utc>,
+    timer_deadline: Option<chrono::DateTime<chrono::Utc>>,
+) -> String {
+    let created = created.timestamp_micros();
+    match timer_deadline {
+        None => format!("{table}:{id}:{created}"),
+        Some(d) => format!("{table}:{id}:{created}:{}", d.timestamp_micros()),
+    }
+}
+
 impl BrokerMessage {
-    /// The message of the row `id` of `queue`, with its id built from `table` (the queue
-    /// table's name), the id, and for a keyed timer its `deadline`.
+    /// The message of the row `id` of `queue` with the id `message_id` (from
+    /// [`message_id`]).
     pub fn new(
-        table: &str,
         queue: &str,
         id: i64,
         timer_id: Option<&str>,
-        deadline: chrono::DateTime<chrono::Utc>,
+        message_id: String,
         payload: Vec<u8>,
         headers: Headers,
     ) -> Self {
-        let message_id = match timer_id {
-            None => format!("{table}:{id}"),
-            Some(_) => format!("{table}:{id}:{}", deadline.timestamp_micros()),
-        };
         BrokerMessage {
             queue: queue.to_owned(),
             id,
@@ -387,12 +403,12 @@ impl Run {
             self.circuit.unavailable(id, &reason);
             return Outcome::Retry(format!("broker unavailable: {reason}"));
         }
+        let firing = ctx.timer_id().map(|_| ctx.deadline());
         let message = BrokerMessage::new(
-            &self.table,
             ctx.queue(),
             id,
             ctx.timer_id(),
-            ctx.deadline(),
+            message_id(&self.table, id, ctx.created_at(), firing),
             payload,
             ctx.headers().cloned().unwrap_or_default(),
         );
@@ -497,10 +513,22 @@ mod tests {
 
     #[test]
     fn message_ids_are_stable_per_row_and_per_firing_of_a_timer() {
+        let created = chrono::DateTime::from_timestamp_micros(1_700_000_000_000_001).unwrap();
         let at = chrono::DateTime::from_timestamp_micros(1_700_000_000_123_456).unwrap();
-        let m = BrokerMessage::new("outbox", "q", 7, None, at, vec![1], Headers::new());
-        assert_eq!(m.message_id, "outbox:7");
-        let t = BrokerMessage::new("app.t", "q", 7, Some("k"), at, vec![], Headers::new());
-        assert_eq!(t.message_id, "app.t:7:1700000000123456");
+        assert_eq!(
+            message_id("outbox", 7, created, None),
+            "outbox:7:1700000000000001"
+        );
+        assert_eq!(
+            message_id("app.t", 7, created, Some(at)),
+            "app.t:7:1700000000000001:1700000000123456"
+        );
+        // Another row with the same table name and id (another database's `outbox`, or
+        // an identity restarted): another id, so the broker does not drop it.
+        let later = created + chrono::TimeDelta::microseconds(1);
+        assert_ne!(
+            message_id("outbox", 7, created, None),
+            message_id("outbox", 7, later, None)
+        );
     }
 }

@@ -150,6 +150,11 @@ pub struct NatsSink {
 /// with a line break, a row header in JetStream's own `Nats-*` namespace, a subject header
 /// missing. Everything else (no stream, a timeout, a lost connection, a stream
 /// that does not match [`NatsSink::expected_stream`]) is [`SinkError::Unavailable`].
+///
+/// Header values travel as stored, but NATS headers follow the MIME header format, whose
+/// readers trim white space around a value: async-nats (and the Go client) hand a consumer
+/// `" padded "` as `"padded"`, and drop trailing control characters. Keep meaningful
+/// leading or trailing white space out of header values, or put such data in the payload.
 pub fn nats(jetstream: async_nats::jetstream::Context, subject: Subject) -> NatsSink {
     NatsSink {
         jetstream,
@@ -237,7 +242,16 @@ impl Sink for NatsSink {
                 .send_publish(subject, publish)
                 .await
                 .map_err(|e| classify(&e))?;
-            ack.await.map_err(|e| classify(&e))?;
+            let ack = ack.await.map_err(|e| classify(&e))?;
+            if ack.duplicate {
+                // Expected after a relay stopped between the confirm and the ack's commit;
+                // anything else (two sources sharing message ids) shows up here.
+                tracing::info!(
+                    message_id = %message.message_id,
+                    stream = %ack.stream,
+                    "the stream already held this message id: stored nothing, acked as a duplicate"
+                );
+            }
             Ok(())
         })
     }
@@ -273,7 +287,7 @@ mod tests {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
-        BrokerMessage::new("t", queue, 1, None, chrono::Utc::now(), vec![], headers)
+        BrokerMessage::new(queue, 1, None, "t:1:1".to_owned(), vec![], headers)
     }
 
     #[test]
