@@ -235,6 +235,13 @@ impl Outbox {
     /// start of your transaction: a message published "now" in a long transaction is due
     /// from its start, and visible to workers once it commits.
     ///
+    /// Pass a connection that is in no transaction (`&mut *pool.acquire().await?`) when the
+    /// message is all there is to commit: Postgres runs the one statement as a transaction
+    /// of its own and commits it before it answers (durably, as the server's
+    /// `synchronous_commit` says). That is one round trip, where `BEGIN`, the publish and
+    /// `COMMIT` are three (an `Outbox` built for a transaction-mode pooler wraps it in a short
+    /// transaction instead: [`OutboxBuilder::transaction_pooler`]).
+    ///
     /// With [`OnConflict::Extend`](crate::message::OnConflict::Extend) on a live timer: a pending
     /// row's deadline moves later (payload and headers replaced, retry history reset); a
     /// running row gets a rearm that makes it fire again at the new deadline once its run

@@ -100,6 +100,14 @@ impl Scope {
         })
     }
 
+    /// One transaction of `pool` for a run of reads that belong together (the catalog
+    /// reads of `validate` and `migrate`), in every scope: one commit however many reads,
+    /// where a session would commit each read as a transaction of its own. Finish it with
+    /// [`Db::done`].
+    pub(crate) async fn reads(self, pool: &PgPool) -> Result<Db<'static>> {
+        Ok(Db::Tx(pool.begin().await.outbox_sql()?))
+    }
+
     /// [`Scope::acquire`] for the writes that must not wait long for a row lock: through a
     /// pooler the transaction starts with `SET LOCAL lock_timeout` (one round trip with its
     /// `BEGIN`); on a session the pool's connections carry it already (a startup parameter).

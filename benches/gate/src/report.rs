@@ -502,19 +502,22 @@ pub fn summary_table(results: &[Measurement]) -> String {
     s
 }
 
-/// The consumers against the per-commit limit measured in the same sitting (`limit/commit`,
-/// a one-row insert per transaction): how far pipelined acks take a consumer past one
-/// durable commit per message. `None` when the limit was not measured.
+/// The consumers, producers and extends against the per-commit limit measured in the same
+/// sitting (`limit/commit`, a one-row insert per transaction): how far pipelined acks take a
+/// consumer past one durable commit per message, and how close a publish or an extend that
+/// commits once per message comes to it. `None` when the limit was not measured.
 pub fn against_commit_limit(results: &[Measurement]) -> Option<String> {
     let limit = results.iter().find(|m| m.scenario == "limit/commit")?;
     let mut out = format!(
         "per-commit limit (one-row insert per transaction, one connection): {:.0} msg/s",
         limit.msgs_per_second
     );
-    for m in results
-        .iter()
-        .filter(|m| m.scenario.starts_with("consumer/") && !m.scenario.ends_with("/async"))
-    {
+    for m in results.iter().filter(|m| {
+        ["consumer/", "producer/", "extend/"]
+            .iter()
+            .any(|p| m.scenario.starts_with(p))
+            && !m.scenario.ends_with("/async")
+    }) {
         out.push_str(&format!(
             "\n  {:<26} {:>8.0} msg/s = {:.2}× the per-commit limit",
             m.scenario,

@@ -64,13 +64,17 @@ pub enum Kind {
     ProducerOneTx,
     /// N publishes as `publish_batch` calls of `batch` rows, in one transaction.
     ProducerBatch { batch: usize },
-    /// N publishes, one transaction each.
-    ProducerPerTx,
+    /// N publishes, one transaction each: `BEGIN`, the publish, `COMMIT` on a connection
+    /// taken from the pool for each; with `autocommit`, the publish alone on one connection
+    /// held for the window, outside any transaction (Postgres runs the statement as its own
+    /// transaction), which is what `limit/commit` does with a bare insert.
+    ProducerPerTx { autocommit: bool },
     /// N one-row inserts, each its own transaction, on one connection: what one durable
     /// commit per message allows on this machine (the per-commit limit of issue 14).
     CommitLimit,
-    /// `TIMERS` pending timers, then N extends, one transaction each.
-    ExtendPending,
+    /// `TIMERS` pending timers, then N extends, one transaction each (`autocommit` as for
+    /// [`Kind::ProducerPerTx`]).
+    ExtendPending { autocommit: bool },
     /// `TIMERS` due timers; while each one's handler runs, N / `TIMERS` extends land on it
     /// (rearm), each in its own transaction; the completion applies the rearm.
     ExtendRearm,
@@ -299,7 +303,7 @@ const CONSUMER_TFBS100: Scenario = consumer(
 );
 const EXTEND_PENDING: Scenario = Scenario {
     name: "extend/pending",
-    kind: Kind::ExtendPending,
+    kind: Kind::ExtendPending { autocommit: false },
     peer: &["extend/pending"],
     async_commit: false,
 };
@@ -350,12 +354,24 @@ pub const ALL: &[Scenario] = &[
     },
     Scenario {
         name: "producer/ppt1",
-        kind: Kind::ProducerPerTx,
+        kind: Kind::ProducerPerTx { autocommit: false },
         peer: &["producer/ppt1"],
+        async_commit: false,
+    },
+    Scenario {
+        name: "producer/autocommit",
+        kind: Kind::ProducerPerTx { autocommit: true },
+        peer: &[],
         async_commit: false,
     },
     EXTEND_PENDING,
     async_commit("extend/pending/async", EXTEND_PENDING),
+    Scenario {
+        name: "extend/autocommit",
+        kind: Kind::ExtendPending { autocommit: true },
+        peer: &[],
+        async_commit: false,
+    },
     EXTEND_REARM,
     async_commit("extend/rearm/async", EXTEND_REARM),
     Scenario {
@@ -641,9 +657,13 @@ pub async fn run(env: &mut Env, sc: &Scenario) -> Result<Output, BoxError> {
         (Kind::ProducerBatch { batch }, (_, Some(a))) => {
             run_producer_batch(a, &outbox, batch).await?
         }
-        (Kind::ProducerPerTx, (_, Some(a))) => run_producer_per_tx(a, &outbox).await?,
+        (Kind::ProducerPerTx { autocommit }, (_, Some(a))) => {
+            run_producer_per_tx(a, &outbox, autocommit).await?
+        }
         (Kind::CommitLimit, (_, Some(a))) => run_commit_limit(a, &outbox).await?,
-        (Kind::ExtendPending, (_, Some(a))) => run_extend_pending(a, &outbox).await?,
+        (Kind::ExtendPending { autocommit }, (_, Some(a))) => {
+            run_extend_pending(a, &outbox, autocommit).await?
+        }
         (Kind::ExtendRearm, (Some(w), Some(a))) => run_extend_rearm(env, w, a, &outbox).await?,
         (Kind::Lateness, (Some(w), Some(a))) => run_lateness(w, a, &outbox, env.verbose).await?,
         (Kind::Renewal { held }, (Some(w), _)) => run_renewal(env, w, &outbox, held).await?,
@@ -748,7 +768,7 @@ async fn seed(sc: &Scenario, pool: &PgPool, outbox: &Outbox) -> Result<(), BoxEr
                     .await?;
             }
         }
-        Kind::ExtendPending => {
+        Kind::ExtendPending { .. } => {
             for t in 0..TIMERS {
                 let p = publish_body(
                     outbox.on(&mut tx),
@@ -794,9 +814,9 @@ async fn verify(env: &mut Env, sc: &Scenario, outbox: &Outbox) -> Result<(), Box
         Kind::Consumer { .. } | Kind::Lateness | Kind::Renewal { .. } => 0,
         Kind::ProducerOneTx
         | Kind::ProducerBatch { .. }
-        | Kind::ProducerPerTx
+        | Kind::ProducerPerTx { .. }
         | Kind::CommitLimit => MESSAGES as i64,
-        Kind::ExtendPending | Kind::ExtendRearm => TIMERS as i64,
+        Kind::ExtendPending { .. } | Kind::ExtendRearm => TIMERS as i64,
         Kind::Idle => IDLE_TIMERS as i64,
     };
     if left != want {
@@ -1086,17 +1106,32 @@ async fn run_producer_batch(pool: &PgPool, outbox: &Outbox, batch: usize) -> Res
     })
 }
 
-async fn run_producer_per_tx(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxError> {
+async fn run_producer_per_tx(
+    pool: &PgPool,
+    outbox: &Outbox,
+    autocommit: bool,
+) -> Result<Ran, BoxError> {
     let h = headers();
     let payloads: Vec<Vec<u8>> = (0..MESSAGES).map(json).collect();
+    // The autocommit run holds its connection for the window, as `limit/commit` does.
+    let mut held = if autocommit {
+        Some(pool.acquire().await?)
+    } else {
+        None
+    };
     let t0 = Instant::now();
     for p in &payloads {
-        let mut tx = pool.begin().await?;
-        let out = outbox
-            .publish(&mut tx, Message::new("bench", p).headers(&h))
-            .await?;
+        let message = Message::new("bench", p).headers(&h);
+        let out = match held.as_mut() {
+            Some(conn) => outbox.publish(conn, message).await?,
+            None => {
+                let mut tx = pool.begin().await?;
+                let out = outbox.publish(&mut tx, message).await?;
+                tx.commit().await?;
+                out
+            }
+        };
         expect(matches!(out, Published::Inserted { .. }), "publish", out)?;
-        tx.commit().await?;
     }
     Ok(Ran {
         wall: t0.elapsed(),
@@ -1129,23 +1164,34 @@ async fn run_commit_limit(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxErro
     })
 }
 
-async fn run_extend_pending(pool: &PgPool, outbox: &Outbox) -> Result<Ran, BoxError> {
+async fn run_extend_pending(
+    pool: &PgPool,
+    outbox: &Outbox,
+    autocommit: bool,
+) -> Result<Ran, BoxError> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let picks: Vec<u64> = (0..MESSAGES).map(|_| rng.random_range(0..TIMERS)).collect();
     let bodies: Vec<Body> = (0..MESSAGES).map(|i| Body(body(i))).collect();
+    let mut held = if autocommit {
+        Some(pool.acquire().await?)
+    } else {
+        None
+    };
     let t0 = Instant::now();
     for (i, (t, b)) in picks.iter().zip(&bodies).enumerate() {
-        let mut tx = pool.begin().await?;
+        let key = format!("t{t}");
         // Strictly later every time, so every extend moves its timer (SPEC §4).
-        let out = extend_body(
-            outbox.on(&mut tx),
-            &format!("t{t}"),
-            b,
-            Duration::from_secs(3600 + i as u64),
-        )
-        .await?;
+        let delay = Duration::from_secs(3600 + i as u64);
+        let out = match held.as_mut() {
+            Some(conn) => extend_body(outbox.on(conn), &key, b, delay).await?,
+            None => {
+                let mut tx = pool.begin().await?;
+                let out = extend_body(outbox.on(&mut tx), &key, b, delay).await?;
+                tx.commit().await?;
+                out
+            }
+        };
         expect(matches!(out, Published::Extended { .. }), "extend", out)?;
-        tx.commit().await?;
     }
     Ok(Ran {
         wall: t0.elapsed(),

@@ -325,7 +325,7 @@ fn is_setup(sc: &Scenario, s: &Statement) -> bool {
         }
         // The timers are seeded with plain publishes (ON CONFLICT DO NOTHING); the
         // measured extends are ON CONFLICT DO UPDATE.
-        Kind::ExtendPending => kw.contains("INSERT") && !q.contains("do update"),
+        Kind::ExtendPending { .. } => kw.contains("INSERT") && !q.contains("do update"),
         _ => false,
     }
 }

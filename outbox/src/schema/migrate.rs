@@ -176,9 +176,15 @@ impl Facts {
         })
     }
 
+    /// Reads in one transaction of its own: one commit for the dozen catalog reads.
     async fn read_pool(pool: &PgPool, n: &Names) -> Result<Facts> {
-        let mut conn = acquire(pool).await?;
-        Facts::read(&mut conn, n).await
+        let mut db = match Scope::Session.reads(pool).await {
+            Ok(db) => db,
+            Err(e) => return Err(explain(pool, e).await),
+        };
+        let facts = Facts::read(&mut db, n).await?;
+        db.done().await?;
+        Ok(facts)
     }
 
     fn table(&self, t: Table) -> &TableFacts {

@@ -64,8 +64,8 @@ pub(crate) async fn validate(
     scope: Scope,
     pool: &PgPool,
 ) -> Result<()> {
-    // One connection for every catalog read; through a pooler, one transaction.
-    let mut db = scope.acquire(pool).await?;
+    // One connection and one transaction for every catalog read.
+    let mut db = scope.reads(pool).await?;
     super::server::require_on(scope, &mut db, super::server::SUPPORTED_POSTGRES).await?;
     // An explicit schema never created is what `migrate` reports (SchemaNotFound, from
     // 3F000); the catalog reads below would only see every table missing.
