@@ -3,7 +3,7 @@
 //! `application/octet-stream` attachments (a browser saves them, never renders them).
 
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use outbox::dlq::DeadLetterFilter;
 
@@ -69,8 +69,7 @@ pub(crate) async fn row(
     base: Base,
     Path((id, what)): Path<(String, String)>,
 ) -> Response {
-    let bad =
-        |reason: String| layout::error(&base, &s, StatusCode::BAD_REQUEST, "Bad request", &reason);
+    let bad = |reason: String| layout::bad_request(&base, &s, &reason);
     let Some(id) = id.parse::<i64>().ok().filter(|id| *id > 0) else {
         return bad(format!("bad row id {id:?}: row ids are positive integers"));
     };
@@ -85,15 +84,7 @@ pub(crate) async fn row(
     };
     let r = match row {
         Ok(Some(r)) => r,
-        Ok(None) => {
-            return layout::error(
-                &base,
-                &s,
-                StatusCode::NOT_FOUND,
-                "Not found",
-                &format!("no live row has id {id}"),
-            )
-        }
+        Ok(None) => return layout::not_found(&base, &s, &format!("no live row has id {id}")),
         Err(e) => return layout::failed(&base, &s, &e),
     };
     let name = format!("row-{id}-{}.bin", part.as_str());
@@ -102,11 +93,9 @@ pub(crate) async fn row(
         Part::Headers => attachment(&name, json_bytes(r.headers.as_ref())),
         Part::RearmPayload => match r.rearm_payload {
             Some(p) => attachment(&name, p),
-            None => layout::error(
+            None => layout::not_found(
                 &base,
                 &s,
-                StatusCode::NOT_FOUND,
-                "Not found",
                 &format!("row {id} has no queued rearm with a payload of its own"),
             ),
         },
@@ -120,8 +109,7 @@ pub(crate) async fn dead_letter(
     base: Base,
     Path((id, what)): Path<(String, String)>,
 ) -> Response {
-    let bad =
-        |reason: String| layout::error(&base, &s, StatusCode::BAD_REQUEST, "Bad request", &reason);
+    let bad = |reason: String| layout::bad_request(&base, &s, &reason);
     let Some(id) = id.parse::<i64>().ok().filter(|id| *id > 0) else {
         return bad(format!(
             "bad dead-letter id {id:?}: dead-letter ids are positive integers"
@@ -142,15 +130,7 @@ pub(crate) async fn dead_letter(
     };
     let d = match read.await {
         Ok(Some(d)) => d,
-        Ok(None) => {
-            return layout::error(
-                &base,
-                &s,
-                StatusCode::NOT_FOUND,
-                "Not found",
-                &format!("no dead letter has id {id}"),
-            )
-        }
+        Ok(None) => return layout::not_found(&base, &s, &format!("no dead letter has id {id}")),
         Err(e) => return layout::failed(&base, &s, &e),
     };
     let name = format!("dead-letter-{id}-{}.bin", part.as_str());

@@ -214,6 +214,16 @@ pub(crate) fn error(
         .into_response()
 }
 
+/// The error page of a request the dashboard refuses (400), saying why.
+pub(crate) fn bad_request(base: &Base, inner: &Inner, reason: &str) -> Response {
+    error(base, inner, StatusCode::BAD_REQUEST, "Bad request", reason)
+}
+
+/// The error page of something that is not there (404), saying what.
+pub(crate) fn not_found(base: &Base, inner: &Inner, reason: &str) -> Response {
+    error(base, inner, StatusCode::NOT_FOUND, "Not found", reason)
+}
+
 /// The page for a failed database read or library call.
 pub(crate) fn failed(base: &Base, inner: &Inner, e: &dyn std::fmt::Display) -> Response {
     error(

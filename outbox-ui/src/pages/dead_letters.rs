@@ -2,7 +2,6 @@
 //! state; redrive one, redrive every match of a page, purge by age (confirmed).
 
 use axum::extract::{Query, State};
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use maud::html;
 use outbox::dlq::DeadLetterFilter;
@@ -82,8 +81,7 @@ pub(crate) async fn page(
         )
         .into_response();
     }
-    let bad =
-        |reason: String| layout::error(&base, &s, StatusCode::BAD_REQUEST, "Bad request", &reason);
+    let bad = |reason: String| layout::bad_request(&base, &s, &reason);
     let f = match filter(&p) {
         Ok(f) => f,
         Err(e) => return bad(e),

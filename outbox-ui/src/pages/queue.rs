@@ -2,7 +2,6 @@
 //! searched by id or timer id; pause, resume, cancel a timer.
 
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
 use chrono::{DateTime, Utc};
 use maud::html;
@@ -44,13 +43,7 @@ pub(crate) async fn by_name(
 ) -> Response {
     match n.name {
         Some(queue) => show(s, base, queue, p, notice).await,
-        None => layout::error(
-            &base,
-            &s,
-            StatusCode::BAD_REQUEST,
-            "Bad request",
-            "which queue? the address needs ?name=<queue>",
-        ),
+        None => layout::bad_request(&base, &s, "which queue? the address needs ?name=<queue>"),
     }
 }
 
@@ -66,8 +59,7 @@ pub(crate) async fn page(
 }
 
 async fn show(s: Shared, base: Base, queue: String, p: Params, notice: Notice) -> Response {
-    let bad =
-        |reason: String| layout::error(&base, &s, StatusCode::BAD_REQUEST, "Bad request", &reason);
+    let bad = |reason: String| layout::bad_request(&base, &s, &reason);
     if let Err(reason) = valid_name(&queue) {
         return bad(format!("bad queue name: {reason}"));
     }

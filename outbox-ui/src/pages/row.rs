@@ -19,11 +19,9 @@ pub(crate) async fn page(
     Query(notice): Query<Notice>,
 ) -> Response {
     let Some(id) = id.parse::<i64>().ok().filter(|id| *id > 0) else {
-        return layout::error(
+        return layout::bad_request(
             &base,
             &s,
-            StatusCode::BAD_REQUEST,
-            "Bad request",
             &format!("bad row id {id:?}: row ids are positive integers"),
         );
     };
