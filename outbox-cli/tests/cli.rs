@@ -981,21 +981,7 @@ async fn citus_commands_against_a_coordinator() {
 #[tokio::test]
 async fn ui_on_loopback_without_auth_refuses_other_host_names() {
     let t = Tables::new().await;
-    let mut child = outbox_cmd()
-        .args(["--table", &t.name, "ui", "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the binary runs");
-    let mut first = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut first)
-        .unwrap();
-    let addr = first
-        .strip_prefix("outbox ui: http://")
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or_else(|| panic!("the first line names the address: {first:?}"))
-        .to_owned();
+    let (mut child, addr) = spawn_ui(&t, &["--listen", "127.0.0.1:0"]);
     let port = addr.rsplit(':').next().unwrap().to_owned();
     let get = |host: &str| {
         http(
@@ -1035,21 +1021,7 @@ async fn ui_on_loopback_without_auth_refuses_other_host_names() {
 #[tokio::test]
 async fn ui_listens_on_a_host_name() {
     let t = Tables::new().await;
-    let mut child = outbox_cmd()
-        .args(["--table", &t.name, "ui", "--listen", "localhost:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the binary runs");
-    let mut first = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut first)
-        .unwrap();
-    let addr = first
-        .strip_prefix("outbox ui: http://")
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or_else(|| panic!("the first line names the address: {first:?}"))
-        .to_owned();
+    let (mut child, addr) = spawn_ui(&t, &["--listen", "localhost:0"]);
     let port = addr.rsplit(':').next().unwrap().to_owned();
     let page = http(
         &addr,
