@@ -46,19 +46,9 @@ pub(crate) async fn ack_on(
         db.done().await?;
         return Ok(Completion::Deleted);
     }
-    let row = scope
-        .query(sql.ack_settle.clone())
-        .bind(lease.id)
-        .bind(lease.token)
-        .bucket(sql.bucket_of(lease.id))
-        .fetch_one(&mut *db)
-        .await
-        .outbox_sql()?;
-    scope
-        .wake(&mut db, sql.wake.as_ref(), [row.try_get(2).outbox_sql()?])
-        .await?;
+    let outcome = settle(sql, scope, &mut db, &lease).await?;
     db.done().await?;
-    settled(&row)
+    Ok(outcome)
 }
 
 /// The batched DELETE of successes: the leases whose rows it deleted. The rest (a rearm
@@ -149,20 +139,7 @@ pub(crate) async fn fail_on(
         let outcome = match cancelled {
             Some(true) => Completion::Cancelled,
             Some(false) => Completion::Deleted,
-            None => {
-                let row = scope
-                    .query(sql.ack_settle.clone())
-                    .bind(lease.id)
-                    .bind(lease.token)
-                    .bucket(sql.bucket_of(lease.id))
-                    .fetch_one(&mut *db)
-                    .await
-                    .outbox_sql()?;
-                scope
-                    .wake(&mut db, sql.wake.as_ref(), [row.try_get(2).outbox_sql()?])
-                    .await?;
-                settled(&row)?
-            }
+            None => settle(sql, scope, &mut db, &lease).await?,
         };
         db.done().await?;
         return Ok(outcome);
@@ -376,6 +353,29 @@ fn lease_at(row: &PgRow) -> Result<Lease> {
 }
 
 /// Reads `(rows locked, rearm deadline)` from a locking completion statement.
+/// The follow-up of a success whose fenced DELETE matched nothing (`ack_settle`, under the
+/// row lock): applies a queued rearm (and sends its wake-up), deletes a row whose rearm a
+/// cancel dropped, or finds the lease lost.
+async fn settle(
+    sql: &Complete,
+    scope: Scope,
+    db: &mut Db<'_>,
+    lease: &Lease,
+) -> Result<Completion> {
+    let row = scope
+        .query(sql.ack_settle.clone())
+        .bind(lease.id)
+        .bind(lease.token)
+        .bucket(sql.bucket_of(lease.id))
+        .fetch_one(&mut **db)
+        .await
+        .outbox_sql()?;
+    scope
+        .wake(db, sql.wake.as_ref(), [row.try_get(2).outbox_sql()?])
+        .await?;
+    settled(&row)
+}
+
 fn settled(row: &PgRow) -> Result<Completion> {
     let locked: i64 = row.try_get(0).outbox_sql()?;
     let rearmed: Option<DateTime<Utc>> = row.try_get(1).outbox_sql()?;
