@@ -618,11 +618,14 @@ impl Outbox {
     /// start-up, from several processes at once, on a busy database:
     ///
     /// - a step already applied (by an earlier `migrate()`, or by the statements of
-    ///   [`Outbox::migration_steps`] run with another tool) is recognised in the catalog and skipped, so on an up-to-date
-    ///   schema this reads the catalog and takes **no lock** on the queue and dead-letter
-    ///   tables (Postgres' `ALTER TABLE … IF NOT EXISTS` would take an exclusive lock first,
+    ///   [`Outbox::migration_steps`] run with another tool) is recognised in the catalog and
+    ///   skipped, so on an up-to-date schema this only reads the catalog and takes **no
+    ///   exclusive lock** (Postgres' `ALTER TABLE … IF NOT EXISTS` would take one first,
     ///   queue behind any open transaction on the table, and stop every publish and claim
-    ///   queued behind it);
+    ///   queued behind it). Printing an index predicate or a CHECK opens the table with an
+    ///   ACCESS SHARE lock, the lock of a `SELECT`, which waits behind an ACCESS EXCLUSIVE
+    ///   lock another session holds or waits for: that read, too, waits at most
+    ///   [`MigrateOptions::lock_timeout`] at a time, within [`MigrateOptions::deadline`];
     /// - a step that must run waits for its table locks at most
     ///   [`MigrateOptions::lock_timeout`] at a time (3 s by default): when that runs out, the
     ///   step is rolled back, so the sessions queued behind it go on, and tried again with
@@ -734,6 +737,11 @@ impl Outbox {
     /// index left INVALID by an interrupted `CREATE INDEX CONCURRENTLY` is reported as
     /// INVALID: Postgres keeps it up to date on every write but never uses it, and
     /// [`Outbox::migrate`] drops and builds it again.
+    ///
+    /// The reads run in one transaction. Printing an index predicate or a CHECK opens the
+    /// table with an ACCESS SHARE lock, the lock of a `SELECT`: like a `SELECT`, the check
+    /// waits behind an ACCESS EXCLUSIVE lock another session holds or waits for, as long as
+    /// the session's `lock_timeout` allows (none by default).
     ///
     /// # Errors
     /// [`Error::UnsupportedPostgres`](crate::Error::UnsupportedPostgres) before anything

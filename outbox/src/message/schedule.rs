@@ -20,8 +20,9 @@ pub const MAX_DELAY: Duration = Duration::from_secs(10_000 * 366 * 24 * 3600);
 /// `chrono::DateTime<Utc>` or [`SystemTime`] (absolute), or use [`Schedule::now`].
 ///
 /// Negative or overflowing delays (more than [`MAX_DELAY`]) and absolute times outside
-/// Postgres' range are rejected with [`Error::InvalidArgument`] (`field = "schedule"`)
-/// before any SQL runs.
+/// Postgres' range (4713 BC to 294276 AD; a [`SystemTime`] past chrono's last year, 262 142,
+/// too) are rejected with [`Error::InvalidArgument`] (`field = "schedule"`) before any SQL
+/// runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Schedule(pub(crate) ScheduleKind);
 
@@ -32,6 +33,11 @@ pub(crate) enum ScheduleKind {
     /// Microseconds after the database's `now()`; may be negative until validated.
     In(i128),
     At(DateTime<Utc>),
+    /// A [`SystemTime`] that `DateTime<Utc>` cannot hold: later than chrono's last year
+    /// (`true`) or earlier than its first; rejected by `resolve`.
+    Unrepresentable {
+        later: bool,
+    },
 }
 
 impl Schedule {
@@ -77,6 +83,14 @@ impl Schedule {
                 }
                 Ok(Resolved::At(at))
             }
+            ScheduleKind::Unrepresentable { later } => Err(Error::invalid(
+                "schedule",
+                if later {
+                    "the time is after the last instant a chrono DateTime holds (year 262 142)"
+                } else {
+                    "the time is before postgres' earliest timestamp (4713 BC)"
+                },
+            )),
         }
     }
 }
@@ -127,6 +141,67 @@ impl From<DateTime<Utc>> for Schedule {
 
 impl From<SystemTime> for Schedule {
     fn from(at: SystemTime) -> Self {
-        Schedule::at(at.into())
+        // chrono's own conversion panics beyond its range: convert by hand and let
+        // `resolve` refuse what does not fit.
+        let at_utc = match at.duration_since(SystemTime::UNIX_EPOCH) {
+            Ok(after) => i64::try_from(after.as_secs())
+                .ok()
+                .and_then(|s| DateTime::from_timestamp(s, after.subsec_nanos())),
+            Err(e) => {
+                let before = e.duration();
+                i64::try_from(before.as_secs()).ok().and_then(|s| {
+                    // `before` = s seconds and n nanoseconds ahead of the instant: step back
+                    // one more second and forward by the rest.
+                    match before.subsec_nanos() {
+                        0 => DateTime::from_timestamp(-s, 0),
+                        n => DateTime::from_timestamp(-s - 1, 1_000_000_000 - n),
+                    }
+                })
+            }
+        };
+        match at_utc {
+            Some(at) => Schedule::at(at),
+            None => Schedule(ScheduleKind::Unrepresentable {
+                later: at > SystemTime::UNIX_EPOCH,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(s: Schedule) -> String {
+        match s.resolve() {
+            Err(Error::InvalidArgument { field, reason }) => {
+                assert_eq!(field, "schedule");
+                reason
+            }
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    /// Found by a fresh user: a `SystemTime` in the year ~272 000 (inside Postgres' range,
+    /// past chrono's) panicked in chrono's conversion while the message was built.
+    #[test]
+    fn a_system_time_past_chronos_range_is_refused_not_a_panic() {
+        let far = SystemTime::UNIX_EPOCH + Duration::from_secs(270_000 * 365 * 86_400);
+        assert!(refused(Schedule::from(far)).contains("262 142"));
+        let long_ago = SystemTime::UNIX_EPOCH - Duration::from_secs(300_000 * 365 * 86_400);
+        assert!(refused(Schedule::from(long_ago)).contains("4713 BC"));
+    }
+
+    #[test]
+    fn a_system_time_converts_to_the_same_instant() {
+        for t in [
+            SystemTime::UNIX_EPOCH,
+            SystemTime::UNIX_EPOCH + Duration::new(1_700_000_000, 123_456_789),
+            SystemTime::UNIX_EPOCH - Duration::new(1, 500_000_000),
+            SystemTime::UNIX_EPOCH - Duration::from_secs(86_400),
+        ] {
+            let want: DateTime<Utc> = t.into();
+            assert_eq!(Schedule::from(t), Schedule::at(want), "{t:?}");
+        }
     }
 }

@@ -45,7 +45,7 @@
 //! | the broker | the row |
 //! |---|---|
 //! | confirmed | acked (deleted) |
-//! | rejected the message itself ([`SinkError::Rejected`]: too large, no route with `mandatory`, a nack) | a failed run: retried per [`Relay::retry`], then dead-lettered (`retry_exhausted`, `last_error` the broker's reason) |
+//! | rejected the message itself ([`SinkError::Rejected`]: too large, no route with `mandatory`, a nack) | a failed run: retried per [`Relay::retry`], then dead-lettered (`retry_exhausted`, `last_error` the broker's reason; `max_deliveries` instead when [`Relay::max_deliveries`] runs out before the retries do, see there) |
 //! | unavailable ([`SinkError::Unavailable`]: connection refused or lost, no stream, no confirm within [`Relay::publish_timeout`], no connection within [`Relay::connect_timeout`]) | given back untouched: pending at its deadline, its delivery not counted, nothing dead-lettered; the relay's **circuit** opens |
 //!
 //! While the circuit is open the worker claims nothing of the relay's queues (its other
@@ -309,7 +309,12 @@ impl Relay {
 
     /// Claims allowed before a row is dead-lettered (`max_deliveries`, default
     /// [`DEFAULT_MAX_DELIVERIES`](crate::worker::DEFAULT_MAX_DELIVERIES)). Rows given back
-    /// during an outage do not count; a relay that crashes with the row leased does.
+    /// during an outage do not count; a relay that crashes with the row leased does. When
+    /// this runs out before the [`Relay::retry`] strategy gives up (a strategy without an
+    /// attempt limit, or fewer deliveries than attempts), the dead letter's reason is
+    /// `max_deliveries` and its `last_error` counts the deliveries: the broker's reason is
+    /// only in the log line of each failed run (INFO, `outbox: handler failed; retry
+    /// scheduled`), since the queue row keeps no error between runs.
     pub fn max_deliveries(mut self, max: u32) -> Self {
         self.max_deliveries = Some(max);
         self

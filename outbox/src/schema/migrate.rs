@@ -2,7 +2,10 @@
 //! application.
 //!
 //! - A step already applied is recognised in the catalog and skipped: on an up-to-date schema
-//!   `migrate()` reads the catalog and takes no lock on the queue and dead-letter tables.
+//!   `migrate()` only reads the catalog. Printing an index predicate or a CHECK there opens
+//!   the table with an ACCESS SHARE lock (the one a `SELECT` takes), which waits behind an
+//!   ACCESS EXCLUSIVE lock held or queued: the read is bounded by `lock_timeout` and the
+//!   deadline like a step.
 //! - A step that must run holds its table locks under a short `lock_timeout`; when it times
 //!   out (a long transaction holds the table), it is rolled back and tried again with
 //!   back-off until a total deadline, so other sessions' publishes and claims queue behind it
@@ -23,7 +26,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Executor, PgConnection, PgPool, Postgres, Row};
 use tokio::time::Instant;
 
-use super::problem::{LockHolder, SchemaProblem};
+use super::problem::LockHolder;
 use super::shape::{self, LiveCheck, LiveIndex};
 use crate::error::{Error, OutboxSql, Result};
 use crate::names::Names;
@@ -155,7 +158,8 @@ struct TableFacts {
     checks: Vec<LiveCheck>,
 }
 
-/// What the catalog says about the outbox's tables. Reading it takes no lock on them.
+/// What the catalog says about the outbox's tables. Reading it takes the ACCESS SHARE lock
+/// of printing their index predicates and CHECKs, nothing stronger.
 #[derive(Debug, Default)]
 struct Facts {
     queue: TableFacts,
@@ -176,15 +180,60 @@ impl Facts {
         })
     }
 
-    /// Reads in one transaction of its own: one commit for the dozen catalog reads.
-    async fn read_pool(pool: &PgPool, n: &Names) -> Result<Facts> {
-        let mut db = match Scope::Session.reads(pool).await {
-            Ok(db) => db,
-            Err(e) => return Err(explain(pool, e).await),
+    /// Reads in one transaction of its own (one commit for the dozen catalog reads), bounded
+    /// like a step: printing an index predicate or a CHECK opens the table with an ACCESS
+    /// SHARE lock (`catalog::INDEXES`), which waits behind an ACCESS EXCLUSIVE lock another
+    /// session holds or waits for. Each try waits at most `lock_timeout`; past the deadline
+    /// the error names the sessions holding locks on the tables.
+    async fn read_pool(
+        pool: &PgPool,
+        n: &Names,
+        options: MigrateOptions,
+        started: Instant,
+    ) -> Result<Facts> {
+        let mut attempt = 0u32;
+        loop {
+            let tried = async {
+                let mut db = match Scope::Session.reads(pool).await {
+                    Ok(db) => db,
+                    Err(e) => return Err(explain(pool, e).await),
+                };
+                set_lock_timeout(&mut db, "SET LOCAL", options).await?;
+                let facts = Facts::read(&mut db, n).await?;
+                db.done().await?;
+                Ok(facts)
+            };
+            match tried.await {
+                Err(e) if e.is_lock_timeout() => {}
+                done => return done,
+            }
+            let wait = backoff(attempt);
+            attempt += 1;
+            if started.elapsed() + wait > options.deadline {
+                return Err(Error::MigrationBlocked {
+                    step: "reading the catalog".to_owned(),
+                    waited: started.elapsed(),
+                    holders: holders_of(pool, n, true).await,
+                });
+            }
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// The tables' oids alone, all [`holders`] needs: `to_regclass` takes no lock, so this
+    /// never waits, unlike [`Facts::read_pool`].
+    async fn oids_only(pool: &PgPool, n: &Names) -> Result<Facts> {
+        let mut conn = acquire(pool).await?;
+        let table = |oid| TableFacts {
+            oid,
+            ..TableFacts::default()
         };
-        let facts = Facts::read(&mut db, n).await?;
-        db.done().await?;
-        Ok(facts)
+        Ok(Facts {
+            queue: table(oid(&mut *conn, &n.qtable).await?),
+            dlq: table(oid(&mut *conn, &n.qdlq).await?),
+            paused: TableFacts::default(),
+            versions: false,
+        })
     }
 
     fn table(&self, t: Table) -> &TableFacts {
@@ -332,7 +381,7 @@ pub(crate) async fn run(
     super::server::require(pool, super::server::SUPPORTED_POSTGRES).await?;
     refuse_standby(pool).await?;
     let started = Instant::now();
-    let mut facts = Facts::read_pool(pool, names).await?;
+    let mut facts = Facts::read_pool(pool, names, options, started).await?;
     refuse_other_layout(names, pool, &facts).await?;
     let mut recorded = recorded_versions(ddl, pool, &facts).await?;
     // Tables this call creates are new: nobody reads them yet, so their indexes need no
@@ -359,7 +408,7 @@ pub(crate) async fn run(
         }
         apply_with_retries(ddl, names, pool, step, options, fresh, started).await?;
         recorded.insert(step.version);
-        facts = Facts::read_pool(pool, names).await?;
+        facts = Facts::read_pool(pool, names, options, started).await?;
     }
     Ok(())
 }
@@ -396,18 +445,7 @@ async fn refuse_other_layout(n: &Names, pool: &PgPool, facts: &Facts) -> Result<
     // A table of that name that is not an outbox queue table (one of the application's,
     // say): the first step would fail on a missing column with a raw database error after
     // creating the table of applied steps. Said before any DDL, with every column it lacks.
-    let foreign: Vec<SchemaProblem> = super::validate::QUEUE_COLUMNS
-        .iter()
-        .filter(|(column, _, _, by_upgrade)| !by_upgrade && !facts.queue.columns.contains(*column))
-        .map(|(column, ..)| SchemaProblem {
-            object: format!("{}.{column}", n.table_name),
-            message: "column is missing: this table is not an outbox queue table, and migrate \
-                      never alters a table it did not create; name another table \
-                      (`OutboxBuilder::table`, `--table`)"
-                .to_owned(),
-            needs_upgrade: false,
-        })
-        .collect();
+    let foreign = super::validate::foreign_columns(n, |c| facts.queue.columns.contains(c));
     if !foreign.is_empty() {
         return Err(Error::SchemaMismatch { problems: foreign });
     }
@@ -531,10 +569,7 @@ async fn apply_with_retries(
             Err(e) if e.is_lock_timeout() || e.sqlstate().as_deref() == Some("40P01") => e,
             Err(e) => return Err(e),
         };
-        let facts = Facts::read_pool(pool, names).await?;
-        let holders = holders(pool, &facts, step.transaction, names)
-            .await
-            .unwrap_or_default();
+        let holders = holders_of(pool, names, step.transaction).await;
         let wait = backoff(attempt);
         attempt += 1;
         if started.elapsed() + wait > options.deadline {
@@ -642,13 +677,10 @@ impl<'a> LockPoll<'a> {
     /// the deadline returns the error naming who holds it.
     async fn again(&mut self) -> Result<()> {
         if self.started.elapsed() + self.wait > self.options.deadline {
-            let facts = Facts::read_pool(self.pool, self.names).await?;
             return Err(Error::MigrationBlocked {
                 step: self.step.to_owned(),
                 waited: self.started.elapsed(),
-                holders: holders(self.pool, &facts, true, self.names)
-                    .await
-                    .unwrap_or_default(),
+                holders: holders_of(self.pool, self.names, true).await,
             });
         }
         tokio::time::sleep(self.wait).await;
@@ -699,16 +731,10 @@ async fn apply_in_transaction(
     started: Instant,
 ) -> Result<()> {
     let mut tx = begin_locked(names, pool, step.description, started, options).await?;
+    // Before the catalog read: printing an index predicate takes an ACCESS SHARE lock.
+    set_lock_timeout(&mut tx, "SET LOCAL", options).await?;
     let facts = Facts::read(&mut tx, names).await?;
     if !facts.holds(&step.done, names) {
-        let set = format!(
-            "SET LOCAL lock_timeout = {}",
-            options.lock_timeout.as_millis()
-        );
-        (&mut *tx)
-            .execute(sqlx::AssertSqlSafe(set))
-            .await
-            .outbox_sql()?;
         // Without parameters a statement runs on the simple query protocol, which takes the
         // several statements of a script in one string.
         (&mut *tx).execute(script.clone()).await.outbox_sql()?;
@@ -767,10 +793,10 @@ async fn build_index(
     step: &Step,
     options: MigrateOptions,
 ) -> Result<()> {
+    // Before the catalog read: printing an index predicate takes an ACCESS SHARE lock.
+    set_lock_timeout(&mut *conn, "SET", options).await?;
     let mut facts = Facts::read(&mut *conn, names).await?;
     if !facts.holds(&step.done, names) {
-        let set = format!("SET lock_timeout = {}", options.lock_timeout.as_millis());
-        conn.execute(sqlx::AssertSqlSafe(set)).await.outbox_sql()?;
         if let Done::Index { table, name } = &step.done {
             let left = wanted_index(names, name)
                 .is_some_and(|w| w.invalid_in(&facts.table(*table).indexes));
@@ -788,6 +814,28 @@ async fn build_index(
     record(ddl, &mut *conn, &facts, step, false).await?;
     tracing::info!(step = step.description, "outbox: migration step applied");
     Ok(())
+}
+
+/// `SET LOCAL` (in a transaction) or `SET` (the session of a concurrent build, closed
+/// afterwards) of the migration's `lock_timeout`.
+async fn set_lock_timeout(
+    conn: &mut PgConnection,
+    set: &str,
+    options: MigrateOptions,
+) -> Result<()> {
+    let sql = format!("{set} lock_timeout = {}", options.lock_timeout.as_millis());
+    conn.execute(sqlx::AssertSqlSafe(sql)).await.outbox_sql()?;
+    Ok(())
+}
+
+/// [`holders`] of the tables as they are now, or none when even that cannot be read.
+async fn holders_of(pool: &PgPool, names: &Names, transaction: bool) -> Vec<LockHolder> {
+    match Facts::oids_only(pool, names).await {
+        Ok(facts) => holders(pool, &facts, transaction, names)
+            .await
+            .unwrap_or_default(),
+        Err(_) => Vec::new(),
+    }
 }
 
 fn migrate_key(names: &Names) -> String {

@@ -110,6 +110,13 @@ async fn problems(
     )
     .await?;
     if let Some(columns) = queue_columns {
+        // A table that lacks a column of the base shape is not an outbox queue table (one of
+        // the application's, say): `migrate` refuses it, so its problems are that alone, not
+        // a list of what `migrate` would add.
+        let foreign = foreign_columns(n, |c| columns.iter().any(|live| live == c));
+        if !foreign.is_empty() {
+            return Ok(foreign);
+        }
         if let Some(buckets) = n.buckets {
             check_distribution(&mut *db, scope, n, buckets.count(), &mut problems).await?;
         } else if columns.iter().any(|c| c == "bucket") {
@@ -156,6 +163,24 @@ async fn problems(
         }
     }
     Ok(problems)
+}
+
+/// The problems of a queue table that lacks a column of the base shape (not one an upgrade
+/// adds): it is not an outbox queue table, and `migrate` never alters a table it did not
+/// create. Empty when every base column is there.
+pub(super) fn foreign_columns(n: &Names, has: impl Fn(&str) -> bool) -> Vec<SchemaProblem> {
+    QUEUE_COLUMNS
+        .iter()
+        .filter(|(column, _, _, by_upgrade)| !by_upgrade && !has(column))
+        .map(|(column, ..)| SchemaProblem {
+            object: format!("{}.{column}", n.table_name),
+            message: "column is missing: this table is not an outbox queue table, and migrate \
+                      never alters a table it did not create; name another table \
+                      (`OutboxBuilder::table`, `--table`)"
+                .to_owned(),
+            needs_upgrade: false,
+        })
+        .collect()
 }
 
 /// One table as Citus holds it: `(which: 0 queue, 1 dead-letter, 2 paused, partmethod,

@@ -1,6 +1,9 @@
 //! Catalog reads of `validate_schema` and `migrate()`. Static: they
 //! take the table as a bind parameter, not as text. Reading the catalog takes no lock on
-//! the tables it describes.
+//! the tables it describes, except where Postgres prints an expression with the table's
+//! column names (`pg_get_expr` of an index predicate, `pg_get_constraintdef` of a CHECK):
+//! that opens the table with an ACCESS SHARE lock, the lock of a `SELECT`, which waits
+//! behind an ACCESS EXCLUSIVE lock held or queued by another session.
 
 /// `$1` qualified table name → its oid, or NULL when it does not exist.
 pub(crate) const TABLE_OID: &str = "SELECT to_regclass($1)::oid::bigint";

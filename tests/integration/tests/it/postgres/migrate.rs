@@ -871,6 +871,12 @@ async fn migrate_over_a_foreign_table_is_refused_before_any_ddl() {
             .all(|p| p.message.contains("not an outbox queue table")),
         "{problems:?}"
     );
+    // `validate_schema` says the same, not a list of what migrate would add (found by a
+    // fresh user: `outbox validate` advised running migrate, which refuses the table).
+    match outbox.validate_schema(&pool).await {
+        Err(Error::SchemaMismatch { problems: seen }) => assert_eq!(&seen, problems),
+        other => panic!("{other:?}"),
+    }
     let created: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_class WHERE relname LIKE $1")
         .bind(format!("{table}%"))
         .fetch_one(&pool)
@@ -996,4 +1002,55 @@ async fn distributed_mode_without_citus_is_refused_before_any_ddl() {
             .unwrap();
         assert!(!exists, "{table} was not created");
     }
+}
+
+/// Found by a fresh user: `migrate()` on an up-to-date schema waited without bound behind
+/// an ACCESS EXCLUSIVE lock on the queue table (9 s against a 2 s deadline), because
+/// printing an index predicate (`pg_get_expr`) opens the table with ACCESS SHARE. The read
+/// is now bounded like a step: past the deadline a typed error names the holder, and once
+/// the holder ends `migrate()` goes through.
+#[tokio::test]
+async fn an_up_to_date_migrate_behind_an_exclusive_lock_keeps_its_deadline() {
+    let pool = pool().await;
+    let outbox = outbox("mig_read_blocked");
+    outbox.migrate(&pool).await.unwrap();
+
+    let mut locker = session().await;
+    let locker_pid = pid(&mut locker).await;
+    locker.execute("BEGIN").await.unwrap();
+    locker
+        .execute(AssertSqlSafe(format!(
+            "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+            outbox.table()
+        )))
+        .await
+        .unwrap();
+
+    let deadline = Duration::from_millis(1000);
+    let options = MigrateOptions::default()
+        .lock_timeout(Duration::from_millis(200))
+        .deadline(deadline);
+    let started = Instant::now();
+    let err = outbox.migrate_with(&pool, options).await.unwrap_err();
+    let waited = started.elapsed();
+    let Error::MigrationBlocked { step, holders, .. } = &err else {
+        panic!("expected MigrationBlocked, got {err:?}");
+    };
+    assert_eq!(step, "reading the catalog");
+    let holder = holders
+        .iter()
+        .find(|h| h.pid == locker_pid)
+        .unwrap_or_else(|| panic!("the locker is named: {err}"));
+    assert!(
+        holder.modes.iter().any(|m| m == "AccessExclusiveLock"),
+        "{holder:?}"
+    );
+    assert!(
+        waited < deadline * 3,
+        "bounded by the deadline ({deadline:?}): {waited:?}"
+    );
+
+    locker.execute("ROLLBACK").await.unwrap();
+    outbox.migrate_with(&pool, options).await.unwrap();
+    drop_tables(&pool, &outbox).await;
 }
