@@ -100,14 +100,6 @@ impl Scope {
         })
     }
 
-    /// One transaction of `pool` for a run of reads that belong together (the catalog
-    /// reads of `validate` and `migrate`), in every scope: one commit however many reads,
-    /// where a session would commit each read as a transaction of its own. Finish it with
-    /// [`Db::done`].
-    pub(crate) async fn reads(self, pool: &PgPool) -> Result<Db<'static>> {
-        Ok(Db::Tx(pool.begin().await.outbox_sql()?))
-    }
-
     /// [`Scope::acquire`] for the writes that must not wait long for a row lock: through a
     /// pooler the transaction starts with `SET LOCAL lock_timeout` (one round trip with its
     /// `BEGIN`); on a session the pool's connections carry it already (a startup parameter).
@@ -221,6 +213,16 @@ pub(crate) enum Db<'c> {
     Borrowed(&'c mut PgConnection),
     /// A transaction of the library's: committed by [`Db::done`], rolled back when dropped.
     Tx(Transaction<'c, Postgres>),
+}
+
+impl Db<'static> {
+    /// A transaction of `pool`, in every scope, for a run of reads that belong together (the
+    /// catalog reads of `validate` and `migrate`): one commit however many reads, where a
+    /// session would commit each read as a transaction of its own. Finish it with
+    /// [`Db::done`].
+    pub(crate) async fn begin(pool: &PgPool) -> Result<Db<'static>> {
+        Ok(Db::Tx(pool.begin().await.outbox_sql()?))
+    }
 }
 
 impl Db<'_> {

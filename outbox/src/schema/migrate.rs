@@ -30,7 +30,7 @@ use super::problem::LockHolder;
 use super::shape::{self, LiveCheck, LiveIndex};
 use crate::error::{Error, OutboxSql, Result};
 use crate::names::Names;
-use crate::scope::Scope;
+use crate::scope::{Db, Scope};
 use crate::sql::catalog;
 use crate::sql::ddl::{
     Ddl, Done, Step, Table, ADVISORY_TRY_LOCK, ADVISORY_TRY_SESSION_LOCK, ADVISORY_UNLOCK,
@@ -181,20 +181,24 @@ impl Facts {
     }
 
     /// Reads in one transaction of its own (one commit for the dozen catalog reads), bounded
-    /// like a step: printing an index predicate or a CHECK opens the table with an ACCESS
-    /// SHARE lock (`catalog::INDEXES`), which waits behind an ACCESS EXCLUSIVE lock another
-    /// session holds or waits for. Each try waits at most `lock_timeout`; past the deadline
-    /// the error names the sessions holding locks on the tables.
+    /// like a step ([`with_retries`]): printing an index predicate or a CHECK opens the table
+    /// with an ACCESS SHARE lock (`catalog::INDEXES`), which waits behind an ACCESS
+    /// EXCLUSIVE lock another session holds or waits for.
     async fn read_pool(
         pool: &PgPool,
         n: &Names,
         options: MigrateOptions,
         started: Instant,
     ) -> Result<Facts> {
-        let mut attempt = 0u32;
-        loop {
-            let tried = async {
-                let mut db = match Scope::Session.reads(pool).await {
+        with_retries(
+            pool,
+            n,
+            "reading the catalog",
+            true,
+            options,
+            started,
+            || async {
+                let mut db = match Db::begin(pool).await {
                     Ok(db) => db,
                     Err(e) => return Err(explain(pool, e).await),
                 };
@@ -202,22 +206,9 @@ impl Facts {
                 let facts = Facts::read(&mut db, n).await?;
                 db.done().await?;
                 Ok(facts)
-            };
-            match tried.await {
-                Err(e) if e.is_lock_timeout() => {}
-                done => return done,
-            }
-            let wait = backoff(attempt);
-            attempt += 1;
-            if started.elapsed() + wait > options.deadline {
-                return Err(Error::MigrationBlocked {
-                    step: "reading the catalog".to_owned(),
-                    waited: started.elapsed(),
-                    holders: holders_of(pool, n, true).await,
-                });
-            }
-            tokio::time::sleep(wait).await;
-        }
+            },
+        )
+        .await
     }
 
     /// The tables' oids alone, all [`holders`] needs: `to_regclass` takes no lock, so this
@@ -553,9 +544,8 @@ async fn apply_with_retries(
     fresh: bool,
     started: Instant,
 ) -> Result<()> {
-    let mut attempt: u32 = 0;
-    loop {
-        let tried = match (&step.fresh_script, step.transaction) {
+    let once = || async {
+        match (&step.fresh_script, step.transaction) {
             (Some(script), false) if fresh => {
                 apply_in_transaction(ddl, names, pool, step, script, options, started).await
             }
@@ -563,24 +553,49 @@ async fn apply_with_retries(
                 apply_in_transaction(ddl, names, pool, step, &step.script, options, started).await
             }
             (_, false) => apply_concurrently(ddl, names, pool, step, options, started).await,
-        };
-        let e = match tried {
-            Ok(()) => return Ok(()),
+        }
+    };
+    let (what, transaction) = (step.description, step.transaction);
+    with_retries(pool, names, what, transaction, options, started, once).await
+}
+
+/// Tries `once` until it succeeds or fails otherwise than by waiting for other sessions: a
+/// lock timeout (or a deadlock) is rolled back, logged with the sessions holding locks on
+/// the tables, and tried again after a back-off, until the deadline counted from the start
+/// of `migrate()`; then [`Error::MigrationBlocked`] names `step` and those sessions
+/// (`transaction`: whether the try ran in a transaction, see [`holders`]).
+async fn with_retries<T, F, Fut>(
+    pool: &PgPool,
+    names: &Names,
+    step: &str,
+    transaction: bool,
+    options: MigrateOptions,
+    started: Instant,
+    mut once: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let mut attempt: u32 = 0;
+    loop {
+        let e = match once().await {
+            Ok(done) => return Ok(done),
             Err(e) if e.is_lock_timeout() || e.sqlstate().as_deref() == Some("40P01") => e,
             Err(e) => return Err(e),
         };
-        let holders = holders_of(pool, names, step.transaction).await;
+        let holders = holders_of(pool, names, transaction).await;
         let wait = backoff(attempt);
         attempt += 1;
         if started.elapsed() + wait > options.deadline {
             return Err(Error::MigrationBlocked {
-                step: step.description.to_owned(),
+                step: step.to_owned(),
                 waited: started.elapsed(),
                 holders,
             });
         }
         tracing::warn!(
-            step = step.description,
+            step,
             attempt,
             error = %e,
             holders = %describe(&holders),

@@ -9,7 +9,7 @@ use super::problem::SchemaProblem;
 use super::shape::{self, LiveIndex, WantedIndex};
 use crate::error::{Error, OutboxSql, Result};
 use crate::names::Names;
-use crate::scope::Scope;
+use crate::scope::{Db, Scope};
 use crate::sql::catalog;
 
 /// `(column, format_type output, NOT NULL, added by an upgrade of older deployments)`.
@@ -65,7 +65,7 @@ pub(crate) async fn validate(
     pool: &PgPool,
 ) -> Result<()> {
     // One connection and one transaction for every catalog read.
-    let mut db = scope.reads(pool).await?;
+    let mut db = Db::begin(pool).await?;
     super::server::require_on(scope, &mut db, super::server::SUPPORTED_POSTGRES).await?;
     // An explicit schema never created is what `migrate` reports (SchemaNotFound, from
     // 3F000); the catalog reads below would only see every table missing.

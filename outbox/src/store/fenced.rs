@@ -352,7 +352,6 @@ fn lease_at(row: &PgRow) -> Result<Lease> {
     })
 }
 
-/// Reads `(rows locked, rearm deadline)` from a locking completion statement.
 /// The follow-up of a success whose fenced DELETE matched nothing (`ack_settle`, under the
 /// row lock): applies a queued rearm (and sends its wake-up), deletes a row whose rearm a
 /// cancel dropped, or finds the lease lost.
@@ -376,6 +375,7 @@ async fn settle(
     settled(&row)
 }
 
+/// Reads `(rows locked, rearm deadline)` from a locking completion statement.
 fn settled(row: &PgRow) -> Result<Completion> {
     let locked: i64 = row.try_get(0).outbox_sql()?;
     let rearmed: Option<DateTime<Utc>> = row.try_get(1).outbox_sql()?;
