@@ -195,32 +195,27 @@ async fn publish_untraced(
             )
             .await?
         }
-        _ => {
-            let statement = match (message.on_conflict, message.timer_id) {
-                (OnConflict::Extend, _) => &sql.extend,
-                (OnConflict::Ignore, Some(_)) => &sql.insert,
-                (OnConflict::Ignore, None) => &sql.plain,
-            };
-            let query = binds(scope.query(statement.clone()), &message, (delay, at));
-            let query = match message.on_conflict {
-                OnConflict::Extend => query.bind(interval(slack_micros(message.slack))),
-                OnConflict::Ignore => query,
-            };
-            let row = query
-                .bucket(bucket)
-                .fetch_optional(&mut *db)
-                .await
-                .outbox_sql()?;
-            match row {
-                None => None,
-                Some(r) => Some(match message.on_conflict {
-                    OnConflict::Ignore => {
-                        Written::Inserted(r.try_get(0).outbox_sql()?, r.try_get(1).outbox_sql()?)
-                    }
-                    OnConflict::Extend => Written::from_extend(&r)?,
-                }),
+        _ => match message.on_conflict {
+            OnConflict::Extend => extend(sql, scope, &mut db, &message, (delay, at)).await?,
+            OnConflict::Ignore => {
+                let statement = match message.timer_id {
+                    Some(_) => &sql.insert,
+                    None => &sql.plain,
+                };
+                let row = binds(scope.query(statement.clone()), &message, (delay, at))
+                    .bucket(bucket)
+                    .fetch_optional(&mut *db)
+                    .await
+                    .outbox_sql()?;
+                match row {
+                    None => None,
+                    Some(r) => Some(Written::Inserted(
+                        r.try_get(0).outbox_sql()?,
+                        r.try_get(1).outbox_sql()?,
+                    )),
+                }
             }
-        }
+        },
     };
     if let Some(Written::Inserted(_, wake)) = &written {
         scope
@@ -255,18 +250,20 @@ enum Written {
 
 impl Written {
     /// An extend's row `(id, inserted, leased, notify)`; `None` for a NULL id (the key's
-    /// row was found and left as it was, distributed mode).
-    fn from_extend(r: &PgRow) -> Result<Written> {
-        let id: i64 = r.try_get(0).outbox_sql()?;
+    /// row was found and left as it was).
+    fn from_extend_or_kept(r: &PgRow) -> Result<Option<Written>> {
+        let Some(id) = r.try_get::<Option<i64>, _>(0).outbox_sql()? else {
+            return Ok(None);
+        };
         let (inserted, leased): (bool, bool) =
             (r.try_get(1).outbox_sql()?, r.try_get(2).outbox_sql()?);
-        Ok(if inserted {
+        Ok(Some(if inserted {
             Written::Inserted(id, r.try_get(3).outbox_sql()?)
         } else if leased {
             Written::RearmQueued(id)
         } else {
             Written::Extended(id)
-        })
+        }))
     }
 }
 
@@ -288,11 +285,43 @@ fn binds<'q>(
         .bind(message.timer_id)
 }
 
-/// How many times a distributed keyed publish goes back to the look when its insert met a
-/// row committed after the look: each round means another transaction created the key
-/// between two statements of ours, so the bound is never reached by a key that is not
-/// created and deleted again that many times in a row.
+/// How many times a keyed publish goes back to the look when its insert met a row
+/// committed after the look (a distributed publish's first statement, a single node's
+/// extend statement): each round means another transaction created the key while ours
+/// ran, so the bound is never reached by a key that is not created and deleted again that
+/// many times in a row.
 pub(crate) const KEYED_ROUNDS: usize = 16;
+
+/// An extend on a single node (see `sql::publish`): one statement, run again while its
+/// insert meets a row of the key committed after the statement's snapshot (it returns no
+/// row then; the next run's snapshot sees that row). Each run of a statement in a READ
+/// COMMITTED transaction takes a new snapshot.
+async fn extend(
+    sql: &sql::publish::Publish,
+    scope: Scope,
+    db: &mut PgConnection,
+    message: &Message<'_>,
+    when: When,
+) -> Result<Option<Written>> {
+    for _ in 0..KEYED_ROUNDS {
+        let row = binds(scope.query(sql.extend.clone()), message, when)
+            .bind(interval(slack_micros(message.slack)))
+            .fetch_optional(&mut *db)
+            .await
+            .outbox_sql()?;
+        if let Some(r) = row {
+            return Written::from_extend_or_kept(&r);
+        }
+    }
+    Err(rounds_exhausted())
+}
+
+/// The error when [`KEYED_ROUNDS`] runs all met a row created after their look.
+fn rounds_exhausted() -> Error {
+    Error::Database(sqlx::Error::Protocol(format!(
+        "the timer key was created and deleted by others {KEYED_ROUNDS} times while this extend ran"
+    )))
+}
 
 /// A keyed publish in distributed mode (see `sql::publish`): the look or the rewrite of
 /// the key's row, then the insert when no row was found, again while the insert meets a
@@ -331,10 +360,7 @@ async fn keyed_in_steps(
                     .await
                     .outbox_sql()?;
                 if let Some(r) = row {
-                    if r.try_get::<Option<i64>, _>(0).outbox_sql()?.is_none() {
-                        return Ok(None);
-                    }
-                    return Written::from_extend(&r).map(Some);
+                    return Written::from_extend_or_kept(&r);
                 }
             }
         }
@@ -355,9 +381,7 @@ async fn keyed_in_steps(
             (None, OnConflict::Extend) => {}
         }
     }
-    Err(Error::Database(sqlx::Error::Protocol(format!(
-        "the timer key was created and deleted by others {KEYED_ROUNDS} times while this extend ran"
-    ))))
+    Err(rounds_exhausted())
 }
 
 /// Publishes a batch on `conn` ([`crate::Outbox::publish_batch`]), in its `send` span.

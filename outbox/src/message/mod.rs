@@ -65,12 +65,16 @@ pub enum OnConflict {
     /// running row and installed when the run ends, so the timer fires again
     /// ([`Published::RearmQueued`]). A deadline not later than the row's (for a running row,
     /// than both its claimed deadline and any queued rearm) changes nothing
-    /// ([`Published::Unchanged`]). On Postgres this is one statement: it locks the key's row
-    /// (`SELECT … FOR UPDATE`, which waits for the row lock of a claim in flight and then
-    /// sees the leased row, so an extend racing a claim ends as a rearm, never lost) and
-    /// updates it, or inserts when there is none (`INSERT … ON CONFLICT DO UPDATE`, so two
-    /// first extends of one key leave one row). An extend of an existing row consumes no
-    /// value of the table's identity sequence. Needs a timer id. See
+    /// ([`Published::Unchanged`]). On Postgres this is one statement: it updates the key's
+    /// row (an `UPDATE` waits for the row lock of a claim in flight and then re-evaluates
+    /// on the leased row, so an extend racing a claim ends as a rearm, never lost); only
+    /// when that writes nothing does it lock the row (`SELECT … FOR UPDATE`) to tell "not
+    /// later" from "no row", and insert when there is none. An insert that meets a row of
+    /// the key committed meanwhile (two first extends of one key) waits for it (`ON
+    /// CONFLICT DO NOTHING`), and the statement runs again and extends that row: one row
+    /// per key. (After 16 such rounds in a row, a key created and deleted by others that
+    /// often meanwhile, the extend fails with a database error.) An extend of an existing
+    /// row consumes no value of the table's identity sequence. Needs a timer id. See
     /// [`Message::slack`] to skip small moves.
     ///
     /// [`Published::Extended`]: crate::Published::Extended

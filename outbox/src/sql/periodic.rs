@@ -135,9 +135,10 @@ SELECT (SELECT count(*) FROM cur), (SELECT bool_or(cancelled) FROM cur),
        OR (t.cancelled_at IS NOT NULL AND t.rearm_at IS NULL)"
         );
         // A stored schedule consumes no identity value (issue 27; every worker start
-        // registers): the shape of `publish.extend` (see sql/publish.rs), lock the key's
-        // row, rewrite it when something changed, insert only when no row was found, with
-        // ON CONFLICT as the guard for a row inserted after the snapshot.
+        // registers): lock the key's row, rewrite it when something changed, insert only
+        // when no row was found, with ON CONFLICT … DO UPDATE as the guard for a row
+        // inserted after the snapshot. Registration runs once per worker start, so it keeps
+        // the lock before the write that `publish.extend`, a hot path, drops (sql/publish.rs).
         let register = format!(
             r#"
 WITH v AS (

@@ -16,10 +16,12 @@ pub(crate) struct Publish {
     pub plain: SqlStr,
     /// A keyed timer, `OnConflict::Ignore`.
     pub insert: SqlStr,
-    /// A keyed timer, `OnConflict::Extend`; `$7` the slack interval → `(id, inserted,
-    /// leased, notify)` when it wrote. Distributed mode: the rewrite of the key's row only,
-    /// one row `(id or NULL when nothing was written, false, leased, NULL)` when the key has
-    /// a row, none when it has not (then `insert`).
+    /// A keyed timer, `OnConflict::Extend`; `$7` the slack interval → one row `(id,
+    /// inserted, leased, notify)` when it wrote, one row `(NULL, false, false, NULL)` when
+    /// the key's row was found and left as it was, none when its insert met a row of the
+    /// key committed after the statement's snapshot (then run it again). Distributed mode:
+    /// the rewrite of the key's row only, one row `(id or NULL when nothing was written,
+    /// false, leased, NULL)` when the key has a row, none when it has not (then `insert`).
     pub extend: SqlStr,
     /// Distributed mode: `$1` queue, `$2` timer id, `$3` bucket → how many rows hold the
     /// key, the look before `insert` (see `render`).
@@ -101,19 +103,23 @@ SELECT ins.id, {notify} FROM ins"#,
         // never applies to a running row without a rearm (`t.rearm_at + $7` is NULL, which
         // `greatest` ignores): that row's completion would delete it.
         //
-        // An existing row consumes no identity value (issue 27): `cur` locks the live row
-        // of the key (through `<t>_timer_id_uq`), `upd` rewrites it when the WHERE holds
-        // (a failed WHERE only leaves the lock, as a failed DO UPDATE WHERE did: no row
-        // version, no index entry), and `ins` gets a row to insert, so a `nextval`, only
-        // when `cur` found none. `upd` joins `cur` so the lock is taken before the write
-        // (a row updated by this very statement could not be locked after). Under the lock
-        // Postgres re-reads the row at its latest version (READ COMMITTED): a claim racing
-        // an extend is seen and the extend queues a rearm (SPEC §5.3); a completion that
-        // deleted the row leaves `cur` empty and the insert brings the timer back, as
-        // ON CONFLICT did. A row inserted after the snapshot is met by ON CONFLICT, which
-        // waits for it and applies the same SET: two first extends of a key never fail.
-        // `v` is the proposed row, named `excluded` in both writes so one text serves both;
-        // `xmax = 0` marks a fresh insert.
+        // The common case, a key whose row moves, is `upd` alone: an UPDATE of the key's
+        // row, with no lock taken first (issue 27: a `SELECT … FOR UPDATE` before it wrote a
+        // lock record and cost about a tenth of the extend). Postgres locks the row as it
+        // updates it; when another transaction changed the row after the snapshot (a claim,
+        // an extend) it waits, then re-evaluates the WHERE and the SET on the committed
+        // version (READ COMMITTED), so a claim racing an extend is seen and the extend
+        // queues a rearm (SPEC §5.3).
+        //
+        // Only when `upd` wrote nothing does `cur` run (its one-time filter skips the scan
+        // otherwise): it locks the key's row at its latest version. A row there means the
+        // extend was not later: one row with a NULL id, nothing written. No row means the
+        // key has none (or a completion deleted it after the snapshot), and `ins` inserts
+        // the timer: a `nextval` only then, so an existing row consumes no identity value.
+        // A row of the key committed after the snapshot is met by ON CONFLICT, which waits
+        // for it and then inserts nothing: the statement returns no row, and the caller
+        // runs it again, on a snapshot that sees that row (`publish.rs`).
+        // `v` is the proposed row, named `excluded` as in an ON CONFLICT clause.
         let pending = "t.acquired_token IS NULL";
         let set = format!(
             r#"next_attempt_at  = CASE WHEN {pending} THEN excluded.next_attempt_at ELSE t.next_attempt_at END,
@@ -129,39 +135,31 @@ SELECT ins.id, {notify} FROM ins"#,
         );
         let later = "excluded.next_attempt_at > CASE WHEN t.acquired_token IS NULL THEN t.next_attempt_at + $7::interval
         ELSE greatest(t.next_attempt_at, t.rearm_at + $7::interval) END";
-        let (bc8, bv8) = bucket_columns(n, 8);
         let extend = format!(
             r#"
 WITH v AS (
     SELECT $1::text AS queue, $2::bytea AS payload, $3::jsonb AS headers,
            coalesce($5::timestamptz, now() + $4::interval) AS next_attempt_at, $6::text AS timer_id),
-cur AS (
-    SELECT id FROM {t} WHERE queue = $1::text AND timer_id = $6::text{b8} FOR UPDATE),
 upd AS (
     UPDATE {t} AS t SET
         {set}
-    FROM cur, v AS excluded
-    WHERE t.queue = $1::text AND t.timer_id = $6::text AND t.id = cur.id{tb8}
+    FROM v AS excluded
+    WHERE t.queue = $1::text AND t.timer_id = $6::text
       AND {later}
-    RETURNING t.id, t.queue, t.next_attempt_at, false AS inserted,
-              (t.acquired_token IS NOT NULL) AS leased),
+    RETURNING t.id, false AS inserted, (t.acquired_token IS NOT NULL) AS leased),
+cur AS (
+    SELECT id FROM {t} WHERE queue = $1::text AND timer_id = $6::text
+      AND NOT EXISTS (SELECT FROM upd) FOR UPDATE),
 ins AS (
-    INSERT INTO {t} AS t ({bc8}queue, payload, headers, next_attempt_at, timer_id)
-    SELECT {bv8}queue, payload, headers, next_attempt_at, timer_id FROM v
-    WHERE NOT EXISTS (SELECT FROM cur)
-    ON CONFLICT {conflict} WHERE timer_id IS NOT NULL DO UPDATE SET
-        {set}
-    WHERE {later}
-    RETURNING t.id, t.queue, t.next_attempt_at, (t.xmax = 0) AS inserted,
-              (t.acquired_token IS NOT NULL) AS leased),
-up AS (
-    SELECT * FROM upd UNION ALL SELECT * FROM ins)
-SELECT up.id, up.inserted, up.leased,
-       CASE WHEN up.inserted THEN {notify} END
-FROM up"#,
-            notify = notify(n, "up"),
-            b8 = in_bucket(n, "", 8),
-            tb8 = in_bucket(n, "t.", 8),
+    INSERT INTO {t} (queue, payload, headers, next_attempt_at, timer_id)
+    SELECT queue, payload, headers, next_attempt_at, timer_id FROM v
+    WHERE NOT EXISTS (SELECT FROM upd) AND NOT EXISTS (SELECT FROM cur)
+    ON CONFLICT {conflict} WHERE timer_id IS NOT NULL DO NOTHING
+    RETURNING id, queue, next_attempt_at)
+SELECT id, inserted, leased, NULL::text FROM upd
+UNION ALL SELECT ins.id, true, false, {notify} FROM ins
+UNION ALL SELECT NULL::bigint, false, false, NULL::text FROM cur"#,
+            notify = notify(n, "ins"),
         );
         // All or nothing, one statement, one notification for the batch (SPEC §2.3).
         // `$1` queue, `$2` payloads, `$3` headers, `$4` delay, `$5` absolute deadline; in

@@ -709,6 +709,104 @@ async fn an_extend_racing_a_claim_queues_a_rearm() {
     f.cleanup().await;
 }
 
+/// Issue 27: an extend first tries an UPDATE of the key's row and inserts only when there
+/// is none. Two first extends of one key: the second's insert meets the first's row,
+/// uncommitted, waits for it, and once it commits runs again and extends that row
+/// (later) or leaves it (not later); once it rolls back, inserts. Never an error, never
+/// two rows.
+#[tokio::test]
+async fn an_extend_racing_the_first_extend_of_its_key_extends_that_timer() {
+    let f = Fixture::new().await;
+    let mut first = f.pool.acquire().await.unwrap();
+    // (the second extend's deadline, commit the first?, the outcome, the row left)
+    let cases = [
+        (120, true, "extended", (120, &b"second"[..])),
+        (30, true, "unchanged", (60, &b"first"[..])),
+        (120, false, "inserted", (120, &b"second"[..])),
+    ];
+    for (i, (second_at, commit, want, (row_at, row_payload))) in cases.into_iter().enumerate() {
+        let key = format!("race{i}");
+        let (t_first, t_second) = (secs(60), secs(second_at));
+        let mut tx = first.begin().await.unwrap();
+        let Published::Inserted { id } = f
+            .outbox
+            .publish(&mut tx, extend(&key, b"first", t_first))
+            .await
+            .unwrap()
+        else {
+            panic!("the first extend inserts")
+        };
+        let (outbox, pool, k) = (f.outbox.clone(), f.pool.clone(), key.clone());
+        let second = tokio::spawn(async move {
+            let mut conn = pool.acquire().await.unwrap();
+            outbox
+                .publish(&mut conn, extend(&k, b"second", t_second))
+                .await
+        });
+        wait_for_lock_wait(&f).await;
+        assert!(!second.is_finished());
+        if commit {
+            tx.commit().await.unwrap();
+        } else {
+            tx.rollback().await.unwrap();
+        }
+        let got = second.await.unwrap().unwrap();
+        match (want, got) {
+            ("extended", Published::Extended { id: got }) => assert_eq!(got, id),
+            ("unchanged", Published::Unchanged) => {}
+            ("inserted", Published::Inserted { id: got }) => assert_ne!(got, id),
+            (want, got) => panic!("case {i}: want {want}, got {got:?}"),
+        }
+        let rows: Vec<_> = f
+            .rows(Q)
+            .await
+            .into_iter()
+            .filter(|r| r.timer_id.as_deref() == Some(key.as_str()))
+            .collect();
+        assert_eq!(rows.len(), 1, "case {i}: one live row per key: {rows:#?}");
+        let at = if row_at == 60 { t_first } else { t_second };
+        assert_pending_timer(&rows[0], at, row_payload);
+    }
+    f.cleanup().await;
+}
+
+/// Issue 27: an extend whose key's row is deleted (a completion) while the extend waits
+/// for its lock brings the timer back as a new row, as it would have if it had come after
+/// the deletion: the UPDATE finds the row gone, the look under lock finds nothing, the
+/// insert runs.
+#[tokio::test]
+async fn an_extend_racing_the_deletion_of_its_row_inserts_the_timer_again() {
+    let f = Fixture::new().await;
+    let Published::Inserted { id } = publish(&f, extend("u1", b"p0", secs(60))).await else {
+        panic!()
+    };
+    let mut deleter = f.pool.acquire().await.unwrap();
+    let mut tx = deleter.begin().await.unwrap();
+    let sql = format!("DELETE FROM {} WHERE id = $1", f.outbox.table());
+    let deleted = sqlx::query(AssertSqlSafe(&*sql))
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(deleted.rows_affected(), 1);
+    let t1 = secs(120);
+    let (outbox, pool) = (f.outbox.clone(), f.pool.clone());
+    let ext = tokio::spawn(async move {
+        let mut conn = pool.acquire().await.unwrap();
+        outbox.publish(&mut conn, extend("u1", b"p1", t1)).await
+    });
+    wait_for_lock_wait(&f).await;
+    tx.commit().await.unwrap();
+    let Published::Inserted { id: new } = ext.await.unwrap().unwrap() else {
+        panic!("the extend inserts the timer again")
+    };
+    assert_ne!(new, id);
+    let row = f.only_row(Q).await;
+    assert_eq!(row.id, new);
+    assert_pending_timer(&row, t1, b"p1");
+    f.cleanup().await;
+}
+
 #[tokio::test]
 async fn every_completion_is_fenced_by_the_token() {
     let f = Fixture::new().await;
