@@ -410,7 +410,7 @@ impl Error {
                 .any(|c| db.message().contains(c));
             if db.code().as_deref() == Some("42703") && upgrade_column {
                 return Error::UpgradeRequired {
-                    detail: db.message().to_owned(),
+                    detail: unaliased(db.message()),
                 };
             }
         }
@@ -469,6 +469,23 @@ impl Error {
             }
         }
         Error::Database(e)
+    }
+}
+
+/// Postgres' 42703 message without the statement's table alias: `column t.rearm_at does
+/// not exist` (our statements name the queue table `t`) reads `column "rearm_at" does not
+/// exist`, which names a column the user can look for. Any other message is kept.
+fn unaliased(message: &str) -> String {
+    let aliased = message
+        .strip_prefix("column ")
+        .and_then(|m| m.strip_suffix(" does not exist"))
+        .and_then(|c| c.split_once('.'))
+        .filter(|(alias, column)| {
+            !alias.is_empty() && !column.is_empty() && !column.contains([' ', '"', '.'])
+        });
+    match aliased {
+        Some((_, column)) => format!("column \"{column}\" does not exist"),
+        None => message.to_owned(),
     }
 }
 
@@ -594,6 +611,28 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fresh-user trial of 2026-12-05: an upgrade error said `column t.rearm_at does not
+    /// exist`, naming our statement's alias `t`, which the user's table does not have.
+    #[test]
+    fn an_upgrade_error_names_the_column_without_our_alias() {
+        assert_eq!(
+            unaliased("column t.rearm_at does not exist"),
+            r#"column "rearm_at" does not exist"#
+        );
+        assert_eq!(
+            unaliased("column d.redriven_at does not exist"),
+            r#"column "redriven_at" does not exist"#
+        );
+        for kept in [
+            r#"column "cancelled_at" does not exist"#,
+            r#"column "rearm_at" of relation "outbox" does not exist"#,
+            "column .rearm_at does not exist",
+            r#"relation "outbox_paused" does not exist"#,
+        ] {
+            assert_eq!(unaliased(kept), kept);
+        }
+    }
 
     /// `main` returning `Result<(), Box<dyn Error>>` prints with Debug: the advice must be
     /// there (found by the issue-15 trial: `Error: NotMigrated { detail: … }` said nothing

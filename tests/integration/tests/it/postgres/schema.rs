@@ -114,6 +114,21 @@ async fn base_shape_with_rows_is_upgraded_in_place() {
         err.to_string().contains(outbox::schema::UPGRADE_GUIDE),
         "{err}"
     );
+    // So does an extend, whose statement names the table `t`: the error names the column
+    // as the table has it, not as `t.<column>` (found by a fresh-user trial, 2026-12-05).
+    let mut conn = pool.acquire().await.unwrap();
+    let extend = Message::new("q", b"x")
+        .timer_id("k1")
+        .on_conflict(OnConflict::Extend);
+    let err = outbox.publish(&mut conn, extend).await.unwrap_err();
+    let Error::UpgradeRequired { detail } = &err else {
+        panic!("expected UpgradeRequired, got {err:?}")
+    };
+    assert!(
+        detail.starts_with("column \"") && !detail.contains("t."),
+        "{detail}"
+    );
+    drop(conn);
 
     outbox.migrate(&pool).await.unwrap();
     let rows_after: Vec<Snap> = sqlx::query_as(AssertSqlSafe(&*snapshot))
