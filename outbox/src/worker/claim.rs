@@ -217,13 +217,25 @@ impl Throttle {
         }
         let connection = e.is_connection_error();
         self.connection = connection;
-        tracing::warn!(
-            error = %e,
-            attempt,
-            connection,
-            not_logged = self.suppressed,
-            "outbox: {what} failed; backing off"
-        );
+        if matches!(e, Error::NotMigrated { .. } | Error::UpgradeRequired { .. }) {
+            // Nothing retries its way past a schema that is missing or predates this version:
+            // say what to run (a deployment may start workers before its migration, so the
+            // worker keeps trying until then).
+            tracing::error!(
+                error = %e,
+                attempt,
+                not_logged = self.suppressed,
+                "outbox: {what} failed: the schema needs `migrate` (see the error); retrying                  until it has run"
+            );
+        } else {
+            tracing::warn!(
+                error = %e,
+                attempt,
+                connection,
+                not_logged = self.suppressed,
+                "outbox: {what} failed; backing off"
+            );
+        }
         self.last = Some(now);
         self.suppressed = 0;
     }

@@ -132,3 +132,49 @@ fn a_worker_on_a_table_that_does_not_exist_says_to_migrate() {
     assert!(text.contains("ERROR"), "{text}");
     assert!(!text.contains("autovacuum is off"), "{text}");
 }
+
+/// A worker started on a table that predates an upgrade (no paused-queues table, no rearm
+/// columns: `migrate` has not run with this version) says to run `migrate`, as an error,
+/// not as the back-off warning of a failing database (found by the fresh-user trial of
+/// 2026-12-05, which saw "claim failed; backing off" every ten seconds and nothing else).
+/// Postgres: `DATABASE_URL`.
+#[test]
+fn a_worker_on_a_table_that_predates_the_upgrade_says_to_migrate() {
+    use outbox::{Outbox, PgStore};
+
+    let (logs, _guard, rt) = capture();
+    let outbox = Outbox::builder()
+        .table(outbox_tests::unique_table("not_upgraded"))
+        .build()
+        .unwrap();
+    let pool = rt.block_on(async {
+        let pool = outbox_tests::pool().await;
+        outbox.migrate_base_only(&pool).await.unwrap();
+        let running = Worker::builder(PgStore::new(pool.clone(), outbox.clone()))
+            .timer::<Tick>(|_t: Tick, _ctx: Context| async {})
+            .build()
+            .unwrap()
+            .start();
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        running.shutdown().await;
+        pool
+    });
+    let text = logs.text();
+    let line = "claim failed: the schema needs `migrate`";
+    assert_eq!(text.matches(line).count(), 1, "{text}");
+    assert!(text.contains("ERROR"), "{text}");
+    assert!(text.contains(outbox::schema::UPGRADE_GUIDE), "{text}");
+    assert!(!text.contains("backing off"), "{text}");
+    rt.block_on(async {
+        let drop = format!(
+            "DROP TABLE IF EXISTS {}, {}, {}",
+            outbox.table(),
+            outbox.dead_letter_table(),
+            outbox.migrations_table()
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+            .execute(&pool)
+            .await
+            .unwrap();
+    });
+}
