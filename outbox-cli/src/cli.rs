@@ -242,6 +242,7 @@ pub enum DlqCommand {
     /// Prints each dead letter's outcome. Exit status 1 when any was not redriven: no such
     /// dead letter, a live row holds its timer key, or its headers are not a string map or
     /// would grow over the limit.
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["ids", "all"])))]
     Redrive {
         /// These dead-letter ids (repeat the option, or separate with commas); not with
         /// --all, --limit or filters.

@@ -67,14 +67,11 @@ pub async fn run(
             filter: f,
             limit,
         } => {
-            let selection = match (ids.is_empty(), all) {
-                (false, _) => Redrive::ids(ids),
-                (true, true) => Redrive::matching(filter(&f.into())?, count(limit)),
-                (true, false) => {
-                    return Err(Failure::usage(
-                        "say which dead letters: --id N (repeatable) or --all with filters",
-                    ))
-                }
+            // clap takes exactly one of --id and --all (the `which` group of `cli.rs`).
+            let selection = if all {
+                Redrive::matching(filter(&f.into())?, count(limit))
+            } else {
+                Redrive::ids(ids)
             };
             redrive(outbox, pool, &selection, as_json).await
         }

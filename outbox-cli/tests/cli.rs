@@ -366,12 +366,21 @@ async fn errors_say_what_to_do() {
         "{}",
         text(&out.stderr)
     );
-    let out = t.run(&["dlq", "redrive"]);
-    assert!(
-        text(&out.stderr).contains("--id N"),
-        "{}",
-        text(&out.stderr)
-    );
+    // Either --id or --all, and the usage line says so (a fresh-user trial read
+    // `Usage: outbox dlq redrive --id <IDS>` after `--id 1 --all`).
+    for args in [
+        &["dlq", "redrive"][..],
+        &["dlq", "redrive", "--id", "1", "--all"],
+    ] {
+        let out = t.run(args);
+        assert_eq!(out.status.code(), Some(2), "a usage error");
+        assert!(
+            text(&out.stderr).contains("Usage: outbox dlq redrive ")
+                && text(&out.stderr).contains(" <--id <IDS>|--all>"),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
     let out = t.run(&["status", "--lease-ttl", "soon"]);
     assert_eq!(out.status.code(), Some(2), "a usage error");
     let long = "x".repeat(70);
