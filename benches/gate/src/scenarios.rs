@@ -1106,6 +1106,41 @@ async fn run_producer_batch(pool: &PgPool, outbox: &Outbox, batch: usize) -> Res
     })
 }
 
+/// Where the one-message writes of a producer or extend scenario run.
+enum Writes {
+    /// On one connection held for the window, outside any transaction: Postgres runs each
+    /// statement as its own transaction (the `…/autocommit` scenarios, as `limit/commit`).
+    Held(sqlx::pool::PoolConnection<sqlx::Postgres>),
+    /// Each in a transaction of its own (`BEGIN` … `COMMIT`) on a pooled connection.
+    PerTransaction(PgPool),
+}
+
+impl Writes {
+    async fn open(pool: &PgPool, autocommit: bool) -> Result<Self, BoxError> {
+        Ok(if autocommit {
+            Writes::Held(pool.acquire().await?)
+        } else {
+            Writes::PerTransaction(pool.clone())
+        })
+    }
+
+    /// Runs one write, committing it when it has a transaction of its own.
+    async fn run(
+        &mut self,
+        mut write: impl AsyncFnMut(&mut PgConnection) -> Result<Published, BoxError>,
+    ) -> Result<Published, BoxError> {
+        match self {
+            Writes::Held(conn) => write(conn).await,
+            Writes::PerTransaction(pool) => {
+                let mut tx = pool.begin().await?;
+                let out = write(&mut tx).await?;
+                tx.commit().await?;
+                Ok(out)
+            }
+        }
+    }
+}
+
 async fn run_producer_per_tx(
     pool: &PgPool,
     outbox: &Outbox,
@@ -1113,24 +1148,13 @@ async fn run_producer_per_tx(
 ) -> Result<Ran, BoxError> {
     let h = headers();
     let payloads: Vec<Vec<u8>> = (0..MESSAGES).map(json).collect();
-    // The autocommit run holds its connection for the window, as `limit/commit` does.
-    let mut held = if autocommit {
-        Some(pool.acquire().await?)
-    } else {
-        None
-    };
+    let mut writes = Writes::open(pool, autocommit).await?;
     let t0 = Instant::now();
     for p in &payloads {
         let message = Message::new("bench", p).headers(&h);
-        let out = match held.as_mut() {
-            Some(conn) => outbox.publish(conn, message).await?,
-            None => {
-                let mut tx = pool.begin().await?;
-                let out = outbox.publish(&mut tx, message).await?;
-                tx.commit().await?;
-                out
-            }
-        };
+        let out = writes
+            .run(async |conn| Ok(outbox.publish(conn, message).await?))
+            .await?;
         expect(matches!(out, Published::Inserted { .. }), "publish", out)?;
     }
     Ok(Ran {
@@ -1172,25 +1196,15 @@ async fn run_extend_pending(
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let picks: Vec<u64> = (0..MESSAGES).map(|_| rng.random_range(0..TIMERS)).collect();
     let bodies: Vec<Body> = (0..MESSAGES).map(|i| Body(body(i))).collect();
-    let mut held = if autocommit {
-        Some(pool.acquire().await?)
-    } else {
-        None
-    };
+    let mut writes = Writes::open(pool, autocommit).await?;
     let t0 = Instant::now();
     for (i, (t, b)) in picks.iter().zip(&bodies).enumerate() {
         let key = format!("t{t}");
         // Strictly later every time, so every extend moves its timer (SPEC §4).
         let delay = Duration::from_secs(3600 + i as u64);
-        let out = match held.as_mut() {
-            Some(conn) => extend_body(outbox.on(conn), &key, b, delay).await?,
-            None => {
-                let mut tx = pool.begin().await?;
-                let out = extend_body(outbox.on(&mut tx), &key, b, delay).await?;
-                tx.commit().await?;
-                out
-            }
-        };
+        let out = writes
+            .run(async |conn| Ok(extend_body(outbox.on(conn), &key, b, delay).await?))
+            .await?;
         expect(matches!(out, Published::Extended { .. }), "extend", out)?;
     }
     Ok(Ran {
