@@ -30,7 +30,7 @@ async fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => {
             // --help and --version are not errors: clap prints them and exits 0.
-            let wants_json = std::env::args().skip(1).any(|a| a == "--json");
+            let wants_json = std::env::args_os().skip(1).any(|a| a == "--json");
             if e.use_stderr() && wants_json {
                 let text = e.render().to_string();
                 report_json(text.trim_end().trim_start_matches("error: "), e.exit_code());

@@ -1296,3 +1296,25 @@ async fn ui_refuses_tables_that_are_not_migrated() {
     assert!(err.contains("migrate --dead-letter`"), "{err}");
     t.cleanup().await;
 }
+
+/// An argument that is not UTF-8 is a usage error (exit 2), with or without `--json`,
+/// never a panic (found by the fresh-user trial of 2026-12-05: `outbox pause $'\xff'`
+/// panicked in the look for `--json`, exit 101).
+#[test]
+fn an_argument_that_is_not_utf8_is_a_usage_error() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+
+    let bad = OsStr::from_bytes(b"\xff");
+    for args in [
+        vec![OsStr::new("pause"), bad],
+        vec![bad],
+        vec![OsStr::new("--json"), OsStr::new("pause"), bad],
+        vec![OsStr::new("pause"), bad, OsStr::new("--json")],
+    ] {
+        let out = outbox_cmd().args(&args).output().unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

@@ -225,7 +225,8 @@ impl Throttle {
                 error = %e,
                 attempt,
                 not_logged = self.suppressed,
-                "outbox: {what} failed: the schema needs `migrate` (see the error); retrying                  until it has run"
+                "outbox: {what} failed: the schema needs `migrate` (see the error); retrying \
+                 until it has run"
             );
         } else {
             tracing::warn!(

@@ -160,7 +160,8 @@ fn a_worker_on_a_table_that_predates_the_upgrade_says_to_migrate() {
         pool
     });
     let text = logs.text();
-    let line = "claim failed: the schema needs `migrate`";
+    let line =
+        "claim failed: the schema needs `migrate` (see the error); retrying until it has run";
     assert_eq!(text.matches(line).count(), 1, "{text}");
     assert!(text.contains("ERROR"), "{text}");
     assert!(text.contains(outbox::schema::UPGRADE_GUIDE), "{text}");
