@@ -541,3 +541,29 @@ async fn writes_to_a_held_key_consume_no_sequence_value_near_the_identity_end() 
     drop(conn);
     f.cleanup().await;
 }
+
+/// A publish in the caller's transaction begun `READ ONLY` is `ReadOnly`, and the message
+/// names that case too, not only a read-only server (found by the fresh-user trial of
+/// 2026-12-05, whose server was a writable primary). Nothing is written.
+#[tokio::test]
+async fn a_publish_in_a_read_only_transaction_says_the_transaction_is_read_only() {
+    let f = Fixture::new().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION READ ONLY")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let extend = Message::new("q", b"x")
+        .timer_id("k")
+        .on_conflict(OnConflict::Extend);
+    let err = f.outbox.publish(&mut tx, extend).await.unwrap_err();
+    assert!(matches!(err, Error::ReadOnly { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("a transaction begun READ ONLY"),
+        "{err}"
+    );
+    tx.rollback().await.unwrap();
+    assert!(f.rows("q").await.is_empty());
+    f.cleanup().await;
+}
