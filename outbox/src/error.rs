@@ -214,8 +214,35 @@ pub enum Error {
     /// into this type by `?` (`From<sqlx::Error>`), is always this variant, whatever its
     /// SQLSTATE: only the library's own statements become [`Error::NotMigrated`],
     /// [`Error::UpgradeRequired`], [`Error::SchemaNotFound`] or [`Error::ReadOnly`].
-    #[error("database error: {0}")]
+    #[error("database error: {}", DatabaseText(.0))]
     Database(#[source] sqlx::Error),
+}
+
+/// A database error as Postgres reported it: its message, SQLSTATE, detail and hint. sqlx's
+/// own text appends "at line N", the line of Postgres' C source that raised the error,
+/// which reads like a line of the statement (found by the fresh-user trial of 2026-12-05:
+/// `column "bucket" does not exist at line 3665`). Any other sqlx error keeps its text.
+struct DatabaseText<'a>(&'a sqlx::Error);
+
+impl fmt::Display for DatabaseText<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let sqlx::Error::Database(db) = self.0 else {
+            return write!(f, "{}", self.0);
+        };
+        f.write_str(db.message())?;
+        if let Some(code) = db.code() {
+            write!(f, " (SQLSTATE {code})")?;
+        }
+        if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+            if let Some(detail) = pg.detail() {
+                write!(f, "; detail: {detail}")?;
+            }
+            if let Some(hint) = pg.hint() {
+                write!(f, "; hint: {hint}")?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A name from the caller, with its control characters escaped (`\0`, `\n`, `\u{1b}`): a

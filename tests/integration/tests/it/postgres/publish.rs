@@ -567,3 +567,28 @@ async fn a_publish_in_a_read_only_transaction_says_the_transaction_is_read_only(
     assert!(f.rows("q").await.is_empty());
     f.cleanup().await;
 }
+
+/// A raw database error says what Postgres said, with its SQLSTATE, and not sqlx's
+/// "at line N" (the line of Postgres' C source, which read like a line of the statement:
+/// found by the fresh-user trial of 2026-12-05). Here: a publish in a transaction an
+/// earlier statement aborted.
+#[tokio::test]
+async fn a_database_error_reads_as_postgres_reported_it() {
+    let f = Fixture::new().await;
+    let mut conn = f.pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    assert!(sqlx::query("SELECT 1/0").execute(&mut *tx).await.is_err());
+    let err = f
+        .outbox
+        .publish(&mut tx, Message::new("q", b"x"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Database(_)), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        "database error: current transaction is aborted, commands ignored until end of \
+         transaction block (SQLSTATE 25P02)"
+    );
+    tx.rollback().await.unwrap();
+    f.cleanup().await;
+}
