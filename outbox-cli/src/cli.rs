@@ -11,7 +11,16 @@ use clap::{Args, Parser, Subcommand};
 /// Every command connects to the database of `--database-url` (or `DATABASE_URL`) and works
 /// on the tables of `--schema` and `--table` (the application's `Outbox` settings).
 #[derive(Debug, Parser)]
-#[command(name = "outbox", version, propagate_version = true)]
+#[command(
+    name = "outbox",
+    version,
+    propagate_version = true,
+    after_help = "Exit status: 0 on success; 1 on a failure, schema problems (validate) or rows \
+                  left undone (run-now, reschedule, delete, dlq redrive); 2 on a usage error (a \
+                  bad option or value, a missing or non-Postgres URL, a queue name, id or time \
+                  range the library refuses). With --json an error is one JSON object on \
+                  stderr: {\"error\": \"...\", \"exit_code\": N}."
+)]
 pub struct Cli {
     #[command(flatten)]
     pub global: Global,
@@ -73,7 +82,8 @@ pub enum Command {
         #[arg(long, value_parser = duration)]
         deadline: Option<Duration>,
     },
-    /// Compare the live schema with what this version needs; list every problem.
+    /// Compare the live schema with what this version needs; list every problem. Exit
+    /// status 1 when there is any.
     Validate,
     /// Statistics per queue: pending, due, leased, expired leases, lateness, rearms, cancel
     /// marks, dead letters, paused.
@@ -84,7 +94,7 @@ pub enum Command {
         #[arg(long)]
         queue: String,
         /// At most this many rows (at least 1).
-        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, default_value_t = 50, value_parser = at_least_one)]
         limit: u64,
     },
     /// Pause a queue: workers stop claiming it; publishing goes on.
@@ -101,7 +111,7 @@ pub enum Command {
     /// when a worker holds the row or no live row has the id.
     RunNow {
         /// The row's id (`outbox pending` lists them).
-        #[arg(value_parser = clap::value_parser!(i64).range(1..))]
+        #[arg(value_parser = row_id)]
         id: i64,
     },
     /// Move the deadline of pending row ID, earlier or later. Exit status 1 when a worker
@@ -109,7 +119,7 @@ pub enum Command {
     #[command(group(clap::ArgGroup::new("when").required(true).args(["in_", "at"])))]
     Reschedule {
         /// The row's id (`outbox pending` lists them).
-        #[arg(value_parser = clap::value_parser!(i64).range(1..))]
+        #[arg(value_parser = row_id)]
         id: i64,
         /// Due this long from now (database clock), e.g. 5m.
         #[arg(long = "in", id = "in_", value_name = "DURATION", value_parser = duration)]
@@ -122,7 +132,7 @@ pub enum Command {
     /// no live row has the id.
     Delete {
         /// The row's id (`outbox pending` lists them).
-        #[arg(value_parser = clap::value_parser!(i64).range(1..))]
+        #[arg(value_parser = row_id)]
         id: i64,
     },
     /// Dead letters: list, redrive, purge.
@@ -230,7 +240,7 @@ pub enum DlqCommand {
         #[command(flatten)]
         filter: DlqFilter,
         /// At most this many rows (at least 1).
-        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, default_value_t = 50, value_parser = at_least_one)]
         limit: u64,
         /// Continue after this dead-letter id (the last id of the previous page).
         #[arg(long)]
@@ -249,7 +259,7 @@ pub enum DlqCommand {
         #[arg(
             long = "id",
             value_delimiter = ',',
-            value_parser = clap::value_parser!(i64).range(1..),
+            value_parser = row_id,
             conflicts_with_all = ["all", "limit", "queue", "reason", "since", "until"]
         )]
         ids: Vec<i64>,
@@ -259,7 +269,7 @@ pub enum DlqCommand {
         #[command(flatten)]
         filter: RedriveFilter,
         /// With --all: at most this many (at least 1).
-        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, default_value_t = 1000, value_parser = at_least_one)]
         limit: u64,
     },
     /// Delete dead letters older than an age, in batches.
@@ -271,7 +281,7 @@ pub enum DlqCommand {
         #[arg(long)]
         queue: Option<String>,
         /// Rows per batch (each batch its own short transaction; at least 1).
-        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, default_value_t = 1000, value_parser = at_least_one)]
         batch_size: u64,
     },
 }
@@ -354,6 +364,23 @@ fn duration(s: &str) -> Result<Duration, String> {
     })
 }
 
+/// A count of at least 1 (clap's own range check would say "0 is not in
+/// 1..18446744073709551615").
+fn at_least_one(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?} is not a whole number of at least 1")),
+    }
+}
+
+/// A row or dead-letter id: a whole number of at least 1.
+fn row_id(s: &str) -> Result<i64, String> {
+    match s.parse::<i64>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?} is not an id (a whole number of at least 1)")),
+    }
+}
+
 /// An RFC 3339 time.
 fn timestamp(s: &str) -> Result<DateTime<Utc>, String> {
     DateTime::parse_from_rfc3339(s)
@@ -380,6 +407,9 @@ mod tests {
         for calendar in ["1M", "1y", "2months"] {
             let e = duration(calendar).unwrap_err();
             assert!(e.contains("calendar unit"), "{calendar}: {e}");
+            // No option of the CLI takes a cron expression (a fresh-user trial was told to
+            // give one for `--older-than 1y`).
+            assert!(!e.contains("cron"), "{calendar}: {e}");
         }
         assert_eq!(duration("1m"), Ok(Duration::from_secs(60)));
         assert_eq!(
@@ -387,6 +417,16 @@ mod tests {
             DateTime::parse_from_rfc3339("2026-11-30T00:00:00Z").unwrap()
         );
         assert!(timestamp("yesterday").unwrap_err().contains("RFC 3339"));
+        assert_eq!(at_least_one("5"), Ok(5));
+        assert_eq!(row_id("7"), Ok(7));
+        for bad in ["0", "-1", "x", ""] {
+            let e = at_least_one(bad).unwrap_err();
+            assert!(
+                e.ends_with("is not a whole number of at least 1"),
+                "{bad}: {e}"
+            );
+            assert!(row_id(bad).unwrap_err().contains("at least 1"), "{bad}");
+        }
         assert_eq!(watch_interval("100ms"), Ok(Duration::from_millis(100)));
         assert_eq!(
             credentials("ops:s3:cret"),

@@ -33,6 +33,15 @@ fn reason(s: &str) -> Result<FailureReason, Failure> {
 }
 
 fn filter(f: &DlqFilter) -> Result<DeadLetterFilter, Failure> {
+    // Checked here, in the options' own names (the library's error names its builder's
+    // methods, failed_after and failed_before).
+    if let (Some(since), Some(until)) = (f.since, f.until) {
+        if since >= until {
+            return Err(Failure::usage(format!(
+                "--since ({since}) must be earlier than --until ({until})"
+            )));
+        }
+    }
     let mut out = DeadLetterFilter::new().include_redriven(f.include_redriven);
     if let Some(q) = &f.queue {
         out = out.queue(q);

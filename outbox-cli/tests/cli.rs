@@ -360,6 +360,29 @@ async fn errors_say_what_to_do() {
     let out = t.run(&["pause", ""]);
     assert_eq!(out.status.code(), Some(2), "a usage error");
     assert!(text(&out.stderr).contains("queue"), "{}", text(&out.stderr));
+    // The options' own names, not the library's (found by the fresh-user trial of
+    // 2026-12-05: "failed_after (…) must be earlier than failed_before (…)").
+    let out = t.run(&[
+        "dlq",
+        "list",
+        "--since",
+        "2027-01-01T00:00:00Z",
+        "--until",
+        "2026-01-01T00:00:00Z",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "a usage error");
+    assert!(
+        text(&out.stderr)
+            .contains("--since (2027-01-01 00:00:00 UTC) must be earlier than --until"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = t.run(&["dlq", "list", "--limit", "0"]);
+    assert!(
+        text(&out.stderr).contains("\"0\" is not a whole number of at least 1"),
+        "{}",
+        text(&out.stderr)
+    );
     let out = t.run(&["dlq", "list", "--reason", "nope"]);
     assert!(
         text(&out.stderr).contains("use one of max_deliveries, retry_exhausted"),
@@ -571,6 +594,13 @@ async fn usage_errors_exit_2_and_json_errors_are_json() {
         .run(&["dlq", "list", "--include-redriven"])
         .status
         .success());
+    // The exit statuses are in --help, not only in the README (fresh-user trial,
+    // 2026-12-05).
+    let help = text(&t.run(&["--help"]).stdout);
+    assert!(
+        help.contains("Exit status: 0 on success; 1 on a failure"),
+        "{help}"
+    );
     let help = text(&t.run(&["status", "--help"]).stdout);
     assert!(help.contains("a bare --watch refreshes every 2s"), "{help}");
     let help = text(&t.run(&["dlq", "redrive", "--help"]).stdout);

@@ -337,14 +337,19 @@ const CALENDAR_UNITS: &[&str] = &["M", "month", "months", "y", "yr", "yrs", "yea
 /// unit (months and years, which humantime reads as fixed averages) or one outside the
 /// fixed units humantime knows (an allow-list, so a calendar spelling a later humantime
 /// learns is refused too). `None` when every unit is a fixed one.
-fn unfixed_unit(text: &str) -> Option<(&str, &'static str)> {
+/// `recurrence`: the text is a periodic timer's step, which a cron expression can replace
+/// (the advice says so only then).
+fn unfixed_unit(text: &str, recurrence: bool) -> Option<(&str, &'static str)> {
     let unit = text
         .split(|c: char| !c.is_ascii_alphabetic())
         .find(|unit| !unit.is_empty() && !FIXED_UNITS.contains(unit))?;
-    let why = if CALENDAR_UNITS.contains(&unit) {
+    let why = if CALENDAR_UNITS.contains(&unit) && recurrence {
         "a calendar unit that humantime reads as a fixed average (a month is 30.44 days, a year \
          365.25): give days (\"30days\") for a fixed step, or a cron expression for calendar \
          dates"
+    } else if CALENDAR_UNITS.contains(&unit) {
+        "a calendar unit that humantime reads as a fixed average (a month is 30.44 days, a year \
+         365.25): give days (\"30days\", \"365days\")"
     } else {
         "not a unit of time: use ns, us, ms, s, m (minutes), h, d or w, or their long names \
          (\"30s\", \"5m\", \"1h 30m\", \"2days\")"
@@ -361,7 +366,7 @@ fn unfixed_unit(text: &str) -> Option<(&str, &'static str)> {
 /// # Errors
 /// [`Error::InvalidArgument`] with `field` as given, saying what is wrong and how to write it.
 pub fn parse_interval(field: &'static str, text: &str) -> Result<Duration> {
-    if let Some((unit, why)) = unfixed_unit(text) {
+    if let Some((unit, why)) = unfixed_unit(text, field == "every") {
         return Err(Error::invalid(
             field,
             format!("{text:?} counts in {unit:?}, {why}"),
@@ -452,6 +457,7 @@ mod tests {
                 Err(Error::InvalidArgument { field, reason }) => {
                     assert_eq!(field, "every", "{bad:?}");
                     assert!(reason.contains("calendar unit"), "{bad:?}: {reason}");
+                    assert!(reason.contains("cron expression"), "{bad:?}: {reason}");
                 }
                 other => panic!("{bad:?}: {other:?}"),
             }
