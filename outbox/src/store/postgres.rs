@@ -68,7 +68,7 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 ///
 /// | for | from | at most |
 /// |---|---|---|
-/// | claims, wake-up reads; handlers' own transactions ([`Context::begin`](crate::Context::begin)); a completion that must wait for a row lock; the queue-depth gauge's read of the statistics, when on | the pool you give | 1 + one per handler slot (its transaction while it runs, or its completion after), + 1 with the queue-depth gauge |
+/// | claims, wake-up reads; handlers' own transactions ([`Context::begin`](crate::Context::begin)); a completion that must wait for a row lock; the queue-depth gauge's read of the statistics, when on | the pool you give | 2 + one per handler slot (its transaction while it runs, or its completion after): 1 for claims and wake-up reads, 1 for the batched acks' rows that wait for a row lock (finished one at a time), + 1 with the queue-depth gauge |
 /// | completions, lease renewal, release at shutdown | a second pool the store opens on first use (a worker's start), with your pool's connect options (not its `after_connect` hooks: put session settings such as `synchronous_commit` in the connect options) and size, plus `lock_timeout = 200ms` (a startup parameter; through a transaction-mode pooler, [`transaction_pooler`](crate::OutboxBuilder::transaction_pooler), a `SET LOCAL` in each write's transaction instead) | `concurrency + 2` |
 /// | `LISTEN` for wake-ups | a connection of its own, outside both pools | 1 |
 ///

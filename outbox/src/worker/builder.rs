@@ -482,8 +482,10 @@ impl<S: Store, St: Send + Sync + 'static> WorkerBuilder<S, St> {
                     format!(
                         "the store's pool holds {has} connection(s); a worker with concurrency {c} needs {needs}: \
                          {slots} for the handler slots (each handler's own transaction while it runs, or its completion after), \
-                         1 for claims, 1 for the batched acks and the lease renewal{gauge} \
-                         (LISTEN uses a connection of its own, outside the pool)",
+                         1 for claims and wake-up reads, 1 for a batched ack that must wait for a row lock \
+                         (the completer finishes such rows one at a time on this pool){gauge} \
+                         (the other completions and the lease renewal use a second pool the store opens, \
+                         LISTEN a connection of its own)",
                         c = self.config.concurrency,
                         slots = needs - 2 - u32::from(self.config.queue_depth.is_some()),
                         gauge = if self.config.queue_depth.is_some() {

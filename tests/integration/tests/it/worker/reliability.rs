@@ -529,6 +529,14 @@ async fn a_pool_too_small_is_refused_by_build() {
             assert_eq!(*knob, "max_connections");
             assert!(reason.contains("holds 1 connection"), "{reason}");
             assert!(reason.contains("needs 4"), "{reason}");
+            // What the two beyond the slots are for, as the `PgStore` docs' table says
+            // (a fresh-user trial of 2026-12-05 found the two disagreeing).
+            assert!(
+                reason.contains("2 for the handler slots")
+                    && reason.contains("1 for claims and wake-up reads")
+                    && reason.contains("1 for a batched ack that must wait for a row lock"),
+                "{reason}"
+            );
         }
         other => panic!("{other:?}"),
     }
