@@ -279,7 +279,12 @@ pub(crate) async fn decide(
                 error_type: None,
             };
         }
-        (RunTransaction::Failed { lease_lost: true, .. }, _) => {
+        (
+            RunTransaction::Failed {
+                lease_lost: true, ..
+            },
+            _,
+        ) => {
             let decision = Decision::Completed {
                 completion: Completion::LeaseLost,
             };
@@ -291,18 +296,18 @@ pub(crate) async fn decide(
             )),
             Some("transaction_error"),
         ),
-        (RunTransaction::Dropped, Outcome::Ack) => (
-            Outcome::Retry(
-                "transaction not committed: the handler began a transaction and returned without committing or rolling it back (it was rolled back)".to_owned(),
-            ),
-            Some("transaction_error"),
-        ),
-        (RunTransaction::Abandoned, Outcome::Ack) => (
-            Outcome::Retry(
-                "transaction not committed: the handler returned while its transaction was still open elsewhere; it can no longer commit, and rolls back when dropped".to_owned(),
-            ),
-            Some("transaction_error"),
-        ),
+        (RunTransaction::Dropped, Outcome::Ack) => {
+            let error = "transaction not committed: the handler began a transaction and returned without committing or rolling it back (it was rolled back)";
+            // A mistake in the handler, not a failure of the run: said at WARN (the retry
+            // itself is logged at INFO, like any failed run).
+            tracing::warn!("outbox: {error}; the run counts as failed");
+            (Outcome::Retry(error.to_owned()), Some("transaction_error"))
+        }
+        (RunTransaction::Abandoned, Outcome::Ack) => {
+            let error = "transaction not committed: the handler returned while its transaction was still open elsewhere; it can no longer commit, and rolls back when dropped";
+            tracing::warn!("outbox: {error}; the run counts as failed");
+            (Outcome::Retry(error.to_owned()), Some("transaction_error"))
+        }
         // Open and Committing are resolved by `settle`.
         (_, failed) => (failed, cause),
     };

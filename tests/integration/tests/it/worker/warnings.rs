@@ -179,3 +179,48 @@ fn a_worker_on_a_table_that_predates_the_upgrade_says_to_migrate() {
             .unwrap();
     });
 }
+
+/// A handler that begins a transaction and returns without committing it is a mistake in
+/// the handler: the worker says so at WARN, not only in the INFO line of the retry (found
+/// by the fresh-user trial of 2026-12-05, which saw nothing with a `warn` filter until
+/// `max_deliveries`). Postgres: `DATABASE_URL`.
+#[test]
+fn a_handler_that_forgets_to_commit_is_a_warning() {
+    use outbox::{HandlerOptions, Message, RetryStrategy};
+
+    let (logs, _guard, rt) = capture();
+    rt.block_on(async {
+        let f = outbox_tests::Fixture::new().await;
+        let mut conn = f.pool.acquire().await.unwrap();
+        let payload = serde_json::to_vec(&Tick { n: 1 }).unwrap();
+        f.outbox
+            .publish(&mut conn, Message::new("drop.test", &payload))
+            .await
+            .unwrap();
+        drop(conn);
+        let running = Worker::builder(f.store.clone())
+            .timer_with::<Tick>(
+                |_t: Tick, ctx: Context| async move {
+                    let _tx = ctx.begin().await?;
+                    // No commit: `_tx` is dropped here.
+                    Ok::<_, outbox::Error>(())
+                },
+                HandlerOptions::new().retry(RetryStrategy::none()),
+            )
+            .build()
+            .unwrap()
+            .start();
+        outbox_tests::eventually(10, "the run failed for good", || async {
+            f.rows("drop.test").await.is_empty()
+        })
+        .await;
+        running.shutdown().await;
+        f.cleanup().await;
+    });
+    let text = logs.text();
+    let line = text
+        .lines()
+        .find(|l| l.contains("the handler began a transaction and returned without committing"))
+        .unwrap_or_else(|| panic!("no warning in:\n{text}"));
+    assert!(line.contains("WARN"), "{line}");
+}
