@@ -442,6 +442,22 @@ impl Error {
                 };
             }
         }
+        // SQLSTATE 42703 on `bucket`: only a distributed outbox's statements name that
+        // column, so this outbox is built with `distributed` over a table created without it
+        // (found by the fresh-user trial of 2026-12-05, as a raw database error).
+        if let sqlx::Error::Database(db) = &e {
+            if db.code().as_deref() == Some("42703")
+                && unaliased(db.message()).starts_with("column \"bucket\" ")
+            {
+                return Error::InvalidConfig {
+                    knob: "distributed",
+                    reason: format!(
+                        "this outbox is built with `distributed`, but its table has no bucket column ({}): the table was created for a single node; build the outbox without `distributed` (the CLI: without --distributed), as the table was migrated",
+                        db.message()
+                    ),
+                };
+            }
+        }
         // SQLSTATE 23514 check_violation of a distributed table's bucket CHECK: this process
         // is built with another bucket count than the table's (docs/guide/citus.md).
         if let sqlx::Error::Database(db) = &e {

@@ -592,3 +592,31 @@ async fn a_database_error_reads_as_postgres_reported_it() {
     tx.rollback().await.unwrap();
     f.cleanup().await;
 }
+
+/// An outbox built with `distributed` over a table migrated for a single node is told so,
+/// not with a raw "column bucket does not exist" (found by the fresh-user trial of
+/// 2026-12-05, with the CLI's `--distributed 4`). Nothing is written.
+#[tokio::test]
+async fn a_distributed_outbox_over_a_single_node_table_is_a_config_error() {
+    let f = Fixture::new().await;
+    let table = f.outbox.table().trim_matches('"').to_owned();
+    let distributed = outbox::Outbox::builder()
+        .table(table)
+        .distributed(4)
+        .build()
+        .unwrap();
+    let mut conn = f.pool.acquire().await.unwrap();
+    let err = distributed
+        .publish(&mut conn, Message::new("q", b"x"))
+        .await
+        .unwrap_err();
+    match &err {
+        Error::InvalidConfig { knob, reason } => {
+            assert_eq!(*knob, "distributed");
+            assert!(reason.contains("has no bucket column"), "{reason}");
+        }
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+    assert!(f.rows("q").await.is_empty());
+    f.cleanup().await;
+}
