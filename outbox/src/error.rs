@@ -170,8 +170,8 @@ pub enum Error {
     /// (Postgres refuses every write there, and `LISTEN` too, with SQLSTATE 25006
     /// `read_only_sql_transaction`), a session or role with `default_transaction_read_only
     /// = on`, or a caller's transaction begun `READ ONLY` (`SET TRANSACTION READ ONLY`) in
-    /// which a publish, extend or cancel ran. Publishing, cancelling and every worker write need the primary. A worker that
-    /// meets it keeps running: it backs off (at most 5 s between tries), counts each failed
+    /// which a publish, extend or cancel ran. Publishing, cancelling and every worker write
+    /// need the primary. A worker that meets it keeps running: it backs off (at most 5 s between tries), counts each failed
     /// claim in `outbox_claim_errors_total{error="ReadOnly"}`, and resumes by itself once the
     /// server accepts writes (a promoted standby). `migrate` asks `pg_is_in_recovery()` first
     /// and refuses a standby with this error before any DDL (`source` is then `None`).
@@ -428,34 +428,32 @@ impl Error {
     /// one means the schema has not been migrated (or upgraded); a user's statement gets
     /// [`Error::Database`] through `From`.
     pub(crate) fn from_outbox_statement(e: sqlx::Error) -> Self {
-        // SQLSTATE 42703 undefined_column: the only columns this version reads that an
-        // older deployment lacks are the rearm columns, the cancel mark (SPEC §1.3) and the
-        // dead-letter redrive columns (issue 16: a table migrated with the dead-letter queue
-        // off, then used with it on).
+        // SQLSTATE 42703 undefined_column, its message without our statements' table alias
+        // (`unaliased`):
+        // - the only columns this version reads that an older deployment lacks are the rearm
+        //   columns, the cancel mark (SPEC §1.3) and the dead-letter redrive columns (issue
+        //   16: a table migrated with the dead-letter queue off, then used with it on);
+        // - only a distributed outbox's statements name `bucket`, so this outbox is built
+        //   with `distributed` over a table created without it (found by the fresh-user
+        //   trial of 2026-12-05, as a raw database error).
         if let sqlx::Error::Database(db) = &e {
-            let upgrade_column = ["rearm_", "cancelled_at", "redriven_"]
-                .iter()
-                .any(|c| db.message().contains(c));
-            if db.code().as_deref() == Some("42703") && upgrade_column {
-                return Error::UpgradeRequired {
-                    detail: unaliased(db.message()),
-                };
-            }
-        }
-        // SQLSTATE 42703 on `bucket`: only a distributed outbox's statements name that
-        // column, so this outbox is built with `distributed` over a table created without it
-        // (found by the fresh-user trial of 2026-12-05, as a raw database error).
-        if let sqlx::Error::Database(db) = &e {
-            if db.code().as_deref() == Some("42703")
-                && unaliased(db.message()).starts_with("column \"bucket\" ")
-            {
-                return Error::InvalidConfig {
-                    knob: "distributed",
-                    reason: format!(
-                        "this outbox is built with `distributed`, but its table has no bucket column ({}): the table was created for a single node; build the outbox without `distributed` (the CLI: without --distributed), as the table was migrated",
-                        db.message()
-                    ),
-                };
+            if db.code().as_deref() == Some("42703") {
+                let detail = unaliased(db.message());
+                if ["rearm_", "cancelled_at", "redriven_"]
+                    .iter()
+                    .any(|c| detail.contains(c))
+                {
+                    return Error::UpgradeRequired { detail };
+                }
+                if detail.starts_with("column \"bucket\" ") {
+                    return Error::InvalidConfig {
+                        knob: "distributed",
+                        reason: format!(
+                            "this outbox is built with `distributed`, but its table has no bucket column ({}): the table was created for a single node; build the outbox without `distributed` (the CLI: without --distributed), as the table was migrated",
+                            db.message()
+                        ),
+                    };
+                }
             }
         }
         // SQLSTATE 23514 check_violation of a distributed table's bucket CHECK: this process
