@@ -176,23 +176,35 @@ GROUP BY bucket, queue ORDER BY min(due), bucket, queue"#
 /// The claim of a relay ordered by the header `header`: up to `$2` due rows of the queues
 /// `$1` (`$3` lease TTL, `$4` ids never to claim, `$5` the new token), leaving out every
 /// row that has a row of the same queue and the same value of `header` with a lower id
-/// still in the table (pending, leased or waiting for a retry): a key's rows are claimed
-/// one at a time, in id order. A row without the header is not held back. Rows of paused
-/// queues are left out. A row a cancel reached while it ran, whose lease then expired (with
-/// no rearm queued), is deleted instead (`gone`, as the common claim's `gone` branch does:
-/// a cancelled row is never run again): left in place it would never be claimed (the common claim does not look at an
-/// ordered relay's queues) and stay in the table for ever. Rendered per relay (the header
-/// is a literal, so an expression index on `(queue, (headers ->> 'header'), id) WHERE
-/// headers ? 'header'` serves the probe). Not for a distributed outbox.
+/// still in the table (pending, leased or waiting for a retry), unless that row is taken by
+/// the same claim: a key's rows are claimed as a **run**, its earliest row (the head) and
+/// the rows right after it in id order, and the worker runs a run's rows one after another,
+/// each only once the one before it succeeded. A row without the header is not held back
+/// and has no run. Rows of paused queues are left out. A row a cancel reached while it ran,
+/// whose lease then expired (with no rearm queued), is deleted instead (`gone`, as the
+/// common claim's `gone` branch does: a cancelled row is never run again): left in place it
+/// would never be claimed (the common claim does not look at an ordered relay's queues) and
+/// stay in the table for ever. Rendered per relay (the header is a literal, so an
+/// expression index on `(queue, (headers ->> 'header'), id) WHERE headers ? 'header'`
+/// serves the probe and the run). Not for a distributed outbox.
 ///
-/// The candidates come per queue from the two partial indexes, as in the common claim
+/// The heads come per queue from the two partial indexes, as in the common claim
 /// (`LATERAL … ORDER BY <index column> LIMIT $2`), each probed for an earlier row of its
-/// key; the claimed ones are then taken oldest id first. A scan of the whole table in id
-/// order filtered by the probe was planned, on a backlog of 10⁵ rows, as a sequential scan
-/// with a probe per row (950 ms with the key index), or with a cost that switched on JIT
+/// key; the heads are then taken oldest id first. A scan of the whole table in id order
+/// filtered by the probe was planned, on a backlog of 10⁵ rows, as a sequential scan with a
+/// probe per row (950 ms with the key index), or with a cost that switched on JIT
 /// compilation (390 ms of JIT for a 1.3 ms claim without it); this shape claims in about
 /// 1 ms either way. Rows held back behind their key's earlier row are still read and
 /// probed: the cost grows with the due rows of keys whose head is in flight.
+///
+/// Runs are looked for only when the heads leave room (fewer than `$2`): with many keys
+/// each claim fills with heads and pays nothing for runs. A head's run is read from the ids
+/// after it within a window of `4 × $2` ids (an id range: through the key index when it
+/// exists, the primary key otherwise, so at most that many rows either way), at most `$2 -
+/// 1` rows, and it ends at the first row that is not pending and due, or that another
+/// transaction holds locked (`FOR UPDATE SKIP LOCKED` skips it; the run keeps only the rows
+/// before it, so it never has a gap). The batch is then cut to `$2` rows by position in
+/// the run (every head, then every run's second row, …), so each run keeps a prefix.
 pub(crate) fn ordered_claim(n: &Names, header: &str) -> SqlStr {
     let (t, p) = (&n.qtable, &n.qpaused);
     let h = quote_literal(header);
@@ -207,6 +219,10 @@ pub(crate) fn ordered_claim(n: &Names, header: &str) -> SqlStr {
                 AND NOT (e.cancelled_at IS NOT NULL AND e.rearm_at IS NULL
                          AND e.acquired_at < now() - $3::interval)))"#
     );
+    // A run's rows must be pending and due: the window's running `bool_and` ends the run
+    // at the first that is not (SPEC §14: one key's messages reach the broker in order).
+    let runnable = "e.acquired_token IS NULL AND e.next_attempt_at <= now() \
+                    AND e.id <> ALL($4::bigint[])";
     query(format!(
         r#"
 WITH gone AS (
@@ -222,22 +238,54 @@ WITH gone AS (
           AND NOT EXISTS (SELECT 1 FROM {p} p WHERE p.queue = x.queue)
         LIMIT $2 FOR UPDATE SKIP LOCKED))),
 cand AS (
-    SELECT c.id, c.deliveries_count FROM {queues}
+    SELECT c.id, c.deliveries_count, c.queue, c.headers ->> {h} AS k FROM {queues}
     CROSS JOIN LATERAL (
-        SELECT c.id, c.deliveries_count FROM {t} c
+        SELECT c.id, c.deliveries_count, c.queue, c.headers FROM {t} c
         WHERE c.queue = q.queue AND c.acquired_token IS NULL AND c.next_attempt_at <= now()
           AND c.id <> ALL($4::bigint[]) AND {head}
         ORDER BY c.next_attempt_at LIMIT $2 FOR UPDATE SKIP LOCKED) c
     UNION ALL
-    SELECT c.id, c.deliveries_count FROM {queues}
+    SELECT c.id, c.deliveries_count, c.queue, c.headers ->> {h} AS k FROM {queues}
     CROSS JOIN LATERAL (
-        SELECT c.id, c.deliveries_count FROM {t} c
+        SELECT c.id, c.deliveries_count, c.queue, c.headers FROM {t} c
         WHERE c.queue = q.queue AND c.acquired_token IS NOT NULL
           AND c.acquired_at < now() - $3::interval AND c.next_attempt_at <= now()
           AND NOT (c.cancelled_at IS NOT NULL AND c.rearm_at IS NULL)
           AND c.id <> ALL($4::bigint[]) AND {head}
         ORDER BY c.acquired_at LIMIT $2 FOR UPDATE SKIP LOCKED) c),
-due AS (SELECT id, deliveries_count FROM cand ORDER BY id LIMIT $2)
+heads AS (SELECT * FROM cand ORDER BY id LIMIT $2),
+next AS MATERIALIZED (
+    SELECT h.id AS head, r.id, r.deliveries_count, r.pos
+    FROM heads h CROSS JOIN LATERAL (
+        SELECT e.id, e.deliveries_count,
+               row_number() OVER (ORDER BY e.id) AS pos,
+               bool_and({runnable}) OVER (ORDER BY e.id) AS runs
+        FROM (SELECT e.* FROM {t} e
+              WHERE h.k IS NOT NULL AND e.queue = h.queue AND e.headers ? {h}
+                AND e.headers ->> {h} = h.k
+                AND e.id > h.id AND e.id <= h.id + 4 * $2
+              ORDER BY e.id LIMIT $2 - 1) e) r
+    WHERE r.runs AND (SELECT count(*) FROM heads) < $2),
+locked AS (
+    -- One primary-key probe per row of `next`.
+    SELECT n.head, n.pos, e.id, e.deliveries_count FROM next n
+    CROSS JOIN LATERAL (
+        SELECT e.id, e.deliveries_count FROM {t} e
+        WHERE e.id = n.id AND {runnable}
+        FOR UPDATE SKIP LOCKED) e),
+run AS (
+    -- A row stays when every row before it in its run is locked too (positions from 1).
+    SELECT id, deliveries_count, pos FROM (
+        SELECT id, deliveries_count, pos,
+               count(*) OVER (PARTITION BY head ORDER BY pos) AS held
+        FROM locked) r
+    WHERE held = pos),
+due AS (
+    SELECT id, deliveries_count FROM (
+        SELECT id, deliveries_count, 0 AS pos FROM heads
+        UNION ALL
+        SELECT id, deliveries_count, pos FROM run) a
+    ORDER BY pos, id LIMIT $2)
 UPDATE {t} t SET acquired_token = $5, acquired_at = now(),
                  deliveries_count = due.deliveries_count + 1
 FROM due

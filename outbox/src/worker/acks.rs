@@ -23,6 +23,9 @@ pub(crate) struct PendingAck {
     pub queue: String,
     /// The run's `settle` span: it ends once the batched delete reported the row.
     pub span: Span,
+    /// The row ends a run of an ordered relay: once it is gone the claim loop looks for its
+    /// key's next row.
+    pub wakes: bool,
 }
 
 /// How many batched completions may be written at once: one normally, so successes pile up
@@ -100,13 +103,9 @@ async fn flush<S: Store>(shared: &Shared<S>, batch: Vec<PendingAck>) {
             .in_scope(|| settled(shared, &pending.span, &pending.queue, Phase::Ack, done));
         shared.held.remove(pending.lease);
     }
-    // A row of an ordered relay is gone: the next row of its key may be claimed now.
-    if batch.iter().any(|p| {
-        shared
-            .routes
-            .get(&p.queue)
-            .is_some_and(|r| r.ordered_by.is_some())
-    }) {
+    // The last row of an ordered relay's run is gone: the next row of its key may be
+    // claimed now.
+    if batch.iter().any(|p| p.wakes) {
         shared.wake_at_local(Instant::now());
     }
 }

@@ -14,7 +14,7 @@ use tracing::Instrument;
 use super::circuit::Gate;
 use super::execute::{execute, Dispatched, Executed, Mode};
 use super::poison::claim_isolating;
-use super::shared::{backoff, Claimed, Shared};
+use super::shared::{backoff, Claimed, RunLink, Shared};
 use crate::error::{Error, Result};
 use crate::store::{ClaimRequest, Store, Wakeup};
 use crate::telemetry;
@@ -106,7 +106,29 @@ async fn receive_in_order<S: Store>(
         .claim_in_order(request, header)
         .instrument(span.clone())
         .await;
-    held(shared, span, claimed)
+    let mut batch = held(shared, span, claimed)?;
+    link_runs(&mut batch, header);
+    Ok(batch)
+}
+
+/// Links the rows of each key's run in `batch` (in id order, as the store returns it), each
+/// to the one after it: a run's rows are consecutive in its key, so each row of a key in the
+/// batch waits for the one before it. Rows run in claim order (`run_due`) or are taken by
+/// the handler slots in claim order (a started worker), so a row's predecessor has always
+/// started before it waits.
+fn link_runs(batch: &mut [Claimed], header: &str) {
+    let mut last: std::collections::HashMap<(String, String), usize> = Default::default();
+    for i in 0..batch.len() {
+        let d = &batch[i].delivery;
+        let Some(key) = d.headers.as_ref().and_then(|h| h.get(header)) else {
+            continue;
+        };
+        if let Some(before) = last.insert((d.queue.clone(), key.clone()), i) {
+            let (then, after) = tokio::sync::oneshot::channel();
+            batch[before].run.then = Some(then);
+            batch[i].run.after = Some(after);
+        }
+    }
 }
 
 /// A claim's result: its metrics, and every row registered as held from now.
@@ -134,6 +156,7 @@ fn held<S: Store>(
             Claimed {
                 delivery: d,
                 receive: span.clone(),
+                run: RunLink::default(),
             }
         })
         .collect();

@@ -102,8 +102,21 @@ pub(crate) async fn execute<S: Store>(
     let Claimed {
         delivery: d,
         receive,
+        run,
     } = claimed;
     let lease = d.lease;
+    // A row of a run starts only once the row before it succeeded; otherwise it is given
+    // back untouched, and so is the rest of the run (dropping `run.then` tells the next).
+    if let Some(after) = run.after {
+        if after.await != Ok(true) {
+            let released = give_back(shared, lease).await;
+            return match (released, mode) {
+                (Err(e), Mode::Inline) => Executed::Failed(e),
+                _ => Executed::GivenBack,
+            };
+        }
+    }
+    let mut then = run.then;
     // A row whose lease was lost while it waited, or that shutdown releases, never starts
     // (SPEC §7.5, §7.8).
     let Some(stop) = shared.held.start(lease) else {
@@ -184,6 +197,16 @@ pub(crate) async fn execute<S: Store>(
             };
         }
     }
+    // The broker confirmed this row (the circuit gave nothing back): the next row of its run
+    // may be published now, while this one's ack is written.
+    let succeeded = matches!(decided.decision, Decision::Ack);
+    let ends_run = then.is_none() || !succeeded;
+    if let Some(next) = then.take() {
+        // The next row's slot may be gone with shutdown; it gives its row back then.
+        let _ = next.send(succeeded);
+    }
+    // An ordered relay's key may have a next row to claim once this run ends.
+    let wakes = route.ordered_by.is_some() && ends_run;
     shared.held.completing(lease);
     // A queue at its max_concurrency is left out of claims; the slot this run frees makes
     // the idle claim loop look again at once (SPEC §6 v2).
@@ -195,7 +218,7 @@ pub(crate) async fn execute<S: Store>(
     let settle = telemetry::settle_span(&span, &d.queue, lease.id);
     drop(span);
     let decision = decided.decision;
-    let written = settle_run(shared, &d, &decision, mode, &mut writes, &settle)
+    let written = settle_run(shared, &d, &decision, mode, wakes, &mut writes, &settle)
         .instrument(settle.clone())
         .await;
     let Settled::Written(done) = written else {
@@ -203,9 +226,9 @@ pub(crate) async fn execute<S: Store>(
         return Executed::Nothing;
     };
     shared.held.remove(lease);
-    // An ordered relay's row ended (acked, retried or dead-lettered): the claim loop looks
+    // An ordered relay's run ended (acked, retried or dead-lettered): the claim loop looks
     // again for the next row of its key.
-    if route.ordered_by.is_some() {
+    if wakes {
         shared.wake_at_local(Instant::now());
     }
     match (writes.failed(), done) {
@@ -299,6 +322,7 @@ async fn settle_run<S: Store>(
     d: &Delivery,
     decision: &Decision,
     mode: Mode<'_>,
+    wakes: bool,
     writes: &mut Writes<'_, S>,
     span: &Span,
 ) -> Settled {
@@ -310,6 +334,7 @@ async fn settle_run<S: Store>(
                     lease,
                     queue: d.queue.clone(),
                     span: span.clone(),
+                    wakes,
                 };
                 if acks.send(pending).await.is_ok() {
                     return Settled::Handed;

@@ -23,6 +23,20 @@ use crate::store::{Delivery, Store};
 pub(crate) struct Claimed {
     pub(crate) delivery: Delivery,
     pub(crate) receive: tracing::Span,
+    /// Its place in a run of an ordered relay's key (none for every other row).
+    pub(crate) run: RunLink,
+}
+
+/// A row's links in a **run**: the consecutive rows of one key an ordered relay claimed
+/// together (`Store::claim_in_order`). A row starts only once the row before it in the run
+/// succeeded (`after` yields `true`), and tells the row after it how it ended (`then`); a
+/// link dropped unsent reads as a failure, so every way a run can end early (a failed or
+/// given-back publish, a lost lease, shutdown) gives the rest of the run back untouched.
+// SPEC §14: the messages of one key reach the broker in commit order.
+#[derive(Debug, Default)]
+pub(crate) struct RunLink {
+    pub(crate) after: Option<tokio::sync::oneshot::Receiver<bool>>,
+    pub(crate) then: Option<tokio::sync::oneshot::Sender<bool>>,
 }
 
 /// State shared by the claim loop, handler tasks and the completer.

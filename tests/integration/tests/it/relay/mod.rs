@@ -10,6 +10,7 @@
 mod amqp;
 mod memory;
 mod nats;
+mod runs;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

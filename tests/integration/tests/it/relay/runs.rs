@@ -1,0 +1,181 @@
+//! Runs of an ordered relay (SPEC §14): a claim takes a key's earliest row and the rows
+//! right after it together, and the worker publishes them one after another, each only once
+//! the one before it was confirmed.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use outbox::relay::{self, BrokerMessage, Relay, Sink, SinkError, Subject};
+use outbox::store::{ClaimRequest, Store};
+use outbox::RetryStrategy;
+use outbox_tests::{eventually, Fixture};
+use sqlx::AssertSqlSafe;
+
+use super::{headers, nats_url, publish, unique, worker};
+
+/// A run ends before the first row the claim may not take: one locked by another
+/// transaction (`a`'s third row), one not due (`b`'s third), and the batch is cut by
+/// position in the run, so every run keeps a prefix.
+#[tokio::test]
+async fn a_claim_takes_each_keys_run_up_to_the_first_row_it_may_not_take() {
+    let f = Fixture::new().await;
+    let t = f.outbox.table();
+    let a = publish(&f, "orders", 5, &headers(&[("key", "a")])).await;
+    let b = publish(&f, "orders", 4, &headers(&[("key", "b")])).await;
+    let c = publish(&f, "orders", 3, &headers(&[("key", "c")])).await;
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {t} SET next_attempt_at = now() + interval '1 hour' WHERE id = $1"
+    )))
+    .bind(b[2])
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let mut holder = f.pool.begin().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT 1 FROM {t} WHERE id = $1 FOR UPDATE"
+    )))
+    .bind(a[2])
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let queues = ["orders".to_owned()];
+    let ttl = Duration::from_secs(60);
+
+    // Room for everything: a1 a2 | b1 b2 | c1 c2 c3.
+    let claimed = f
+        .store
+        .claim_in_order(ClaimRequest::new(&queues, 20, ttl), "key")
+        .await
+        .unwrap();
+    let ids: Vec<i64> = claimed.iter().map(|d| d.lease.id).collect();
+    assert_eq!(ids, vec![a[0], a[1], b[0], b[1], c[0], c[1], c[2]]);
+    assert!(claimed.iter().all(|d| d.deliveries_count == 1));
+    holder.rollback().await.unwrap();
+
+    // Give everything back; a cut to 5 rows keeps the heads, then the second rows by id.
+    let releases: Vec<_> = claimed
+        .iter()
+        .map(|d| outbox::store::Release {
+            lease: d.lease,
+            started: false,
+        })
+        .collect();
+    f.store.release(&releases).await.unwrap();
+    let claimed = f
+        .store
+        .claim_in_order(ClaimRequest::new(&queues, 5, ttl), "key")
+        .await
+        .unwrap();
+    let ids: Vec<i64> = claimed.iter().map(|d| d.lease.id).collect();
+    assert_eq!(ids, vec![a[0], a[1], b[0], b[1], c[0]]);
+    f.cleanup().await;
+}
+
+/// Rejects the first publish of the message whose header `seq` is `2`; records every
+/// publish (its `seq`, and whether it was refused).
+struct RejectSecond {
+    inner: relay::NatsSink,
+    published: Arc<Mutex<Vec<(String, bool)>>>,
+}
+
+impl Sink for RejectSecond {
+    fn publish(&self, message: BrokerMessage) -> BoxFuture<'static, Result<(), SinkError>> {
+        let seq = message.headers.get("seq").cloned().unwrap_or_default();
+        let mut log = self.published.lock().unwrap();
+        let refuse = seq == "2" && !log.iter().any(|(s, _)| s == "2");
+        log.push((seq, refuse));
+        drop(log);
+        if refuse {
+            return Box::pin(async { Err(SinkError::Rejected("injected".into())) });
+        }
+        self.inner.publish(message)
+    }
+}
+
+/// One key's backlog is claimed as a run; the broker refuses its third message once. The
+/// rows after it are given back untouched (pending, their delivery not counted) and are
+/// published only after it, so the stream holds the key's messages in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_message_gives_the_rest_of_its_run_back_uncounted() {
+    const N: usize = 6;
+    let f = Fixture::new().await;
+    let nats = async_nats::connect(nats_url()).await.unwrap();
+    let js = async_nats::jetstream::new(nats);
+    let name = unique("RUNS");
+    let subject = unique("runs");
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{subject}.>")],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut conn = f.pool.acquire().await.unwrap();
+    for seq in 0..N {
+        let h = headers(&[("key", "k"), ("seq", &seq.to_string())]);
+        f.outbox
+            .publish(&mut conn, outbox::Message::new("orders", b"x").headers(&h))
+            .await
+            .unwrap();
+    }
+    drop(conn);
+    let published = Arc::new(Mutex::new(Vec::new()));
+    let sink = RejectSecond {
+        inner: relay::nats(js.clone(), Subject::fixed(format!("{subject}.orders"))),
+        published: published.clone(),
+    };
+    let retry = Duration::from_secs(2);
+    let running = worker(f.store.clone())
+        .relay(
+            ["orders"],
+            Relay::new(sink)
+                .ordered_by_header("key")
+                .retry(RetryStrategy::constant(retry).max_attempts(5)),
+        )
+        .build()
+        .unwrap()
+        .start();
+    // Until the retry is due (2 s), the refused row waits and the three after it are back
+    // in the table, unleased and uncounted.
+    eventually(
+        10,
+        "the refused row retried later, the rest of its run given back",
+        || async {
+            let rows = f.rows("orders").await;
+            rows.len() == N - 2
+                && rows.iter().all(|r| r.acquired_token.is_none())
+                && rows.iter().filter(|r| r.deliveries_count == 0).count() == N - 3
+        },
+    )
+    .await;
+    let log = published.lock().unwrap().clone();
+    assert_eq!(
+        log,
+        vec![
+            ("0".to_owned(), false),
+            ("1".to_owned(), false),
+            ("2".to_owned(), true)
+        ],
+        "nothing after the refused message was published"
+    );
+    // The retry comes due 2 s after the refusal; 10 s is beyond 3×.
+    eventually(10, "every message relayed", || async {
+        f.rows("orders").await.is_empty()
+    })
+    .await;
+    running.shutdown().await;
+    let stream = js.get_stream(&name).await.unwrap();
+    let mut seqs = Vec::new();
+    for s in 1..=N as u64 {
+        let m = stream.get_raw_message(s).await.unwrap();
+        seqs.push(m.headers.get("seq").unwrap().as_str().to_owned());
+    }
+    assert_eq!(
+        seqs,
+        (0..N).map(|s| s.to_string()).collect::<Vec<_>>(),
+        "commit order in the stream"
+    );
+    let _ = js.delete_stream(&name).await;
+    f.cleanup().await;
+}
