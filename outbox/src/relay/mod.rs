@@ -77,7 +77,8 @@
 //! row, and its next firing (a rearm) is applied only by the ack of the current one. Other
 //! messages are relayed in parallel, in no promised order, unless the relay is ordered by a
 //! header ([`Relay::ordered_by_header`]): then the messages of one key reach the broker in
-//! commit order, one at a time, and different keys in parallel.
+//! commit order, each published once the one before it was confirmed, and different keys
+//! in parallel.
 // SPEC §14: the relay.
 
 use std::fmt;
@@ -330,10 +331,13 @@ impl Relay {
     /// uncommitted is invisible, and does not hold a later one back: transactions of one
     /// key that commit concurrently have no order to keep).
     ///
-    /// A key's messages go one at a time: the next is claimed after the ack of the one
-    /// before, so one key's rate is bounded by a publish and an ack round trip. A message
-    /// the broker rejects holds its key's later messages back until it is published or
-    /// dead-lettered. After a crash, a message already published may be published again
+    /// A key's messages go one at a time. A claim takes a key's earliest message and the due
+    /// messages right after it together (a **run**, at most `fetch_batch_size` rows), and
+    /// the relay publishes a run's messages one after another, each once the broker
+    /// confirmed the one before it, so one key's rate is bounded by one publish round trip
+    /// per message. A message the broker rejects (or cannot take: an outage) ends its run:
+    /// the messages after it are given back untouched, and it holds its key's later
+    /// messages back until it is published or dead-lettered. After a crash, a message already published may be published again
     /// (same message id) after its successors were: JetStream drops it within its duplicate
     /// window; on RabbitMQ a consumer that de-duplicates by `message_id` sees the order kept.
     ///
@@ -343,8 +347,8 @@ impl Relay {
     /// Needs a [`PgStore`](crate::PgStore) over an outbox that is not distributed; `build()`
     /// refuses it otherwise ([`Error::InvalidConfig`], knob `relay`), and for a header name
     /// that is empty or longer than 255 bytes. [`Worker::run_due`](crate::Worker::run_due)
-    /// keeps the order too: it claims the relay's queues with the same statement, one row
-    /// per key a round.
+    /// keeps the order too: it claims the relay's queues with the same statement and runs
+    /// each run's rows in order.
     pub fn ordered_by_header(mut self, header: impl Into<String>) -> Self {
         self.ordered_by = Some(header.into());
         self

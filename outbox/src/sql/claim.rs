@@ -210,14 +210,20 @@ pub(crate) fn ordered_claim(n: &Names, header: &str) -> SqlStr {
     let h = quote_literal(header);
     let queues = active_queues("unnest($1::text[]) AS u(queue)", p);
     // No earlier row of the key is left (a cancelled row whose lease expired is never
-    // relayed: it does not hold its key's later rows back).
+    // relayed: it does not hold its key's later rows back). The probe looks for the nearest
+    // earlier row, walking the index down from the row (`ORDER BY id DESC LIMIT 1`; `OFFSET
+    // 0` keeps Postgres from dropping the order inside `EXISTS`): walking up from the key's
+    // lowest id first passes the entries of every row of the key acked since the last
+    // vacuum, for every row probed (one key of 2·10⁴ rows relayed at 229 msg/s that way,
+    // 774 walking down; lab notes of 2026-12-05).
     let head = format!(
         r#"NOT (c.headers ? {h} AND EXISTS (
               SELECT 1 FROM {t} e
               WHERE e.queue = c.queue AND e.headers ? {h}
                 AND e.headers ->> {h} = c.headers ->> {h} AND e.id < c.id
                 AND NOT (e.cancelled_at IS NOT NULL AND e.rearm_at IS NULL
-                         AND e.acquired_at < now() - $3::interval)))"#
+                         AND e.acquired_at < now() - $3::interval)
+              ORDER BY e.id DESC LIMIT 1 OFFSET 0))"#
     );
     // A run's rows must be pending and due: the window's running `bool_and` ends the run
     // at the first that is not (SPEC §14: one key's messages reach the broker in order).

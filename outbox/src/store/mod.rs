@@ -9,7 +9,7 @@
 //!
 //! | group | methods | rule |
 //! |---|---|---|
-//! | claiming | [`Store::claim`], [`Store::register_schedule`], [`Store::claim_in_order`] | due rows and rows whose lease expired, `FOR UPDATE SKIP LOCKED`, one new lease token per claim; a schedule's row written once per key; an ordered relay's rows one per key, in id order |
+//! | claiming | [`Store::claim`], [`Store::register_schedule`], [`Store::claim_in_order`] | due rows and rows whose lease expired, `FOR UPDATE SKIP LOCKED`, one new lease token per claim; a schedule's row written once per key; an ordered relay's rows as runs per key (a key's earliest row and the due rows right after it), in id order |
 //! | completing | [`Store::arm_next`], [`Store::ack`], [`Store::ack_batch`], [`Store::retry`], [`Store::fail`] | every write matches the row id **and** the lease token; a queued rearm is applied by the same write |
 //! | waking up | [`Store::next_wakeup`], [`Store::wakeups`] | sleep until the earliest deadline or a notification, never poll in a loop |
 //! | clock and settings | [`Store::now`], [`Store::dead_letter_enabled`], [`Store::autovacuum_off`] | deadlines and lease ages come from the store's clock |
@@ -645,11 +645,15 @@ pub trait Store: sealed::Sealed + Clone + Send + Sync + 'static {
         request: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Delivery>>> + Send;
 
-    /// Claims up to `request.limit` due rows of `request.queues` **in order per key**: in
-    /// id order, leaving out every row of a queue whose header `key_header` has the value of
-    /// a row with a lower id still in the table (pending, leased or waiting for a retry),
-    /// so a key's rows are claimed one at a time in id order and the next only once the one
-    /// before is gone (acked or dead-lettered). Rows without the header are not held back.
+    /// Claims up to `request.limit` due rows of `request.queues` **in order per key**, in
+    /// id order, as **runs**: a row whose header `key_header` has the value of a row with a
+    /// lower id still in the table (pending, leased or waiting for a retry) is left out,
+    /// unless that row is claimed by the same call. So a key's rows come as a run, its
+    /// earliest row and the consecutive due rows after it, and nothing more of the key is
+    /// claimed until the run's rows are gone (acked or dead-lettered). The caller runs a
+    /// run's rows one after another, each only once the one before it succeeded, and gives
+    /// the rest back untouched ([`Store::release`], not started) when one does not. Rows
+    /// without the header are not held back and have no run.
     /// `queue_limits`, `only` and `resume_after` of the request do not apply. How a relay
     /// with [`Relay::ordered_by_header`](crate::relay::Relay::ordered_by_header) claims.
     ///

@@ -325,6 +325,9 @@ pub(crate) async fn claim_loop<S: Store>(
         // ours, and dropping the future then would strand them until their lease expires.
         // The claim is one short statement; shutdown releases what it returns. (Shutdown
         // gives up on it only at its deadline, when the database does not answer.)
+        // Whether an ordered claim took a run: it found fewer keys than it had room for, so
+        // claiming again at once would find no more (the keys it took are in flight).
+        let mut took_runs = false;
         let claimed = match receive(shared, queues, request, OnRowFault::Isolate).await {
             Ok(mut b) => {
                 // Ordered relays claim their own queues, in order per key, with what is left.
@@ -337,7 +340,10 @@ pub(crate) async fn claim_loop<S: Store>(
                     let request =
                         ClaimRequest::new(&open, cap, config.lease_ttl).excluding(&exclude);
                     match receive_in_order(shared, &open, header, request).await {
-                        Ok(more) => b.extend(more),
+                        Ok(more) => {
+                            took_runs |= more.iter().any(|c| c.run.after.is_some());
+                            b.extend(more);
+                        }
                         Err(e) => {
                             failures += 1;
                             throttle.failed("claim in order", &e, failures);
@@ -378,7 +384,7 @@ pub(crate) async fn claim_loop<S: Store>(
                 }
             }
         }
-        if got == limit {
+        if got == limit && !took_runs {
             contention = Duration::from_millis(10);
             continue;
         }

@@ -63,8 +63,9 @@ pub struct Dispatched {
 pub(crate) enum Executed {
     /// It ran and its completion was written.
     Done(Dispatched),
-    /// Given back untouched: a schedule's row this worker cannot compute ([`hand_back`]), or
-    /// a relay's row whose broker was unavailable ([`give_back`]).
+    /// Given back untouched: a schedule's row this worker cannot compute ([`hand_back`]), a
+    /// relay's row whose broker was unavailable, or a row of a run whose previous row did
+    /// not succeed ([`give_back`]).
     GivenBack,
     /// Nothing to report: the row did not start, its success went to the completer, or
     /// (pipelined) its completion was not written.
