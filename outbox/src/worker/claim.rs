@@ -438,7 +438,18 @@ pub(crate) async fn claim_loop<S: Store>(
                 // Due rows we could not claim are locked by another transaction (a claim
                 // in flight, an uncommitted extend). Look again soon, backing off to at
                 // most a second, and never later than the next row that becomes due.
-                target = target.min(now + contention);
+                // While rows of an ordered relay are in flight, due rows of their keys wait
+                // behind them, and the end of each run wakes us: look again within a
+                // second only (each look reads those rows).
+                let ordered_in_flight = in_order
+                    .iter()
+                    .any(|(_, ordered)| shared.held.holds_any_of(ordered));
+                let wait = if ordered_in_flight {
+                    ceiling.min(Duration::from_secs(1))
+                } else {
+                    contention
+                };
+                target = target.min(now + wait);
                 if let Some(upcoming) = next.upcoming {
                     target = target.min(shared.local(upcoming));
                 }

@@ -181,6 +181,11 @@ impl Held {
         out
     }
 
+    /// Whether any row of `queues` is held, in any phase (completing included).
+    pub(crate) fn holds_any_of(&self, queues: &[String]) -> bool {
+        self.lock().rows.values().any(|e| queues.contains(&e.queue))
+    }
+
     /// How many rows are held.
     pub(crate) fn len(&self) -> usize {
         self.lock().rows.len()

@@ -72,6 +72,38 @@ async fn a_claim_takes_each_keys_run_up_to_the_first_row_it_may_not_take() {
     f.cleanup().await;
 }
 
+/// A key whose first message waits for a retry, with more due messages behind it than a
+/// claim reads first (eight times its limit), does not hide a later key's message: the claim
+/// then reads every due row.
+#[tokio::test]
+async fn a_key_held_back_by_a_retry_does_not_hide_the_keys_after_it() {
+    let f = Fixture::new().await;
+    let t = f.outbox.table();
+    let a = publish(&f, "orders", 200, &headers(&[("key", "a")])).await;
+    let b = publish(&f, "orders", 1, &headers(&[("key", "b")])).await;
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {t} SET next_attempt_at = now() + interval '1 hour' WHERE id = $1"
+    )))
+    .bind(a[0])
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let claimed = f
+        .store
+        .claim_in_order(
+            ClaimRequest::new(&["orders".to_owned()], 10, Duration::from_secs(60)),
+            "key",
+        )
+        .await
+        .unwrap();
+    let ids: Vec<i64> = claimed.iter().map(|d| d.lease.id).collect();
+    assert_eq!(
+        ids, b,
+        "only b's message: every one of a's waits behind its first"
+    );
+    f.cleanup().await;
+}
+
 /// Rejects the first publish of the message whose header `seq` is `2`; records every
 /// publish (its `seq`, and whether it was refused).
 struct RejectSecond {
