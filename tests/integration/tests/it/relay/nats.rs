@@ -32,13 +32,13 @@ async fn jetstream_at(addr: &str) -> jetstream::Context {
         .build(client)
 }
 
-async fn jetstream() -> jetstream::Context {
+pub(super) async fn jetstream() -> jetstream::Context {
     jetstream_at(&nats_url()).await
 }
 
 /// A fresh stream over `<subject>.>` with the given settings; returns its name and subject
 /// prefix.
-async fn stream(
+pub(super) async fn stream(
     js: &jetstream::Context,
     configure: impl FnOnce(&mut stream::Config),
 ) -> (String, String) {
@@ -61,7 +61,10 @@ async fn stream_messages(js: &jetstream::Context, name: &str) -> u64 {
 }
 
 /// Every message of the stream, in stream order.
-async fn read_all(js: &jetstream::Context, name: &str) -> Vec<jetstream::message::StreamMessage> {
+pub(super) async fn read_all(
+    js: &jetstream::Context,
+    name: &str,
+) -> Vec<jetstream::message::StreamMessage> {
     let mut s = js.get_stream(name).await.expect("the stream");
     let last = s.info().await.expect("stream info").state.last_sequence;
     let mut out = Vec::new();
@@ -73,7 +76,7 @@ async fn read_all(js: &jetstream::Context, name: &str) -> Vec<jetstream::message
     out
 }
 
-async fn cleanup(js: &jetstream::Context, name: &str, f: Fixture) {
+pub(super) async fn cleanup(js: &jetstream::Context, name: &str, f: Fixture) {
     let _ = js.delete_stream(name).await;
     f.cleanup().await;
 }
@@ -768,35 +771,56 @@ async fn the_ordered_claim_deletes_a_cancelled_row_whose_lease_expired() {
     cleanup(&js, &name, f).await;
 }
 
-/// Rejects the first publish of the message whose header `seq` is `0`; publishes the rest.
-struct RejectFirst {
+/// Refuses the first publish of the message whose header `seq` is `seq`; publishes the
+/// rest. Records every publish: its `seq`, and whether it was refused.
+pub(super) struct RefuseOnce {
     inner: relay::NatsSink,
-    rejected: Arc<std::sync::atomic::AtomicBool>,
+    seq: &'static str,
+    published: PublishLog,
 }
 
-impl Sink for RejectFirst {
+/// What [`RefuseOnce`] published, in order: each message's `seq`, and whether it was refused.
+pub(super) type PublishLog = Arc<std::sync::Mutex<Vec<(String, bool)>>>;
+
+impl RefuseOnce {
+    fn new(inner: relay::NatsSink, seq: &'static str) -> Self {
+        RefuseOnce {
+            inner,
+            seq,
+            published: Arc::default(),
+        }
+    }
+}
+
+impl Sink for RefuseOnce {
     fn publish(&self, message: BrokerMessage) -> BoxFuture<'static, Result<(), SinkError>> {
-        if message.headers.get("seq").map(String::as_str) == Some("0")
-            && !self.rejected.swap(true, Ordering::SeqCst)
-        {
+        let seq = message.headers.get("seq").cloned().unwrap_or_default();
+        let mut log = self.published.lock().unwrap();
+        let refuse = seq == self.seq && !log.iter().any(|(s, _)| *s == seq);
+        log.push((seq, refuse));
+        drop(log);
+        if refuse {
             return Box::pin(async { Err(SinkError::Rejected("injected".into())) });
         }
         self.inner.publish(message)
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn run_due_keeps_an_ordered_relays_key_order_when_a_message_is_retried() {
-    const N: usize = 5;
-    let f = Fixture::new().await;
-    let js = jetstream().await;
-    let (name, subject) = stream(&js, |_| {}).await;
-    let rejected = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let sink = RejectFirst {
-        inner: relay::nats(js.clone(), Subject::fixed(format!("{subject}.orders"))),
-        rejected: rejected.clone(),
-    };
-    let retry = Duration::from_millis(300);
+/// A worker relaying `orders` to `<subject>.orders`, ordered by the header `key`, whose
+/// broker refuses the message with header `seq` = `refuse` once (retried after `retry`);
+/// with the log of its publishes.
+pub(super) fn refusing_relay(
+    f: &Fixture,
+    js: &jetstream::Context,
+    subject: &str,
+    refuse: &'static str,
+    retry: Duration,
+) -> (outbox::Worker<PgStore>, PublishLog) {
+    let sink = RefuseOnce::new(
+        relay::nats(js.clone(), Subject::fixed(format!("{subject}.orders"))),
+        refuse,
+    );
+    let published = sink.published.clone();
     let relay = worker(f.store.clone())
         .relay(
             ["orders"],
@@ -806,17 +830,33 @@ async fn run_due_keeps_an_ordered_relays_key_order_when_a_message_is_retried() {
         )
         .build()
         .unwrap();
+    (relay, published)
+}
+
+/// Publishes `n` messages of `orders` with the key `k` and the headers `seq` 0, 1, …, one
+/// transaction each.
+pub(super) async fn publish_sequence(f: &Fixture, n: usize) {
     let mut conn = f.pool.acquire().await.unwrap();
-    for seq in 0..N {
+    for seq in 0..n {
         let h = headers(&[("key", "k"), ("seq", &seq.to_string())]);
         f.outbox
             .publish(&mut conn, outbox::Message::new("orders", b"x").headers(&h))
             .await
             .unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_due_keeps_an_ordered_relays_key_order_when_a_message_is_retried() {
+    const N: usize = 5;
+    let f = Fixture::new().await;
+    let js = jetstream().await;
+    let (name, subject) = stream(&js, |_| {}).await;
+    let (relay, published) = refusing_relay(&f, &js, &subject, "0", Duration::from_millis(300));
+    publish_sequence(&f, N).await;
     relay.run_due().await.unwrap();
     assert!(
-        rejected.load(Ordering::SeqCst),
+        published.lock().unwrap().contains(&("0".to_owned(), true)),
         "the first message was rejected"
     );
     assert_eq!(

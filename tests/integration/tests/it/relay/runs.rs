@@ -2,17 +2,14 @@
 //! right after it together, and the worker publishes them one after another, each only once
 //! the one before it was confirmed.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::future::BoxFuture;
-use outbox::relay::{self, BrokerMessage, Relay, Sink, SinkError, Subject};
 use outbox::store::{ClaimRequest, Store};
-use outbox::RetryStrategy;
 use outbox_tests::{eventually, Fixture};
 use sqlx::AssertSqlSafe;
 
-use super::{headers, nats_url, publish, unique, worker};
+use super::nats::{cleanup, jetstream, publish_sequence, read_all, refusing_relay, stream};
+use super::{headers, publish};
 
 /// A run ends before the first row the claim may not take: one locked by another
 /// transaction (`a`'s third row), one not due (`b`'s third), and the batch is cut by
@@ -104,27 +101,6 @@ async fn a_key_held_back_by_a_retry_does_not_hide_the_keys_after_it() {
     f.cleanup().await;
 }
 
-/// Rejects the first publish of the message whose header `seq` is `2`; records every
-/// publish (its `seq`, and whether it was refused).
-struct RejectSecond {
-    inner: relay::NatsSink,
-    published: Arc<Mutex<Vec<(String, bool)>>>,
-}
-
-impl Sink for RejectSecond {
-    fn publish(&self, message: BrokerMessage) -> BoxFuture<'static, Result<(), SinkError>> {
-        let seq = message.headers.get("seq").cloned().unwrap_or_default();
-        let mut log = self.published.lock().unwrap();
-        let refuse = seq == "2" && !log.iter().any(|(s, _)| s == "2");
-        log.push((seq, refuse));
-        drop(log);
-        if refuse {
-            return Box::pin(async { Err(SinkError::Rejected("injected".into())) });
-        }
-        self.inner.publish(message)
-    }
-}
-
 /// One key's backlog is claimed as a run; the broker refuses its third message once. The
 /// rows after it are given back untouched (pending, their delivery not counted) and are
 /// published only after it, so the stream holds the key's messages in commit order.
@@ -132,42 +108,11 @@ impl Sink for RejectSecond {
 async fn a_refused_message_gives_the_rest_of_its_run_back_uncounted() {
     const N: usize = 6;
     let f = Fixture::new().await;
-    let nats = async_nats::connect(nats_url()).await.unwrap();
-    let js = async_nats::jetstream::new(nats);
-    let name = unique("RUNS");
-    let subject = unique("runs");
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: name.clone(),
-        subjects: vec![format!("{subject}.>")],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let mut conn = f.pool.acquire().await.unwrap();
-    for seq in 0..N {
-        let h = headers(&[("key", "k"), ("seq", &seq.to_string())]);
-        f.outbox
-            .publish(&mut conn, outbox::Message::new("orders", b"x").headers(&h))
-            .await
-            .unwrap();
-    }
-    drop(conn);
-    let published = Arc::new(Mutex::new(Vec::new()));
-    let sink = RejectSecond {
-        inner: relay::nats(js.clone(), Subject::fixed(format!("{subject}.orders"))),
-        published: published.clone(),
-    };
-    let retry = Duration::from_secs(2);
-    let running = worker(f.store.clone())
-        .relay(
-            ["orders"],
-            Relay::new(sink)
-                .ordered_by_header("key")
-                .retry(RetryStrategy::constant(retry).max_attempts(5)),
-        )
-        .build()
-        .unwrap()
-        .start();
+    let js = jetstream().await;
+    let (name, subject) = stream(&js, |_| {}).await;
+    publish_sequence(&f, N).await;
+    let (relay, published) = refusing_relay(&f, &js, &subject, "2", Duration::from_secs(2));
+    let running = relay.start();
     // Until the retry is due (2 s), the refused row waits and the three after it are back
     // in the table, unleased and uncounted.
     eventually(
@@ -197,17 +142,15 @@ async fn a_refused_message_gives_the_rest_of_its_run_back_uncounted() {
     })
     .await;
     running.shutdown().await;
-    let stream = js.get_stream(&name).await.unwrap();
-    let mut seqs = Vec::new();
-    for s in 1..=N as u64 {
-        let m = stream.get_raw_message(s).await.unwrap();
-        seqs.push(m.headers.get("seq").unwrap().as_str().to_owned());
-    }
+    let seqs: Vec<String> = read_all(&js, &name)
+        .await
+        .iter()
+        .map(|m| m.headers.get("seq").unwrap().as_str().to_owned())
+        .collect();
     assert_eq!(
         seqs,
         (0..N).map(|s| s.to_string()).collect::<Vec<_>>(),
         "commit order in the stream"
     );
-    let _ = js.delete_stream(&name).await;
-    f.cleanup().await;
+    cleanup(&js, &name, f).await;
 }
