@@ -114,6 +114,18 @@ impl Target {
         c
     }
 
+    /// The queue table as a JSON document names it: `{"schema": …, "table": …}`, each as
+    /// given on the command line (`schema` null when not given), not quoted for SQL.
+    pub fn json_names(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        m.insert("schema".into(), self.schema.clone().into());
+        m.insert(
+            "table".into(),
+            self.table.as_deref().unwrap_or("outbox").into(),
+        );
+        m
+    }
+
     /// The migrate command for these tables.
     pub fn migrate(&self) -> String {
         self.command("migrate")

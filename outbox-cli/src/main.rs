@@ -106,9 +106,9 @@ async fn run(cli: Cli, target: &Target) -> Result<(), Failure> {
         Command::Migrate {
             lock_timeout,
             deadline,
-        } => schema::migrate(&outbox, &pool, lock_timeout, deadline, json).await,
+        } => schema::migrate(&outbox, &pool, target, lock_timeout, deadline, json).await,
         Command::Validate => schema::validate(&outbox, &pool, target, json).await,
-        Command::Status(args) => status::run(&outbox, &pool, &args, json).await,
+        Command::Status(args) => status::run(&outbox, &pool, target, &args, json).await,
         Command::Pending { queue, limit } => {
             queues::pending(&outbox, &pool, &queue, cli::count(limit), json).await
         }

@@ -14,6 +14,7 @@ use crate::output;
 pub async fn migrate(
     outbox: &Outbox,
     pool: &PgPool,
+    target: &Target,
     lock_timeout: Option<Duration>,
     deadline: Option<Duration>,
     as_json: bool,
@@ -58,7 +59,10 @@ pub async fn migrate(
                 })
             })
             .collect();
-        output::json(&json!({ "table": outbox.table(), "steps": steps, "applied_now": now }));
+        let mut doc = target.json_names();
+        doc.insert("steps".into(), steps.into());
+        doc.insert("applied_now".into(), now.into());
+        output::json(&serde_json::Value::Object(doc));
     } else {
         let mut t = output::table(&["version", "step", "applied at", "how"]);
         for a in &applied {

@@ -10,12 +10,13 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 
 use crate::cli::StatusArgs;
-use crate::connect::Failure;
+use crate::connect::{Failure, Target};
 use crate::output;
 
 pub async fn run(
     outbox: &Outbox,
     pool: &PgPool,
+    target: &Target,
     args: &StatusArgs,
     as_json: bool,
 ) -> Result<(), Failure> {
@@ -29,13 +30,13 @@ pub async fn run(
         request = request.queues(args.queues.iter().cloned());
     }
     let Some(every) = args.watch else {
-        return once(outbox, pool, &request, as_json, false).await;
+        return once(outbox, pool, target, &request, as_json, false).await;
     };
     // Until interrupted (Ctrl-C ends the process); a failed refresh ends it too, with the
     // reason, rather than showing stale figures.
     let clear = !as_json && std::io::stdout().is_terminal();
     loop {
-        once(outbox, pool, &request, as_json, clear).await?;
+        once(outbox, pool, target, &request, as_json, clear).await?;
         // At least 100 ms by the option's parser.
         tokio::time::sleep(every).await;
     }
@@ -44,6 +45,7 @@ pub async fn run(
 async fn once(
     outbox: &Outbox,
     pool: &PgPool,
+    target: &Target,
     request: &StatsRequest,
     as_json: bool,
     clear: bool,
@@ -62,12 +64,11 @@ async fn once(
             .iter()
             .map(|s| queue_json(s, paused.contains(&s.queue)))
             .collect();
-        output::json(&json!({
-            "table": outbox.table(),
-            "at": output::time(Utc::now()),
-            "queues": queues,
-            "paused": paused,
-        }));
+        let mut doc = target.json_names();
+        doc.insert("at".into(), output::time(Utc::now()).into());
+        doc.insert("queues".into(), queues.into());
+        doc.insert("paused".into(), paused.into());
+        output::json(&Value::Object(doc));
         return Ok(());
     }
     if clear {

@@ -119,6 +119,9 @@ async fn migrate_and_validate() {
         steps["steps"].as_array().unwrap().len(),
         t.outbox.migration_steps().len()
     );
+    // The names as given, not quoted for SQL.
+    assert_eq!(steps["table"], t.name.as_str(), "{steps}");
+    assert_eq!(steps["schema"], Value::Null, "{steps}");
     assert_eq!(t.json(&["validate"])["ok"], true);
     let out = t.run(&["validate"]);
     assert!(text(&out.stdout).contains("is valid"));
@@ -172,6 +175,7 @@ async fn status_pending_pause_and_resume() {
     drop(conn);
 
     let status = t.json(&["status"]);
+    assert_eq!(status["table"], t.name.as_str(), "{status}");
     let q = queue_of(&status, "cli.q");
     assert_eq!(q["pending"], 3, "{q}");
     assert_eq!(q["due"], 2, "{q}");

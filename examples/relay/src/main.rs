@@ -82,6 +82,8 @@ async fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "warn,lapin::returned_messages=error".into()),
         )
+        // Colours only for a terminal: a redirected log stays plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     let done = match Cli::parse().command {
         Command::Demo {
