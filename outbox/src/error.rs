@@ -171,10 +171,11 @@ pub enum Error {
     /// `read_only_sql_transaction`), a session or role with `default_transaction_read_only
     /// = on`, or a caller's transaction begun `READ ONLY` (`SET TRANSACTION READ ONLY`) in
     /// which a publish, extend or cancel ran. Publishing, cancelling and every worker write
-    /// need the primary. A worker that meets it keeps running: it backs off (at most 5 s between tries), counts each failed
-    /// claim in `outbox_claim_errors_total{error="ReadOnly"}`, and resumes by itself once the
-    /// server accepts writes (a promoted standby). `migrate` asks `pg_is_in_recovery()` first
-    /// and refuses a standby with this error before any DDL (`source` is then `None`).
+    /// need the primary. A worker that meets it keeps running: it backs off (at most 5 s
+    /// between tries), counts each failed claim in
+    /// `outbox_claim_errors_total{error="ReadOnly"}`, and resumes by itself once the server
+    /// accepts writes (a promoted standby). `migrate` asks `pg_is_in_recovery()` first and
+    /// refuses a standby with this error before any DDL (`source` is then `None`).
     #[error("the server or the transaction is read-only ({detail}): outbox writes need a read-write transaction on the primary, not a standby in recovery, a read-only session or a transaction begun READ ONLY")]
     ReadOnly {
         /// What Postgres reported, or that `pg_is_in_recovery()` is true.

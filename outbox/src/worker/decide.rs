@@ -296,15 +296,14 @@ pub(crate) async fn decide(
             )),
             Some("transaction_error"),
         ),
-        (RunTransaction::Dropped, Outcome::Ack) => {
-            let error = "transaction not committed: the handler began a transaction and returned without committing or rolling it back (it was rolled back)";
+        (uncommitted @ (RunTransaction::Dropped | RunTransaction::Abandoned), Outcome::Ack) => {
+            let error = if matches!(uncommitted, RunTransaction::Dropped) {
+                "transaction not committed: the handler began a transaction and returned without committing or rolling it back (it was rolled back)"
+            } else {
+                "transaction not committed: the handler returned while its transaction was still open elsewhere; it can no longer commit, and rolls back when dropped"
+            };
             // A mistake in the handler, not a failure of the run: said at WARN (the retry
             // itself is logged at INFO, like any failed run).
-            tracing::warn!("outbox: {error}; the run counts as failed");
-            (Outcome::Retry(error.to_owned()), Some("transaction_error"))
-        }
-        (RunTransaction::Abandoned, Outcome::Ack) => {
-            let error = "transaction not committed: the handler returned while its transaction was still open elsewhere; it can no longer commit, and rolls back when dropped";
             tracing::warn!("outbox: {error}; the run counts as failed");
             (Outcome::Retry(error.to_owned()), Some("transaction_error"))
         }

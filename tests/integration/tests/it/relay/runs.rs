@@ -11,6 +11,18 @@ use sqlx::AssertSqlSafe;
 use super::nats::{cleanup, jetstream, publish_sequence, read_all, refusing_relay, stream};
 use super::{headers, publish};
 
+/// Moves row `id`'s deadline an hour ahead, as a retry waiting for its back-off would.
+async fn not_due_for_an_hour(f: &Fixture, id: i64) {
+    let t = f.outbox.table();
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {t} SET next_attempt_at = now() + interval '1 hour' WHERE id = $1"
+    )))
+    .bind(id)
+    .execute(&f.pool)
+    .await
+    .unwrap();
+}
+
 /// A run ends before the first row the claim may not take: one locked by another
 /// transaction (`a`'s third row), one not due (`b`'s third), and the batch is cut by
 /// position in the run, so every run keeps a prefix.
@@ -21,13 +33,7 @@ async fn a_claim_takes_each_keys_run_up_to_the_first_row_it_may_not_take() {
     let a = publish(&f, "orders", 5, &headers(&[("key", "a")])).await;
     let b = publish(&f, "orders", 4, &headers(&[("key", "b")])).await;
     let c = publish(&f, "orders", 3, &headers(&[("key", "c")])).await;
-    sqlx::query(AssertSqlSafe(format!(
-        "UPDATE {t} SET next_attempt_at = now() + interval '1 hour' WHERE id = $1"
-    )))
-    .bind(b[2])
-    .execute(&f.pool)
-    .await
-    .unwrap();
+    not_due_for_an_hour(&f, b[2]).await;
     let mut holder = f.pool.begin().await.unwrap();
     sqlx::query(AssertSqlSafe(format!(
         "SELECT 1 FROM {t} WHERE id = $1 FOR UPDATE"
@@ -75,16 +81,9 @@ async fn a_claim_takes_each_keys_run_up_to_the_first_row_it_may_not_take() {
 #[tokio::test]
 async fn a_key_held_back_by_a_retry_does_not_hide_the_keys_after_it() {
     let f = Fixture::new().await;
-    let t = f.outbox.table();
     let a = publish(&f, "orders", 200, &headers(&[("key", "a")])).await;
     let b = publish(&f, "orders", 1, &headers(&[("key", "b")])).await;
-    sqlx::query(AssertSqlSafe(format!(
-        "UPDATE {t} SET next_attempt_at = now() + interval '1 hour' WHERE id = $1"
-    )))
-    .bind(a[0])
-    .execute(&f.pool)
-    .await
-    .unwrap();
+    not_due_for_an_hour(&f, a[0]).await;
     let claimed = f
         .store
         .claim_in_order(
