@@ -129,7 +129,10 @@ pub enum Error {
     },
 
     /// [`crate::schema::validate_schema`] found the live database different from what this
-    /// version needs. Every problem is listed.
+    /// version needs. Every problem is listed. Any other call gives it (one problem) when
+    /// the table it names lacks a column that every version's queue and dead-letter tables
+    /// have (Postgres reported SQLSTATE 42703, `undefined_column`): the name is not an
+    /// outbox table's.
     #[error("the outbox schema does not match this version: {}", SchemaProblems(.problems))]
     SchemaMismatch {
         /// Every problem found, in a stable order.
@@ -455,6 +458,26 @@ impl Error {
                         ),
                     };
                 }
+                // Any other column: every version's tables have it, so the table the
+                // outbox names is not an outbox table (a wrong `--table`, say `pg_class`;
+                // found by the fresh-user trial of 2026-12-05 as a raw database error).
+                let column = detail
+                    .split('"')
+                    .nth(1)
+                    .filter(|c| !c.is_empty())
+                    .unwrap_or(&detail)
+                    .to_owned();
+                return Error::SchemaMismatch {
+                    problems: vec![SchemaProblem {
+                        object: column,
+                        message: format!(
+                            "column is missing ({detail}): the table this outbox names is not \
+                             an outbox table; name the outbox's table (`OutboxBuilder::table`, \
+                             `--table`; `validate_schema` lists every difference)"
+                        ),
+                        needs_upgrade: false,
+                    }],
+                };
             }
         }
         // SQLSTATE 23514 check_violation of a distributed table's bucket CHECK: this process

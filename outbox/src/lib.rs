@@ -101,13 +101,15 @@
 //! are [`Error::InvalidName`], bad worker knobs [`Error::InvalidConfig`], both naming the
 //! offender. A table that predates a schema upgrade gives [`Error::UpgradeRequired`],
 //! whose message links the upgrade guide ([`schema::upgrading`]); a database where the
-//! tables do not exist gives [`Error::NotMigrated`], which says to run [`migrate`]; an
-//! explicit schema that does not exist gives [`Error::SchemaNotFound`] from `migrate` and
-//! `validate_schema` (which create and check tables, not schemas), and
-//! [`Error::NotMigrated`] from every other call (Postgres reports a missing table there). Those three come only from the library's own statements: your
-//! own SQL's `sqlx::Error`, turned into an [`Error`] by `?` (in a handler's transaction,
-//! say), is always [`Error::Database`], whatever its SQLSTATE. Through a transaction-mode
-//! pooler ([`OutboxBuilder::transaction_pooler`]), what needs a server session of its own
+//! tables do not exist gives [`Error::NotMigrated`], which says to run [`migrate`]; a table
+//! that is not an outbox table (it lacks a column every version has) gives
+//! [`Error::SchemaMismatch`]; an explicit schema that does not exist gives
+//! [`Error::SchemaNotFound`] from `migrate` and `validate_schema` (which create and check
+//! tables, not schemas), and [`Error::NotMigrated`] from every other call (Postgres reports
+//! a missing table there). These come only from the library's own statements: your own
+//! SQL's `sqlx::Error`, turned into an [`Error`] by `?` (in a handler's transaction, say),
+//! is always [`Error::Database`], whatever its SQLSTATE. Through a transaction-mode pooler
+//! ([`OutboxBuilder::transaction_pooler`]), what needs a server session of its own
 //! (`migrate`) is [`Error::SessionRequired`], before any SQL runs.
 //!
 //! ## Decisions a user relies on

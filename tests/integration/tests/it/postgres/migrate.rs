@@ -944,6 +944,76 @@ async fn a_claim_on_a_database_never_migrated_says_not_migrated() {
     drop_tables(&pool, &outbox).await;
 }
 
+/// An outbox that names a table of the application's (not an outbox table) gets a typed
+/// `SchemaMismatch` naming the missing column from every call, not a raw database error
+/// (found by a fresh-user trial: `outbox --table pg_class status`); nothing is written.
+#[tokio::test]
+async fn a_table_that_is_not_an_outbox_table_says_schema_mismatch() {
+    let pool = pool().await;
+    let outbox = outbox("not_ours");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {t} (id bigint PRIMARY KEY, note text); INSERT INTO {t} VALUES (1, 'mine')",
+        t = outbox.table()
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mismatch = |what: &str, err: Error| match &err {
+        Error::SchemaMismatch { problems } => {
+            assert_eq!(problems.len(), 1, "{what}: {err}");
+            // The first column the statement names that the table lacks.
+            let column = problems[0].object.as_str();
+            assert!(
+                !column.is_empty() && column.chars().all(|c| c == '_' || c.is_ascii_lowercase()),
+                "a bare column name: {what}: {err}"
+            );
+            assert!(!problems[0].needs_upgrade, "{what}: {err}");
+            assert!(
+                err.to_string().contains("not an outbox table"),
+                "{what}: {err}"
+            );
+        }
+        other => panic!("{what}: {other:?}"),
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    mismatch(
+        "publish",
+        outbox
+            .publish(&mut conn, outbox::Message::new(QUEUE, b"x"))
+            .await
+            .unwrap_err(),
+    );
+    mismatch(
+        "pending",
+        outbox.pending(&mut conn, QUEUE, 10).await.unwrap_err(),
+    );
+    mismatch(
+        "cancel",
+        outbox.cancel(&mut conn, QUEUE, "k").await.unwrap_err(),
+    );
+    mismatch(
+        "stats",
+        outbox
+            .stats(
+                &mut conn,
+                &outbox::stats::StatsRequest::new(Duration::from_secs(60)),
+            )
+            .await
+            .unwrap_err(),
+    );
+    mismatch("run_now", outbox.run_now(&mut conn, 1).await.unwrap_err());
+    let rows: Vec<(i64, String)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT id, note FROM {}",
+        outbox.table()
+    )))
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(rows, vec![(1, "mine".to_owned())], "the table is untouched");
+    drop(conn);
+    drop_tables(&pool, &outbox).await;
+}
+
 /// `?` on the user's own statement gives `Error::Database` whatever the SQLSTATE: a typo'd
 /// table, a missing column named like a rearm column or a missing schema in the user's SQL
 /// say nothing about the outbox's schema (found by a fresh-user review: they became
