@@ -31,8 +31,12 @@ pub struct Cli {
 /// Options every command takes.
 #[derive(Debug, Args)]
 pub struct Global {
-    /// Postgres connection URL, e.g. postgres://user@host:5432/db.
-    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    /// Postgres connection URL, e.g. postgres://user@host:5432/db [default: the environment
+    /// variable DATABASE_URL].
+    // Read from the environment in `main`, not with clap's `env`: clap counts a value from
+    // the environment as given and repeats `--database-url <DATABASE_URL>` in every usage
+    // line of an error (found by a fresh-user trial).
+    #[arg(long, global = true)]
     pub database_url: Option<String>,
     /// Schema of the outbox's tables (default: the connection's search_path).
     #[arg(long, global = true)]
@@ -90,9 +94,15 @@ pub enum Command {
     Status(StatusArgs),
     /// Live rows of a queue (pending and leased), by deadline.
     Pending {
-        /// The queue.
-        #[arg(long)]
-        queue: String,
+        /// The queue (as for pause and resume).
+        #[arg(
+            required_unless_present = "queue_option",
+            conflicts_with = "queue_option"
+        )]
+        queue: Option<String>,
+        /// The queue, as an option: what earlier versions took (hidden from the help).
+        #[arg(long = "queue", id = "queue_option", value_name = "QUEUE", hide = true)]
+        queue_option: Option<String>,
         /// At most this many rows (at least 1).
         #[arg(long, default_value_t = 50, value_parser = at_least_one)]
         limit: u64,

@@ -126,6 +126,16 @@ impl Target {
         m
     }
 
+    /// The queue table as a person names it in a message: `schema.table` (or `table`), as
+    /// given on the command line, not quoted for SQL.
+    pub fn table_name(&self) -> String {
+        let table = self.table.as_deref().unwrap_or("outbox");
+        match &self.schema {
+            Some(schema) => format!("{schema}.{table}"),
+            None => table.to_owned(),
+        }
+    }
+
     /// The migrate command for these tables.
     pub fn migrate(&self) -> String {
         self.command("migrate")
@@ -160,6 +170,18 @@ pub fn explain(e: &Error, target: &Target) -> String {
         ),
         Error::SchemaNotFound { detail } => {
             format!("{detail}: create the schema first (CREATE SCHEMA …), then run `{migrate}`")
+        }
+        // From any command but `validate` (which lists the problems itself): the table
+        // named is not an outbox table (or not of this version).
+        Error::SchemaMismatch { problems } if problems.iter().all(|p| !p.needs_upgrade) => {
+            let missing: Vec<&str> = problems.iter().map(|p| p.object.as_str()).collect();
+            format!(
+                "{} is not an outbox table (it lacks {}): check that --schema/--table name \
+                 your application's tables; `{}` lists every difference",
+                target.table_name(),
+                missing.join(", "),
+                target.command("validate")
+            )
         }
         Error::MigrationBlocked { .. } => format!(
             "{e}; run `{migrate}` again once those sessions are done (or give it longer with \

@@ -100,7 +100,11 @@ fn outbox(g: &Global, dead_letter: bool) -> Result<Outbox, Failure> {
 async fn run(cli: Cli, target: &Target) -> Result<(), Failure> {
     let g = &cli.global;
     let outbox = outbox(g, dead_letter(&cli))?;
-    let pool = connect::connect(g.database_url.as_deref()).await?;
+    let url = g
+        .database_url
+        .clone()
+        .or_else(|| std::env::var("DATABASE_URL").ok());
+    let pool = connect::connect(url.as_deref()).await?;
     let json = g.json;
     match cli.command {
         Command::Migrate {
@@ -109,7 +113,13 @@ async fn run(cli: Cli, target: &Target) -> Result<(), Failure> {
         } => schema::migrate(&outbox, &pool, target, lock_timeout, deadline, json).await,
         Command::Validate => schema::validate(&outbox, &pool, target, json).await,
         Command::Status(args) => status::run(&outbox, &pool, target, &args, json).await,
-        Command::Pending { queue, limit } => {
+        Command::Pending {
+            queue,
+            queue_option,
+            limit,
+        } => {
+            // One of the two by the parser (required unless the other, never both).
+            let queue = queue.or(queue_option).unwrap_or_default();
             queues::pending(&outbox, &pool, &queue, cli::count(limit), json).await
         }
         Command::Pause { queue } => queues::pause(&outbox, &pool, &queue, true, json).await,

@@ -166,7 +166,7 @@ pub async fn act(
             "not_found",
             format!(
                 "no live row has id {id}: it completed, was cancelled or deleted, or never \
-                 existed (`outbox pending --queue Q` lists live rows)"
+                 existed (`outbox pending Q` lists live rows)"
             ),
         ),
         other => ("other", format!("row {id}: {other:?}")),

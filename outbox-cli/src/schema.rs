@@ -76,7 +76,7 @@ pub async fn migrate(
         output::line(t);
         output::line(format!(
             "schema of {} is up to date; {now} step(s) applied now",
-            outbox.table()
+            target.table_name()
         ));
     }
     Ok(())
@@ -125,7 +125,7 @@ pub async fn validate(
             .collect();
         output::json(&json!({ "ok": problems.is_empty(), "problems": list }));
     } else if problems.is_empty() {
-        output::line(format!("schema of {} is valid", outbox.table()));
+        output::line(format!("schema of {} is valid", target.table_name()));
     } else {
         for (text, fix) in &described {
             match fix {

@@ -103,7 +103,7 @@ async fn once(
     }
     output::line(format!(
         "{} at {}{}",
-        outbox.table(),
+        target.table_name(),
         output::time(Utc::now()),
         if request.stats_mode() == StatsMode::Estimate {
             " (estimates: ~n is the planner's figure, - not measured)"

@@ -203,7 +203,7 @@ async fn status_pending_pause_and_resume() {
         serde_json::json!(["cli.empty", "cli.q"])
     );
 
-    let pending = t.json(&["pending", "--queue", "cli.q"]);
+    let pending = t.json(&["pending", "cli.q"]);
     let rows = pending["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 3);
     assert_eq!(rows[0]["payload"], "a");
@@ -274,7 +274,7 @@ async fn dead_letters_list_redrive_and_purge() {
     let again = t.json(&["dlq", "redrive", "--id", &ids[1].to_string()]);
     assert_eq!(again["redriven"], 0);
     assert_eq!(again["outcomes"][0]["result"], "already_redriven");
-    let live = t.json(&["pending", "--queue", "cli.q"]);
+    let live = t.json(&["pending", "cli.q"]);
     assert_eq!(live["rows"][0]["timer_id"], "k2");
     assert_eq!(live["rows"][0]["payload"], "two");
     assert_eq!(
@@ -320,7 +320,7 @@ async fn status_watch_refreshes() {
 async fn errors_say_what_to_do() {
     // No tables of that name: run migrate.
     let out = outbox_cmd()
-        .args(["--table", "cli_never_migrated", "pending", "--queue", "q"])
+        .args(["--table", "cli_never_migrated", "pending", "q"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
@@ -329,6 +329,22 @@ async fn errors_say_what_to_do() {
         err.contains("run `outbox --table cli_never_migrated migrate`"),
         "{err}"
     );
+
+    // A table that is not an outbox table: said so, with the names to check (found by a
+    // fresh-user trial: a raw "column … does not exist").
+    for args in [
+        &["--table", "pg_class", "status"][..],
+        &["--table", "pg_class", "pending", "q"],
+    ] {
+        let out = outbox_cmd().args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = text(&out.stderr);
+        assert!(
+            err.contains("pg_class is not an outbox table (it lacks ")
+                && err.contains("`outbox --table pg_class validate` lists every difference"),
+            "{args:?}: {err}"
+        );
+    }
 
     // An unreachable server: the URL (password hidden) and what to check.
     let out = outbox_cmd()
@@ -569,8 +585,12 @@ async fn usage_errors_exit_2_and_json_errors_are_json() {
             "2026-01-01T00:00:00Z",
         ],
         &["dlq", "redrive", "--all", "--limit", "0"],
-        &["pending", "--queue", "q", "--limit", "0"],
+        &["pending", "q", "--limit", "0"],
+        &["pending", ""],
         &["pending", "--queue", ""],
+        // The queue once, as an argument or (as earlier versions took it) an option.
+        &["pending"],
+        &["pending", "q", "--queue", "q"],
         &["status", "--watch", "10ms"],
         &["run-now", "0"],
         &["--distributed", "0", "status"],
@@ -593,6 +613,13 @@ async fn usage_errors_exit_2_and_json_errors_are_json() {
             text(&out.stderr)
         );
     }
+    // DATABASE_URL is set (`t.run`): the usage line does not show --database-url as if it
+    // had been typed.
+    let usage = text(&t.run(&["pending"]).stderr);
+    assert!(
+        usage.contains("Usage: outbox pending") && !usage.contains("--database-url"),
+        "{usage}"
+    );
     // --include-redriven stays an option of list.
     assert!(t
         .run(&["dlq", "list", "--include-redriven"])
@@ -702,10 +729,7 @@ async fn pause_resume_and_pending_say_what_they_did() {
     drop(conn);
     let out = text(&t.run(&["pause", "cli.p"]).stdout);
     assert_eq!(out.trim(), "cli.p: paused");
-    let full = text(
-        &t.run(&["pending", "--queue", "cli.p", "--limit", "2"])
-            .stdout,
-    );
+    let full = text(&t.run(&["pending", "cli.p", "--limit", "2"]).stdout);
     assert!(
         full.contains("deadline") && !full.contains(" due "),
         "{full}"
@@ -714,10 +738,7 @@ async fn pause_resume_and_pending_say_what_they_did() {
         full.contains("(limit reached: more rows may exist; raise --limit)"),
         "{full}"
     );
-    let all = text(
-        &t.run(&["pending", "--queue", "cli.p", "--limit", "3"])
-            .stdout,
-    );
+    let all = text(&t.run(&["pending", "cli.p", "--limit", "3"]).stdout);
     assert!(!all.contains("limit reached"), "{all}");
     t.cleanup().await;
 }
@@ -748,7 +769,7 @@ async fn run_now_reschedule_and_delete_one_row() {
     let out = t.run(&["run-now", a]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains(&format!("row {a}: due at")));
-    let pending = t.json(&["pending", "--queue", "cli.r"]);
+    let pending = t.json(&["pending", "cli.r"]);
     assert_eq!(pending["rows"][0]["id"].to_string(), *a, "{pending}");
 
     let out = t.run(&["delete", a]);
