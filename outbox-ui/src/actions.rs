@@ -7,6 +7,7 @@ use std::time::Duration;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{post, MethodRouter};
 use axum::Form;
 use maud::html;
 use outbox::admin::RowAction;
@@ -174,63 +175,55 @@ fn named(n: Named) -> Result<String, Outcome> {
         .ok_or_else(|| Outcome::Failed("which queue? the address needs ?name=<queue>".to_owned()))
 }
 
-pub(crate) async fn pause_named(
-    State(s): State<Shared>,
+/// What a queue's action does.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum QueueOp {
+    Pause,
+    Resume,
+    /// Cancel the timer of the form's `timer_id`.
+    Cancel,
+}
+
+/// The `POST` route of `op` on the queue of `?name=` (every name, including one with `/`).
+pub(crate) fn on_named_queue(op: QueueOp) -> MethodRouter<Shared> {
+    post(
+        move |State(s): State<Shared>,
+              base: Base,
+              headers: HeaderMap,
+              Query(n): Query<Named>,
+              Form(f): Form<Fields>| async move {
+            match named(n) {
+                Ok(queue) => queue_action(s, base, headers, queue, f, op).await,
+                Err(o) => back(&s, &base, &headers, &base.to("/"), o),
+            }
+        },
+    )
+}
+
+/// The `POST` route of `op` on the queue of the path (the older address).
+pub(crate) fn on_queue(op: QueueOp) -> MethodRouter<Shared> {
+    post(
+        move |State(s): State<Shared>,
+              base: Base,
+              headers: HeaderMap,
+              Path(queue): Path<String>,
+              Form(f): Form<Fields>| queue_action(s, base, headers, queue, f, op),
+    )
+}
+
+async fn queue_action(
+    s: Shared,
     base: Base,
     headers: HeaderMap,
-    Query(n): Query<Named>,
-    Form(f): Form<Fields>,
+    queue: String,
+    f: Fields,
+    op: QueueOp,
 ) -> Response {
-    match named(n) {
-        Ok(queue) => toggle(s, base, headers, queue, f, true).await,
-        Err(o) => back(&s, &base, &headers, &base.to("/"), o),
+    match op {
+        QueueOp::Pause => toggle(s, base, headers, queue, f, true).await,
+        QueueOp::Resume => toggle(s, base, headers, queue, f, false).await,
+        QueueOp::Cancel => cancel_in(s, base, headers, queue, f).await,
     }
-}
-
-pub(crate) async fn resume_named(
-    State(s): State<Shared>,
-    base: Base,
-    headers: HeaderMap,
-    Query(n): Query<Named>,
-    Form(f): Form<Fields>,
-) -> Response {
-    match named(n) {
-        Ok(queue) => toggle(s, base, headers, queue, f, false).await,
-        Err(o) => back(&s, &base, &headers, &base.to("/"), o),
-    }
-}
-
-pub(crate) async fn cancel_named(
-    State(s): State<Shared>,
-    base: Base,
-    headers: HeaderMap,
-    Query(n): Query<Named>,
-    Form(f): Form<Fields>,
-) -> Response {
-    match named(n) {
-        Ok(queue) => cancel_in(s, base, headers, queue, f).await,
-        Err(o) => back(&s, &base, &headers, &base.to("/"), o),
-    }
-}
-
-pub(crate) async fn pause(
-    State(s): State<Shared>,
-    base: Base,
-    headers: HeaderMap,
-    Path(queue): Path<String>,
-    Form(f): Form<Fields>,
-) -> Response {
-    toggle(s, base, headers, queue, f, true).await
-}
-
-pub(crate) async fn resume(
-    State(s): State<Shared>,
-    base: Base,
-    headers: HeaderMap,
-    Path(queue): Path<String>,
-    Form(f): Form<Fields>,
-) -> Response {
-    toggle(s, base, headers, queue, f, false).await
 }
 
 async fn toggle(
@@ -276,7 +269,7 @@ async fn toggle(
 /// A row action, as `outbox run-now | reschedule | delete`: in a transaction of its own;
 /// a row a worker holds is left alone ([`RowAction::Leased`]).
 #[derive(Debug, Clone, Copy)]
-enum RowOp {
+pub(crate) enum RowOp {
     RunNow,
     In(Duration),
     Delete,
@@ -400,45 +393,16 @@ async fn row_action(
     back(&s, &base, &headers, &fallback, outcome)
 }
 
-pub(crate) async fn run_now(
-    State(s): State<Shared>,
-    base: Base,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-    Form(f): Form<Fields>,
-) -> Response {
-    row_action(s, base, headers, id, f, Some(RowOp::RunNow)).await
-}
-
-pub(crate) async fn reschedule(
-    State(s): State<Shared>,
-    base: Base,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-    Form(f): Form<Fields>,
-) -> Response {
-    row_action(s, base, headers, id, f, None).await
-}
-
-pub(crate) async fn delete(
-    State(s): State<Shared>,
-    base: Base,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-    Form(f): Form<Fields>,
-) -> Response {
-    row_action(s, base, headers, id, f, Some(RowOp::Delete)).await
-}
-
-/// Cancels the timer keyed `timer_id` of the queue, unless a worker holds its row.
-pub(crate) async fn cancel(
-    State(s): State<Shared>,
-    base: Base,
-    headers: HeaderMap,
-    Path(queue): Path<String>,
-    Form(f): Form<Fields>,
-) -> Response {
-    cancel_in(s, base, headers, queue, f).await
+/// The `POST` route of a row's action by id: `Some(op)`, or `None` for a reschedule (its
+/// delay comes from the form).
+pub(crate) fn on_row(op: Option<RowOp>) -> MethodRouter<Shared> {
+    post(
+        move |State(s): State<Shared>,
+              base: Base,
+              headers: HeaderMap,
+              Path(id): Path<String>,
+              Form(f): Form<Fields>| row_action(s, base, headers, id, f, op),
+    )
 }
 
 async fn cancel_in(

@@ -82,6 +82,7 @@ use axum::Router;
 use outbox::Outbox;
 use sqlx::PgPool;
 
+use crate::actions::{QueueOp, RowOp};
 pub use crate::error::UiError;
 pub use crate::guard::{basic_auth, security_headers};
 pub use crate::limits::{
@@ -244,9 +245,9 @@ impl Dashboard {
         Router::new()
             .route("/", get(pages::queues::page))
             .route("/queue", get(pages::queue::by_name))
-            .route("/queue/pause", post(actions::pause_named))
-            .route("/queue/resume", post(actions::resume_named))
-            .route("/queue/cancel", post(actions::cancel_named))
+            .route("/queue/pause", actions::on_named_queue(QueueOp::Pause))
+            .route("/queue/resume", actions::on_named_queue(QueueOp::Resume))
+            .route("/queue/cancel", actions::on_named_queue(QueueOp::Cancel))
             .route("/queues/{queue}", get(pages::queue::page))
             .route("/rows/{id}", get(pages::row::page))
             .route("/rows/{id}/download/{what}", get(download::row))
@@ -259,12 +260,12 @@ impl Dashboard {
             .route("/schema", get(pages::schema::page))
             .route("/assets/app.css", get(layout::css))
             .route("/assets/app.js", get(layout::js))
-            .route("/queues/{queue}/pause", post(actions::pause))
-            .route("/queues/{queue}/resume", post(actions::resume))
-            .route("/queues/{queue}/cancel", post(actions::cancel))
-            .route("/rows/{id}/run-now", post(actions::run_now))
-            .route("/rows/{id}/reschedule", post(actions::reschedule))
-            .route("/rows/{id}/delete", post(actions::delete))
+            .route("/queues/{queue}/pause", actions::on_queue(QueueOp::Pause))
+            .route("/queues/{queue}/resume", actions::on_queue(QueueOp::Resume))
+            .route("/queues/{queue}/cancel", actions::on_queue(QueueOp::Cancel))
+            .route("/rows/{id}/run-now", actions::on_row(Some(RowOp::RunNow)))
+            .route("/rows/{id}/reschedule", actions::on_row(None))
+            .route("/rows/{id}/delete", actions::on_row(Some(RowOp::Delete)))
             .route("/dead-letters/redrive", post(actions::redrive))
             .route("/dead-letters/purge", post(actions::purge))
             .fallback(|| async { axum::http::StatusCode::NOT_FOUND })
