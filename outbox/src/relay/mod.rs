@@ -344,6 +344,10 @@ impl Relay {
     /// Claims check each due row against the rows before it of the same key: on a large
     /// backlog give the table an index for the header,
     /// `CREATE INDEX CONCURRENTLY ON <table> (queue, (headers ->> 'header'), id) WHERE headers ? 'header'`.
+    /// While the worker has messages of the queue in flight, a publish to it does not make
+    /// the worker claim at once (the notification does not name the key, and a claim then
+    /// reads the rows waiting behind the runs): it claims at the end of a run, or within a
+    /// second. A message of a key with nothing in flight waits that long at most.
     /// Needs a [`PgStore`](crate::PgStore) over an outbox that is not distributed; `build()`
     /// refuses it otherwise ([`Error::InvalidConfig`], knob `relay`), and for a header name
     /// that is empty or longer than 255 bytes. [`Worker::run_due`](crate::Worker::run_due)

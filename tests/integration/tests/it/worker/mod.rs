@@ -10,5 +10,5 @@ mod reliability;
 mod runs;
 mod transaction;
 mod virtual_time;
-mod wakeups;
+pub(crate) mod wakeups;
 mod warnings;

@@ -24,7 +24,7 @@ struct Job {
 
 /// A store that counts the statements the worker issues through it.
 #[derive(Clone)]
-struct Counting {
+pub(crate) struct Counting {
     inner: PgStore,
     calls: Arc<Mutex<HashMap<&'static str, usize>>>,
     /// Makes every `next_wakeup` fail, as the read across the shards does on a Citus
@@ -33,7 +33,7 @@ struct Counting {
 }
 
 impl Counting {
-    fn new(inner: PgStore) -> Self {
+    pub(crate) fn new(inner: PgStore) -> Self {
         Counting {
             inner,
             calls: Arc::default(),
@@ -43,7 +43,7 @@ impl Counting {
     fn hit(&self, op: &'static str) {
         *self.calls.lock().unwrap().entry(op).or_default() += 1;
     }
-    fn snapshot(&self) -> HashMap<&'static str, usize> {
+    pub(crate) fn snapshot(&self) -> HashMap<&'static str, usize> {
         self.calls.lock().unwrap().clone()
     }
 }
@@ -55,6 +55,17 @@ impl Store for Counting {
     async fn claim(&self, request: ClaimRequest<'_>) -> outbox::Result<Vec<Delivery>> {
         self.hit("claim");
         self.inner.claim(request).await
+    }
+    async fn claim_in_order(
+        &self,
+        request: ClaimRequest<'_>,
+        key_header: &str,
+    ) -> outbox::Result<Vec<Delivery>> {
+        self.hit("claim_in_order");
+        self.inner.claim_in_order(request, key_header).await
+    }
+    fn claims_in_order(&self) -> bool {
+        self.inner.claims_in_order()
     }
     async fn ack(&self, lease: Lease) -> outbox::Result<Completion> {
         self.hit("ack");
