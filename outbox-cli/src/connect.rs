@@ -136,6 +136,55 @@ impl Target {
         }
     }
 
+    /// The dead-letter table as a person names it (as [`Target::table_name`]).
+    pub fn dead_letter_table_name(&self) -> String {
+        let table = match &self.dead_letter_table {
+            Some(d) => d.clone(),
+            None => format!("{}_dlq", self.table.as_deref().unwrap_or("outbox")),
+        };
+        match &self.schema {
+            Some(schema) => format!("{schema}.{table}"),
+            None => table,
+        }
+    }
+
+    /// A missing column a statement reported (bare, or already `table.column`), with the
+    /// table it belongs to: the dead-letter table's own columns, the queue table's own,
+    /// or either for the columns both have.
+    pub fn column(&self, object: &str) -> String {
+        const DEAD_LETTER_ONLY: [&str; 6] = [
+            "original_id",
+            "failed_at",
+            "failure_reason",
+            "last_error",
+            "redriven_at",
+            "redriven_id",
+        ];
+        const SHARED: [&str; 8] = [
+            "id",
+            "queue",
+            "payload",
+            "headers",
+            "timer_id",
+            "attempts_count",
+            "deliveries_count",
+            "created_at",
+        ];
+        if object.contains('.') {
+            object.to_owned()
+        } else if DEAD_LETTER_ONLY.contains(&object) {
+            format!("{}.{object}", self.dead_letter_table_name())
+        } else if SHARED.contains(&object) {
+            format!(
+                "{object} (of {} or {})",
+                self.table_name(),
+                self.dead_letter_table_name()
+            )
+        } else {
+            format!("{}.{object}", self.table_name())
+        }
+    }
+
     /// The migrate command for these tables.
     pub fn migrate(&self) -> String {
         self.command("migrate")
@@ -174,11 +223,11 @@ pub fn explain(e: &Error, target: &Target) -> String {
         // From any command but `validate` (which lists the problems itself): the table
         // named is not an outbox table (or not of this version).
         Error::SchemaMismatch { problems } if problems.iter().all(|p| !p.needs_upgrade) => {
-            let missing: Vec<&str> = problems.iter().map(|p| p.object.as_str()).collect();
+            let missing: Vec<String> = problems.iter().map(|p| target.column(&p.object)).collect();
             format!(
-                "{} is not an outbox table (it lacks {}): check that --schema/--table name \
-                 your application's tables; `{}` lists every difference",
-                target.table_name(),
+                "the tables these options name are not outbox tables (missing: {}): check \
+                 that --schema, --table and --dead-letter-table name your application's \
+                 tables; `{}` lists every difference",
                 missing.join(", "),
                 target.command("validate")
             )
@@ -393,6 +442,29 @@ mod tests {
         );
         assert_eq!(redact("password=x"), "password=***");
         assert_eq!(redact("host=h mypassword=x"), "host=h mypassword=x");
+    }
+
+    #[test]
+    fn a_missing_column_names_the_table_it_belongs_to() {
+        let t = Target {
+            schema: Some("app".into()),
+            table: Some("jobs".into()),
+            dead_letter_table: None,
+            dead_letter: false,
+            distributed: None,
+        };
+        assert_eq!(t.column("original_id"), "app.jobs_dlq.original_id");
+        assert_eq!(t.column("acquired_token"), "app.jobs.acquired_token");
+        assert_eq!(t.column("payload"), "payload (of app.jobs or app.jobs_dlq)");
+        assert_eq!(t.column("jobs.queue"), "jobs.queue");
+        let t = Target {
+            schema: None,
+            table: None,
+            dead_letter_table: Some("events".into()),
+            ..t
+        };
+        assert_eq!(t.column("failed_at"), "events.failed_at");
+        assert_eq!(t.column("next_attempt_at"), "outbox.next_attempt_at");
     }
 
     #[test]

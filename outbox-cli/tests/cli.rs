@@ -335,13 +335,15 @@ async fn errors_say_what_to_do() {
     for args in [
         &["--table", "pg_class", "status"][..],
         &["--table", "pg_class", "pending", "q"],
+        &["--dead-letter-table", "pg_class", "dlq", "list"],
     ] {
         let out = outbox_cmd().args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(1), "{args:?}");
         let err = text(&out.stderr);
         assert!(
-            err.contains("pg_class is not an outbox table (it lacks ")
-                && err.contains("`outbox --table pg_class validate` lists every difference"),
+            err.contains("are not outbox tables (missing: ")
+                && err.contains("pg_class")
+                && err.contains("` lists every difference"),
             "{args:?}: {err}"
         );
     }

@@ -430,15 +430,25 @@ async fn refuse_other_layout(n: &Names, pool: &PgPool, facts: &Facts) -> Result<
             });
         }
     }
-    if facts.queue.oid.is_none() {
-        return Ok(());
+    // A table of either name that is not an outbox table (one of the application's, say):
+    // the first step would fail on a missing column with a raw database error after
+    // creating the table of applied steps, or (the dead-letter table) be indexed and altered
+    // and the run reported done (found by a fresh-user trial). Said before any DDL, with
+    // every column each lacks.
+    let mut foreign = Vec::new();
+    if facts.queue.oid.is_some() {
+        foreign = super::validate::foreign_columns(n, |c| facts.queue.columns.contains(c));
     }
-    // A table of that name that is not an outbox queue table (one of the application's,
-    // say): the first step would fail on a missing column with a raw database error after
-    // creating the table of applied steps. Said before any DDL, with every column it lacks.
-    let foreign = super::validate::foreign_columns(n, |c| facts.queue.columns.contains(c));
+    if facts.dlq.oid.is_some() {
+        foreign.extend(super::validate::foreign_dlq_columns(n, |c| {
+            facts.dlq.columns.contains(c)
+        }));
+    }
     if !foreign.is_empty() {
         return Err(Error::SchemaMismatch { problems: foreign });
+    }
+    if facts.queue.oid.is_none() {
+        return Ok(());
     }
     let has_bucket = facts.queue.columns.contains("bucket");
     let reason = match (n.buckets, has_bucket) {

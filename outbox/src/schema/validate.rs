@@ -145,6 +145,7 @@ async fn problems(
         .await?;
     }
     if dead_letter {
+        let before = problems.len();
         let dlq_exists = check_columns(
             &mut *db,
             scope,
@@ -155,6 +156,16 @@ async fn problems(
             &mut problems,
         )
         .await?;
+        if let Some(columns) = &dlq_exists {
+            // As for the queue table: a table without every base column is refused by
+            // `migrate`, so its problems are that alone (the queue table's stay).
+            let foreign = foreign_dlq_columns(n, |c| columns.iter().any(|live| live == c));
+            if !foreign.is_empty() {
+                problems.truncate(before);
+                problems.extend(foreign);
+                return Ok(problems);
+            }
+        }
         if dlq_exists.is_some() {
             let live = shape::live_indexes(&mut *db, scope, &n.qdlq).await?;
             for want in shape::dlq_indexes(n) {
@@ -169,15 +180,43 @@ async fn problems(
 /// adds): it is not an outbox queue table, and `migrate` never alters a table it did not
 /// create. Empty when every base column is there.
 pub(super) fn foreign_columns(n: &Names, has: impl Fn(&str) -> bool) -> Vec<SchemaProblem> {
-    QUEUE_COLUMNS
+    foreign(
+        QUEUE_COLUMNS,
+        &n.table_name,
+        "queue table",
+        "`OutboxBuilder::table`, `--table`",
+        has,
+    )
+}
+
+/// As [`foreign_columns`], for the dead-letter table (which the base step creates and
+/// indexes, with the dead-letter queue on or off).
+pub(super) fn foreign_dlq_columns(n: &Names, has: impl Fn(&str) -> bool) -> Vec<SchemaProblem> {
+    foreign(
+        DLQ_COLUMNS,
+        &n.dlq_name,
+        "dead-letter table",
+        "`OutboxBuilder::dead_letter_table`, `--dead-letter-table`",
+        has,
+    )
+}
+
+fn foreign(
+    columns: &[(&str, &str, bool, bool)],
+    table: &str,
+    what: &str,
+    option: &str,
+    has: impl Fn(&str) -> bool,
+) -> Vec<SchemaProblem> {
+    columns
         .iter()
         .filter(|(column, _, _, by_upgrade)| !by_upgrade && !has(column))
         .map(|(column, ..)| SchemaProblem {
-            object: format!("{}.{column}", n.table_name),
-            message: "column is missing: this table is not an outbox queue table, and migrate \
-                      never alters a table it did not create; name another table \
-                      (`OutboxBuilder::table`, `--table`)"
-                .to_owned(),
+            object: format!("{table}.{column}"),
+            message: format!(
+                "column is missing: this table is not an outbox {what}, and migrate never \
+                 alters a table it did not create; name another table ({option})"
+            ),
             needs_upgrade: false,
         })
         .collect()

@@ -889,6 +889,76 @@ async fn migrate_over_a_foreign_table_is_refused_before_any_ddl() {
         .unwrap();
 }
 
+/// The same for the dead-letter table, with the dead-letter queue on or off (the base step
+/// creates and indexes it): an application's table named as the dead-letter table used to
+/// get the outbox's indexes and redrive columns, and `migrate` said it was done (found by a
+/// fresh-user trial).
+#[tokio::test]
+async fn migrate_over_a_foreign_dead_letter_table_is_refused_before_any_ddl() {
+    let pool = pool().await;
+    let table = unique_table("foreign_dlq");
+    let dlq = format!("{table}_events");
+    let create =
+        format!("CREATE TABLE \"{dlq}\" (id bigint, queue text, failed_at timestamptz, note text)");
+    sqlx::raw_sql(AssertSqlSafe(create))
+        .execute(&pool)
+        .await
+        .unwrap();
+    for dead_letter in [false, true] {
+        let outbox = Outbox::builder()
+            .table(&table)
+            .dead_letter_table(&dlq)
+            .dead_letter(dead_letter)
+            .build()
+            .unwrap();
+        let err = outbox.migrate(&pool).await.unwrap_err();
+        let Error::SchemaMismatch { problems } = &err else {
+            panic!("dead letter {dead_letter}: {err:?}");
+        };
+        let objects: Vec<&str> = problems.iter().map(|p| p.object.as_str()).collect();
+        assert!(
+            objects.contains(&format!("{dlq}.original_id").as_str())
+                && !objects.contains(&format!("{dlq}.failed_at").as_str()),
+            "{objects:?}"
+        );
+        assert!(
+            problems
+                .iter()
+                .all(|p| p.message.contains("not an outbox dead-letter table")),
+            "{problems:?}"
+        );
+        if dead_letter {
+            match outbox.validate_schema(&pool).await {
+                // Beside the queue table that does not exist yet.
+                Err(Error::SchemaMismatch { problems: seen }) => {
+                    assert!(problems.iter().all(|p| seen.contains(p)), "{seen:?}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    let created: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_class WHERE relname LIKE $1")
+        .bind(format!("{table}%"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        created, 1,
+        "only the application's own table exists, no index on it"
+    );
+    let columns: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM information_schema.columns WHERE table_name = $1")
+            .bind(&dlq)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(columns, 4, "no column added");
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE \"{dlq}\"")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
 /// A worker's claim and wake-up read on a database never migrated say NotMigrated, not
 /// UpgradeRequired (found by a fresh-user review: both statements name `<table>_paused`
 /// before the queue table, and Postgres reports the first missing relation); so do pause,
