@@ -94,15 +94,8 @@ pub enum Command {
     Status(StatusArgs),
     /// Live rows of a queue (pending and leased), by deadline.
     Pending {
-        /// The queue (as for pause and resume).
-        #[arg(
-            required_unless_present = "queue_option",
-            conflicts_with = "queue_option"
-        )]
-        queue: Option<String>,
-        /// The queue, as an option: what earlier versions took (hidden from the help).
-        #[arg(long = "queue", id = "queue_option", value_name = "QUEUE", hide = true)]
-        queue_option: Option<String>,
+        /// The queue.
+        queue: String,
         /// At most this many rows (at least 1).
         #[arg(long, default_value_t = 50, value_parser = at_least_one)]
         limit: u64,

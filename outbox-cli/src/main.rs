@@ -113,13 +113,7 @@ async fn run(cli: Cli, target: &Target) -> Result<(), Failure> {
         } => schema::migrate(&outbox, &pool, target, lock_timeout, deadline, json).await,
         Command::Validate => schema::validate(&outbox, &pool, target, json).await,
         Command::Status(args) => status::run(&outbox, &pool, target, &args, json).await,
-        Command::Pending {
-            queue,
-            queue_option,
-            limit,
-        } => {
-            // One of the two by the parser (required unless the other, never both).
-            let queue = queue.or(queue_option).unwrap_or_default();
+        Command::Pending { queue, limit } => {
             queues::pending(&outbox, &pool, &queue, cli::count(limit), json).await
         }
         Command::Pause { queue } => queues::pause(&outbox, &pool, &queue, true, json).await,

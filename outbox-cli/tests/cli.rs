@@ -209,10 +209,7 @@ async fn status_pending_pause_and_resume() {
     assert_eq!(rows[0]["payload"], "a");
     assert_eq!(rows[2]["timer_id"], "k");
     assert_eq!(rows[2]["state"], "pending");
-    let table = text(
-        &t.run(&["pending", "--queue", "cli.q", "--limit", "2"])
-            .stdout,
-    );
+    let table = text(&t.run(&["pending", "cli.q", "--limit", "2"]).stdout);
     assert!(table.contains("2 row(s) of cli.q"), "{table}");
 
     let resumed = t.json(&["resume", "cli.q"]);
@@ -589,10 +586,7 @@ async fn usage_errors_exit_2_and_json_errors_are_json() {
         &["dlq", "redrive", "--all", "--limit", "0"],
         &["pending", "q", "--limit", "0"],
         &["pending", ""],
-        &["pending", "--queue", ""],
-        // The queue once, as an argument or (as earlier versions took it) an option.
         &["pending"],
-        &["pending", "q", "--queue", "q"],
         &["status", "--watch", "10ms"],
         &["run-now", "0"],
         &["--distributed", "0", "status"],
@@ -893,7 +887,7 @@ async fn commands_run_through_pgbouncer_with_transaction_pooler() {
     assert!(through(&["--dead-letter", "validate"]).status.success());
     assert_eq!(queue_of(&json(&["status"]), "cli.pgb")["pending"], 3);
     assert_eq!(
-        json(&["pending", "--queue", "cli.pgb"])["rows"]
+        json(&["pending", "cli.pgb"])["rows"]
             .as_array()
             .unwrap()
             .len(),
@@ -1016,7 +1010,7 @@ async fn citus_commands_against_a_coordinator() {
     let status = t.json(&["--distributed", "16", "status"]);
     assert_eq!(queue_of(&status, "jobs")["pending"], 1, "{status}");
     for args in [
-        vec!["pending", "--queue", "jobs"],
+        vec!["pending", "jobs"],
         vec!["pause", "jobs"],
         vec!["resume", "jobs"],
         vec!["run-now", &id.to_string()],
