@@ -169,6 +169,16 @@ fn queue_page(base: &Base, queue: &str) -> String {
     base.to(&layout::queue_path(queue, None))
 }
 
+/// A duration typed into a form, read by the rule the library and the `outbox` command
+/// use (`outbox::periodic::parse_interval`: months and years are refused, `1M` being one
+/// letter from `1m`); the error is its reason.
+fn duration(field: &'static str, text: &str) -> Result<Duration, String> {
+    outbox::periodic::parse_interval(field, text).map_err(|e| match e {
+        outbox::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
+    })
+}
+
 /// The name of a queue action, from `?name=` (every name) or the older path.
 fn named(n: Named) -> Result<String, Outcome> {
     n.name
@@ -302,7 +312,7 @@ async fn row_action(
         Some(op) => op,
         None => {
             let text = f.in_.as_deref().unwrap_or("").trim();
-            match humantime::parse_duration(text) {
+            match duration("delay", text) {
                 Ok(d) => RowOp::In(d),
                 Err(e) => {
                     return back(
@@ -311,7 +321,7 @@ async fn row_action(
                         &headers,
                         &page,
                         Outcome::Failed(format!(
-                            "bad delay {text:?} ({e}): say how long from now, e.g. 30s, 5m or 2h"
+                            "bad delay ({e}): say how long from now, e.g. 30s, 5m or 2h"
                         )),
                     )
                 }
@@ -637,7 +647,7 @@ pub(crate) async fn purge(
     }
     let fallback = base.to("/dead-letters");
     let text = f.older_than.as_deref().unwrap_or("").trim().to_owned();
-    let age = match humantime::parse_duration(&text) {
+    let age = match duration("age", &text) {
         Ok(d) => d,
         Err(e) => {
             return back(
@@ -645,7 +655,7 @@ pub(crate) async fn purge(
                 &base,
                 &headers,
                 &fallback,
-                Outcome::Failed(format!("bad age {text:?} ({e}): e.g. 7d or 12h")),
+                Outcome::Failed(format!("bad age ({e}): e.g. 7d or 12h")),
             )
         }
     };
