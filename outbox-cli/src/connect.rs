@@ -406,6 +406,14 @@ fn unreachable(shown: &str, e: &sqlx::Error) -> String {
             ),
         };
     }
+    if matches!(e, sqlx::Error::Tls(_)) || e.to_string().contains("certificate") {
+        return format!(
+            "the TLS handshake with Postgres at {shown} failed ({e}): check the URL's sslmode \
+             (require encrypts without checking the certificate; verify-ca and verify-full \
+             check it against the system's CAs or sslrootcert=<file>, verify-full also the \
+             host name)"
+        );
+    }
     format!(
         "cannot reach Postgres at {shown} ({e}): check that the server is running and that \
          --database-url / DATABASE_URL points at it"

@@ -439,6 +439,33 @@ async fn errors_say_what_to_do() {
     t.cleanup().await;
 }
 
+/// The binary speaks TLS (rustls, the system's CAs): managed servers require it (found by a
+/// fresh-user trial: "SQLx was built without TLS support"). With the server's TLS on,
+/// `sslmode=require` connects; with it off, the error says the TLS handshake failed.
+#[tokio::test]
+async fn the_database_url_may_require_tls() {
+    let t = Tables::new().await;
+    let ssl: String = sqlx::query_scalar("SHOW ssl")
+        .fetch_one(&t.pool)
+        .await
+        .unwrap();
+    let base = database_url();
+    let sep = if base.contains('?') { '&' } else { '?' };
+    let out = outbox_cmd()
+        .args(["--table", &t.name, "status"])
+        .env("DATABASE_URL", format!("{base}{sep}sslmode=require"))
+        .output()
+        .unwrap();
+    if ssl == "on" {
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert!(text(&out.stdout).contains(&t.name), "{}", text(&out.stdout));
+    } else {
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+        assert!(text(&out.stderr).contains("TLS"), "{}", text(&out.stderr));
+    }
+    t.cleanup().await;
+}
+
 /// Runs `outbox args…` (no `--table`), to completion.
 fn run_bare(args: &[&str]) -> Output {
     outbox_cmd().args(args).output().expect("the binary runs")
