@@ -208,10 +208,18 @@ fn shell_word(s: &str) -> String {
 pub fn explain(e: &Error, target: &Target) -> String {
     let migrate = target.migrate();
     match e {
-        Error::NotMigrated { detail } => format!(
-            "the outbox tables do not exist ({detail}): run `{migrate}`, or check that \
-             --schema/--table name your application's tables"
-        ),
+        Error::NotMigrated { detail } => {
+            // Postgres reports a table of a schema that does not exist as a missing table;
+            // `migrate` would then refuse for the schema (a fresh-user trial).
+            let schema = match &target.schema {
+                Some(s) => format!(" (create the schema {s} first if it does not exist)"),
+                None => String::new(),
+            };
+            format!(
+                "the outbox tables do not exist ({detail}): run `{migrate}`{schema}, or check \
+                 that --schema/--table name your application's tables"
+            )
+        }
         Error::UpgradeRequired { detail } => format!(
             "the schema lacks what this command needs ({detail}): run `{migrate}` (what each \
              step adds and locks: {})",

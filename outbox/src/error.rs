@@ -467,17 +467,7 @@ impl Error {
                     .filter(|c| !c.is_empty())
                     .unwrap_or(&detail)
                     .to_owned();
-                return Error::SchemaMismatch {
-                    problems: vec![SchemaProblem {
-                        object: column,
-                        message: format!(
-                            "column is missing ({detail}): the table this outbox names is not \
-                             an outbox table; name the outbox's table (`OutboxBuilder::table`, \
-                             `--table`; `validate_schema` lists every difference)"
-                        ),
-                        needs_upgrade: false,
-                    }],
-                };
+                return Error::not_an_outbox_table(column, &detail);
             }
         }
         // SQLSTATE 23514 check_violation of a distributed table's bucket CHECK: this process
@@ -562,6 +552,22 @@ impl Error {
     /// True for the [`Error::UpgradeRequired`] of a missing paused-queues table: a statement
     /// that names it before the queue table meets it first on a database never migrated at
     /// all, so the caller asks whether the queue table exists before believing it.
+    /// A table this outbox names lacks `column`, which every version's tables have: it is
+    /// not an outbox table. `detail` says how that was found.
+    pub(crate) fn not_an_outbox_table(column: String, detail: &str) -> Error {
+        Error::SchemaMismatch {
+            problems: vec![SchemaProblem {
+                object: column,
+                message: format!(
+                    "column is missing ({detail}): the table this outbox names is not an \
+                     outbox table; name the outbox's table (`OutboxBuilder::table`, \
+                     `--table`; `validate_schema` lists every difference)"
+                ),
+                needs_upgrade: false,
+            }],
+        }
+    }
+
     pub(crate) fn is_missing_paused_table(&self) -> bool {
         matches!(self, Error::UpgradeRequired { detail } if detail.ends_with(PAUSED_MISSING))
     }

@@ -137,7 +137,8 @@ impl Scope {
     }
 
     /// `e`, unless it is the missing paused-queues table of a database where the queue
-    /// table `qtable` (quoted, qualified) is missing too: then [`Error::NotMigrated`]. A
+    /// table `qtable` (quoted, qualified) is missing too: then [`Error::NotMigrated`]; or
+    /// where `qtable` is not an outbox queue table: then [`Error::SchemaMismatch`]. A
     /// statement that names `<table>_paused` first (the claim, the wake-up read, pause and
     /// resume) meets it first on a database never migrated, which alone would mean only the
     /// upgrade is missing. Looked up on `conn` (its failed statement's transaction ended);
@@ -151,7 +152,10 @@ impl Scope {
         if !e.is_missing_paused_table() {
             return e;
         }
-        let exists = async {
+        // Whether the queue table exists, and whether it is one (an application's table
+        // named as the queue table has no paused table either, and `migrate` refuses it:
+        // its advice would mislead, found by a fresh-user trial).
+        let found = async {
             let mut db = self.on(conn).await?;
             let oid: Option<i64> = self
                 .query_scalar(crate::sql::catalog::TABLE_OID)
@@ -159,13 +163,23 @@ impl Scope {
                 .fetch_one(&mut *db)
                 .await
                 .outbox_sql()?;
+            let leased: bool = self
+                .query_scalar(crate::sql::catalog::HAS_LEASE_COLUMN)
+                .bind(qtable)
+                .fetch_one(&mut *db)
+                .await
+                .outbox_sql()?;
             db.done().await?;
-            Ok::<_, Error>(oid.is_some())
+            Ok::<_, Error>((oid.is_some(), leased))
         };
-        match exists.await {
-            Ok(false) => Error::NotMigrated {
+        match found.await {
+            Ok((false, _)) => Error::NotMigrated {
                 detail: format!("relation {qtable} does not exist"),
             },
+            Ok((true, false)) => Error::not_an_outbox_table(
+                "acquired_token".to_owned(),
+                &format!("{qtable} has no column \"acquired_token\""),
+            ),
             _ => e,
         }
     }

@@ -117,9 +117,27 @@ async fn problems(
         if !foreign.is_empty() {
             return Ok(foreign);
         }
+        let has_bucket = columns.iter().any(|c| c == "bucket");
+        if let (Some(buckets), false) = (n.buckets, has_bucket) {
+            // The mirror of the case below: a distributed outbox over a single-node table.
+            // That alone is said: the rest (the distributed indexes) would only follow from
+            // it, and `migrate` refuses to convert the table in place (a fresh-user trial
+            // was told to run it).
+            return Ok(vec![problem(
+                &n.table_name,
+                format!(
+                    "is a single-node outbox table (no `bucket` column): build the outbox \
+                     without `distributed({})`, as the table was migrated (moving to Citus \
+                     takes a distributed table of its own: the Citus guide's \"Moving a \
+                     single-node outbox to Citus\")",
+                    buckets.count()
+                ),
+                false,
+            )]);
+        }
         if let Some(buckets) = n.buckets {
             check_distribution(&mut *db, scope, n, buckets.count(), &mut problems).await?;
-        } else if columns.iter().any(|c| c == "bucket") {
+        } else if has_bucket {
             // §13 (v3): a single-node outbox over the distributed layout. Every statement
             // would fail on the key (or on Citus's rules) with a raw error; say what to build.
             problems.push(problem(

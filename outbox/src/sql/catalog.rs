@@ -8,6 +8,12 @@
 /// `$1` qualified table name → its oid, or NULL when it does not exist.
 pub(crate) const TABLE_OID: &str = "SELECT to_regclass($1)::oid::bigint";
 
+/// `$1` a quoted, qualified table name → whether it has `acquired_token`, a column every
+/// version's queue table has and no other table of the outbox's.
+pub(crate) const HAS_LEASE_COLUMN: &str = "SELECT EXISTS (SELECT 1 FROM pg_attribute \
+     WHERE attrelid = to_regclass($1) AND attname = 'acquired_token' AND attnum > 0 \
+     AND NOT attisdropped)";
+
 /// `$1` a quoted schema name → whether it exists (`to_regnamespace` is NULL for a missing
 /// schema, where `to_regclass` of a table in it is just NULL too).
 pub(crate) const SCHEMA_EXISTS: &str = "SELECT to_regnamespace($1) IS NOT NULL";

@@ -618,5 +618,18 @@ async fn a_distributed_outbox_over_a_single_node_table_is_a_config_error() {
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
     assert!(f.rows("q").await.is_empty());
+    // validate_schema says that alone, not the distributed indexes `migrate` would refuse
+    // to build (a fresh-user trial was told to run it).
+    match distributed.validate_schema(&f.pool).await {
+        Err(Error::SchemaMismatch { problems }) => {
+            assert_eq!(problems.len(), 1, "{problems:?}");
+            assert!(
+                problems[0].message.contains("single-node outbox table")
+                    && problems[0].message.contains("without `distributed(4)`"),
+                "{problems:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
     f.cleanup().await;
 }
