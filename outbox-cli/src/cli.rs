@@ -16,7 +16,7 @@ use clap::{Args, Parser, Subcommand};
     version,
     propagate_version = true,
     after_help = "Exit status: 0 on success; 1 on a failure, schema problems (validate) or rows \
-                  left undone (run-now, reschedule, delete, dlq redrive); 2 on a usage error (a \
+                  left undone (run-now, reschedule, delete, cancel, dlq redrive); 2 on a usage error (a \
                   bad option or value, a missing or non-Postgres URL, a queue name, id or time \
                   range the library refuses). With --json an error is one JSON object on \
                   stderr: {\"error\": \"...\", \"exit_code\": N}."
@@ -109,6 +109,15 @@ pub enum Command {
     Resume {
         /// The queue.
         queue: String,
+    },
+    /// Cancel the timer keyed TIMER_ID of QUEUE: a pending timer's row is deleted; a running
+    /// one's is marked and deleted however its run ends (no retry, no dead letter), and a
+    /// rearm an extend queued is dropped. Exit status 1 when no live row holds the key.
+    Cancel {
+        /// The queue.
+        queue: String,
+        /// The timer's key.
+        timer_id: String,
     },
     /// Make pending row ID due now (its counters and retry history stay). Exit status 1
     /// when a worker holds the row or no live row has the id.

@@ -169,8 +169,10 @@ async fn list(
         t.add_row(vec![
             d.id.to_string(),
             d.original_id.to_string(),
-            d.queue.clone(),
-            d.timer_id.clone().unwrap_or_else(|| "-".to_owned()),
+            output::name(&d.queue).into_owned(),
+            d.timer_id
+                .as_deref()
+                .map_or_else(|| "-".to_owned(), |k| output::name(k).into_owned()),
             d.failure_reason.clone(),
             output::time(d.failed_at),
             d.last_error

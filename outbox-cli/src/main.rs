@@ -118,6 +118,9 @@ async fn run(cli: Cli, target: &Target) -> Result<(), Failure> {
         }
         Command::Pause { queue } => queues::pause(&outbox, &pool, &queue, true, json).await,
         Command::Resume { queue } => queues::pause(&outbox, &pool, &queue, false, json).await,
+        Command::Cancel { queue, timer_id } => {
+            queues::cancel(&outbox, &pool, &queue, &timer_id, json).await
+        }
         Command::RunNow { id } => {
             queues::act(&outbox, &pool, id, queues::Action::RunNow, json).await
         }

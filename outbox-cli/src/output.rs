@@ -57,6 +57,22 @@ pub fn terminal_safe(text: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// A name from the data (a queue, a timer id) as text and table cells show it: as it is,
+/// or quoted with Rust's escapes when it is empty, starts or ends with white space, or
+/// holds a control character (a line break among them), so that ` sp ` and `sp` look
+/// different and no name forges a line of output.
+pub fn name(s: &str) -> std::borrow::Cow<'_, str> {
+    let plain = !s.is_empty()
+        && !s.starts_with(char::is_whitespace)
+        && !s.ends_with(char::is_whitespace)
+        && !s.chars().any(char::is_control);
+    if plain {
+        std::borrow::Cow::Borrowed(s)
+    } else {
+        std::borrow::Cow::Owned(format!("{s:?}"))
+    }
+}
+
 /// A closed pipe means the reader has what it wanted: exit 0 without a word. Any other write
 /// error ends the process with status 1 and the reason.
 fn done_or_exit(written: std::io::Result<()>) {
@@ -141,6 +157,16 @@ mod tests {
         assert!(long.ends_with('…'));
         assert_eq!(payload_hex(&[0xff, 0x00, 0x1a]), "ff001a");
         assert_eq!(payload_hex(b"text"), Value::Null);
+    }
+
+    #[test]
+    fn names_that_would_look_alike_or_forge_a_line_are_quoted() {
+        assert_eq!(name("emails"), "emails");
+        assert_eq!(name("two words"), "two words");
+        assert_eq!(name(" sp "), "\" sp \"");
+        assert_eq!(name(""), "\"\"");
+        assert_eq!(name("a\nfake | line"), "\"a\\nfake | line\"");
+        assert_eq!(name("esc\u{1b}[31m"), "\"esc\\u{1b}[31m\"");
     }
 
     #[test]

@@ -1,11 +1,11 @@
-//! `outbox pending`, `pause`, `resume`, and the actions on one row: `run-now`, `reschedule`,
-//! `delete`.
+//! `outbox pending`, `pause`, `resume`, `cancel`, and the actions on one row: `run-now`,
+//! `reschedule`, `delete`.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox::admin::RowAction;
-use outbox::Outbox;
+use outbox::{Cancelled, Outbox};
 use serde_json::json;
 use sqlx::PgPool;
 
@@ -66,7 +66,9 @@ pub async fn pending(
         };
         t.add_row(vec![
             r.id.to_string(),
-            r.timer_id.clone().unwrap_or_else(|| "-".to_owned()),
+            r.timer_id
+                .as_deref()
+                .map_or_else(|| "-".to_owned(), |k| output::name(k).into_owned()),
             state.to_owned(),
             output::time(r.next_attempt_at),
             r.attempts_count.to_string(),
@@ -76,11 +78,77 @@ pub async fn pending(
         ]);
     }
     output::line(t);
-    output::line(format!("{} row(s) of {queue}", rows.len()));
+    output::line(format!("{} row(s) of {}", rows.len(), output::name(queue)));
     if limit_reached {
         output::line("(limit reached: more rows may exist; raise --limit)");
     }
     Ok(())
+}
+
+/// Cancels the timer keyed `timer_id` of `queue` (`Outbox::cancel`): a pending timer's row
+/// is deleted; a running one's is marked and deleted however its run ends. Fails (exit 1)
+/// when no live row holds the key.
+pub async fn cancel(
+    outbox: &Outbox,
+    pool: &PgPool,
+    queue: &str,
+    timer_id: &str,
+    as_json: bool,
+) -> Result<(), Failure> {
+    let mut conn = pool.acquire().await?;
+    let cancelled = outbox.cancel(&mut conn, queue, timer_id).await?;
+    drop(conn);
+    let timer = format!(
+        "timer {} of {}",
+        output::name(timer_id),
+        output::name(queue)
+    );
+    let (name, id, text) = match cancelled {
+        Cancelled::Deleted { id } => (
+            "deleted",
+            Some(id),
+            format!("{timer} cancelled: pending row {id} deleted"),
+        ),
+        Cancelled::Running { id } | Cancelled::RearmDropped { id } => (
+            if matches!(cancelled, Cancelled::Running { .. }) {
+                "running"
+            } else {
+                "rearm_dropped"
+            },
+            Some(id),
+            format!(
+                "{timer} cancelled: its row {id} is held by a worker, so it is marked \
+                 cancelled and deleted however the run ends (no retry, no dead letter){}",
+                if matches!(cancelled, Cancelled::RearmDropped { .. }) {
+                    "; the rearm an extend had queued is dropped"
+                } else {
+                    ""
+                }
+            ),
+        ),
+        Cancelled::NotFound => (
+            "not_found",
+            None,
+            format!("no live row holds {timer}: it ran, was cancelled, or never existed"),
+        ),
+        other => ("other", None, format!("{timer}: {other:?}")),
+    };
+    let done = id.is_some();
+    if as_json {
+        output::json(&json!({
+            "queue": queue,
+            "timer_id": timer_id,
+            "result": name,
+            "id": id,
+        }));
+    } else if done {
+        output::line(&text);
+    }
+    if done {
+        Ok(())
+    } else {
+        Err(Failure::failed(text))
+    }
 }
 
 /// Pauses (`on`) or resumes `queue`.
@@ -113,6 +181,7 @@ pub async fn pause(
     } else {
         ""
     };
+    let queue = output::name(queue);
     match (on, changed) {
         (true, true) => output::line(format!("{queue}: paused{hint}")),
         (true, false) => output::line(format!("{queue}: already paused{hint}")),
@@ -159,7 +228,7 @@ pub async fn act(
             format!(
                 "row {id} is leased: a worker holds it (its handler runs, or its lease has not \
                  expired yet), so nothing changed; try again later, or stop a keyed timer with \
-                 the library's `Outbox::cancel`, which handles a running one"
+                 `outbox cancel QUEUE TIMER_ID`, which handles a running one"
             ),
         ),
         RowAction::NotFound => (

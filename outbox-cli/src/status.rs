@@ -88,7 +88,7 @@ async fn once(
     ]);
     for s in &stats {
         t.add_row(vec![
-            s.queue.clone(),
+            output::name(&s.queue).into_owned(),
             state(paused.contains(&s.queue)).to_owned(),
             s.pending.to_string(),
             s.due.to_string(),
@@ -120,7 +120,7 @@ async fn once(
         output::line(format!(
             "paused, without rows: {}",
             idle.iter()
-                .map(|q| q.as_str())
+                .map(|q| output::name(q))
                 .collect::<Vec<_>>()
                 .join(", ")
         ));

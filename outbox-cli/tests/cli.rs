@@ -819,11 +819,65 @@ async fn run_now_reschedule_and_delete_one_row() {
         let out = t.run(args);
         assert_eq!(out.status.code(), Some(1), "{args:?}");
         assert!(
-            text(&out.stderr).contains("a worker holds it"),
+            text(&out.stderr).contains("a worker holds it")
+                && text(&out.stderr).contains("`outbox cancel QUEUE TIMER_ID`"),
             "{}",
             text(&out.stderr)
         );
     }
+    t.cleanup().await;
+}
+
+/// `outbox cancel QUEUE TIMER_ID` is the library's cancel: a pending timer's row is
+/// deleted, a running one's is marked (deleted however its run ends), and a key no live
+/// row holds is a failure (exit 1).
+#[tokio::test]
+async fn cancel_a_pending_and_a_running_timer() {
+    let t = Tables::new().await;
+    let mut conn = t.pool.acquire().await.unwrap();
+    for key in ["pending", "running"] {
+        t.outbox
+            .publish(
+                &mut conn,
+                Message::new("cli.c", b"x")
+                    .timer_id(key)
+                    .schedule(Duration::from_secs(3600)),
+            )
+            .await
+            .unwrap();
+    }
+    drop(conn);
+    let out = t.run(&["cancel", "cli.c", "pending"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("timer pending of cli.c cancelled: pending row"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = t.run(&["cancel", "cli.c", "pending"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("no live row holds timer pending of cli.c"),
+        "{}",
+        text(&out.stderr)
+    );
+    // A row a worker holds: marked, not deleted.
+    t.exec(format!(
+        "UPDATE {} SET acquired_token = gen_random_uuid(), acquired_at = now() \
+         WHERE timer_id = 'running'",
+        t.outbox.table()
+    ))
+    .await;
+    let done = t.json(&["cancel", "cli.c", "running"]);
+    assert_eq!(done["result"], "running", "{done}");
+    let marked: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {} WHERE timer_id = 'running' AND cancelled_at IS NOT NULL",
+        t.outbox.table()
+    )))
+    .fetch_one(&t.pool)
+    .await
+    .unwrap();
+    assert_eq!(marked, 1);
     t.cleanup().await;
 }
 
