@@ -74,6 +74,59 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// Refuses (400) a request whose query or form body does not decode to UTF-8 text, or
+/// decodes to text with a NUL: axum's `Query` and `Form` decode lossily, so
+/// `?name=%F0%28%8C%28` paused a queue named `\u{fffd}(\u{fffd}(` (a fresh-user trial); no
+/// name, key or field the dashboard takes may hold NUL (the library's rule for names).
+pub(crate) async fn text_only(request: Request, next: Next) -> Response {
+    const FORM_LIMIT: usize = 2 * 1024 * 1024; // axum's default body limit
+    if let Some(why) = request.uri().query().and_then(not_text) {
+        return (
+            StatusCode::BAD_REQUEST,
+            format!("the address's query {why}"),
+        )
+            .into_response();
+    }
+    let form = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|c| c.to_str().ok())
+        .is_some_and(|c| c.starts_with("application/x-www-form-urlencoded"));
+    if !form {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    let bytes = match axum::body::to_bytes(body, FORM_LIMIT).await {
+        Ok(b) => b,
+        Err(_) => {
+            return (StatusCode::PAYLOAD_TOO_LARGE, "the form is too large").into_response();
+        }
+    };
+    let why = match std::str::from_utf8(&bytes) {
+        Err(_) => Some("is not UTF-8"),
+        Ok(text) => not_text(text),
+    };
+    if let Some(why) = why {
+        return (StatusCode::BAD_REQUEST, format!("the form {why}")).into_response();
+    }
+    next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+        .await
+}
+
+/// Why `s` (`application/x-www-form-urlencoded`: `+` a space, `%XX` a byte) is not text,
+/// if it is not: a value or name that decodes to bytes that are not UTF-8, or to NUL.
+fn not_text(s: &str) -> Option<&'static str> {
+    for part in s.split(['&', '=']) {
+        let decoded = percent_encoding::percent_decode_str(part).collect::<Vec<u8>>();
+        match std::str::from_utf8(&decoded) {
+            Err(_) => return Some("holds a value that is not UTF-8"),
+            Ok(text) if text.contains('\0') => return Some("holds a NUL character"),
+            Ok(_) => {}
+        }
+    }
+    None
+}
+
 /// Headers on every response: a content security policy that allows only the dashboard's
 /// own script and style, no framing, no sniffing, no referrer to other sites, no caching.
 pub(crate) async fn headers(request: Request, next: Next) -> Response {

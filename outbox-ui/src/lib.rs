@@ -269,6 +269,7 @@ impl Dashboard {
             .route("/dead-letters/redrive", post(actions::redrive))
             .route("/dead-letters/purge", post(actions::purge))
             .fallback(|| async { axum::http::StatusCode::NOT_FOUND })
+            .layer(axum::middleware::from_fn(guard::text_only))
             .layer(axum::middleware::from_fn_with_state(
                 state.clone(),
                 layout::plain_errors,

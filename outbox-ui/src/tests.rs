@@ -489,6 +489,20 @@ async fn row_actions_follow_the_library_and_never_touch_a_held_row() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
 
     let free = db.publish("jobs", b"{}", Some("k2"), 600).await;
+    // A form field that is not UTF-8 (`k2` and a stray byte, which axum would read as
+    // "k2\u{fffd}") is refused before the action: the timer stays.
+    let (status, page) = post(
+        &r,
+        "/outbox/queues/jobs/cancel",
+        &format!("csrf={t}&timer_id=k2%FF&confirm=yes"),
+        ORIGIN,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{page}");
+    assert!(
+        page.contains("the form holds a value that is not UTF-8"),
+        "{page}"
+    );
     let (_, location) = post(
         &r,
         "/outbox/queues/jobs/cancel",
@@ -1514,6 +1528,23 @@ async fn the_mount_answers_with_and_without_its_slash_and_bad_requests_get_the_p
             "/outbox/rows/1/pause",
             StatusCode::NOT_FOUND,
             "no page at this address",
+        ),
+        // axum decodes a query lossily: bytes that are not UTF-8 were a queue named with
+        // U+FFFD (a fresh-user trial); a NUL reached the page.
+        (
+            "/outbox/queue?name=%F0%28%8C%28",
+            StatusCode::BAD_REQUEST,
+            "query holds a value that is not UTF-8",
+        ),
+        (
+            "/outbox/queue?name=slow&q=%00",
+            StatusCode::BAD_REQUEST,
+            "query holds a NUL character",
+        ),
+        (
+            "/outbox/dead-letters?redriven=maybe",
+            StatusCode::BAD_REQUEST,
+            "bad redriven",
         ),
         (
             "/outbox/rows/1/run-now",

@@ -39,7 +39,13 @@ pub(crate) struct Params {
 
 /// The library's filter from the page's fields, or why they are wrong.
 pub(crate) fn filter(p: &Params) -> Result<DeadLetterFilter, String> {
-    let mut f = DeadLetterFilter::new().include_redriven(p.redriven.as_deref() == Some("on"));
+    // The checkbox sends "on" or nothing; anything else is refused, not read as off.
+    let redriven = match p.redriven.as_deref() {
+        None | Some("") => false,
+        Some("on") => true,
+        Some(other) => return Err(format!("bad redriven {other:?}: \"on\" or nothing")),
+    };
+    let mut f = DeadLetterFilter::new().include_redriven(redriven);
     if let Some(q) = p.queue.as_deref().filter(|q| !q.is_empty()) {
         valid_name(q).map_err(|r| format!("bad queue name: {r}"))?;
         f = f.queue(q);
