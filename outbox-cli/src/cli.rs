@@ -397,7 +397,17 @@ fn row_id(s: &str) -> Result<i64, String> {
 fn timestamp(s: &str) -> Result<DateTime<Utc>, String> {
     DateTime::parse_from_rfc3339(s)
         .map(|t| t.with_timezone(&Utc))
-        .map_err(|e| format!("{e} (write an RFC 3339 time, e.g. 2026-11-30T00:00:00Z)"))
+        .map_err(|e| {
+            // A local time without its offset: the one part missing (chrono says only
+            // "premature end of input").
+            let local = chrono::NaiveDateTime::parse_from_str(s, "%Y-%m-%dT%H:%M:%S%.f")
+                .or_else(|_| chrono::NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f"));
+            if local.is_ok() {
+                format!("{s} has no UTC offset: add Z for UTC or one such as +01:00 (e.g. {s}Z)")
+            } else {
+                format!("{e} (write an RFC 3339 time, e.g. 2026-11-30T00:00:00Z)")
+            }
+        })
 }
 
 #[cfg(test)]
@@ -429,6 +439,9 @@ mod tests {
             DateTime::parse_from_rfc3339("2026-11-30T00:00:00Z").unwrap()
         );
         assert!(timestamp("yesterday").unwrap_err().contains("RFC 3339"));
+        assert!(timestamp("2026-12-01T08:00:00")
+            .unwrap_err()
+            .contains("has no UTC offset: add Z"));
         assert_eq!(at_least_one("5"), Ok(5));
         assert_eq!(row_id("7"), Ok(7));
         for bad in ["0", "-1", "x", ""] {

@@ -259,8 +259,28 @@ pub fn explain(e: &Error, target: &Target) -> String {
                 db.message()
             )
         }
+        // The library names its own settings; here they are options of the command line.
+        Error::InvalidArgument { field, reason }
+        | Error::InvalidConfig {
+            knob: field,
+            reason,
+        } if option_of(field).is_some() => {
+            format!("invalid {}: {reason}", option_of(field).unwrap_or_default())
+        }
         other => other.to_string(),
     }
+}
+
+/// The command-line option that sets the library's setting `field`, if one does.
+fn option_of(field: &str) -> Option<&'static str> {
+    Some(match field {
+        "lease_ttl" => "--lease-ttl",
+        "lock_timeout" => "--lock-timeout",
+        "deadline" => "--deadline",
+        "older_than" => "--older-than",
+        "batch_size" => "--batch-size",
+        _ => return None,
+    })
 }
 
 /// The connection string with its password replaced, for messages: the password of a URL's
@@ -458,6 +478,21 @@ mod tests {
         );
         assert_eq!(redact("password=x"), "password=***");
         assert_eq!(redact("host=h mypassword=x"), "host=h mypassword=x");
+    }
+
+    #[test]
+    fn a_library_setting_is_named_as_its_option() {
+        let t = Target::default();
+        let e = Error::InvalidArgument {
+            field: "lease_ttl",
+            reason: "must be above zero".into(),
+        };
+        assert_eq!(explain(&e, &t), "invalid --lease-ttl: must be above zero");
+        let e = Error::InvalidArgument {
+            field: "queue",
+            reason: "is empty".into(),
+        };
+        assert_eq!(explain(&e, &t), e.to_string());
     }
 
     #[test]
