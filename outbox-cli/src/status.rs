@@ -112,6 +112,19 @@ async fn once(
         }
     ));
     output::line(t);
+    // Estimates come from the planner's statistics: a table never analyzed has none (a
+    // fresh-user trial saw only `-` and no reason).
+    if request.stats_mode() == StatsMode::Estimate
+        && stats
+            .iter()
+            .any(|s| s.pending == Count::Unavailable && s.due == Count::Unavailable)
+    {
+        output::line(format!(
+            "- where the planner has no statistics yet: autovacuum's ANALYZE makes them, or \
+             run ANALYZE {} (or drop --estimate for exact counts)",
+            target.table_name()
+        ));
+    }
     let idle: Vec<&String> = paused
         .iter()
         .filter(|q| !stats.iter().any(|s| &s.queue == *q))
