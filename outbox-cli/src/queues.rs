@@ -133,14 +133,15 @@ pub async fn cancel(
         ),
         other => ("other", None, format!("{timer}: {other:?}")),
     };
-    let done = id.is_some();
+    let doc = json!({ "queue": queue, "timer_id": timer_id, "result": name, "id": id });
+    report(id.is_some(), text, doc, as_json)
+}
+
+/// An action's outcome: `doc` with --json, else `text` when it was `done`; a failure
+/// (exit status 1) saying `text` when it was not.
+fn report(done: bool, text: String, doc: serde_json::Value, as_json: bool) -> Result<(), Failure> {
     if as_json {
-        output::json(&json!({
-            "queue": queue,
-            "timer_id": timer_id,
-            "result": name,
-            "id": id,
-        }));
+        output::json(&doc);
     } else if done {
         output::line(&text);
     }
@@ -241,18 +242,9 @@ pub async fn act(
         other => ("other", format!("row {id}: {other:?}")),
     };
     let done = matches!(result, RowAction::Rescheduled { .. } | RowAction::Deleted);
-    if as_json {
-        let mut doc = json!({ "id": id, "result": name });
-        if let RowAction::Rescheduled { next_attempt_at } = result {
-            doc["next_attempt_at"] = json!(output::time(next_attempt_at));
-        }
-        output::json(&doc);
-    } else if done {
-        output::line(&text);
+    let mut doc = json!({ "id": id, "result": name });
+    if let RowAction::Rescheduled { next_attempt_at } = result {
+        doc["next_attempt_at"] = json!(output::time(next_attempt_at));
     }
-    if done {
-        Ok(())
-    } else {
-        Err(Failure::failed(text))
-    }
+    report(done, text, doc, as_json)
 }
