@@ -129,22 +129,22 @@ impl Target {
     /// The queue table as a person names it in a message: `schema.table` (or `table`), as
     /// given on the command line, not quoted for SQL.
     pub fn table_name(&self) -> String {
-        let table = self.table.as_deref().unwrap_or("outbox");
-        match &self.schema {
-            Some(schema) => format!("{schema}.{table}"),
-            None => table.to_owned(),
-        }
+        self.qualified(self.table.as_deref().unwrap_or("outbox"))
     }
 
     /// The dead-letter table as a person names it (as [`Target::table_name`]).
     pub fn dead_letter_table_name(&self) -> String {
-        let table = match &self.dead_letter_table {
-            Some(d) => d.clone(),
-            None => format!("{}_dlq", self.table.as_deref().unwrap_or("outbox")),
-        };
+        match &self.dead_letter_table {
+            Some(d) => self.qualified(d),
+            None => format!("{}_dlq", self.table_name()),
+        }
+    }
+
+    /// `table` with `--schema` before it, when given.
+    fn qualified(&self, table: &str) -> String {
         match &self.schema {
             Some(schema) => format!("{schema}.{table}"),
-            None => table,
+            None => table.to_owned(),
         }
     }
 

@@ -115,9 +115,7 @@ async fn once(
     // Estimates come from the planner's statistics: a table never analyzed has none (a
     // fresh-user trial saw only `-` and no reason).
     if request.stats_mode() == StatsMode::Estimate
-        && stats
-            .iter()
-            .any(|s| s.pending == Count::Unavailable && s.due == Count::Unavailable)
+        && stats.iter().any(|s| s.pending == Count::Unavailable)
     {
         output::line(format!(
             "- where the planner has no statistics yet: autovacuum's ANALYZE makes them, or \

@@ -549,9 +549,6 @@ fn unaliased(message: &str) -> String {
 const PAUSED_MISSING: &str = "_paused\" does not exist";
 
 impl Error {
-    /// True for the [`Error::UpgradeRequired`] of a missing paused-queues table: a statement
-    /// that names it before the queue table meets it first on a database never migrated at
-    /// all, so the caller asks whether the queue table exists before believing it.
     /// A table this outbox names lacks `column`, which every version's tables have: it is
     /// not an outbox table. `detail` says how that was found.
     pub(crate) fn not_an_outbox_table(column: String, detail: &str) -> Error {
@@ -568,6 +565,9 @@ impl Error {
         }
     }
 
+    /// True for the [`Error::UpgradeRequired`] of a missing paused-queues table: a statement
+    /// that names it before the queue table meets it first on a database never migrated at
+    /// all, so the caller asks whether the queue table exists before believing it.
     pub(crate) fn is_missing_paused_table(&self) -> bool {
         matches!(self, Error::UpgradeRequired { detail } if detail.ends_with(PAUSED_MISSING))
     }

@@ -26,7 +26,9 @@ use std::time::Duration;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::{Query, QueryAs, QueryScalar};
-use sqlx::{Connection, FromRow, PgConnection, PgPool, Postgres, SqlSafeStr, SqlStr, Transaction};
+use sqlx::{
+    Connection, FromRow, PgConnection, PgPool, Postgres, Row, SqlSafeStr, SqlStr, Transaction,
+};
 
 use crate::error::{Error, OutboxSql, Result};
 
@@ -157,20 +159,14 @@ impl Scope {
         // its advice would mislead, found by a fresh-user trial).
         let found = async {
             let mut db = self.on(conn).await?;
-            let oid: Option<i64> = self
-                .query_scalar(crate::sql::catalog::TABLE_OID)
-                .bind(qtable)
-                .fetch_one(&mut *db)
-                .await
-                .outbox_sql()?;
-            let leased: bool = self
-                .query_scalar(crate::sql::catalog::HAS_LEASE_COLUMN)
+            let row = self
+                .query(crate::sql::catalog::QUEUE_TABLE_FOUND)
                 .bind(qtable)
                 .fetch_one(&mut *db)
                 .await
                 .outbox_sql()?;
             db.done().await?;
-            Ok::<_, Error>((oid.is_some(), leased))
+            Ok::<(bool, bool), Error>((row.try_get(0).outbox_sql()?, row.try_get(1).outbox_sql()?))
         };
         match found.await {
             Ok((false, _)) => Error::NotMigrated {

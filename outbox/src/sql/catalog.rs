@@ -8,11 +8,11 @@
 /// `$1` qualified table name → its oid, or NULL when it does not exist.
 pub(crate) const TABLE_OID: &str = "SELECT to_regclass($1)::oid::bigint";
 
-/// `$1` a quoted, qualified table name → whether it has `acquired_token`, a column every
-/// version's queue table has and no other table of the outbox's.
-pub(crate) const HAS_LEASE_COLUMN: &str = "SELECT EXISTS (SELECT 1 FROM pg_attribute \
-     WHERE attrelid = to_regclass($1) AND attname = 'acquired_token' AND attnum > 0 \
-     AND NOT attisdropped)";
+/// `$1` a quoted, qualified table name → `(exists, has acquired_token)`: `acquired_token`
+/// is a column every version's queue table has and no other table of the outbox's.
+pub(crate) const QUEUE_TABLE_FOUND: &str = "SELECT to_regclass($1) IS NOT NULL, \
+     EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+     AND attname = 'acquired_token' AND attnum > 0 AND NOT attisdropped)";
 
 /// `$1` a quoted schema name → whether it exists (`to_regnamespace` is NULL for a missing
 /// schema, where `to_regclass` of a table in it is just NULL too).
